@@ -1,0 +1,56 @@
+"""Reduce a (N, T) per-token loss to a scalar. The variants, chosen by name in `AGGREGATIONS`:
+
+grpo     Σ_i (Σ_t ℓ_it m_it / Σ_t m_it) / N           per-sequence mean, then mean (DeepSeekMath eq. 3)
+bnpo     Σ_it ℓ_it m_it / Σ_it m_it                    mean over the tokens of this (micro-)batch
+dr_grpo  Σ_it ℓ_it m_it / (N · max_completion_length)  constant normalizer, no length bias (Dr. GRPO)
+dapo     Σ_it ℓ_it m_it / num_items_in_batch           token count of the whole optimizer step (DAPO)
+
+Scaling for gradient accumulation and data parallelism is the caller's job (see groupwise.update).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grpo(loss, mask, **_):
+    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (N,)
+    return per_seq.mean()
+
+
+def _bnpo(loss, mask, **_):
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _dr_grpo(loss, mask, *, max_completion_length=None, **_):
+    if max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+    return (loss * mask).sum() / (loss.size(0) * max_completion_length)
+
+
+def _dapo(loss, mask, *, num_items_in_batch=None, **_):
+    normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+    return (loss * mask).sum() / normalizer.clamp(min=1.0)
+
+
+AGGREGATIONS = {"grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_grpo, "dapo": _dapo}
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,  # (N, T)
+    mask: torch.Tensor,  # (N, T)
+    loss_type: str,
+    *,
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    try:
+        fn = AGGREGATIONS[loss_type]
+    except KeyError:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {sorted(AGGREGATIONS)}") from None
+    return fn(
+        per_token_loss,
+        mask.to(per_token_loss.dtype),
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+    )

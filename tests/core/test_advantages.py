@@ -1,0 +1,157 @@
+import math
+import random
+
+import pytest
+import torch
+
+from groupwise.core.advantages import outcome_advantages, process_advantages
+
+
+def test_seed_001_worked_example():
+    # Seed 001 §4: r = [8.5, 6.2, 4.1]; mean = 18.8/3 = 6.2667
+    # population std = sqrt((2.2333² + 0.0667² + 2.1667²)/3) = sqrt(9.6867/3) = 1.7969
+    # r̃ = [2.2333/1.7969, −0.0667/1.7969, −2.1667/1.7969] = [1.2429, −0.0371, −1.2058]
+    adv = outcome_advantages(torch.tensor([[8.5, 6.2, 4.1]]))
+    assert torch.allclose(adv, torch.tensor([[1.2429, -0.0371, -1.2058]]), atol=2e-4)
+    assert [round(x, 2) for x in adv[0].tolist()] == [1.24, -0.04, -1.21]
+
+
+def test_unbiased_std_is_bessel():
+    # r = [1, 0]: mean 0.5; Bessel std = sqrt((0.25 + 0.25)/1) = 0.70711 → ±0.5/0.70711 = ±0.70711
+    # population std = 0.5 → ±1.0
+    r = torch.tensor([[1.0, 0.0]])
+    assert torch.allclose(outcome_advantages(r, std="unbiased", eps=0), torch.tensor([[0.70711, -0.70711]]), atol=1e-5)
+    assert torch.allclose(outcome_advantages(r, eps=0), torch.tensor([[1.0, -1.0]]))
+
+
+def test_scale_batch_and_none():
+    # group 0: [1, 3] mean 2; group 1: [0, 0] mean 0.  All rewards [1, 3, 0, 0]: mean 1,
+    # population std = sqrt((0 + 4 + 1 + 1)/4) = sqrt(1.5) = 1.22474
+    r = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
+    batch = outcome_advantages(r, scale="batch", eps=0)
+    assert torch.allclose(batch, torch.tensor([[-1 / 1.22474, 1 / 1.22474], [0.0, 0.0]]), atol=1e-5)
+    none = outcome_advantages(r, scale="none")
+    assert torch.equal(none, torch.tensor([[-1.0, 1.0], [0.0, 0.0]]))
+
+
+def test_nan_rewards_are_left_out():
+    # [2, NaN, 0]: stats over [2, 0] → mean 1, population std 1 → [1, 0 (NaN), −1]
+    adv = outcome_advantages(torch.tensor([[2.0, float("nan"), 0.0]]), eps=0)
+    assert torch.equal(adv, torch.tensor([[1.0, 0.0, -1.0]]))
+    all_nan = outcome_advantages(torch.full((1, 3), float("nan")))
+    assert torch.equal(all_nan, torch.zeros(1, 3))
+
+
+def test_equal_and_near_equal_groups_stay_small():
+    assert torch.equal(outcome_advantages(torch.full((2, 4), 0.7)), torch.zeros(2, 4))
+    # float noise of 1e-7 on equal rewards: with eps 1e-4 the advantage stays ≤ ~1e-3, never ±1.
+    noisy = torch.tensor([[0.5, 0.5 + 1e-7, 0.5 - 1e-7, 0.5]], dtype=torch.float64)
+    adv = outcome_advantages(noisy)
+    assert adv.abs().max() < 2e-3 and not torch.isnan(adv).any()
+
+
+def _outcome_loop(rewards, scale, std, eps):
+    out = torch.zeros_like(rewards)
+    vals_all = [v for v in rewards.flatten().tolist() if not math.isnan(v)]
+    def sd(vals):
+        if not vals:
+            return 0.0
+        m = sum(vals) / len(vals)
+        d = len(vals) if std == "population" else len(vals) - 1
+        return math.sqrt(sum((v - m) ** 2 for v in vals) / d) if d > 0 else 0.0
+    for b in range(rewards.size(0)):
+        vals = [v for v in rewards[b].tolist() if not math.isnan(v)]
+        mean = sum(vals) / len(vals) if vals else 0.0
+        for g in range(rewards.size(1)):
+            r = rewards[b, g].item()
+            if math.isnan(r):
+                continue
+            if scale == "group":
+                out[b, g] = (r - mean) / (sd(vals) + eps)
+            elif scale == "batch":
+                out[b, g] = (r - mean) / (sd(vals_all) + eps)
+            else:
+                out[b, g] = r - mean
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+def test_outcome_matches_loop(scale, std):
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    r[torch.rand(6, 5, generator=g) < 0.2] = float("nan")
+    r[2] = 1.5  # an all-equal group
+    expected = _outcome_loop(r, scale, std, 1e-4)
+    assert torch.allclose(outcome_advantages(r, scale=scale, std=std), expected.float(), atol=1e-5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="scale"):
+        outcome_advantages(torch.zeros(1, 2), scale="grp")
+    with pytest.raises(ValueError, match="std"):
+        outcome_advantages(torch.zeros(1, 2), std="sample")
+    with pytest.raises(ValueError, match=r"\(B, G\)"):
+        outcome_advantages(torch.zeros(4))
+
+
+def test_seed_000_process_example():
+    # Seed 000 §4: three identical outputs with step rewards [0.8, 0.9, 0.7, 1.0].
+    # R has 12 values, mean 0.85, population std = sqrt((.0025+.0025+.0225+.0225)/4) = sqrt(.0125) = 0.11180
+    # r̃ = [−0.4472, 0.4472, −1.3416, 1.3416]; advantage at step j's end = Σ_{k ≥ j} r̃_k
+    #   = [0.0, 0.4472, 0.0, 1.3416]  (the seed rounds std to 0.11 and prints 1.36)
+    steps = [[[0.8, 0.9, 0.7, 1.0]] * 3]
+    ends = [[[1, 3, 5, 7]] * 3]  # each step two tokens long
+    adv = process_advantages(steps, ends, num_tokens=9, eps=0)
+    expected_per_step = torch.tensor([0.0, 0.44721, 0.0, 1.34164])
+    for g in range(3):
+        assert torch.allclose(adv[0, g, [1, 3, 5, 7]], expected_per_step, atol=1e-4)
+        # tokens inside a step share the step's advantage; tokens after the last step get 0
+        assert torch.allclose(adv[0, g, [0, 2, 4, 6]], expected_per_step, atol=1e-4)
+        assert adv[0, g, 8] == 0
+
+
+def _process_loop(step_rewards, step_ends, T, std, eps):
+    B, G = len(step_rewards), len(step_rewards[0])
+    out = torch.zeros(B, G, T, dtype=torch.float64)
+    for b in range(B):
+        R = [r for g in range(G) for r in step_rewards[b][g] if r is not None]
+        mean = sum(R) / len(R) if R else 0.0
+        d = len(R) if std == "population" else len(R) - 1
+        sd = math.sqrt(sum((r - mean) ** 2 for r in R) / d) if d > 0 else 0.0
+        for g in range(G):
+            for t in range(T):
+                out[b, g, t] = sum(
+                    (r - mean) / (sd + eps)
+                    for r, e in zip(step_rewards[b][g], step_ends[b][g])
+                    if e >= t and r is not None
+                )
+    return out
+
+
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+def test_process_matches_loop_on_ragged_input(std):
+    rng = random.Random(0)
+    T = 12
+    step_rewards, step_ends = [], []
+    for b in range(4):
+        rs_b, es_b = [], []
+        for g in range(3):
+            k = rng.randint(0, 5)  # K_i may be 0
+            ends = sorted(rng.sample(range(T), k))
+            rs = [None if rng.random() < 0.1 else rng.uniform(-1, 1) for _ in range(k)]
+            rs_b.append(rs)
+            es_b.append(ends)
+        step_rewards.append(rs_b)
+        step_ends.append(es_b)
+    adv = process_advantages(step_rewards, step_ends, T, std=std)
+    assert torch.allclose(adv.double(), _process_loop(step_rewards, step_ends, T, std, 1e-4), atol=1e-5)
+
+
+def test_process_bad_input():
+    with pytest.raises(ValueError, match="outside"):
+        process_advantages([[[1.0]]], [[[5]]], num_tokens=3)
+    with pytest.raises(ValueError, match="ascending"):
+        process_advantages([[[1.0, 2.0]]], [[[2, 1]]], num_tokens=3)
+    with pytest.raises(ValueError, match="step ends"):
+        process_advantages([[[1.0, 2.0]]], [[[1]]], num_tokens=3)
