@@ -1,0 +1,3 @@
+from groupwise.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Checkpoints: safetensors + JSON only (no pickle), written atomically, resumed exactly.
+
+checkpoint-N/
+  model.safetensors, config.json, tokenizer files   loadable with AutoModelForCausalLM.from_pretrained
+  optimizer.safetensors + optimizer.json            tensors / the rest of optimizer.state_dict()
+  scheduler.json, trainer_state.json                schedule position, step, data cursor, counters
+  rng_state_<rank>.safetensors + .json              torch (CPU, CUDA), numpy and python RNG of each process
+  rollout_<rank>.safetensors                        the generation batch, when N falls inside a round
+  ref_model.safetensors                             the reference model, when TR-DPO moves it
+The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2))
+
+
+def _optimizer_to_files(opt_state: dict, folder: Path) -> None:
+    tensors, rest = {}, {"param_groups": opt_state["param_groups"], "state": {}}
+    for idx, st in opt_state["state"].items():
+        rest["state"][str(idx)] = {}
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                rest["state"][str(idx)][key] = value
+    save_file(tensors, str(folder / "optimizer.safetensors"))
+    _write_json(folder / "optimizer.json", rest)
+
+
+def _optimizer_from_files(folder: Path) -> dict:
+    rest = json.loads((folder / "optimizer.json").read_text())
+    state: dict[int, dict] = {int(i): dict(v) for i, v in rest["state"].items()}
+    for name, tensor in load_file(str(folder / "optimizer.safetensors")).items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = tensor
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    py = random.getstate()
+    return tensors, {"numpy": [kind, int(pos), int(has_gauss), float(cached)], "python": [py[0], list(py[1]), py[2]]}
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    kind, pos, has_gauss, cached = rest["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    v, state, gauss = rest["python"]
+    random.setstate((v, tuple(state), gauss))
+
+
+def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optimizer, scheduler, state: dict,
+                    pending: dict[str, torch.Tensor] | None = None, ref_model=None,
+                    save_total_limit: int | None = None) -> Path:
+    root = Path(output_dir)
+    final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    tensors, rest = _rng_state()
+    save_file(tensors, str(tmp / f"rng_state_{dist.rank}.safetensors"))
+    _write_json(tmp / f"rng_state_{dist.rank}.json", rest)
+    if pending:
+        save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()}, str(tmp / f"rollout_{dist.rank}.safetensors"))
+    # every process builds the optimizer state dict (collective under some backends); the main one writes
+    opt_state = optimizer.state_dict()
+    if dist.is_main:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _optimizer_to_files(opt_state, tmp)
+        _write_json(tmp / "scheduler.json", scheduler.state_dict())
+        _write_json(tmp / "trainer_state.json", state)
+        if ref_model is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in ref_model.state_dict().items()},
+                      str(tmp / "ref_model.safetensors"))
+    dist.barrier()
+    if dist.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _rotate(root, save_total_limit)
+    dist.barrier()
+    return final
+
+
+def _rotate(root: Path, limit: int | None) -> None:
+    if not limit:
+        return
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+    for _, path in found[:-limit]:
+        shutil.rmtree(path)
+
+
+def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("model*.safetensors")):
+        weights.update(load_file(str(path)))
+    if not weights:
+        raise FileNotFoundError(f"{folder}: no model*.safetensors weights")
+    return weights
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    current = model.state_dict()
+    loaded = {current[n].data_ptr() for n in weights if n in current}
+    untied = [n for n in missing if current[n].data_ptr() not in loaded]  # save_pretrained drops tied copies
+    if unexpected or untied:
+        raise RuntimeError(f"{source}: checkpoint does not match the model (missing {untied[:5]}, "
+                           f"unexpected {unexpected[:5]})")
+
+
+def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None
+                    ) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Restore everything saved by save_checkpoint; returns (trainer_state, pending rollout tensors or None)."""
+    path = Path(folder)
+    if not (path / "trainer_state.json").exists():
+        raise FileNotFoundError(f"{folder} is not a groupwise checkpoint (no trainer_state.json)")
+    rng_file = path / f"rng_state_{dist.rank}.safetensors"
+    if not rng_file.exists():
+        raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
+                                f"{dist.world_size} processes?")
+    load_model_weights(model, _model_weights(path), folder)
+    optimizer.load_state_dict(_optimizer_from_files(path))
+    scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+    if ref_model is not None and (path / "ref_model.safetensors").exists():
+        ref_model.load_state_dict(load_file(str(path / "ref_model.safetensors")))
+    _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
+    pending_file = path / f"rollout_{dist.rank}.safetensors"
+    pending = load_file(str(pending_file)) if pending_file.exists() else None
+    return json.loads((path / "trainer_state.json").read_text()), pending
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
+    return str(found[-1][1]) if found else None

@@ -1,0 +1,137 @@
+"""`groupwise train [CONFIG.yaml] [--field value …]` — fields as in GRPOConfig plus the run fields below.
+
+Run fields: model_name_or_path, dataset_name (a .jsonl/.json/.csv/.parquet file, a saved dataset folder,
+`builtin:<task>` or a hub name), dataset_split, eval_dataset_name, eval_split, reward_funcs (list of
+`package.module:function` paths or reward-model paths). With no config and no model, `groupwise train` runs the
+built-in demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from groupwise.config import ConfigError, GRPOConfig, _reject_unknown, load_yaml
+
+RUN_FIELDS = {
+    "model_name_or_path": "Policy: a local folder or hub id loadable with AutoModelForCausalLM.",
+    "dataset_name": "Prompts: .jsonl/.json/.csv/.parquet file, a save_to_disk folder, builtin:<task> or a hub name.",
+    "dataset_split": "Split of dataset_name (default 'train').",
+    "eval_dataset_name": "Evaluation prompts, same forms as dataset_name.",
+    "eval_split": "Split of eval_dataset_name (default 'test' for hub datasets).",
+    "reward_funcs": "List of 'package.module:function' paths or reward-model paths (builtin tasks bring theirs).",
+}
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, Any]:
+    """`--key value`, `--key=value`, bare `--flag` (= true); values parsed as YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            raise ConfigError(f"unexpected argument {tok!r}: fields are given as --name value")
+        key, eq, value = tok[2:].partition("=")
+        if not eq:
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                value, i = tokens[i + 1], i + 1
+            else:
+                value = "true"
+        out[key.replace("-", "_")] = yaml.safe_load(value)
+        i += 1
+    return out
+
+
+def load_dataset_spec(name: str, split: str | None):
+    if name.startswith("builtin:"):
+        from groupwise.tasks import TASKS
+
+        task = name.split(":", 1)[1]
+        if task not in TASKS:
+            raise ConfigError(f"dataset_name={name!r}: unknown built-in task; choose from {sorted(TASKS)}")
+        return TASKS[task].dataset()
+    import datasets
+
+    path = Path(name)
+    if path.is_dir():
+        data = datasets.load_from_disk(str(path))
+        return data[split or "train"] if isinstance(data, datasets.DatasetDict) else data
+    if path.is_file():
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise ConfigError(f"dataset_name={name!r}: unsupported file type {path.suffix!r}")
+        return datasets.load_dataset(kind, data_files=str(path), split="train")
+    return datasets.load_dataset(name, split=split or "train")
+
+
+def build_run(values: dict[str, Any]):
+    """Split a flat mapping into run fields and a GRPOConfig (validated before anything loads)."""
+    known = set(RUN_FIELDS) | {f.name for f in dataclasses.fields(GRPOConfig)}
+    _reject_unknown(values, known, owner="groupwise train")
+    run = {k: values[k] for k in RUN_FIELDS if k in values}
+    args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS})
+    return run, args
+
+
+def cmd_train(argv: list[str]) -> int:
+    config_path = argv[0] if argv and not argv[0].startswith("--") else None
+    values = load_yaml(config_path) if config_path else {}
+    values.update(parse_overrides(argv[1:] if config_path else argv))
+    if "model_name_or_path" not in values:
+        from groupwise.demo import run_demo
+
+        return run_demo(values)
+    run, args = build_run(values)
+    dataset_name = run.get("dataset_name")
+    if not dataset_name:
+        raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name)")
+    train_data = load_dataset_spec(dataset_name, run.get("dataset_split"))
+    eval_data = None
+    if run.get("eval_dataset_name"):
+        eval_data = load_dataset_spec(run["eval_dataset_name"], run.get("eval_split") or "test")
+    reward_funcs = run.get("reward_funcs")
+    if not reward_funcs and dataset_name.startswith("builtin:"):
+        from groupwise.tasks import TASKS
+
+        reward_funcs = TASKS[dataset_name.split(":", 1)[1]].REWARD_FUNCS
+    if not reward_funcs:
+        raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
+    from groupwise.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs, args=args, train_dataset=train_data,
+                          eval_dataset=eval_data)
+    trainer.train()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
+    parser.add_argument("command", choices=["train", "fields"], help="train: run GRPO; fields: list config fields")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "train":
+            return cmd_train(rest)
+        if command == "fields":
+            for k, v in RUN_FIELDS.items():
+                print(f"{k:32s} {v}")
+            for f in dataclasses.fields(GRPOConfig):
+                print(f"{f.name:32s} {f.metadata.get('help', '')} (default {f.default!r})")
+            return 0
+        parser.error(f"unknown command {command!r}")
+    except ConfigError as e:
+        print(f"groupwise: configuration error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""The only module that talks to accelerate / torch.distributed.
+
+CPU multi-process runs: `ACCELERATE_USE_CPU=1 python -m torch.distributed.run --nproc_per_node 2 -m groupwise train …`
+(`accelerate launch --cpu` starts one process only). The process group is destroyed at exit: gloo runs that skip
+it abort intermittently.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+
+import torch
+import torch.distributed as torch_dist
+from accelerate import Accelerator
+
+
+class Distributed:
+    def __init__(self, bf16: bool = False):
+        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
+        atexit.register(self.teardown)
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def prepare(self, *objs):
+        return self.accelerator.prepare(*objs)
+
+    def unwrap(self, model):
+        return self.accelerator.unwrap_model(model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def no_sync(self, model, skip_sync: bool):
+        """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation window."""
+        return self.accelerator.no_sync(model) if skip_sync and self.world_size > 1 else contextlib.nullcontext()
+
+    def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
+        if max_norm and max_norm > 0:
+            return self.accelerator.clip_grad_norm_(params, max_norm)
+        grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+        return torch.stack(grads).norm() if grads else torch.tensor(0.0)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate along dim 0 in rank order. Every rank must pass the same shape (unequal shapes hang)."""
+        if self.world_size == 1:
+            return t
+        return self.accelerator.gather(t.to(self.device).contiguous())
+
+    def gather_object(self, obj: list) -> list:
+        if self.world_size == 1:
+            return list(obj)
+        from accelerate.utils import gather_object
+
+        return gather_object(list(obj))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        t = t.to(self.device).clone()
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        return t
+
+    def any(self, flag: bool) -> bool:
+        return bool(self.sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.accelerator.wait_for_everyone()
+
+    def teardown(self) -> None:
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            with contextlib.suppress(Exception):
+                torch_dist.barrier()
+            torch_dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Backend-independent pieces of generation: prompt encoding and completion masks."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Generator(Protocol):
+    """Samples completions for already-encoded, left-padded prompts."""
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: torch.Tensor,  # (N, P) left-padded
+        prompt_mask: torch.Tensor,  # (N, P)
+        *,
+        greedy: bool = False,
+    ) -> torch.Tensor:  # (N, T ≤ max_completion_length) completion tokens, anything after the first EOS is ignored
+        ...
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A chat prompt is a list of {"role", "content"} messages (TRL's conversational format)."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if is_conversational(prompt):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+    raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r:.80}")
+
+
+def encode_prompts(
+    prompts: list[Any], tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:  # (N, P) ids, (N, P) mask, both left-padded
+    """Tokenize prompts (chat template applied to conversational ones), keep the last max_prompt_length tokens,
+    left-pad so every prompt ends at the same column and generation continues from there."""
+    texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in prompts]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if max_prompt_length is not None:
+        encoded = [ids[-max_prompt_length:] for ids in encoded]
+    if any(len(ids) == 0 for ids in encoded):
+        bad = next(i for i, ids in enumerate(encoded) if len(ids) == 0)
+        raise ValueError(f"prompt {bad} encodes to zero tokens: {prompts[bad]!r}")
+    width = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for i, row in enumerate(encoded):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def completion_masks(
+    completion_ids: torch.Tensor,  # (N, T)
+    eos_token_ids: list[int],
+    max_completion_length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (N, T) long mask, (N,) bool truncated
+    """A completion ends at its first EOS, and that EOS is part of it — also when pad == eos (TRL #4970);
+    tokens after it are padding. A row with no EOS was cut at max_completion_length: truncated."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, T)
+    T = completion_ids.size(1)
+    has_eos = is_eos.any(-1)  # (N,)
+    first = torch.where(has_eos, is_eos.float().argmax(-1), torch.full_like(has_eos, T, dtype=torch.long))
+    positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)  # (1, T)
+    mask = (positions <= first.unsqueeze(-1)).long()  # through the EOS, or every token when none
+    # generate() only stops before max_completion_length when every row has ended, so no EOS means cut off
+    return mask, ~has_eos

@@ -1,0 +1,71 @@
+"""Metrics out: metrics.jsonl (always), TensorBoard / wandb (when asked and installed), console tables."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():  # resuming: drop lines written after the checkpoint we resume from
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in keep))
+        if "tensorboard" in report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("report_to=['tensorboard'] needs `pip install groupwise[tensorboard]`") from e
+            self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
+            self.wandb = wandb.init(config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def print_completions(step: int, prompts: list[Any], completions: list[Any], rewards: list[float],
+                      advantages: list[float], limit: int | None) -> None:
+    rows = list(zip(prompts, completions, rewards, advantages))[:limit]
+    lines = [f"── completions at step {step} " + "─" * 40]
+    for p, c, r, a in rows:
+        lines.append(f"prompt: {_short(p)}\ncompletion: {_short(c)}\nreward {r:+.3f}   advantage {a:+.3f}\n")
+    tqdm.write("\n".join(lines))
+
+
+def _short(x: Any, n: int = 300) -> str:
+    if isinstance(x, list):
+        x = " | ".join(f"{m.get('role')}: {m.get('content')}" for m in x if isinstance(m, dict))
+    s = str(x).replace("\n", "⏎")
+    return s if len(s) <= n else s[:n] + "…"

@@ -1,0 +1,6 @@
+"""Reward sources (functions, outcome reward models) and how several are combined."""
+
+from groupwise.rewards.combine import combine_rewards
+from groupwise.rewards.sources import RewardFunctionError, RewardSource, compute_rewards, load_reward_sources
+
+__all__ = ["RewardFunctionError", "RewardSource", "combine_rewards", "compute_rewards", "load_reward_sources"]

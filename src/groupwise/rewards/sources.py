@@ -1,0 +1,181 @@
+"""Outcome reward sources: TRL-compatible callables and sequence-classification reward models.
+
+A reward function is `fn(prompts=…, completions=…, completion_ids=…, **dataset_columns) -> list[float | None]`,
+one value per completion; None means "cannot score this one" (NaN downstream, left out of the statistics).
+Bad output is an error naming the function; an exception stops the run with the function and the row, or, with
+on_reward_error="nan", scores the failing rows NaN and counts them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from groupwise.generation.base import is_conversational
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function misbehaved; the message names it and the row."""
+
+
+@dataclass
+class RewardSource:
+    name: str
+    fn: Callable[..., Any] | None = None  # a plain callable …
+    model: torch.nn.Module | None = None  # … or an AutoModelForSequenceClassification (score = logits[:, 0])
+    tokenizer: Any = None
+
+
+def _import_object(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False,
+                        device=None) -> list[RewardSource]:
+    """Accepts a callable, a `"package.module:function"` path, a reward-model path or a loaded model (or a list)."""
+    if not isinstance(reward_funcs, (list, tuple)):
+        reward_funcs = [reward_funcs]
+    if not reward_funcs:
+        raise ValueError("reward_funcs is empty: pass at least one reward function or reward model")
+    classes = reward_processing_classes
+    if classes is not None and not isinstance(classes, (list, tuple)):
+        classes = [classes]
+    if classes is not None and len(classes) != len(reward_funcs):
+        raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(reward_funcs)} reward_funcs")
+    sources = []
+    for i, spec in enumerate(reward_funcs):
+        tok = classes[i] if classes is not None else None
+        if isinstance(spec, str) and ":" in spec and not spec.startswith(("/", ".")):
+            spec = _import_object(spec)
+        if isinstance(spec, str):  # a reward model on disk or the hub
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+            model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1,
+                                                                       trust_remote_code=trust_remote_code)
+            tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+            sources.append(_model_source(spec.rstrip("/").split("/")[-1], model, tok, device))
+        elif isinstance(spec, torch.nn.Module):
+            if tok is None:
+                raise ValueError(f"reward_funcs[{i}] is a model: pass its tokenizer in reward_processing_classes[{i}]")
+            name = getattr(getattr(spec, "config", None), "_name_or_path", "") or type(spec).__name__
+            sources.append(_model_source(name.rstrip("/").split("/")[-1], spec, tok, device))
+        elif callable(spec):
+            sources.append(RewardSource(name=getattr(spec, "__name__", type(spec).__name__), fn=spec))
+        else:
+            raise TypeError(f"reward_funcs[{i}] must be a callable, a 'module:function' path or a model, got {spec!r}")
+    seen: dict[str, int] = {}
+    for src in sources:  # metric names must be unique: the second 'accuracy' becomes 'accuracy_1'
+        k = seen.get(src.name, 0)
+        seen[src.name] = k + 1
+        if k:
+            src.name = f"{src.name}_{k}"
+    return sources
+
+
+def _model_source(name, model, tok, device) -> RewardSource:
+    model.eval().requires_grad_(False)
+    if device is not None:
+        model.to(device)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return RewardSource(name=name, model=model, tokenizer=tok)
+
+
+@torch.inference_mode()
+def _score_with_model(src: RewardSource, prompts, completions, batch_size: int = 16) -> list[float]:
+    if is_conversational(prompts[0]):
+        texts = [src.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+    else:
+        texts = [p + c for p, c in zip(prompts, completions)]
+    device = next(src.model.parameters()).device
+    out = []
+    for start in range(0, len(texts), batch_size):
+        enc = src.tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+                            padding_side="right", add_special_tokens=False).to(device)
+        out.extend(src.model(**enc).logits[:, 0].float().tolist())
+    return out
+
+
+def _validate(name: str, values: Any, n: int) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not hasattr(values, "__len__") or isinstance(values, (str, bytes, dict)):
+        raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion, "
+                                  f"got {type(values).__name__}")
+    if len(values) != n:
+        raise RewardFunctionError(f"reward function {name!r} returned {len(values)} values for {n} completions "
+                                  "(one float or None per completion expected)")
+    out = []
+    for row, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif isinstance(v, numbers.Real) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
+            out.append(float(v))
+        else:
+            raise RewardFunctionError(f"reward function {name!r} returned a non-numeric value for row {row}: "
+                                      f"{v!r} ({type(v).__name__}); expected a float or None")
+    return out
+
+
+def _call(src: RewardSource, prompts, completions, completion_ids, columns) -> list[float]:
+    return _validate(src.name, src.fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                      **columns), len(prompts))
+
+
+def compute_rewards(
+    sources: list[RewardSource],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+    *,
+    on_error: str = "raise",
+) -> tuple[torch.Tensor, torch.Tensor]:  # (N, F) rewards with NaN, (F,) error counts
+    n = len(prompts)
+    rewards = torch.full((n, len(sources)), math.nan)
+    errors = torch.zeros(len(sources))
+    for f, src in enumerate(sources):
+        if src.model is not None:
+            rewards[:, f] = torch.tensor(_score_with_model(src, prompts, completions))
+            continue
+        try:
+            rewards[:, f] = torch.tensor(_call(src, prompts, completions, completion_ids, columns))
+        except RewardFunctionError:
+            raise
+        except Exception as batch_exc:  # find the failing row(s) by scoring rows one at a time
+            for i in range(n):
+                row_cols = {k: v[i:i + 1] for k, v in columns.items()}
+                try:
+                    rewards[i, f] = _call(src, prompts[i:i + 1], completions[i:i + 1], completion_ids[i:i + 1],
+                                          row_cols)[0]
+                except RewardFunctionError:
+                    raise
+                except Exception as exc:
+                    if on_error == "raise":
+                        raise RewardFunctionError(
+                            f"reward function {src.name!r} raised {type(exc).__name__}: {exc} on row {i}: "
+                            f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200} "
+                            "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
+                    errors[f] += 1
+            if errors[f] == 0:  # every row alone succeeded: the batch call itself is at fault
+                raise RewardFunctionError(f"reward function {src.name!r} raised {type(batch_exc).__name__}: "
+                                          f"{batch_exc} on the batch, but on no single row") from batch_exc
+    all_none = torch.isnan(rewards).all(-1)
+    if all_none.any():
+        i = int(all_none.nonzero()[0])
+        row = {"prompt": prompts[i], "completion": completions[i], **{k: v[i] for k, v in columns.items()}}
+        warnings.warn(f"every reward function returned None for row {i}: {row!r:.500}; it gets advantage 0",
+                      stacklevel=2)
+    return rewards, errors

@@ -1,0 +1,68 @@
+"""Typed records passed between the stages of a GRPO step. Group structure is an explicit (B, G) axis.
+
+Shape glossary: B prompts, G completions per prompt, N rows (completions on this process), P prompt tokens,
+T completion tokens, F reward functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What generation produced on this process: N rows, the rows of a group contiguous."""
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P)
+    completion_ids: torch.Tensor  # (N, T) right-padded
+    completion_mask: torch.Tensor  # (N, T) 1 up to and including the first EOS
+    truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
+    prompts: list[Any]  # (N) the prompt as given: text or chat messages
+    completions: list[Any]  # (N) decoded text, or [{"role": "assistant", "content": text}] for chat prompts
+    columns: dict[str, list[Any]]  # other dataset columns, one value per row (reward-function kwargs)
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (N,)
+        return self.completion_mask.sum(-1)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Rewards of the whole generation round (all processes), with the group axis explicit."""
+
+    per_func: torch.Tensor  # (B, G, F) NaN = could not be scored
+    rewards: torch.Tensor  # (B, G) weighted combination, NaN where every function gave None
+    advantages: torch.Tensor  # (B, G)
+    names: tuple[str, ...]  # (F) reward function names
+    errors: torch.Tensor  # (F,) exceptions turned into NaN (on_reward_error="nan")
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Everything the update needs for N rows; produced by the rollout, consumed by groupwise.update."""
+
+    input_ids: torch.Tensor  # (N, P + T) prompt then completion
+    attention_mask: torch.Tensor  # (N, P + T)
+    completion_mask: torch.Tensor  # (N, T) rows/tokens that enter the loss
+    advantages: torch.Tensor  # (N,) outcome, or (N, T) token-level (process supervision)
+    old_logps: torch.Tensor | None = None  # (N, T) π_θold; None when fully on-policy (then logps.detach())
+    ref_logps: torch.Tensor | None = None  # (N, T) π_ref; None when beta = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.size(0)
+
+    def rows(self, start: int, stop: int) -> "TrainBatch":
+        return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
+                                for f in fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TrainBatch":
+        return cls(**tensors)

@@ -1,0 +1,95 @@
+"""μ iterations × micro-batches of one generation batch → optimizer steps: logps → loss → backward → step.
+
+Loss scaling under accumulation and data parallelism (the silent-wrong-gradient trap, transformers #34191):
+each process's micro-batch loss is scaled so that, after DDP averages gradients over W processes and k micro-batches
+are summed, the step's gradient equals the gradient of the aggregated loss over the whole window:
+    dapo                 ℓ_i · W    (ℓ_i already divides by the token count of the whole window, all processes)
+    grpo / bnpo / dr_grpo ℓ_i / k
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from groupwise.core.logprobs import top_entropy_mask
+from groupwise.core.losses import policy_loss
+from groupwise.modeling import completion_logps
+from groupwise.types import TrainBatch
+
+
+@dataclass
+class UpdateContext:
+    args: Any  # GRPOConfig
+    dist: Any  # groupwise.distributed.Distributed
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int, num_iterations: int,
+            gradient_accumulation_steps: int) -> list[list[TrainBatch]]:
+    """Micro-batches in training order (μ passes over the batch), grouped into optimizer steps."""
+    micro = [batch.rows(k * micro_batch_size, (k + 1) * micro_batch_size)
+             for _ in range(num_iterations) for k in range(steps_per_generation)]
+    k = gradient_accumulation_steps
+    return [micro[i:i + k] for i in range(0, len(micro), k)]
+
+
+def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The aggregated loss of one micro-batch (before accumulation/DP scaling) and its metrics."""
+    args = ctx.args
+    mask = mb.completion_mask
+    logps, entropies = completion_logps(ctx.model, mb.input_ids, mb.attention_mask, mask.size(1),
+                                        temperature=args.temperature, compute_entropy=True)
+    old = logps.detach() if mb.old_logps is None else mb.old_logps
+    loss_mask = None if args.top_entropy_quantile >= 1.0 else top_entropy_mask(entropies, mask, args.top_entropy_quantile)
+    loss, metrics = policy_loss(
+        logps, old, mb.advantages, mask, loss_type=args.loss_type, epsilon_low=args.epsilon,
+        epsilon_high=args.epsilon_high, delta=args.delta, importance_sampling_level=args.importance_sampling_level,
+        beta=args.beta, ref_logps=mb.ref_logps, max_completion_length=args.max_completion_length,
+        num_items_in_batch=num_items, loss_mask=loss_mask)
+    metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
+    return loss, metrics
+
+
+def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, float]:
+    """Accumulate the window's micro-batches and take one optimizer step (skipped if anything is not finite)."""
+    args, dist, model = ctx.args, ctx.dist, ctx.model
+    k = len(window)
+    num_items = dist.sum(sum(mb.completion_mask.sum() for mb in window).float())  # tokens of the step, all processes
+    scale = dist.world_size if args.loss_type == "dapo" else 1.0 / k
+    sums: dict[str, float] = defaultdict(float)
+    step_loss, finite = 0.0, True
+    for i, mb in enumerate(window):
+        with dist.no_sync(model, skip_sync=i < k - 1):
+            loss, metrics = micro_batch_loss(ctx, mb, num_items)
+            dist.backward(loss * scale)
+        finite = finite and bool(torch.isfinite(loss.detach()))
+        step_loss += float(loss.detach()) * scale
+        for name, value in metrics.items():
+            sums[name] += float(value) / k
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = dist.clip_grad_norm(params, args.max_grad_norm)
+    skipped = dist.any(not finite) or not math.isfinite(float(grad_norm))
+    if skipped:
+        warnings.warn(f"non-finite loss or gradient (loss {step_loss}, grad norm {float(grad_norm)}): "
+                      "optimizer step skipped, weights left untouched", RuntimeWarning, stacklevel=2)
+    else:
+        ctx.optimizer.step()
+        ctx.scheduler.step()  # a skipped step does not advance the schedule either
+    ctx.optimizer.zero_grad(set_to_none=True)
+    # average over processes: loss/policy is Σ_i ℓ_i·scale, whose mean over ranks is the step's loss
+    keys = ["loss/policy", *sorted(sums)]
+    values = dist.sum(torch.tensor([step_loss, *(sums[n] for n in keys[1:])], device=dist.device)) / dist.world_size
+    out = dict(zip(keys, values.tolist()))
+    out["grad_norm"] = float(grad_norm)
+    out["lr"] = ctx.scheduler.get_last_lr()[0]
+    out["train/skipped"] = float(skipped)
+    return out

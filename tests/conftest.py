@@ -1,0 +1,38 @@
+import os
+
+import pytest
+import torch
+
+from groupwise.tasks import toy
+
+torch.set_num_threads(2)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def tokenizer():
+    return toy.build_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    return toy.build_model(tokenizer, seed=0, hidden_size=32)
+
+
+@pytest.fixture
+def model_dir(tmp_path, tokenizer, tiny_model):
+    """A tiny model + tokenizer saved as a real local checkpoint folder."""
+    path = tmp_path / "tiny-model"
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def small_args(tmp_path, **kw):
+    from groupwise import GRPOConfig
+
+    base = dict(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                max_completion_length=6, max_steps=2, learning_rate=1e-2, logging_steps=1, save_steps=0, seed=0,
+                lr_scheduler_type="constant")
+    base.update(kw)
+    return GRPOConfig(**base)

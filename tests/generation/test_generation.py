@@ -1,0 +1,65 @@
+import torch
+from transformers import GenerationConfig
+
+from groupwise.generation import TransformersGenerator, completion_masks, encode_prompts
+from groupwise.modeling import completion_logps
+from groupwise.tasks import toy
+
+
+def test_eos_is_part_of_the_completion_when_pad_equals_eos():
+    # pad == eos == 0. Row 0 ends with EOS at t=2: mask covers t=0..2 (EOS included), the rest is padding.
+    # Row 1 never emits EOS within T = max_completion_length = 4: all 4 tokens count, truncated.
+    # Row 2 emits EOS first: a one-token completion [EOS].
+    ids = torch.tensor([[5, 6, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]])
+    mask, truncated = completion_masks(ids, [0], max_completion_length=4)
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+
+
+def test_several_eos_ids():
+    mask, truncated = completion_masks(torch.tensor([[3, 9, 4, 1]]), [1, 9], max_completion_length=4)
+    assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
+
+
+def test_encode_prompts_left_pads_and_truncates(tokenizer):
+    ids, mask = encode_prompts(["ab", "abcd"], tokenizer, max_prompt_length=3)
+    pad = tokenizer.pad_token_id
+    a, b, c, d = (tokenizer.convert_tokens_to_ids(x) for x in "abcd")
+    assert ids.tolist() == [[pad, a, b], [b, c, d]]  # "abcd" keeps its last 3 tokens
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_chat_prompts_use_the_template(tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:"
+    ids, _ = encode_prompts([[{"role": "user", "content": "hi"}]], tokenizer, None)
+    assert tokenizer.decode(ids[0]) == "u:hi\na:"
+
+
+def test_logps_match_generation_scores_under_left_padding(tokenizer):
+    """The training forward must see the same positions as generate(): compare our log-probs of the sampled
+    tokens with the scores generate() produced, on left-padded prompts of different lengths."""
+    model = toy.build_model(tokenizer, seed=3, hidden_size=32).eval()
+    ids, mask = encode_prompts(["repeat a:", "ab", "x"], tokenizer, None)
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True,
+                         generation_config=GenerationConfig(do_sample=False, max_new_tokens=5, min_new_tokens=5,
+                                                            pad_token_id=tokenizer.pad_token_id,
+                                                            eos_token_id=tokenizer.eos_token_id))
+    completion = out.sequences[:, ids.size(1):]  # (3, 5)
+    expected = torch.stack([torch.log_softmax(l.float(), -1).gather(-1, completion[:, t:t + 1]).squeeze(-1)
+                            for t, l in enumerate(out.logits)], dim=1)  # (3, 5)
+    full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
+    logps, _ = completion_logps(model, out.sequences, full_mask, 5)
+    assert torch.allclose(logps, expected, atol=1e-4)
+
+
+def test_transformers_generator_greedy_is_deterministic(tokenizer, tiny_model):
+    gen = TransformersGenerator(max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                                repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_ids=[tokenizer.eos_token_id])
+    ids, mask = encode_prompts(["repeat a:", "b"], tokenizer, None)
+    tiny_model.train()
+    a = gen(tiny_model, ids, mask, greedy=True)
+    assert tiny_model.training  # generation runs in eval mode and restores the caller's mode
+    b = gen(tiny_model.eval(), ids, mask, greedy=True)
+    assert not tiny_model.training
+    assert torch.equal(a, b) and a.size(1) <= 4

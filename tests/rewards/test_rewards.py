@@ -1,0 +1,101 @@
+import math
+
+import pytest
+import torch
+
+from groupwise.rewards import RewardFunctionError, combine_rewards, compute_rewards, load_reward_sources
+
+
+def _score(funcs, prompts=("p1", "p2"), completions=("a", "bb"), columns=None, **kw):
+    sources = load_reward_sources(funcs)
+    return compute_rewards(sources, list(prompts), list(completions), [[1], [2, 2]], columns or {}, **kw)
+
+
+def test_callable_protocol_columns_and_none():
+    seen = {}
+
+    def length(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(prompts=prompts, ids=completion_ids, answer=answer)
+        return [None if c == "a" else float(len(c)) for c in completions]
+
+    rewards, errors = _score([length], columns={"answer": ["x", "y"]})
+    assert seen == {"prompts": ["p1", "p2"], "ids": [[1], [2, 2]], "answer": ["x", "y"]}
+    assert math.isnan(rewards[0, 0]) and rewards[1, 0] == 2.0 and errors.tolist() == [0.0]
+
+
+def test_wrong_length_names_the_function():
+    def short(completions, **_):
+        return [1.0]
+
+    with pytest.raises(RewardFunctionError, match=r"'short' returned 1 values for 2 completions"):
+        _score([short])
+
+
+def test_non_numeric_names_function_and_row():
+    def texty(completions, **_):
+        return [1.0, "good"]
+
+    with pytest.raises(RewardFunctionError, match=r"'texty' returned a non-numeric value for row 1: 'good'"):
+        _score([texty])
+
+
+def test_exception_stops_with_function_and_row_by_default():
+    def fragile(completions, **_):
+        return [1.0 / (len(c) - 2) for c in completions]  # "bb" divides by zero
+
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.* on row 1"):
+        _score([fragile])
+
+
+def test_exception_becomes_nan_and_is_counted_when_configured():
+    def fragile(completions, **_):
+        return [1.0 / (len(c) - 2) for c in completions]
+
+    rewards, errors = _score([fragile], on_error="nan")
+    assert rewards[0, 0] == -1.0 and math.isnan(rewards[1, 0]) and errors.tolist() == [1.0]
+
+
+def test_all_none_row_warns_with_the_row():
+    with pytest.warns(UserWarning, match=r"every reward function returned None for row 0"):
+        _score([lambda completions, **_: [None, 1.0]])
+
+
+def test_module_path_and_duplicate_names():
+    sources = load_reward_sources(["groupwise.tasks.toy:letter_reward", "groupwise.tasks.toy:letter_reward"])
+    assert [s.name for s in sources] == ["letter_reward", "letter_reward_1"]
+
+
+def test_sequence_classification_reward_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(cfg).eval()
+    sources = load_reward_sources([rm], [tokenizer])
+    rewards, _ = compute_rewards(sources, ["ab", "c"], ["cd", "efg"], [[0], [0]], {})
+    # the score of a text is logits[:, 0] of prompt + completion, whatever the padding around it
+    for i, text in enumerate(["abcd", "cefg"]):
+        enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        assert rewards[i, 0].item() == pytest.approx(rm(**enc).logits[0, 0].item(), abs=1e-5)
+    with pytest.raises(ValueError, match=r"pass its tokenizer in reward_processing_classes\[0\]"):
+        load_reward_sources([rm])
+
+
+def test_combine_sum_then_normalize_by_hand():
+    # 1 prompt, G = 2, two functions with weights [1, 0.5]:
+    # row 0: 1 + 0.5·2 = 2; row 1: 0 + 0.5·NaN(skipped) = 0 → rewards [2, 0]; mean 1, population std 1 → [1, −1]
+    per_func = torch.tensor([[[1.0, 2.0], [0.0, float("nan")]]])
+    rewards, adv = combine_rewards(per_func, torch.tensor([1.0, 0.5]), aggregation="sum_then_normalize",
+                                   scale="group", std="population", eps=0.0)
+    assert rewards.tolist() == [[2.0, 0.0]] and adv.tolist() == [[1.0, -1.0]]
+
+
+def test_combine_normalize_then_sum_by_hand():
+    # function 0: [1, 0, 0, 1] → z = [1, −1, −1, 1]; function 1: [10, 10, 30, 30] → z = [−1, −1, 1, 1]
+    # weights [1, 1]: sums [0, −2, 0, 2]; mean 0, population std sqrt(8/4) = 1.41421 → [0, −1.41421, 0, 1.41421]
+    per_func = torch.tensor([[[1.0, 10.0], [0.0, 10.0], [0.0, 30.0], [1.0, 30.0]]])
+    rewards, adv = combine_rewards(per_func, torch.tensor([1.0, 1.0]), aggregation="normalize_then_sum",
+                                   scale="group", std="population", eps=0.0)
+    assert torch.allclose(rewards, torch.tensor([[0.0, -2.0, 0.0, 2.0]]))
+    assert torch.allclose(adv, torch.tensor([[0.0, -1.41421, 0.0, 1.41421]]), atol=1e-5)

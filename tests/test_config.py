@@ -1,0 +1,75 @@
+import pytest
+
+from groupwise import ConfigError, GRPOConfig
+from groupwise.config import TRL_UNSUPPORTED
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(per_device_train_batch_size=6, num_generations=4), r"divisible by num_generations=4"),
+    (dict(num_generations=1), r"num_generations must be ≥ 2"),
+    (dict(loss_type="ppo"), r"loss_type='ppo' is not one of"),
+    (dict(epsilon=0.0), r"epsilon must be in \(0, 1\)"),
+    (dict(epsilon=1.5), r"epsilon must be in \(0, 1\)"),
+    (dict(scale_rewards="grp"), r"scale_rewards='grp'"),
+    (dict(importance_sampling_level="seq"), r"importance_sampling_level"),
+    (dict(delta=1.1), r"delta must be > 1 \+ epsilon_high"),
+    (dict(top_entropy_quantile=0.0), r"top_entropy_quantile"),
+    (dict(sync_ref_model=True), r"needs beta > 0"),
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2), r"multiple of\s+gradient_accumulation_steps"),
+    (dict(learning_rate="fast"), r"learning_rate='fast' must be of type float"),
+    (dict(max_steps=2.5), r"max_steps=2.5 must be of type int"),
+    (dict(reward_std="sample"), r"reward_std='sample'"),
+    (dict(report_to="mlflow"), r"report_to='mlflow'"),
+])
+def test_bad_values_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_unknown_and_unsupported_fields():
+    with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
+        GRPOConfig(num_generation=4)
+    with pytest.raises(ConfigError, match=r"TRL field 'use_vllm' is not supported"):
+        GRPOConfig(use_vllm=True)
+    assert "use_liger_loss" in TRL_UNSUPPORTED
+
+
+def test_trl_spellings_and_coercion():
+    c = GRPOConfig(scale_rewards=False, learning_rate="1e-3", report_to="none", epsilon_high=0.28)
+    assert c.scale_rewards == "none" and c.learning_rate == 1e-3 and c.report_to == []
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+
+
+def test_layout_counts_completions_like_trl(monkeypatch):
+    # 2 processes × 4 completions × steps_per_generation 3 = 24 completions = 6 prompts of G = 4
+    c = GRPOConfig(per_device_train_batch_size=4, num_generations=4, steps_per_generation=3)
+    lay = c.layout(world_size=2)
+    assert (lay.generation_batch_size, lay.prompts_per_generation, lay.local_rows) == (24, 6, 12)
+    with pytest.raises(ConfigError, match="divisible"):
+        GRPOConfig(per_device_train_batch_size=2, num_generations=4, steps_per_generation=1).layout(world_size=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: 2 × 2 completions = one group of 4
+    assert GRPOConfig(per_device_train_batch_size=2, num_generations=4).layout(world_size=2).prompts_per_generation == 1
+
+
+def test_yaml_round_trip(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("num_generations: 4\nper_device_train_batch_size: 8\nlearning_rate: 1e-5\nloss_type: grpo\n")
+    c = GRPOConfig.from_yaml(str(p))
+    assert (c.num_generations, c.learning_rate, c.loss_type) == (4, 1e-5, "grpo")
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        GRPOConfig.from_yaml(str(p))
+
+
+def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
+    from groupwise import GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2)
+    # the model path does not exist: the dataset error must come first
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        GRPOTrainer("no/such/model", lambda completions, **_: [0.0] * len(completions), args=args,
+                    train_dataset=[{"question": "1+1"}])
+    with pytest.raises(ValueError, match="reward_weights has 2 entries for 1"):
+        GRPOTrainer("no/such/model", lambda completions, **_: [0.0], train_dataset=[{"prompt": "x"}],
+                    args=GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,
+                                    reward_weights=[1.0, 2.0]))
