@@ -1,0 +1,81 @@
+"""Run under `python -m torch.distributed.run --nproc_per_node N tests/dist_worker.py MODE OUT` (or plainly for N=1).
+
+same:  fixed completions of 3 prompts × 4; rewards, advantages, loss and one SGD step (lr 1) on this process's
+       slice. Writes result_<rank>.json and weights_<loss_type>.safetensors (rank 0) for comparison across N.
+train: a short GRPOTrainer run; writes result_<rank>.json with a checksum of the final weights.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from groupwise import GRPOConfig
+from groupwise import rollout as R
+from groupwise.distributed import Distributed
+from groupwise.generation import completion_masks, encode_prompts
+from groupwise.tasks import toy
+from groupwise.types import Completions
+from groupwise.update import UpdateContext, optimizer_step
+
+PROMPTS = ["repeat a:"] * 4 + ["repeat b:"] * 4 + ["repeat c:"] * 4
+# row i belongs to group i // 4; with 2 processes of 6 rows, group 1 (rows 4-7) spans both processes
+TEXTS = ["aaa", "ab", "b", "aaaa", "bb", "a", "bbb", "ba", "c", "cc", "ca", "abc"]
+
+
+def same(out: Path) -> None:
+    dist = Distributed()
+    tok = toy.build_tokenizer()
+    n = len(PROMPTS) // dist.world_size
+    lo, hi = dist.rank * n, (dist.rank + 1) * n
+    pids, pmask = encode_prompts(PROMPTS[lo:hi], tok, None)
+    T = 6
+    cids = torch.full((n, T), tok.pad_token_id)
+    for i, text in enumerate(TEXTS[lo:hi]):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        cids[i, : len(ids)] = torch.tensor(ids)
+    cmask, trunc = completion_masks(cids, [tok.eos_token_id], T)
+    comp = Completions(pids, pmask, cids, cmask, trunc, PROMPTS[lo:hi], TEXTS[lo:hi],
+                       {"letter": [p[7] for p in PROMPTS[lo:hi]]})
+    result = {}
+    for loss_type in ("dapo", "grpo"):
+        args = GRPOConfig(num_generations=4, per_device_train_batch_size=n, max_completion_length=T,
+                          loss_type=loss_type, learning_rate=1.0, max_grad_norm=0.0, output_dir=str(out))
+        from groupwise.rewards import load_reward_sources
+
+        sources = load_reward_sources([toy.letter_reward])
+        ctx = R.RolloutContext(args, tok, None, sources, torch.ones(1), [tok.eos_token_id], dist)
+        scores = R.score(ctx, comp)
+        model = toy.build_model(tok, seed=0, hidden_size=32)
+        batch = R.build_batch(ctx, comp, scores, model=model, ref_model=None, need_old_logps=False)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, opt = dist.prepare(model, opt)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        metrics = optimizer_step(UpdateContext(args, dist, model, opt, sched), [batch])
+        result[loss_type] = {"advantages": scores.advantages.tolist(), "local": batch.advantages.tolist(),
+                             "loss": metrics["loss/policy"]}
+        if dist.is_main:
+            save_file({k: v.contiguous() for k, v in dist.unwrap(model).state_dict().items()},
+                      str(out / f"weights_{loss_type}.safetensors"))
+    (out / f"result_{dist.rank}.json").write_text(json.dumps(result))
+
+
+def train(out: Path) -> None:
+    from groupwise import GRPOTrainer
+
+    tok = toy.build_tokenizer()
+    args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+                      max_steps=2, save_steps=2, learning_rate=1e-2, logging_steps=1)
+    t = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                    train_dataset=toy.dataset(16), processing_class=tok)
+    t.train()
+    checksum = sum(float(p.double().sum()) for p in t.unwrapped.parameters())
+    (out / f"result_{t.dist.rank}.json").write_text(json.dumps({"checksum": checksum, "world": t.dist.world_size}))
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    {"same": same, "train": train}[mode](out)

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+
+from groupwise import GRPOTrainer
+from groupwise.rewards import RewardFunctionError
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def _run(tmp_path, tokenizer, out, crash_on_round=None, resume=None, **kw):
+    calls = {"n": 0}
+
+    def reward(completions, letter, **_):
+        calls["n"] += 1
+        if crash_on_round is not None and calls["n"] == crash_on_round:
+            raise RuntimeError("the machine went away")
+        # uses the RNG too, as real reward functions may: the RNG state must be restored exactly
+        noise = torch.rand(len(completions)) * 0.1
+        return [r + float(e) for r, e in zip(toy.letter_reward(completions, letter), noise)]
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    args = small_args(tmp_path, output_dir=str(tmp_path / out), **kw)
+    t = GRPOTrainer(model, [reward], args=args, train_dataset=toy.dataset(12), processing_class=tokenizer)
+    if crash_on_round is not None:
+        with pytest.raises(RewardFunctionError, match="the machine went away"):
+            t.train(resume_from_checkpoint=resume)
+    else:
+        t.train(resume_from_checkpoint=resume)
+    return t
+
+
+@pytest.mark.parametrize("kw, save_at", [
+    (dict(max_steps=4, save_steps=2), 2),  # resume at a round boundary
+    (dict(max_steps=6, save_steps=1, num_iterations=2), 3),  # resume inside a μ=2 round
+])
+def test_resume_is_bitwise_exact(tmp_path, tokenizer, kw, save_at):
+    kw = {k: v for k, v in kw.items() if k != "optim_note"}
+    straight = _run(tmp_path, tokenizer, "straight", **kw)
+    # a run that dies when it starts its third generation round …
+    _run(tmp_path, tokenizer, "crashed", crash_on_round=3, **kw)
+    out = tmp_path / "crashed"
+    assert not list(out.glob(".tmp-*")), "a half-written checkpoint was left behind"
+    assert (out / f"checkpoint-{save_at}" / "trainer_state.json").exists()
+    # … and is resumed from its checkpoint by a fresh process
+    resumed = _run(tmp_path, tokenizer, "crashed", resume=str(out / f"checkpoint-{save_at}"), **kw)
+    assert resumed.global_step == straight.global_step
+    for (n, a), (_, b) in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):
+        assert torch.equal(a, b), f"{n} differs after resume"
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, straight.global_step + 1))  # no duplicated lines after resume
+
+
+def test_checkpoint_has_no_pickles(tmp_path, tokenizer):
+    _run(tmp_path, tokenizer, "run", max_steps=1, save_steps=1)
+    files = {p.name for p in (tmp_path / "run" / "checkpoint-1").iterdir()}
+    assert {"model.safetensors", "optimizer.safetensors", "rng_state_0.safetensors", "trainer_state.json"} <= files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pkl", ".pth"))]
+
+
+def test_resume_rejects_a_non_checkpoint(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match="not a groupwise checkpoint"):
+        _run(tmp_path, tokenizer, "x", resume=str(tmp_path))

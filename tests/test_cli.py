@@ -1,0 +1,60 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from groupwise.cli import main, parse_overrides
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--beta", "0.1", "--bf16", "--report_to=[tensorboard]", "--loss-type", "grpo"]) == \
+        {"beta": 0.1, "bf16": True, "report_to": ["tensorboard"], "loss_type": "grpo"}
+
+
+def _config(tmp_path, model_dir, **extra):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"repeat {c}:", "letter": c}) + "\n" for c in "abcdabcd"))
+    cfg = {"model_name_or_path": model_dir, "dataset_name": str(data),
+           "reward_funcs": ["groupwise.tasks.toy:letter_reward"], "num_generations": 4,
+           "per_device_train_batch_size": 8, "max_completion_length": 5, "logging_steps": 1,
+           "output_dir": str(tmp_path / "run"), "learning_rate": "1e-3", **extra}
+    path = tmp_path / "config.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_train_from_yaml_with_overrides_then_resume(tmp_path, model_dir):
+    cfg = _config(tmp_path, model_dir)
+    assert main(["train", cfg, "--max_steps", "2", "--save_steps", "1"]) == 0
+    run = tmp_path / "run"
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (run / "checkpoint-2" / "model.safetensors").exists()
+    assert main(["train", cfg, "--max_steps", "3", "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_configuration_errors_exit_2_and_name_the_field(tmp_path, model_dir, capsys):
+    cfg = _config(tmp_path, model_dir)
+    assert main(["train", cfg, "--num_generations", "3"]) == 2
+    assert "divisible by num_generations=3" in capsys.readouterr().err
+    assert main(["train", cfg, "--use_vllm", "true"]) == 2
+    assert "'use_vllm' is not supported" in capsys.readouterr().err
+    assert main(["train", cfg, "--datset_name", "x"]) == 2
+    assert "did you mean 'dataset_name'" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point(tmp_path, model_dir):
+    cfg = _config(tmp_path, model_dir, max_steps=1)
+    proc = subprocess.run([sys.executable, "-m", "groupwise", "train", cfg], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint-1" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_demo_runs_two_steps(tmp_path):
+    assert main(["train", "--max_steps", "2", "--output_dir", str(tmp_path / "demo")]) == 0
+    assert (tmp_path / "demo" / "checkpoint-2" / "model.safetensors").exists()

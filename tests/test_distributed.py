@@ -1,0 +1,49 @@
+"""Real multi-process runs: torch.distributed.run with 2 CPU processes (gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+ROOT = Path(__file__).parents[1]
+
+
+def _launch(nproc: int, mode: str, out: Path) -> None:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, WORKER, mode, str(out)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER, mode, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_advantages_loss_and_step_as_one(tmp_path):
+    _launch(1, "same", tmp_path / "one")
+    _launch(2, "same", tmp_path / "two")
+    one = json.loads((tmp_path / "one" / "result_0.json").read_text())
+    two = [json.loads((tmp_path / "two" / f"result_{r}.json").read_text()) for r in (0, 1)]
+    for loss_type in ("dapo", "grpo"):
+        # group 1 is split over the two processes: rewards are gathered before the group statistics
+        assert two[0][loss_type]["advantages"] == one[loss_type]["advantages"]
+        assert two[0][loss_type]["local"] + two[1][loss_type]["local"] == one[loss_type]["local"]
+        assert two[0][loss_type]["loss"] == pytest.approx(one[loss_type]["loss"], abs=1e-6)
+        w1 = load_file(str(tmp_path / "one" / f"weights_{loss_type}.safetensors"))
+        w2 = load_file(str(tmp_path / "two" / f"weights_{loss_type}.safetensors"))
+        for name in w1:
+            assert torch.allclose(w1[name], w2[name], atol=1e-6), (loss_type, name)
+
+
+@pytest.mark.slow
+def test_two_process_training_run(tmp_path):
+    _launch(2, "train", tmp_path)
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["world"] == 2 and results[0]["checksum"] == results[1]["checksum"]  # replicas stay in sync
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "rng_state_0.safetensors").exists() and (ckpt / "rng_state_1.safetensors").exists()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # only the main process writes

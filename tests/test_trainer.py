@@ -1,0 +1,127 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from groupwise import GRPOTrainer
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def _trainer(tmp_path, model, tokenizer, funcs=(toy.letter_reward,), data=None, **kw):
+    return GRPOTrainer(model, list(funcs), args=small_args(tmp_path, **kw), train_dataset=data or toy.dataset(16),
+                       processing_class=tokenizer)
+
+
+def test_every_parameter_changes_after_one_step(tmp_path, tokenizer, tiny_model):
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    # random rewards: non-zero advantages in every group
+    rand = lambda completions, **_: torch.rand(len(completions)).tolist()  # noqa: E731
+    t = _trainer(tmp_path, tiny_model, tokenizer, funcs=[rand], max_steps=1, learning_rate=0.1)
+    t.train()
+    unchanged = [n for n, p in t.unwrapped.named_parameters() if torch.equal(before[n], p.detach())]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+
+
+def test_nothing_changes_when_every_completion_is_masked(tmp_path, tokenizer, tiny_model):
+    # min_new_tokens = max_completion_length: no completion can end with EOS, all are truncated, all masked
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    rand = lambda completions, **_: torch.rand(len(completions)).tolist()  # noqa: E731
+    t = _trainer(tmp_path, tiny_model, tokenizer, funcs=[rand], max_steps=1, learning_rate=0.1,
+                 mask_truncated_completions=True, max_completion_length=4, generation_kwargs={"min_new_tokens": 4})
+    metrics = t.train()
+    assert metrics["gen/clipped_ratio"] == 1.0
+    assert all(torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())
+
+
+def test_outputs_metrics_and_loadable_checkpoint(tmp_path, tokenizer, tiny_model):
+    t = _trainer(tmp_path, tiny_model, tokenizer, max_steps=2, save_steps=1, save_total_limit=1, beta=0.04,
+                 eval_steps=None)
+    t.train()
+    out = tmp_path / "out"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    for key in ("reward/mean", "reward/letter_reward/mean", "reward/letter_reward/errors", "loss/policy", "kl",
+                "clip/low", "clip/high", "clip/region", "entropy", "gen/mean_length", "gen/clipped_ratio", "time/step"):
+        assert key in lines[-1], key
+    assert lines[-1]["kl"] >= 0.0
+    # save_total_limit=1 keeps only the newest; no temporary folder left behind
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+    loaded = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+    for (n, p), (_, q) in zip(t.unwrapped.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_iterations=2),  # π_θold kept explicitly
+    dict(steps_per_generation=2, per_device_train_batch_size=4),  # 2 optimizer steps per round
+    dict(importance_sampling_level="sequence", loss_type="grpo", scale_rewards="batch"),
+    dict(top_entropy_quantile=0.5, loss_type="bnpo", epsilon_high=0.28, delta=2.0),
+    dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, loss_type="dr_grpo"),
+    dict(multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]),
+])
+def test_variants_train(tmp_path, tokenizer, tiny_model, kw):
+    funcs = [toy.letter_reward, lambda completions, **_: [float(len(c)) for c in completions]] \
+        if "reward_weights" in kw else [toy.letter_reward]
+    t = _trainer(tmp_path, tiny_model, tokenizer, funcs=funcs, **kw)
+    ref_before = None if t.ref_model is None else [p.clone() for p in t.ref_model.parameters()]
+    metrics = t.train()
+    assert t.global_step == 2 and all(v == v for k, v in metrics.items() if k.startswith("loss"))
+    if ref_before is not None:  # TR-DPO moved the reference model toward the policy
+        assert any(not torch.equal(a, b) for a, b in zip(ref_before, t.ref_model.parameters()))
+
+
+def test_old_logps_only_when_needed(tmp_path, tokenizer, tiny_model):
+    on_policy = _trainer(tmp_path, tiny_model, tokenizer)
+    assert not on_policy.need_old_logps and on_policy.ref_model is None
+    assert _trainer(tmp_path, tiny_model, tokenizer, num_iterations=2).need_old_logps
+
+
+def test_chat_prompts(tmp_path, tokenizer, tiny_model):
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    seen = []
+
+    def check(prompts, completions, **_):
+        seen.append((prompts[0], completions[0]))
+        return [1.0 if "a" in c[0]["content"] else 0.0 for c in completions]
+
+    data = [{"prompt": [{"role": "user", "content": "repeat a:"}]}] * 4
+    _trainer(tmp_path, tiny_model, tokenizer, funcs=[check], data=data, max_steps=1).train()
+    prompt, completion = seen[0]
+    assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
+
+
+def test_reward_exception_stops_the_run_naming_the_function(tmp_path, tokenizer, tiny_model):
+    def broken(completions, **_):
+        raise KeyError("answer")
+
+    from groupwise.rewards import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError, match="'broken' raised KeyError"):
+        _trainer(tmp_path, tiny_model, tokenizer, funcs=[broken]).train()
+
+
+def test_reward_exception_counted_when_configured(tmp_path, tokenizer, tiny_model):
+
+    def half(completions, **_):
+        out = []
+        for c in completions:
+            if len(c) % 2:
+                raise RuntimeError("odd")
+            out.append(1.0)
+        return out
+
+    t = _trainer(tmp_path, tiny_model, tokenizer, funcs=[toy.letter_reward, half], max_steps=1,
+                 on_reward_error="nan")
+    metrics = t.train()
+    assert metrics["reward/half/errors"] >= 1
+
+
+def test_eval_dataset_is_logged(tmp_path, tokenizer, tiny_model):
+    t = GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path, max_steps=2, eval_steps=1),
+                    train_dataset=toy.dataset(16), eval_dataset=toy.dataset(5, seed=3), processing_class=tokenizer)
+    t.train()
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if "eval/reward/mean" in x]
+    assert [x["step"] for x in evals] == [0, 1, 2]
