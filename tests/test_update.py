@@ -38,6 +38,7 @@ def _grads(model, tokenizer, batch, windows_, loss_type):
     return captured, metrics
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_accumulating_k_micro_batches_equals_one_big_batch(tokenizer, tiny_model, loss_type):
     """The silent-wrong-gradient trap (transformers #34191): 4 micro-batches of 2 rows accumulated must give the

@@ -18,7 +18,8 @@ def test_callable_protocol_columns_and_none():
         seen.update(prompts=prompts, ids=completion_ids, answer=answer)
         return [None if c == "a" else float(len(c)) for c in completions]
 
-    rewards, errors = _score([length], columns={"answer": ["x", "y"]})
+    with pytest.warns(UserWarning, match="every reward function returned None for row 0"):
+        rewards, errors = _score([length], columns={"answer": ["x", "y"]})
     assert seen == {"prompts": ["p1", "p2"], "ids": [[1], [2, 2]], "answer": ["x", "y"]}
     assert math.isnan(rewards[0, 0]) and rewards[1, 0] == 2.0 and errors.tolist() == [0.0]
 
@@ -51,7 +52,8 @@ def test_exception_becomes_nan_and_is_counted_when_configured():
     def fragile(completions, **_):
         return [1.0 / (len(c) - 2) for c in completions]
 
-    rewards, errors = _score([fragile], on_error="nan")
+    with pytest.warns(UserWarning, match="row 1"):  # the only function failed on row 1: nothing scored it
+        rewards, errors = _score([fragile], on_error="nan")
     assert rewards[0, 0] == -1.0 and math.isnan(rewards[1, 0]) and errors.tolist() == [1.0]
 
 
