@@ -22,7 +22,12 @@ from groupwise.update import UpdateContext, optimizer_step
 
 PROMPTS = ["repeat a:"] * 4 + ["repeat b:"] * 4 + ["repeat c:"] * 4
 # row i belongs to group i // 4; with 2 processes of 6 rows, group 1 (rows 4-7) spans both processes
-TEXTS = ["aaa", "ab", "b", "aaaa", "bb", "a", "bbb", "ba", "c", "cc", "ca", "abc"]
+TEXTS = ["a\naa", "ab\nb", "b", "aa\naa", "bb\n", "a\nb\nb", "bbb", "b\na", "c", "c\nc", "ca\nc", "a\nbc"]
+
+
+def step_has_letter(prompts, steps, **_):
+    """Process reward: 1 for a step containing the prompt's letter, else 0."""
+    return [[float(p[7] in s) for s in row] for p, row in zip(prompts, steps)]
 
 
 def same(out: Path) -> None:
@@ -31,7 +36,7 @@ def same(out: Path) -> None:
     n = len(PROMPTS) // dist.world_size
     lo, hi = dist.rank * n, (dist.rank + 1) * n
     pids, pmask = encode_prompts(PROMPTS[lo:hi], tok, None)
-    T = 6
+    T = 8
     cids = torch.full((n, T), tok.pad_token_id)
     for i, text in enumerate(TEXTS[lo:hi]):
         ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -40,25 +45,32 @@ def same(out: Path) -> None:
     comp = Completions(pids, pmask, cids, cmask, trunc, PROMPTS[lo:hi], TEXTS[lo:hi],
                        {"letter": [p[7] for p in PROMPTS[lo:hi]]})
     result = {}
-    for loss_type in ("dapo", "grpo"):
-        args = GRPOConfig(num_generations=4, per_device_train_batch_size=n, max_completion_length=T,
-                          loss_type=loss_type, learning_rate=1.0, max_grad_norm=0.0, output_dir=str(out))
-        from groupwise.rewards import load_reward_sources
+    from groupwise.rewards import load_reward_sources
+    from groupwise.rewards.steps import StepSplitter
 
+    for case, loss_type, supervision in (("dapo", "dapo", "outcome"), ("grpo", "grpo", "outcome"),
+                                         ("process", "dapo", "both")):
+        args = GRPOConfig(num_generations=4, per_device_train_batch_size=n, max_completion_length=T,
+                          loss_type=loss_type, learning_rate=1.0, max_grad_norm=0.0, output_dir=str(out),
+                          supervision=supervision)
         sources = load_reward_sources([toy.letter_reward])
-        ctx = R.RolloutContext(args, tok, None, sources, torch.ones(1), [tok.eos_token_id], dist)
+        ctx = R.RolloutContext(args, tok, None, sources, torch.ones(1), [tok.eos_token_id], dist,
+                               load_reward_sources([step_has_letter]), torch.ones(1), StepSplitter())
         scores = R.score(ctx, comp)
+        step_scores = R.score_steps(ctx, comp) if supervision != "outcome" else None
+        advantages = R.local_advantages(ctx, comp, scores, step_scores)
         model = toy.build_model(tok, seed=0, hidden_size=32)
-        batch = R.build_batch(ctx, comp, scores, model=model, ref_model=None, need_old_logps=False)
+        batch = R.build_batch(ctx, comp, advantages, model=model, ref_model=None, need_old_logps=False)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         model, opt = dist.prepare(model, opt)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         metrics = optimizer_step(UpdateContext(args, dist, model, opt, sched), [batch])
-        result[loss_type] = {"advantages": scores.advantages.tolist(), "local": batch.advantages.tolist(),
-                             "loss": metrics["loss/policy"]}
+        global_adv = scores.advantages if step_scores is None else step_scores.advantages
+        result[case] = {"advantages": global_adv.tolist(), "local": batch.advantages.tolist(),
+                        "loss": metrics["loss/policy"]}
         if dist.is_main:
             save_file({k: v.contiguous() for k, v in dist.unwrap(model).state_dict().items()},
-                      str(out / f"weights_{loss_type}.safetensors"))
+                      str(out / f"weights_{case}.safetensors"))
     (out / f"result_{dist.rank}.json").write_text(json.dumps(result))
 
 

@@ -54,6 +54,14 @@ def test_python_dash_m_entry_point(tmp_path, model_dir):
     assert (tmp_path / "run" / "checkpoint-1" / "config.json").exists()
 
 
+def test_process_supervision_from_the_command_line(tmp_path, model_dir):
+    cfg = _config(tmp_path, model_dir, supervision="process", reward_funcs=[], score_truncated_step=True,
+                  process_reward_funcs=["tests.test_trainer:_steps_with_letter"])
+    assert main(["train", cfg, "--max_steps", "1"]) == 0
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "process/step_reward_mean" in line and "reward/mean" not in line
+
+
 @pytest.mark.slow
 def test_demo_runs_two_steps(tmp_path):
     assert main(["train", "--max_steps", "2", "--output_dir", str(tmp_path / "demo")]) == 0

@@ -125,3 +125,36 @@ def test_eval_dataset_is_logged(tmp_path, tokenizer, tiny_model):
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "eval/reward/mean" in x]
     assert [x["step"] for x in evals] == [0, 1, 2]
+
+
+def _steps_with_letter(prompts, steps, letter, **_):
+    """Rule-based process reward: the share of the step's characters equal to the prompt's letter, plus a length
+    term so that even a random policy's steps differ (a group with no spread would rightly not train)."""
+    return [[s.count(c) / len(s) + len(s) / 10 for s in row] for row, c in zip(steps, letter)]
+
+
+@pytest.mark.parametrize("supervision", ["process", "both"])
+def test_process_supervision_trains_with_token_advantages(tmp_path, tokenizer, tiny_model, supervision, capsys):
+    funcs = [] if supervision == "process" else [toy.letter_reward]
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    t = GRPOTrainer(tiny_model, funcs, args=small_args(tmp_path, supervision=supervision, max_completion_length=10,
+                                                        score_truncated_step=True, log_completions=True, num_completions_to_print=1),
+                    train_dataset=toy.dataset(16), processing_class=tokenizer, process_reward_funcs=[_steps_with_letter])
+    batch, metrics, comp, _ = t._rollout()
+    assert batch.advantages.shape == batch.completion_mask.shape  # (N, T) token advantages reach the loss
+    for key in ("process/step_reward_mean", "process/steps_per_completion", "process/zero_std_groups",
+                "process/no_step_completions"):
+        assert key in metrics
+    final = t.train()
+    assert "process/step_reward_mean" in final
+    assert any(not torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())
+    assert "step 1:" in capsys.readouterr().out
+
+
+def test_supervision_needs_matching_reward_sources(tmp_path, tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="supervision='process' needs process_reward_funcs"):
+        GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path, supervision="process"),
+                    train_dataset=toy.dataset(4), processing_class=tokenizer)
+    with pytest.raises(ValueError, match="supervision='outcome'"):
+        GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(4),
+                    processing_class=tokenizer, process_reward_funcs=[_steps_with_letter])

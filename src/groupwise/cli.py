@@ -2,7 +2,7 @@
 
 Run fields: model_name_or_path, dataset_name (a .jsonl/.json/.csv/.parquet file, a saved dataset folder,
 `builtin:<task>` or a hub name), dataset_split, eval_dataset_name, eval_split, reward_funcs (list of
-`package.module:function` paths or reward-model paths). With no config and no model, `groupwise train` runs the
+`package.module:function` paths or reward-model paths), process_reward_funcs (step-reward functions). With no config and no model, `groupwise train` runs the
 built-in demo.
 """
 
@@ -25,6 +25,7 @@ RUN_FIELDS = {
     "eval_dataset_name": "Evaluation prompts, same forms as dataset_name.",
     "eval_split": "Split of eval_dataset_name (default 'test' for hub datasets).",
     "reward_funcs": "List of 'package.module:function' paths or reward-model paths (builtin tasks bring theirs).",
+    "process_reward_funcs": "List of 'package.module:function' step-reward functions (supervision process / both).",
 }
 
 
@@ -99,12 +100,13 @@ def cmd_train(argv: list[str]) -> int:
         from groupwise.tasks import TASKS
 
         reward_funcs = TASKS[dataset_name.split(":", 1)[1]].REWARD_FUNCS
-    if not reward_funcs:
+    process_funcs = run.get("process_reward_funcs") or None
+    if not reward_funcs and args.supervision != "process":
         raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
     from groupwise.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs, args=args, train_dataset=train_data,
-                          eval_dataset=eval_data)
+    trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs or [], args=args, train_dataset=train_data,
+                          eval_dataset=eval_data, process_reward_funcs=process_funcs)
     trainer.train()
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ import yaml
 from groupwise.core.aggregation import AGGREGATIONS
 from groupwise.core.advantages import STDS
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS
+from groupwise.supervision import SUPERVISION
 
 
 class ConfigError(ValueError):
@@ -55,6 +57,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE = ("sum_then_normalize", "normalize_then_sum")
 REPORT_TO = ("none", "tensorboard", "wandb")
 ON_REWARD_ERROR = ("raise", "nan")
+STEP_SPLITS = ("delimiter", "regex", "tag")
 
 
 def _help(text: str, **kw) -> Any:
@@ -131,6 +134,17 @@ class GRPOConfig:
     ref_model_mixup_alpha: float = _help("TR-DPO α: ref ← α·policy + (1−α)·ref.", default=0.6)
     ref_model_sync_steps: int = _help("Optimizer steps between TR-DPO reference syncs.", default=512)
 
+    # ---- process supervision (DeepSeekMath §4.1.3) ------------------------------------------------------------
+    supervision: str = _help("'outcome' (§4.1.2, one advantage per completion), 'process' (§4.1.3, token t gets the sum of the normalised rewards of the steps ending at or after t) or 'both' (weighted sum of the two).", default="outcome")
+    step_split: str = _help("How completions split into steps: 'delimiter' (step_delimiter), 'regex' (each step_pattern match ends a step) or 'tag' (step_tag after each step).", default="delimiter")
+    step_delimiter: str = _help("Text that ends a step when step_split='delimiter'.", default="\n")
+    step_pattern: str | None = _help("Regex whose matches end steps when step_split='regex'.", default=None)
+    step_tag: str | None = _help("Step tag after each step when step_split='tag' (Math-Shepherd 'ки', Qwen2.5-Math-PRM '<extra_0>').", default=None)
+    score_truncated_step: bool = _help("Score the last step of a completion cut by max_completion_length (False: leave it out; its tokens get advantage 0).", default=False)
+    process_reward_weights: list[float] | None = _help("One weight per process reward function (default: all 1).", default=None)
+    outcome_advantage_weight: float = _help("w_o in supervision='both': Â = w_o·Â_outcome + w_p·Â_process.", default=1.0)
+    process_advantage_weight: float = _help("w_p in supervision='both'.", default=1.0)
+
     # ---- evaluation -------------------------------------------------------------------------------------------
     eval_steps: int | None = _help("Evaluate on eval_dataset every this many optimizer steps (None: only at start and end if eval_dataset is given).", default=None)
     per_device_eval_batch_size: int = _help("Prompts per generation batch during evaluation.", default=16)
@@ -159,6 +173,19 @@ class GRPOConfig:
         _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         _choice("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE)
         _choice("on_reward_error", self.on_reward_error, ON_REWARD_ERROR)
+        _choice("supervision", self.supervision, tuple(SUPERVISION))
+        _choice("step_split", self.step_split, STEP_SPLITS)
+        if self.step_split == "regex":
+            if not self.step_pattern:
+                raise ConfigError("step_split='regex' needs step_pattern")
+            try:
+                re.compile(self.step_pattern)
+            except re.error as e:
+                raise ConfigError(f"step_pattern={self.step_pattern!r} is not a valid regex: {e}") from None
+        if self.step_split == "tag" and not self.step_tag:
+            raise ConfigError("step_split='tag' needs step_tag")
+        if self.step_split == "delimiter" and not self.step_delimiter:
+            raise ConfigError("step_delimiter must be a non-empty string")
         for r in self.report_to:
             _choice("report_to", r, REPORT_TO)
         if self.num_generations < 2:

@@ -56,11 +56,15 @@ class MetricsLogger:
 
 
 def print_completions(step: int, prompts: list[Any], completions: list[Any], rewards: list[float],
-                      advantages: list[float], limit: int | None) -> None:
-    rows = list(zip(prompts, completions, rewards, advantages))[:limit]
+                      advantages: list[float], limit: int | None,
+                      steps: list[list[tuple[str, float]]] | None = None) -> None:
+    """advantages: the first token's advantage (the whole completion's under outcome supervision)."""
     lines = [f"── completions at step {step} " + "─" * 40]
-    for p, c, r, a in rows:
-        lines.append(f"prompt: {_short(p)}\ncompletion: {_short(c)}\nreward {r:+.3f}   advantage {a:+.3f}\n")
+    for i, (p, c, r, a) in enumerate(list(zip(prompts, completions, rewards, advantages))[:limit]):
+        lines.append(f"prompt: {_short(p)}\ncompletion: {_short(c)}\nreward {r:+.3f}   advantage {a:+.3f}")
+        for j, (text, sr) in enumerate(steps[i] if steps else []):
+            lines.append(f"    step {j + 1}: {sr:+.3f}  {_short(text, 120)}")
+        lines.append("")
     tqdm.write("\n".join(lines))
 
 

@@ -12,10 +12,14 @@ from typing import Any
 
 import torch
 
+from groupwise.core.advantages import process_advantages
 from groupwise.generation.base import completion_masks, encode_prompts, is_conversational
 from groupwise.modeling import batched_logps
 from groupwise.rewards import combine_rewards, compute_rewards
-from groupwise.types import Completions, Scores, TrainBatch
+from groupwise.rewards.process import compute_step_rewards
+from groupwise.rewards.steps import StepSplitter
+from groupwise.supervision import token_advantages
+from groupwise.types import Completions, Scores, StepScores, TrainBatch
 
 
 @dataclass
@@ -29,6 +33,9 @@ class RolloutContext:
     reward_weights: torch.Tensor  # (F,)
     eos_token_ids: list[int]
     dist: Any  # groupwise.distributed.Distributed
+    process_sources: list | None = None  # process reward functions (supervision 'process' / 'both')
+    process_weights: torch.Tensor | None = None  # (F_p,)
+    splitter: StepSplitter | None = None
 
 
 def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: bool = False) -> Completions:
@@ -64,6 +71,40 @@ def score(ctx: RolloutContext, comp: Completions) -> Scores:
     return Scores(per_func, rewards, advantages, tuple(s.name for s in ctx.reward_sources), errors)
 
 
+def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
+    """Split this process's completions into steps, score them, gather the round, §4.1.3 token advantages."""
+    args, G, tok = ctx.args, ctx.args.num_generations, ctx.tokenizer
+    steps = []
+    for ids, m, cut in zip(comp.completion_ids.tolist(), comp.completion_mask, comp.truncated.tolist()):
+        ids = ids[: int(m.sum())]
+        s = ctx.splitter.split(ids, tok, ends_with_eos=not cut, truncated=cut)
+        if s.truncated_last and not args.score_truncated_step:
+            s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
+        steps.append(s)
+    texts = [list(s.texts) for s in steps]
+    rewards, errors = compute_step_rewards(ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions,
+                                           texts, comp.columns, on_error=args.on_reward_error)
+    gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
+    errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
+    B = len(gathered) // G
+    all_rewards = [[gathered[b * G + g][0] for g in range(G)] for b in range(B)]
+    all_ends = [[gathered[b * G + g][1] for g in range(G)] for b in range(B)]
+    adv = process_advantages(all_rewards, all_ends, args.max_completion_length, std=args.reward_std,
+                             eps=args.advantage_eps)  # (B, G, max_completion_length)
+    return StepScores(all_rewards, all_ends, texts, adv, tuple(s.name for s in ctx.process_sources), errors)
+
+
+def local_advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
+                     step_scores: StepScores | None) -> torch.Tensor:  # (N,) or (N, T)
+    """This process's advantages, outcome / process / both as configured (groupwise.supervision)."""
+    args, T = ctx.args, comp.completion_ids.size(1)
+    outcome = None if scores is None else local_slice(ctx, scores.advantages)  # (N,)
+    process = None if step_scores is None else local_slice(ctx, step_scores.advantages)[:, :T]  # (N, T)
+    adv = token_advantages(args.supervision, outcome, process, outcome_weight=args.outcome_advantage_weight,
+                           process_weight=args.process_advantage_weight)
+    return adv.to(comp.completion_ids.device)
+
+
 def local_slice(ctx: RolloutContext, t: torch.Tensor) -> torch.Tensor:
     """This process's rows of a (B, G, …) tensor of the whole round."""
     flat = t.reshape(-1, *t.shape[2:])
@@ -71,10 +112,9 @@ def local_slice(ctx: RolloutContext, t: torch.Tensor) -> torch.Tensor:
     return flat[ctx.dist.rank * n:(ctx.dist.rank + 1) * n]
 
 
-def build_batch(ctx: RolloutContext, comp: Completions, scores: Scores, *, model, ref_model,
+def build_batch(ctx: RolloutContext, comp: Completions, advantages: torch.Tensor, *, model, ref_model,
                 need_old_logps: bool) -> TrainBatch:
     args = ctx.args
-    advantages = local_slice(ctx, scores.advantages).to(comp.completion_ids.device)  # (N,)
     loss_mask = comp.completion_mask
     if args.mask_truncated_completions:
         loss_mask = loss_mask * (~comp.truncated).unsqueeze(-1).long()
@@ -91,24 +131,43 @@ def build_batch(ctx: RolloutContext, comp: Completions, scores: Scores, *, model
     return TrainBatch(input_ids, attention_mask, loss_mask, advantages, old, ref)
 
 
-def rollout_metrics(ctx: RolloutContext, comp: Completions, scores: Scores) -> dict[str, float]:
+def rollout_metrics(ctx: RolloutContext, comp: Completions, scores: Scores | None,
+                    step_scores: StepScores | None = None) -> dict[str, float]:
     dist = ctx.dist
     lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
     truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu()
     m: dict[str, float] = {
-        "reward/mean": float(torch.nanmean(scores.rewards)),
-        "reward/std": float(_nanstd(scores.rewards.flatten())),
-        "reward/frac_zero_std_groups": float((_group_std(scores.rewards) < 1e-6).float().mean()),
         "gen/mean_length": float(lengths.mean()),
         "gen/min_length": float(lengths.min()),
         "gen/max_length": float(lengths.max()),
         "gen/clipped_ratio": float(truncated.mean()),
     }
+    if step_scores is not None:
+        m.update(_process_metrics(step_scores))
+    if scores is None:
+        return m
+    m["reward/mean"] = float(torch.nanmean(scores.rewards))
+    m["reward/std"] = float(_nanstd(scores.rewards.flatten()))
+    m["reward/frac_zero_std_groups"] = float((_group_std(scores.rewards) < 1e-6).float().mean())
     for f, name in enumerate(scores.names):
         col = scores.per_func[..., f].flatten()
         m[f"reward/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
         m[f"reward/{name}/std"] = float(_nanstd(col))
         m[f"reward/{name}/errors"] = float(scores.errors[f])
+    return m
+
+
+def _process_metrics(s: StepScores) -> dict[str, float]:
+    per_completion = [row for group in s.rewards for row in group]
+    flat = torch.tensor([r for row in per_completion for r in row] or [float("nan")])
+    group_std = [_nanstd(torch.tensor([r for row in group for r in row] or [float("nan")])) for group in s.rewards]
+    m = {"process/step_reward_mean": float(torch.nanmean(flat)),
+         "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),
+         "process/no_step_completions": float(sum(1 for r in per_completion if not r)),
+         # a group whose step rewards have no spread carries no signal (all its advantages are 0)
+         "process/zero_std_groups": float(sum(1 for v in group_std if not (v > 1e-6)))}
+    for f, name in enumerate(s.names):
+        m[f"process/{name}/errors"] = float(s.errors[f])
     return m
 
 

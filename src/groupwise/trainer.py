@@ -21,13 +21,15 @@ from groupwise.generation import TransformersGenerator
 from groupwise.logging import MetricsLogger, print_completions
 from groupwise.modeling import disable_dropout
 from groupwise.rewards import compute_rewards, load_reward_sources
+from groupwise.rewards.process import load_process_reward_sources
+from groupwise.rewards.steps import StepSplitter
 from groupwise.types import TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
 
 class GRPOTrainer:
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None):
+                 processing_class=None, reward_processing_classes=None, process_reward_funcs=None):
         # ---- everything that can be checked without a model ----------------------------------------------------
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
@@ -36,9 +38,20 @@ class GRPOTrainer:
         self.layout = args.layout(self.dist.world_size)
         self.train_data = PromptData(train_dataset, "train_dataset")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        n_funcs = len(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else 1
-        if args.reward_weights is not None and len(args.reward_weights) != n_funcs:
-            raise ValueError(f"reward_weights has {len(args.reward_weights)} entries for {n_funcs} reward functions")
+        reward_funcs = _as_list(reward_funcs)
+        process_reward_funcs = _as_list(process_reward_funcs)
+        if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
+            raise ValueError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward functions")
+        if args.supervision == "outcome" and process_reward_funcs:
+            raise ValueError("process_reward_funcs were given but supervision='outcome': set supervision='process' "
+                             "or 'both' (GRPOConfig) to use them")
+        if args.supervision != "outcome" and not process_reward_funcs:
+            raise ValueError(f"supervision={args.supervision!r} needs process_reward_funcs (one reward per step)")
+        if args.supervision != "process" and not reward_funcs:
+            raise ValueError(f"supervision={args.supervision!r} needs at least one outcome reward function")
+        if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
+            raise ValueError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
+                             f"{len(process_reward_funcs)} process reward functions")
         if not isinstance(model, (str, torch.nn.Module)):
             raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
         if not isinstance(model, str) and args.model_init_kwargs:
@@ -59,7 +72,9 @@ class GRPOTrainer:
         if args.beta != 0.0:
             self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(self.dist.device)
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
-                                                  trust_remote_code=args.trust_remote_code, device=self.dist.device)
+                                                  trust_remote_code=args.trust_remote_code,
+                                                  device=self.dist.device) if reward_funcs else []
+        self.process_sources = load_process_reward_sources(process_reward_funcs) if process_reward_funcs else []
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay)
@@ -76,7 +91,11 @@ class GRPOTrainer:
             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos, generation_kwargs=args.generation_kwargs)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_sources), dtype=torch.float)
-        self.rollout_ctx = R.RolloutContext(args, self.tokenizer, generator, self.reward_sources, weights, eos, self.dist)
+        process_weights = torch.tensor(args.process_reward_weights or [1.0] * len(self.process_sources))
+        splitter = StepSplitter(args.step_split, delimiter=args.step_delimiter, pattern=args.step_pattern,
+                                step_tag=args.step_tag)
+        self.rollout_ctx = R.RolloutContext(args, self.tokenizer, generator, self.reward_sources, weights, eos,
+                                            self.dist, self.process_sources, process_weights, splitter)
         self.update_ctx = UpdateContext(args, self.dist, self.model, self.optimizer, self.scheduler)
         # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
         self.need_old_logps = args.num_iterations > 1 or self.layout.steps_per_generation > args.gradient_accumulation_steps
@@ -126,8 +145,9 @@ class GRPOTrainer:
                     last["epoch"] = self.sampler.epoch + self.sampler.position / len(self.train_data)
                     logger.log(self.global_step, last)
                     window_metrics.clear()
-                    bar.set_postfix({"reward": f"{last['reward/mean']:.3f}", "loss": f"{last['loss/policy']:.4f}",
-                                     "len": f"{last['gen/mean_length']:.0f}"})
+                    bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
+                                     ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
+                                     if k in last})
                     if args.log_completions and comp is not None and self.dist.is_main:
                         _print_round(self.global_step, comp, scores, self.rollout_ctx, args.num_completions_to_print)
                 if args.save_steps and self.global_step % args.save_steps == 0 or self.global_step == self.max_steps:
@@ -150,10 +170,12 @@ class GRPOTrainer:
         n = self.layout.local_rows
         local = [self.train_data[i] for i in rows[rank * n:(rank + 1) * n]]
         comp = R.generate(ctx, self.unwrapped, local)
-        scores = R.score(ctx, comp)
-        batch = R.build_batch(ctx, comp, scores, model=self.unwrapped, ref_model=self.ref_model,
+        scores = R.score(ctx, comp) if self.reward_sources else None  # outcome rewards (B, G)
+        step_scores = R.score_steps(ctx, comp) if self.process_sources else None  # step rewards [B][G][K]
+        advantages = R.local_advantages(ctx, comp, scores, step_scores)  # (N,) or (N, T)
+        batch = R.build_batch(ctx, comp, advantages, model=self.unwrapped, ref_model=self.ref_model,
                               need_old_logps=self.need_old_logps)
-        return batch, R.rollout_metrics(ctx, comp, scores), comp, scores
+        return batch, R.rollout_metrics(ctx, comp, scores, step_scores), comp, (scores, step_scores, advantages)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -170,11 +192,12 @@ class GRPOTrainer:
                                          on_error=self.args.on_reward_error)
             per_func += rewards.tolist()
             lengths += comp.lengths.tolist()
-        per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
         lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
-        w = self.rollout_ctx.reward_weights
-        out = {"eval/reward/mean": float(torch.nanmean(torch.nansum(per_func * w, -1))),
-               "eval/mean_length": float(lengths.mean())}
+        out = {"eval/mean_length": float(lengths.mean())}
+        if not self.reward_sources:
+            return out
+        per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
+        out["eval/reward/mean"] = float(torch.nanmean(torch.nansum(per_func * self.rollout_ctx.reward_weights, -1)))
         for f, src in enumerate(self.reward_sources):
             out[f"eval/reward/{src.name}/mean"] = float(torch.nanmean(per_func[:, f]))
         return out
@@ -258,7 +281,21 @@ def _nanmean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def _print_round(step: int, comp, scores, ctx, limit: int | None) -> None:
-    rewards = R.local_slice(ctx, scores.rewards).tolist()
-    adv = R.local_slice(ctx, scores.advantages).tolist()
-    print_completions(step, comp.prompts, comp.completions, rewards, adv, limit)
+def _as_list(funcs) -> list:
+    if funcs is None:
+        return []
+    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+
+def _print_round(step: int, comp, scored, ctx, limit: int | None) -> None:
+    scores, step_scores, advantages = scored
+    n = len(comp.prompts)
+    rewards = R.local_slice(ctx, scores.rewards).tolist() if scores is not None else [float("nan")] * n
+    first_token_adv = (advantages if advantages.dim() == 1 else advantages[:, 0]).tolist()
+    steps = None
+    if step_scores is not None:
+        G = ctx.args.num_generations
+        lo = ctx.dist.rank * n
+        step_rewards = [step_scores.rewards[(lo + i) // G][(lo + i) % G] for i in range(n)]
+        steps = [list(zip(texts, r)) for texts, r in zip(step_scores.texts, step_rewards)]
+    print_completions(step, comp.prompts, comp.completions, rewards, first_token_adv, limit, steps=steps)

@@ -42,6 +42,18 @@ class Scores:
 
 
 @dataclass(frozen=True)
+class StepScores:
+    """Step rewards of the whole generation round (process supervision), ragged per completion."""
+
+    rewards: list[list[list[float]]]  # [B][G][K_i] combined step rewards, NaN = unscored
+    ends: list[list[list[int]]]  # [B][G][K_i] token index where each step ends
+    texts: list[list[str]]  # (N)[K_i] step texts of this process's rows
+    advantages: torch.Tensor  # (B, G, max_completion_length) §4.1.3 token advantages
+    names: tuple[str, ...]  # (F) process reward function names
+    errors: torch.Tensor  # (F,)
+
+
+@dataclass(frozen=True)
 class TrainBatch:
     """Everything the update needs for N rows; produced by the rollout, consumed by groupwise.update."""
 

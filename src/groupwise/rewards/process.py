@@ -1,0 +1,97 @@
+"""Process reward sources: per completion, one reward per reasoning step (DeepSeekMath §4.1.3).
+
+A process reward function is `fn(prompts=…, completions=…, steps=…, **dataset_columns)` where `steps[i]` is the
+list of step texts of completion i; it returns, per completion, a list with one float (or None) per step.
+Several functions are combined step by step as a weighted sum (NaN terms skipped; NaN when every term is NaN).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from groupwise.rewards.sources import RewardFunctionError, RewardSource, load_reward_sources
+
+
+def load_process_reward_sources(funcs) -> list[RewardSource]:
+    sources = load_reward_sources(funcs)
+    for s in sources:
+        if s.fn is None:
+            raise TypeError(f"process reward source {s.name!r}: only callables are supported as process reward "
+                            "functions for now (neural process reward models are planned)")
+    return sources
+
+
+def _validate(name: str, out: Any, steps: list[list[str]]) -> list[list[float]]:
+    if not isinstance(out, (list, tuple)) or len(out) != len(steps):
+        got = len(out) if hasattr(out, "__len__") else type(out).__name__
+        raise RewardFunctionError(f"process reward function {name!r} returned {got} entries for {len(steps)} "
+                                  "completions (one list of step rewards per completion expected)")
+    rows = []
+    for i, (values, row_steps) in enumerate(zip(out, steps)):
+        if not isinstance(values, (list, tuple)) or len(values) != len(row_steps):
+            got = len(values) if isinstance(values, (list, tuple)) else repr(values)
+            raise RewardFunctionError(f"process reward function {name!r} returned {got} rewards for row {i}, "
+                                      f"which has {len(row_steps)} steps: {row_steps!r:.300}")
+        row = []
+        for v in values:
+            if v is None:
+                row.append(math.nan)
+            elif isinstance(v, numbers.Real) and not isinstance(v, bool) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
+                row.append(float(v))
+            else:
+                raise RewardFunctionError(f"process reward function {name!r} returned a non-numeric step reward "
+                                          f"for row {i}: {v!r}")
+        rows.append(row)
+    return rows
+
+
+def compute_step_rewards(
+    sources: list[RewardSource],
+    weights: torch.Tensor,  # (F,)
+    prompts: list[Any],
+    completions: list[Any],
+    steps: list[list[str]],  # (N) step texts per completion
+    columns: dict[str, list[Any]],
+    *,
+    on_error: str = "raise",
+) -> tuple[list[list[float]], torch.Tensor]:  # (N)[K_i] combined step rewards (NaN = unscored), (F,) errors
+    n = len(prompts)
+    per_func: list[list[list[float]]] = []
+    errors = torch.zeros(len(sources))
+    for f, src in enumerate(sources):
+        def call(lo, hi):
+            return _validate(src.name, src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi],
+                                              steps=steps[lo:hi], **{k: v[lo:hi] for k, v in columns.items()}),
+                             steps[lo:hi])
+        try:
+            per_func.append(call(0, n))
+        except RewardFunctionError:
+            raise
+        except Exception:  # isolate the failing rows
+            rows = []
+            for i in range(n):
+                try:
+                    rows.append(call(i, i + 1)[0])
+                except RewardFunctionError:
+                    raise
+                except Exception as exc:
+                    if on_error == "raise":
+                        raise RewardFunctionError(
+                            f"process reward function {src.name!r} raised {type(exc).__name__}: {exc} on row {i}: "
+                            f"completion={completions[i]!r:.200} (set on_reward_error='nan' to go on)") from exc
+                    errors[f] += 1
+                    rows.append([math.nan] * len(steps[i]))
+            per_func.append(rows)
+    combined = []
+    for i in range(n):
+        row = []
+        for j in range(len(steps[i])):
+            terms = [(float(weights[f]) * per_func[f][i][j]) for f in range(len(sources))
+                     if not math.isnan(per_func[f][i][j])]
+            row.append(sum(terms) if terms else math.nan)
+        combined.append(row)
+    return combined, errors

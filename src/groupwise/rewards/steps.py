@@ -1,0 +1,107 @@
+"""Split a completion into reasoning steps and find the token where each step ends (DeepSeekMath §4.1.3 index(j)).
+
+Boundaries are found in the decoded text (a delimiter such as "\\n", a regex, or a step tag such as Math-Shepherd's
+"ки"), then mapped to token indices through the tokenizer's own decoding of token prefixes, so a token that spans
+a delimiter, a multi-byte character split over byte-level tokens and BPE merges all land on the right index:
+a step ends at the first token whose decoded prefix covers the step's last character (its delimiter included).
+Blank steps are dropped; a final step without a trailing delimiter counts and ends at the completion's last token
+(its EOS included, so the decision to stop shares the last step's advantage). When the completion was cut by
+max_completion_length, that final step is marked `truncated_last`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Steps:
+    texts: tuple[str, ...]  # (K) step texts, delimiter / tag and surrounding whitespace removed
+    ends: tuple[int, ...]  # (K) 0-based token index of each step's last token, ascending
+    truncated_last: bool = False  # the last step was cut by max_completion_length (no delimiter, no EOS)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def drop_last(self) -> "Steps":
+        return Steps(self.texts[:-1], self.ends[:-1], False)
+
+
+class StepSplitter:
+    """mode "delimiter" (default "\\n"), "regex" (each match ends a step) or "tag" (a step tag after each step)."""
+
+    def __init__(self, mode: str = "delimiter", *, delimiter: str = "\n", pattern: str | None = None,
+                 step_tag: str | None = None):
+        if mode == "delimiter":
+            if not delimiter:
+                raise ValueError("step_delimiter must be a non-empty string")
+            self.regex = re.compile(re.escape(delimiter))
+        elif mode == "regex":
+            if not pattern:
+                raise ValueError("step_split='regex' needs step_pattern")
+            self.regex = re.compile(pattern)
+        elif mode == "tag":
+            if not step_tag:
+                raise ValueError("step_split='tag' needs step_tag")
+            self.regex = re.compile(re.escape(step_tag))
+        else:
+            raise ValueError(f"step_split={mode!r} is not one of ['delimiter', 'regex', 'tag']")
+        self.mode = mode
+
+    def split_text(self, text: str) -> list[tuple[str, int]]:
+        """[(step text without its delimiter, character index just past the step's delimiter)], blanks dropped.
+        The final piece without a trailing delimiter gets end -1."""
+        out, start = [], 0
+        for m in self.regex.finditer(text):
+            if m.end() == m.start():  # an empty match cannot end a step
+                continue
+            out.append((text[start:m.start()], m.end()))
+            start = m.end()
+        out.append((text[start:], -1))
+        return [(t, e) for t, e in out if t.strip()]
+
+    def split(self, token_ids: list[int], tokenizer, *, ends_with_eos: bool, truncated: bool) -> Steps:
+        """Steps of one completion. `token_ids` excludes padding; its last token is the EOS when ends_with_eos."""
+        text_ids = token_ids[:-1] if ends_with_eos else token_ids
+        decode = _PrefixDecoder(text_ids, tokenizer)
+        pieces = self.split_text(decode.text)
+        if not pieces:
+            return Steps((), ())
+        texts, ends = [], []
+        last_token = len(token_ids) - 1
+        for text, char_end in pieces:
+            texts.append(text.strip())
+            ends.append(last_token if char_end == -1 else decode.token_covering(char_end))
+        final_open = pieces[-1][1] == -1
+        return Steps(tuple(texts), tuple(ends), truncated_last=final_open and truncated)
+
+
+class _PrefixDecoder:
+    """len(decode(ids[:i+1])) for any i, memoised; decoding prefixes keeps the tokenizer's own handling of
+    byte-level pieces, merges and leading spaces."""
+
+    def __init__(self, ids: list[int], tokenizer):
+        self.ids, self.tok = ids, tokenizer
+        self.cache: dict[int, int] = {}
+        self.text = self._decode(len(ids))
+
+    def _decode(self, n: int) -> str:
+        return self.tok.decode(self.ids[:n], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def length(self, i: int) -> int:  # characters fully covered by tokens 0..i
+        if i not in self.cache:
+            # a prefix ending inside a multi-byte character decodes to a trailing U+FFFD: not covered yet
+            self.cache[i] = len(self._decode(i + 1).rstrip("\ufffd"))
+        return self.cache[i]
+
+    def token_covering(self, char_end: int) -> int:
+        """Smallest token index i whose prefix decodes to ≥ char_end characters (binary search)."""
+        lo, hi = 0, len(self.ids) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.length(mid) >= char_end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo

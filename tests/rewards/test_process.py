@@ -1,0 +1,57 @@
+import math
+
+import pytest
+import torch
+
+from groupwise.rewards import RewardFunctionError
+from groupwise.rewards.process import compute_step_rewards, load_process_reward_sources
+from groupwise.supervision import token_advantages
+
+
+def _run(funcs, steps, weights=None, **kw):
+    sources = load_process_reward_sources(funcs)
+    w = torch.tensor(weights or [1.0] * len(sources))
+    return compute_step_rewards(sources, w, ["p"] * len(steps), ["c"] * len(steps), steps, {}, **kw)
+
+
+def test_weighted_sum_per_step_with_none():
+    # f: [1, None], [2]; g (weight 0.5): [4, 6], [None] → [1 + 2, 0.5·6 = 3], [2] (None terms skipped)
+    f = lambda steps, **_: [[1.0, None], [2.0]]  # noqa: E731
+    g = lambda steps, **_: [[4.0, 6.0], [None]]  # noqa: E731
+    rewards, errors = _run([f, g], [["s1", "s2"], ["t1"]], weights=[1.0, 0.5])
+    assert rewards == [[3.0, 3.0], [2.0]] and errors.tolist() == [0.0, 0.0]
+    all_none, _ = _run([lambda steps, **_: [[None]]], [["s"]])
+    assert math.isnan(all_none[0][0])
+
+
+def test_wrong_step_count_names_function_and_row():
+    def miscount(steps, **_):
+        return [[1.0] * len(s) for s in steps[:-1]] + [[1.0]]
+
+    with pytest.raises(RewardFunctionError, match=r"'miscount' returned 1 rewards for row 1, which has 2 steps"):
+        _run([miscount], [["a"], ["b", "c"]])
+    with pytest.raises(RewardFunctionError, match=r"returned 1 entries for 2 completions"):
+        _run([lambda steps, **_: [[1.0]]], [["a"], ["b"]])
+    with pytest.raises(RewardFunctionError, match=r"non-numeric step reward for row 0: 'ok'"):
+        _run([lambda steps, **_: [["ok"]]], [["a"]])
+
+
+def test_exceptions_raise_or_count():
+    def fragile(steps, **_):
+        return [[1.0 / (len(s[0]) - 1)] for s in steps]
+
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.* on row 1"):
+        _run([fragile], [["ab"], ["c"]])
+    rewards, errors = _run([fragile], [["ab"], ["c"]], on_error="nan")
+    assert rewards[0] == [1.0] and math.isnan(rewards[1][0]) and errors.tolist() == [1.0]
+
+
+def test_supervision_both_by_hand():
+    # outcome r̃ = [1, −1]; process token advantages [[0.5, 0.5, 0], [−2, 0, 0]]; w_o = 1, w_p = 0.5:
+    # row 0: 1 + 0.5·[0.5, 0.5, 0] = [1.25, 1.25, 1]; row 1: −1 + 0.5·[−2, 0, 0] = [−2, −1, −1]
+    outcome = torch.tensor([1.0, -1.0])
+    process = torch.tensor([[0.5, 0.5, 0.0], [-2.0, 0.0, 0.0]])
+    both = token_advantages("both", outcome, process, outcome_weight=1.0, process_weight=0.5)
+    assert torch.equal(both, torch.tensor([[1.25, 1.25, 1.0], [-2.0, -1.0, -1.0]]))
+    assert token_advantages("outcome", outcome, None) is outcome
+    assert token_advantages("process", None, process) is process

@@ -1,0 +1,89 @@
+import pytest
+
+from groupwise.rewards.steps import StepSplitter
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE tokenizer trained in-process, whose merges make tokens that span "\\n" and whose byte
+    pieces split multi-byte characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # merges may cross "\n"
+    tk.decoder = decoders.ByteLevel()
+    corpus = ["x = 1 + 2.\nThen y = 3.\nSo z = 4.\n"] * 50 + ["café 中文 ки\n"] * 20
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<eos>")
+
+
+def _check_ends(tok, ids, steps, splitter):
+    """Brute-force reference: a step ends at the first token whose decoded prefix contains the whole step."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    pieces = splitter.split_text(text)
+    for (piece, char_end), end in zip(pieces, steps.ends):
+        if char_end == -1:
+            assert end == len(ids) - 1 or end == len(ids)  # the final open step ends at the last token
+            continue
+        assert tok.decode(ids[: end + 1]).startswith(text[:char_end])
+        assert end == 0 or not tok.decode(ids[:end]).startswith(text[:char_end])
+
+
+def test_char_tokenizer_by_hand(tokenizer):
+    # "ab\n\ncd\nef<eos>": tokens a b \n \n c d \n e f <eos> = indices 0..9
+    # steps: "ab" ends at its "\n" (2); the blank "\n" step is dropped; "cd" ends at 6; "ef" (no delimiter) ends at
+    # the EOS (9), so the decision to stop shares the last step's advantage
+    ids = tokenizer("ab\n\ncd\nef", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    s = StepSplitter().split(ids, tokenizer, ends_with_eos=True, truncated=False)
+    assert s.texts == ("ab", "cd", "ef") and s.ends == (2, 6, 9) and not s.truncated_last
+
+
+def test_truncated_final_step_is_marked(tokenizer):
+    ids = tokenizer("ab\ncd", add_special_tokens=False).input_ids  # cut by the length limit: no EOS
+    s = StepSplitter().split(ids, tokenizer, ends_with_eos=False, truncated=True)
+    assert s.texts == ("ab", "cd") and s.ends == (2, 4) and s.truncated_last
+    assert s.drop_last().texts == ("ab",)
+    closed = tokenizer("ab\ncd\n", add_special_tokens=False).input_ids
+    assert not StepSplitter().split(closed, tokenizer, ends_with_eos=False, truncated=True).truncated_last
+
+
+def test_no_steps(tokenizer):
+    ids = tokenizer("\n\n", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    assert len(StepSplitter().split(ids, tokenizer, ends_with_eos=True, truncated=False)) == 0
+
+
+def test_bpe_tokens_spanning_the_delimiter_and_multibyte_characters(bpe):
+    text = "x = 1 + 2.\nThen y = 3.\nSo z = 4.\ncafé 中文\nend"
+    ids = bpe(text, add_special_tokens=False).input_ids
+    spans = [bpe.decode([i]) for i in ids]
+    assert any("\n" in s and s.strip() for s in spans), f"no merge crosses the delimiter: {spans}"
+    assert any("\ufffd" in bpe.decode([i]) for i in ids), "no token splits a multi-byte character"
+    ids = ids + [bpe.eos_token_id]
+    splitter = StepSplitter()
+    steps = splitter.split(ids, bpe, ends_with_eos=True, truncated=False)
+    assert steps.texts == ("x = 1 + 2.", "Then y = 3.", "So z = 4.", "café 中文", "end")
+    assert list(steps.ends) == sorted(steps.ends)
+    _check_ends(bpe, ids[:-1], steps, splitter)
+
+
+def test_regex_and_tag_modes(bpe, tokenizer):
+    ids = tokenizer("1+1=2. 2+2=4. done", add_special_tokens=False).input_ids
+    s = StepSplitter("regex", pattern=r"\.\s").split(ids, tokenizer, ends_with_eos=False, truncated=False)
+    assert s.texts == ("1+1=2", "2+2=4", "done") and s.ends == (6, 13, 17)
+    tag_ids = bpe("x = 1 ки\ny = 2 ки\n", add_special_tokens=False).input_ids
+    t = StepSplitter("tag", step_tag="ки").split(tag_ids, bpe, ends_with_eos=False, truncated=False)
+    assert t.texts == ("x = 1", "y = 2")  # the trailing "\n" after the last tag is a blank step, dropped
+    # "ки" is 4 bytes in UTF-8: the step ends at the token completing it, not at a token holding half of "и"
+    assert "ки" in bpe.decode(tag_ids[: t.ends[0] + 1]) and "ки" not in bpe.decode(tag_ids[: t.ends[0]])
+    _check_ends(bpe, tag_ids, t, StepSplitter("tag", step_tag="ки"))
+
+
+def test_bad_splitter_settings():
+    with pytest.raises(ValueError, match="step_pattern"):
+        StepSplitter("regex")
+    with pytest.raises(ValueError, match="step_tag"):
+        StepSplitter("tag")
+    with pytest.raises(ValueError, match="step_split='lines'"):
+        StepSplitter("lines")
