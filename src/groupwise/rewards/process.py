@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from groupwise.rewards.sources import RewardFunctionError, RewardSource, load_reward_sources
+from groupwise.rewards.sources import RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources
 
 
 def load_process_reward_sources(funcs) -> list[RewardSource]:
@@ -63,29 +63,15 @@ def compute_step_rewards(
     per_func: list[list[list[float]]] = []
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):
-        def call(lo, hi):
+        def call(lo, hi, src=src):
             return _validate(src.name, src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi],
                                               steps=steps[lo:hi], **{k: v[lo:hi] for k, v in columns.items()}),
                              steps[lo:hi])
-        try:
-            per_func.append(call(0, n))
-        except RewardFunctionError:
-            raise
-        except Exception:  # isolate the failing rows
-            rows = []
-            for i in range(n):
-                try:
-                    rows.append(call(i, i + 1)[0])
-                except RewardFunctionError:
-                    raise
-                except Exception as exc:
-                    if on_error == "raise":
-                        raise RewardFunctionError(
-                            f"process reward function {src.name!r} raised {type(exc).__name__}: {exc} on row {i}: "
-                            f"completion={completions[i]!r:.200} (set on_reward_error='nan' to go on)") from exc
-                    errors[f] += 1
-                    rows.append([math.nan] * len(steps[i]))
-            per_func.append(rows)
+
+        rows, errors[f] = call_isolating_rows(
+            "process reward function", src.name, call, n, on_error=on_error,
+            failed_row=lambda i: [math.nan] * len(steps[i]), describe=lambda i: f"completion={completions[i]!r:.200}")
+        per_func.append(rows)
     combined = []
     for i in range(n):
         row = []

@@ -129,9 +129,33 @@ def _validate(name: str, values: Any, n: int) -> list[float]:
     return out
 
 
-def _call(src: RewardSource, prompts, completions, completion_ids, columns) -> list[float]:
-    return _validate(src.name, src.fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                      **columns), len(prompts))
+def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], n: int, *, on_error: str,
+                        failed_row: Callable[[int], Any], describe: Callable[[int], str]) -> tuple[list, int]:
+    """Call `call(0, n)` for the whole batch; if it raises (anything but a RewardFunctionError, which is the
+    caller's contract being broken), call it row by row to find the failing rows. on_error="raise": stop naming the
+    function and the first failing row; "nan": those rows get `failed_row(i)` and are counted."""
+    try:
+        return call(0, n), 0
+    except RewardFunctionError:
+        raise
+    except Exception as batch_exc:
+        rows, failures = [], 0
+        for i in range(n):
+            try:
+                rows.append(call(i, i + 1)[0])
+            except RewardFunctionError:
+                raise
+            except Exception as exc:
+                if on_error == "raise":
+                    raise RewardFunctionError(
+                        f"{kind} {name!r} raised {type(exc).__name__}: {exc} on row {i}: {describe(i)} "
+                        "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
+                failures += 1
+                rows.append(failed_row(i))
+        if failures == 0:  # every row alone succeeded: the batch call itself is at fault
+            raise RewardFunctionError(f"{kind} {name!r} raised {type(batch_exc).__name__}: {batch_exc} on the "
+                                      "batch, but on no single row") from batch_exc
+        return rows, failures
 
 
 def compute_rewards(
@@ -150,28 +174,16 @@ def compute_rewards(
         if src.model is not None:
             rewards[:, f] = torch.tensor(_score_with_model(src, prompts, completions))
             continue
-        try:
-            rewards[:, f] = torch.tensor(_call(src, prompts, completions, completion_ids, columns))
-        except RewardFunctionError:
-            raise
-        except Exception as batch_exc:  # find the failing row(s) by scoring rows one at a time
-            for i in range(n):
-                row_cols = {k: v[i:i + 1] for k, v in columns.items()}
-                try:
-                    rewards[i, f] = _call(src, prompts[i:i + 1], completions[i:i + 1], completion_ids[i:i + 1],
-                                          row_cols)[0]
-                except RewardFunctionError:
-                    raise
-                except Exception as exc:
-                    if on_error == "raise":
-                        raise RewardFunctionError(
-                            f"reward function {src.name!r} raised {type(exc).__name__}: {exc} on row {i}: "
-                            f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200} "
-                            "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
-                    errors[f] += 1
-            if errors[f] == 0:  # every row alone succeeded: the batch call itself is at fault
-                raise RewardFunctionError(f"reward function {src.name!r} raised {type(batch_exc).__name__}: "
-                                          f"{batch_exc} on the batch, but on no single row") from batch_exc
+
+        def call(lo, hi, src=src):
+            out = src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi], completion_ids=completion_ids[lo:hi],
+                         **{k: v[lo:hi] for k, v in columns.items()})
+            return _validate(src.name, out, hi - lo)
+
+        values, errors[f] = call_isolating_rows(
+            "reward function", src.name, call, n, on_error=on_error, failed_row=lambda i: math.nan,
+            describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}")
+        rewards[:, f] = torch.tensor(values)
     all_none = torch.isnan(rewards).all(-1)
     if all_none.any():
         i = int(all_none.nonzero()[0])
