@@ -158,3 +158,21 @@ def test_supervision_needs_matching_reward_sources(tmp_path, tokenizer, tiny_mod
     with pytest.raises(ValueError, match="supervision='outcome'"):
         GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(4),
                     processing_class=tokenizer, process_reward_funcs=[_steps_with_letter])
+
+
+def test_token_classification_prm_as_process_reward(tmp_path, tokenizer, tiny_model):
+    """A PRM folder given as a spec (what a YAML config holds) scores steps inside a training run."""
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=tokenizer.pad_token_id)
+    prm_dir = tmp_path / "prm"
+    LlamaForTokenClassification(cfg).save_pretrained(prm_dir)
+    tokenizer.save_pretrained(prm_dir)
+    t = GRPOTrainer(tiny_model, [], args=small_args(tmp_path, supervision="process", max_steps=1,
+                                                    score_truncated_step=True),
+                    train_dataset=toy.dataset(8), processing_class=tokenizer,
+                    process_reward_funcs=[{"path": str(prm_dir), "kind": "token_classification"}])
+    metrics = t.train()
+    assert 0.0 < metrics["process/step_reward_mean"] < 1.0  # probabilities from the PRM
+    assert t.process_sources[0].name == "prm"

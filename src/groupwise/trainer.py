@@ -74,7 +74,9 @@ class GRPOTrainer:
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
                                                   trust_remote_code=args.trust_remote_code,
                                                   device=self.dist.device) if reward_funcs else []
-        self.process_sources = load_process_reward_sources(process_reward_funcs) if process_reward_funcs else []
+        self.process_sources = load_process_reward_sources(
+            process_reward_funcs, trust_remote_code=args.trust_remote_code,
+            device=self.dist.device) if process_reward_funcs else []
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay)

@@ -16,12 +16,26 @@ import torch
 from groupwise.rewards.sources import RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources
 
 
-def load_process_reward_sources(funcs) -> list[RewardSource]:
-    sources = load_reward_sources(funcs)
+def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, device=None) -> list[RewardSource]:
+    """Callables, `"package.module:function"` paths, loaded PRMs (groupwise.rewards.prm) or PRM specs
+    `{"path": …, "kind": "token_classification" | "step_tag" | "prefix_classification", **options}`."""
+    from groupwise.rewards.prm import load_prm
+
+    resolved = []
+    for spec in funcs:
+        if isinstance(spec, dict):
+            spec = dict(spec)
+            if "path" not in spec:
+                raise ValueError(f"a PRM spec needs 'path': {spec!r}")
+            spec = load_prm(spec.pop("path"), spec.pop("kind", None), trust_remote_code=trust_remote_code, **spec)
+        if hasattr(spec, "model") and hasattr(spec, "to") and device is not None:
+            spec.to(device)
+        resolved.append(spec)
+    sources = load_reward_sources(resolved)
     for s in sources:
         if s.fn is None:
-            raise TypeError(f"process reward source {s.name!r}: only callables are supported as process reward "
-                            "functions for now (neural process reward models are planned)")
+            raise TypeError(f"process reward source {s.name!r} is a bare model: wrap it in one of "
+                            "groupwise.rewards.prm's PRM classes (token classification, step tag, prefix)")
     return sources
 
 

@@ -1,0 +1,195 @@
+"""Neural process reward models (PRMs), usable wherever a process reward function is: each is a callable
+`prm(prompts=…, completions=…, steps=…) -> [[score per step] per completion]`.
+
+Every kind reads one input built by `build_prm_input`: prompt tokens, then for each step its tokens followed by the
+separator's tokens; the step is judged at one position inside its separator.
+
+TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_label) at the separator's last token
+                         (what `groupwise prm train` produces).
+StepTagPRM               AutoModelForCausalLM with a step tag (Math-Shepherd: separator " ки\\n", labels "+"/"-");
+                         score = P(good) / (P(good) + P(bad)) of the next token predicted at the tag.
+PrefixClassificationPRM  AutoModelForSequenceClassification applied to each prefix (prompt + steps 1..j);
+                         score = logits[0] for one label, else P(positive_label).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PRM_CONFIG = "groupwise_prm.json"  # written by `groupwise prm train`: kind, separator, positive label
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):  # chat messages: the conversation's text
+        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+    raise TypeError(f"a prompt must be a string or chat messages, got {type(prompt).__name__}")
+
+
+def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_offset: int = -1,
+                    max_length: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + Σ (step + separator), and for each step the position that judges it: the token at
+    `judge_offset` inside that step's separator tokens (−1: its last token). Pieces are tokenized separately so
+    positions are exact whatever the tokenizer merges. Steps past max_length are cut (positions stop early)."""
+    sep_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
+    if not sep_ids:
+        raise ValueError(f"the PRM tokenizer encodes the separator {separator!r} to no tokens")
+    ids = list(tokenizer(_prompt_text(prompt), add_special_tokens=True)["input_ids"])
+    positions = []
+    for step in steps:
+        ids += tokenizer(step, add_special_tokens=False)["input_ids"] + sep_ids
+        positions.append(len(ids) - len(sep_ids) + (judge_offset % len(sep_ids)))
+    if max_length is not None and len(ids) > max_length:
+        ids = ids[:max_length]
+        positions = [p for p in positions if p < max_length]
+    return ids, positions
+
+
+def _pad(batch: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(x) for x in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, row in enumerate(batch):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return ids.to(device), mask.to(device)
+
+
+class _PRM:
+    kind = ""
+
+    def __init__(self, model, tokenizer, *, separator: str = "\n", batch_size: int = 8, max_length: int | None = None,
+                 name: str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.separator, self.batch_size, self.max_length = separator, batch_size, max_length
+        self.__name__ = name or f"prm_{self.kind}"
+
+    def to(self, device) -> "_PRM":
+        self.model.to(device)
+        return self
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def __call__(self, prompts, completions, steps, **_) -> list[list[float]]:
+        out: list[list[float]] = []
+        with torch.inference_mode():
+            for lo in range(0, len(prompts), self.batch_size):
+                out += self._score(prompts[lo:lo + self.batch_size], steps[lo:lo + self.batch_size])
+        return out
+
+    def _inputs(self, prompts, steps, judge_offset=-1):
+        built = [build_prm_input(self.tokenizer, p, s, self.separator, judge_offset=judge_offset,
+                                 max_length=self.max_length) for p, s in zip(prompts, steps)]
+        ids, mask = _pad([b[0] for b in built], self.tokenizer.pad_token_id, self.device)
+        return ids, mask, [b[1] for b in built]
+
+    @staticmethod
+    def _per_step(values: torch.Tensor, positions: list[list[int]], steps) -> list[list[float | None]]:
+        # a step cut by max_length has no position: None (unscored) rather than a guess
+        return [[float(values[i, p]) for p in pos] + [None] * (len(s) - len(pos))
+                for i, (pos, s) in enumerate(zip(positions, steps))]
+
+
+class TokenClassificationPRM(_PRM):
+    kind = "token_classification"
+
+    def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
+        super().__init__(model, tokenizer, **kw)
+        n = model.config.num_labels
+        if not 0 <= positive_label < n:
+            raise ValueError(f"positive_label={positive_label} but the PRM has {n} labels")
+        self.positive_label = positive_label
+
+    def _score(self, prompts, steps):
+        ids, mask, positions = self._inputs(prompts, steps)
+        probs = torch.softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), -1)[..., self.positive_label]
+        return self._per_step(probs, positions, steps)
+
+
+class StepTagPRM(_PRM):
+    kind = "step_tag"
+
+    def __init__(self, model, tokenizer, *, step_tag: str = "ки", good_token: str = "+", bad_token: str = "-",
+                 separator: str | None = None, **kw):
+        separator = f" {step_tag}\n" if separator is None else separator
+        super().__init__(model, tokenizer, separator=separator, **kw)
+        tag_ids = tokenizer(step_tag, add_special_tokens=False)["input_ids"]
+        if len(tag_ids) != 1:
+            raise ValueError(f"the PRM tokenizer does not have the step tag {step_tag!r} as one token "
+                             f"(it encodes to {tag_ids}); add it or pick the tag the PRM was trained with")
+        sep_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
+        if tag_ids[0] not in sep_ids:
+            raise ValueError(f"separator {separator!r} does not contain the step tag {step_tag!r} as a token")
+        self.judge_offset = sep_ids.index(tag_ids[0]) - len(sep_ids)
+        self.label_ids = []
+        for label in (good_token, bad_token):
+            ids = tokenizer(label, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ValueError(f"label token {label!r} is not a single token of the PRM tokenizer (it encodes "
+                                 f"to {ids})")
+            self.label_ids.append(ids[0])
+
+    def _score(self, prompts, steps):
+        ids, mask, positions = self._inputs(prompts, steps, judge_offset=self.judge_offset)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[..., self.label_ids].float()  # (n, L, 2)
+        return self._per_step(torch.softmax(logits, -1)[..., 0], positions, steps)  # P(good)/(P(good)+P(bad))
+
+
+class PrefixClassificationPRM(_PRM):
+    kind = "prefix_classification"
+
+    def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
+        super().__init__(model, tokenizer, **kw)
+        self.positive_label = positive_label
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+
+    def _score(self, prompts, steps):
+        prefixes = [(i, j) for i, s in enumerate(steps) for j in range(len(s))]
+        texts = [build_prm_input(self.tokenizer, prompts[i], steps[i][:j + 1], self.separator,
+                                 max_length=self.max_length)[0] for i, j in prefixes]
+        scores: list[float] = []
+        for lo in range(0, len(texts), self.batch_size):
+            ids, mask = _pad(texts[lo:lo + self.batch_size], self.tokenizer.pad_token_id, self.device)
+            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+            if logits.size(-1) == 1:
+                scores += logits[:, 0].tolist()
+            else:
+                scores += torch.softmax(logits, -1)[:, self.positive_label].tolist()
+        out: list[list[float]] = [[] for _ in steps]
+        for (i, _), v in zip(prefixes, scores):
+            out[i].append(v)
+        return out
+
+
+PRM_KINDS = {cls.kind: cls for cls in (TokenClassificationPRM, StepTagPRM, PrefixClassificationPRM)}
+_AUTO = {"token_classification": "AutoModelForTokenClassification", "step_tag": "AutoModelForCausalLM",
+         "prefix_classification": "AutoModelForSequenceClassification"}
+
+
+def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = False, **options) -> _PRM:
+    """Load a PRM from a local folder or the hub. `kind` defaults to the one recorded by `groupwise prm train`."""
+    import transformers
+
+    recorded = {}
+    cfg = Path(path) / PRM_CONFIG
+    if cfg.exists():
+        recorded = json.loads(cfg.read_text())
+    kind = kind or recorded.pop("kind", None)
+    recorded.pop("kind", None)
+    if kind not in PRM_KINDS:
+        raise ValueError(f"PRM kind {kind!r} is not one of {sorted(PRM_KINDS)} (set `kind` for {path})")
+    model = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    name = options.pop("name", None) or Path(path).name or kind
+    return PRM_KINDS[kind](model, tokenizer, name=name, **{**recorded, **options})

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
+                          LlamaForTokenClassification)
+
+from groupwise.rewards.prm import (PrefixClassificationPRM, StepTagPRM, TokenClassificationPRM, build_prm_input,
+                                   load_prm)
+
+PROMPTS = ["q: 1+1", "q: 2+3"]
+STEPS = [["1+1=2", "so 2"], ["2+3=5", "5", "done"]]
+
+
+def _cfg(tokenizer, **kw):
+    torch.manual_seed(0)
+    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, **kw)
+
+
+def test_build_prm_input_positions(tokenizer):
+    # char tokenizer: "ab" + ("c" + "\n") + ("de" + "\n") → ids a b c \n d e \n; judged at the "\n" tokens 3 and 6
+    ids, pos = build_prm_input(tokenizer, "ab", ["c", "de"], "\n")
+    assert tokenizer.decode(ids) == "abc\nde\n" and pos == [3, 6]
+    ids, pos = build_prm_input(tokenizer, "ab", ["c", "de"], "\n", max_length=5)
+    assert len(ids) == 5 and pos == [3]  # the second step was cut off
+
+
+def test_token_classification_prm_matches_single_forward(tokenizer):
+    model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2)).eval()
+    prm = TokenClassificationPRM(model, tokenizer, batch_size=2)
+    got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
+    for p, s, row in zip(PROMPTS, STEPS, got):
+        ids, pos = build_prm_input(tokenizer, p, s, "\n")
+        probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[:, 1]
+        assert row == pytest.approx([float(probs[i]) for i in pos], abs=1e-5)
+
+
+def test_step_tag_prm_is_p_good_over_good_plus_bad(tokenizer):
+    tokenizer.add_tokens(["ки"])
+    model = LlamaForCausalLM(_cfg(tokenizer)).eval()
+    prm = StepTagPRM(model, tokenizer, step_tag="ки", good_token="+", bad_token="-")
+    got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
+    good, bad = tokenizer.convert_tokens_to_ids("+"), tokenizer.convert_tokens_to_ids("-")
+    tag = tokenizer.convert_tokens_to_ids("ки")
+    for p, s, row in zip(PROMPTS, STEPS, got):
+        ids, _ = build_prm_input(tokenizer, p, s, " ки\n")
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        tag_positions = [i for i, t in enumerate(ids) if t == tag]
+        expected = [float(torch.softmax(logits[i, [good, bad]], -1)[0]) for i in tag_positions]
+        assert len(tag_positions) == len(s) and row == pytest.approx(expected, abs=1e-5)
+
+
+def test_step_tag_bad_input(tokenizer):
+    model = LlamaForCausalLM(_cfg(tokenizer)).eval()
+    with pytest.raises(ValueError, match="does not have the step tag 'ки' as one token"):
+        StepTagPRM(model, tokenizer, step_tag="ки")
+    tokenizer.add_tokens(["ки"])
+    with pytest.raises(ValueError, match="label token '\\+\\+' is not a single token"):
+        StepTagPRM(model, tokenizer, step_tag="ки", good_token="++")
+
+
+def test_prefix_classification_prm(tokenizer):
+    model = LlamaForSequenceClassification(_cfg(tokenizer, num_labels=1)).eval()
+    got = PrefixClassificationPRM(model, tokenizer, batch_size=3)(prompts=PROMPTS, completions=["", ""], steps=STEPS)
+    assert [len(r) for r in got] == [2, 3]
+    ids, _ = build_prm_input(tokenizer, PROMPTS[1], STEPS[1][:2], "\n")  # prompt + steps 1..2
+    assert got[1][1] == pytest.approx(float(model(input_ids=torch.tensor([ids])).logits[0, 0]), abs=1e-5)
+
+
+def test_load_prm_from_folder_with_recorded_kind(tmp_path, tokenizer):
+    model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "groupwise_prm.json").write_text(json.dumps({"kind": "token_classification", "separator": "\n"}))
+    prm = load_prm(str(tmp_path))
+    assert isinstance(prm, TokenClassificationPRM) and prm.separator == "\n"
+    assert len(prm(prompts=["a"], completions=[""], steps=[["b", "c"]])[0]) == 2
+    with pytest.raises(ValueError, match="PRM kind"):
+        load_prm(str(tmp_path), kind="value_head")
