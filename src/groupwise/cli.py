@@ -111,10 +111,21 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def cmd_prm_train(argv: list[str]) -> int:
+    from groupwise.prm_train import PRMTrainConfig, train_prm
+
+    config_path = argv[0] if argv and not argv[0].startswith("--") else None
+    values = load_yaml(config_path) if config_path else {}
+    values.update(parse_overrides(argv[1:] if config_path else argv))
+    train_prm(PRMTrainConfig(**values))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
-    parser.add_argument("command", choices=["train", "fields"], help="train: run GRPO; fields: list config fields")
+    parser.add_argument("command", choices=["train", "prm", "fields"],
+                        help="train: run GRPO; prm train: train a process reward model; fields: list config fields")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -122,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             return cmd_train(rest)
+        if command == "prm":
+            if not rest or rest[0] != "train":
+                parser.error("usage: groupwise prm train CONFIG.yaml [--field value …]")
+            return cmd_prm_train(rest[1:])
         if command == "fields":
             for k, v in RUN_FIELDS.items():
                 print(f"{k:32s} {v}")

@@ -1,0 +1,200 @@
+"""`groupwise prm train CONFIG.yaml` — train a token-classification process reward model from step-labelled JSONL
+(one object per line: `prompt`, `steps` (list of strings), `labels` (one 0/1 or bool per step, 1 = good step):
+the Math-Shepherd / PRM800K shape), evaluate step-level accuracy and F1 on a held-out split, and save a folder that
+`groupwise.rewards.prm.load_prm` (and `process_reward_funcs: [{path: …}]`) loads directly.
+
+Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`): the loss is the cross-entropy of
+the step label at the last token of each step's separator; every other position is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from groupwise.config import ConfigError, _coerce, _reject_unknown
+from groupwise.rewards.prm import PRM_CONFIG, build_prm_input
+
+
+def _help(text: str, **kw) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class PRMTrainConfig:
+    model_name_or_path: str = _help("Base model folder or hub id (a causal LM gets a new 2-label token-classification head).", default="")
+    train_file: str = _help("Step-labelled JSONL: prompt, steps, labels.", default="")
+    eval_file: str | None = _help("Held-out JSONL (default: eval_fraction of train_file, seeded).", default=None)
+    eval_fraction: float = _help("Share of train_file held out when eval_file is not given.", default=0.1)
+    output_dir: str = _help("Where the trained PRM (safetensors), its tokenizer and eval_metrics.json go.", default="outputs/prm")
+    separator: str = _help("Text after each step; the step is judged at its last token.", default="\n")
+    learning_rate: float = _help("AdamW learning rate.", default=2e-5)
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    num_train_epochs: int = _help("Passes over the training examples.", default=1)
+    per_device_train_batch_size: int = _help("Examples per optimizer step.", default=8)
+    max_length: int = _help("Tokens kept per example (steps past it are not trained on).", default=1024)
+    seed: int = _help("Seed of the split, the order and the head initialisation.", default=42)
+    logging_steps: int = _help("Update the progress bar's loss every this many steps.", default=10)
+    trust_remote_code: bool = _help("Allow the base model's repository to run its own code.", default=False)
+
+    def __new__(cls, *args, **kwargs):
+        _reject_unknown(kwargs, {f.name for f in dataclasses.fields(cls)}, owner="PRMTrainConfig")
+        return super().__new__(cls)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, f.type, getattr(self, f.name)))
+        if not self.model_name_or_path:
+            raise ConfigError("model_name_or_path is required")
+        if not self.train_file:
+            raise ConfigError("train_file is required (JSONL with prompt, steps, labels)")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        for name in ("num_train_epochs", "per_device_train_batch_size", "max_length", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not self.separator:
+            raise ConfigError("separator must be a non-empty string")
+
+
+def read_step_jsonl(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
+            for key in ("prompt", "steps", "labels"):
+                if key not in row:
+                    raise ValueError(f"{path}:{line_no}: missing {key!r} (need prompt, steps, labels)")
+            steps, labels = row["steps"], row["labels"]
+            if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
+                raise ValueError(f"{path}:{line_no}: 'steps' must be a list of strings")
+            if not isinstance(labels, list) or len(labels) != len(steps):
+                raise ValueError(f"{path}:{line_no}: {len(labels) if isinstance(labels, list) else labels!r} labels "
+                                 f"for {len(steps)} steps (one label per step)")
+            if not all(lbl in (0, 1, True, False) for lbl in labels):
+                raise ValueError(f"{path}:{line_no}: labels must be 0/1 or true/false, got {labels}")
+            rows.append({"prompt": row["prompt"], "steps": steps, "labels": [int(x) for x in labels]})
+    if not rows:
+        raise ValueError(f"{path}: no examples")
+    return rows
+
+
+def _encode(rows, tokenizer, cfg: PRMTrainConfig):
+    out = []
+    for r in rows:
+        ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator, max_length=cfg.max_length)
+        labels = [-100] * len(ids)
+        for p, lbl in zip(positions, r["labels"]):
+            labels[p] = lbl
+        out.append((ids, labels))
+    return out
+
+
+def _batches(encoded, size: int, pad_id: int):
+    for lo in range(0, len(encoded), size):
+        chunk = encoded[lo:lo + size]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, (x, y) in enumerate(chunk):
+            ids[i, :len(x)], labels[i, :len(y)], mask[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+        yield ids, mask, labels
+
+
+@torch.no_grad()
+def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str, float]:
+    """Step-level accuracy, and precision / recall / F1 for both the good (1) and the bad (0) class."""
+    model.eval()
+    preds, golds = [], []
+    for ids, mask, labels in _batches(encoded, batch_size, pad_id):
+        pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+        keep = labels != -100
+        preds += pred[keep].tolist()
+        golds += labels[keep].tolist()
+    n = max(len(golds), 1)
+    out = {"eval/steps": float(len(golds)), "eval/accuracy": sum(p == g for p, g in zip(preds, golds)) / n}
+    for cls, name in ((1, "good"), (0, "bad")):
+        tp = sum(p == cls and g == cls for p, g in zip(preds, golds))
+        fp = sum(p == cls and g != cls for p, g in zip(preds, golds))
+        fn = sum(p != cls and g == cls for p, g in zip(preds, golds))
+        prec = tp / (tp + fp) if tp + fp else 0.0
+        rec = tp / (tp + fn) if tp + fn else 0.0
+        out[f"eval/{name}_precision"], out[f"eval/{name}_recall"] = prec, rec
+        out[f"eval/{name}_f1"] = 2 * prec * rec / (prec + rec) if prec + rec else 0.0
+    return out
+
+
+def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    rows = read_step_jsonl(cfg.train_file)  # data errors surface before any model loads
+    rng = random.Random(cfg.seed)
+    if cfg.eval_file:
+        train_rows, eval_rows = rows, read_step_jsonl(cfg.eval_file)
+    else:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        n_eval = max(1, int(round(cfg.eval_fraction * len(rows))))
+        if n_eval >= len(rows):
+            raise ValueError(f"{cfg.train_file} has {len(rows)} examples: too few to hold out {n_eval} for evaluation")
+        eval_rows = [rows[i] for i in order[:n_eval]]
+        train_rows = [rows[i] for i in order[n_eval:]]
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForTokenClassification.from_pretrained(
+        cfg.model_name_or_path, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
+        trust_remote_code=cfg.trust_remote_code)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    train_enc, eval_enc = _encode(train_rows, tokenizer, cfg), _encode(eval_rows, tokenizer, cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    steps = cfg.num_train_epochs * math.ceil(len(train_enc) / cfg.per_device_train_batch_size)
+    before = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+    bar = tqdm(total=steps, desc="PRM")
+    step = 0
+    for _ in range(cfg.num_train_epochs):
+        rng.shuffle(train_enc)
+        model.train()
+        for ids, mask, labels in _batches(train_enc, cfg.per_device_train_batch_size, tokenizer.pad_token_id):
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            if step % cfg.logging_steps == 0:
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+        model.train(False)
+    bar.close()
+    after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / PRM_CONFIG).write_text(json.dumps({"kind": "token_classification", "separator": cfg.separator,
+                                              "positive_label": 1}, indent=2))
+    metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
+               "train/examples": float(len(train_enc)), "train/steps": float(step)}
+    (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"PRM step accuracy {before['eval/accuracy']:.3f} → {after['eval/accuracy']:.3f}, "
+          f"bad-step F1 {after['eval/bad_f1']:.3f}, good-step F1 {after['eval/good_f1']:.3f}; saved to {out}")
+    return metrics
