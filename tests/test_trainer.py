@@ -60,6 +60,7 @@ def test_outputs_metrics_and_loadable_checkpoint(tmp_path, tokenizer, tiny_model
     dict(top_entropy_quantile=0.5, loss_type="bnpo", epsilon_high=0.28, delta=2.0),
     dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, loss_type="dr_grpo"),
     dict(multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5]),
+    dict(dynamic_sampling=True, max_dynamic_sampling_rounds=2),
 ])
 def test_variants_train(tmp_path, tokenizer, tiny_model, kw):
     funcs = [toy.letter_reward, lambda completions, **_: [float(len(c)) for c in completions]] \
@@ -138,6 +139,7 @@ def test_process_supervision_trains_with_token_advantages(tmp_path, tokenizer, t
     funcs = [] if supervision == "process" else [toy.letter_reward]
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
     t = GRPOTrainer(tiny_model, funcs, args=small_args(tmp_path, supervision=supervision, max_completion_length=10,
+                                                        dynamic_sampling=True,  # (N, T) rows re-padded on refill
                                                         score_truncated_step=True, log_completions=True, num_completions_to_print=1),
                     train_dataset=toy.dataset(16), processing_class=tokenizer, process_reward_funcs=[_steps_with_letter])
     batch, metrics, comp, _ = t._rollout()
@@ -176,3 +178,36 @@ def test_token_classification_prm_as_process_reward(tmp_path, tokenizer, tiny_mo
     metrics = t.train()
     assert 0.0 < metrics["process/step_reward_mean"] < 1.0  # probabilities from the PRM
     assert t.process_sources[0].name == "prm"
+
+
+@pytest.mark.parametrize("max_rounds, extra, unfilled", [(6, 3, 0), (1, 1, 2)])
+def test_dynamic_sampling_drops_groups_without_signal_and_refills(tmp_path, tokenizer, tiny_model, max_rounds, extra,
+                                                                   unfilled):
+    """Prompts in order a a b b c c d d, 2 prompts (groups) per round; the reward is constant — no signal — for every
+    letter but 'a'. Round 1 (a, a) keeps both groups. Round 2 (b, b) drops both; refilling generates c c, d d (still
+    nothing) and then a a (epoch 2): 3 extra rounds, batch of 'a' groups only. With at most 1 extra round the batch is
+    completed from dropped groups and the 2 unfilled groups are counted."""
+    def only_a_varies(completions, letter, **_):  # random for 'a' so that every 'a' group has spread
+        return [float(torch.rand(())) if l == "a" else 1.0 for l in letter]
+
+    data = [{"prompt": f"repeat {c}:", "letter": c} for c in "aabbccdd"]
+    args = small_args(tmp_path, dynamic_sampling=True, shuffle_dataset=False, max_dynamic_sampling_rounds=max_rounds)
+    t = GRPOTrainer(tiny_model, [only_a_varies], args=args, train_dataset=data, processing_class=tokenizer)
+    _, first, _, _ = t._rollout()
+    assert first["dynamic/dropped_groups"] == 0.0 and first["dynamic/extra_rounds"] == 0.0
+    batch, metrics, comp, _ = t._rollout()
+    assert metrics["dynamic/dropped_groups"] == 2.0
+    assert metrics["dynamic/extra_rounds"] == extra and metrics["dynamic/unfilled_groups"] == unfilled
+    letters = [p[-2] for p in comp.prompts]
+    assert letters == (["a"] * 8 if unfilled == 0 else ["b"] * 8)
+    assert batch.input_ids.shape[0] == 8 and batch.advantages.shape == (8,)
+    if unfilled == 0:
+        assert batch.advantages.abs().sum() > 0
+
+
+def test_dynamic_sampling_needs_whole_groups_per_process(monkeypatch):
+    from groupwise import ConfigError, GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 2 processes × 2 completions: a group of 4 would span both
+    with pytest.raises(ConfigError, match="whole groups on each process"):
+        GRPOConfig(dynamic_sampling=True, num_generations=4, per_device_train_batch_size=2)

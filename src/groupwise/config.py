@@ -145,6 +145,10 @@ class GRPOConfig:
     outcome_advantage_weight: float = _help("w_o in supervision='both': Â = w_o·Â_outcome + w_p·Â_process.", default=1.0)
     process_advantage_weight: float = _help("w_p in supervision='both'.", default=1.0)
 
+    # ---- dynamic sampling (DAPO, Yu et al. 2025) ---------------------------------------------------------------
+    dynamic_sampling: bool = _help("Drop groups that carry no signal (all rewards equal; for process supervision all step rewards equal) and refill the batch from further prompts (DAPO). Needs whole groups per process.", default=False)
+    max_dynamic_sampling_rounds: int = _help("Extra generation rounds at most per batch when refilling; groups still missing are taken from the dropped ones (counted in dynamic/unfilled_groups).", default=4)
+
     # ---- evaluation -------------------------------------------------------------------------------------------
     eval_steps: int | None = _help("Evaluate on eval_dataset every this many optimizer steps (None: only at start and end if eval_dataset is given).", default=None)
     per_device_eval_batch_size: int = _help("Prompts per generation batch during evaluation.", default=16)
@@ -224,6 +228,8 @@ class GRPOConfig:
             raise ConfigError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
         if self.sync_ref_model and self.beta == 0:
             raise ConfigError("sync_ref_model=True needs beta > 0: with beta = 0 there is no reference model to sync")
+        if self.max_dynamic_sampling_rounds < 0:
+            raise ConfigError(f"max_dynamic_sampling_rounds must be ≥ 0, got {self.max_dynamic_sampling_rounds}")
         if self.advantage_eps < 0:
             raise ConfigError(f"advantage_eps must be ≥ 0, got {self.advantage_eps}")
         if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
@@ -257,6 +263,10 @@ class GRPOConfig:
                 f"{world_size} process(es) × steps_per_generation={steps} = {gen_batch} completions) must be divisible "
                 f"by num_generations={self.num_generations}; valid per_device_train_batch_size values here: "
                 f"{[b for b in range(1, 4 * self.num_generations + 1) if b * world_size * steps % self.num_generations == 0][:6]}")
+        if self.dynamic_sampling and (gen_batch // world_size) % self.num_generations:
+            raise ConfigError(
+                f"dynamic_sampling needs whole groups on each process: {gen_batch // world_size} completions per "
+                f"process is not a multiple of num_generations={self.num_generations}")
         if (steps * self.num_iterations) % self.gradient_accumulation_steps:
             raise ConfigError(
                 f"steps_per_generation × num_iterations = {steps * self.num_iterations} must be a multiple of "

@@ -105,6 +105,47 @@ def local_advantages(ctx: RolloutContext, comp: Completions, scores: Scores | No
     return adv.to(comp.completion_ids.device)
 
 
+def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepScores | None) -> torch.Tensor:
+    """(B,) bool over the round: does the group carry a learning signal? A group whose rewards (outcome) and step
+    rewards (process) all have zero spread gets advantage 0 everywhere."""
+    signal = None
+    if scores is not None:
+        signal = _group_std(scores.rewards) > 1e-6
+    if step_scores is not None:
+        steps = torch.tensor([bool(_nanstd(torch.tensor([r for row in g for r in row] or [float("nan")])) > 1e-6)
+                              for g in step_scores.rewards])
+        signal = steps if signal is None else signal | steps
+    return signal
+
+
+def local_groups(ctx: RolloutContext, per_group: torch.Tensor) -> torch.Tensor:
+    """This process's entries of a (B, …) per-group tensor (whole groups per process, as dynamic sampling needs)."""
+    n = per_group.size(0) // ctx.dist.world_size
+    return per_group[ctx.dist.rank * n:(ctx.dist.rank + 1) * n]
+
+
+def select_groups(comps: list[Completions], advs: list[torch.Tensor], picks: list[tuple[int, int]], G: int,
+                  pad_id: int) -> tuple[Completions, torch.Tensor]:
+    """Rows of the picked (round, local group) pairs, re-padded into one Completions and one advantage tensor."""
+    rows = [(r, g * G + k) for r, g in picks for k in range(G)]
+    P = max(comps[r].prompt_ids.size(1) for r, _ in rows)
+    T = max(comps[r].completion_ids.size(1) for r, _ in rows)
+    pad = lambda t, w, left, v=0: torch.nn.functional.pad(t, (w - t.size(-1), 0) if left else (0, w - t.size(-1)), value=v)  # noqa: E731
+    def stack(get, w, left, v=0):
+        return torch.stack([pad(get(comps[r])[i], w, left, v) for r, i in rows])
+    comp = Completions(
+        stack(lambda c: c.prompt_ids, P, True, pad_id), stack(lambda c: c.prompt_mask, P, True),
+        stack(lambda c: c.completion_ids, T, False, pad_id), stack(lambda c: c.completion_mask, T, False),
+        torch.stack([comps[r].truncated[i] for r, i in rows]),
+        [comps[r].prompts[i] for r, i in rows], [comps[r].completions[i] for r, i in rows],
+        {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns})
+    if advs[0].dim() == 1:
+        adv = torch.stack([advs[r][i] for r, i in rows])
+    else:
+        adv = torch.stack([pad(advs[r][i], T, False) for r, i in rows])
+    return comp, adv
+
+
 def local_slice(ctx: RolloutContext, t: torch.Tensor) -> torch.Tensor:
     """This process's rows of a (B, G, …) tensor of the whole round."""
     flat = t.reshape(-1, *t.shape[2:])

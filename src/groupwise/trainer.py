@@ -166,6 +166,17 @@ class GRPOTrainer:
 
     # ---- stages -------------------------------------------------------------------------------------------------
     def _rollout(self):
+        ctx = self.rollout_ctx
+        comp, scores, step_scores, advantages = self._generate_round()
+        metrics = R.rollout_metrics(ctx, comp, scores, step_scores)
+        if self.args.dynamic_sampling:
+            comp, advantages, dyn = self._refill_groups(comp, scores, step_scores, advantages)
+            metrics.update(dyn)
+        batch = R.build_batch(ctx, comp, advantages, model=self.unwrapped, ref_model=self.ref_model,
+                              need_old_logps=self.need_old_logps)
+        return batch, metrics, comp, (scores, step_scores, advantages)
+
+    def _generate_round(self):
         ctx, G, rank = self.rollout_ctx, self.args.num_generations, self.dist.rank
         prompt_idx = self.sampler.next_round()  # B prompts of the whole round, same on every process
         rows = [i for i in prompt_idx for _ in range(G)]  # (B·G) rows, group rows contiguous
@@ -174,10 +185,35 @@ class GRPOTrainer:
         comp = R.generate(ctx, self.unwrapped, local)
         scores = R.score(ctx, comp) if self.reward_sources else None  # outcome rewards (B, G)
         step_scores = R.score_steps(ctx, comp) if self.process_sources else None  # step rewards [B][G][K]
-        advantages = R.local_advantages(ctx, comp, scores, step_scores)  # (N,) or (N, T)
-        batch = R.build_batch(ctx, comp, advantages, model=self.unwrapped, ref_model=self.ref_model,
-                              need_old_logps=self.need_old_logps)
-        return batch, R.rollout_metrics(ctx, comp, scores, step_scores), comp, (scores, step_scores, advantages)
+        return comp, scores, step_scores, R.local_advantages(ctx, comp, scores, step_scores)  # (N,) or (N, T)
+
+    def _refill_groups(self, comp, scores, step_scores, advantages):
+        """DAPO dynamic sampling: keep the groups with a learning signal, generate further rounds (at most
+        max_dynamic_sampling_rounds) until this process has as many as it started with, then fill any gap with
+        dropped groups. Every process loops until all are full, so collectives stay matched."""
+        ctx, G = self.rollout_ctx, self.args.num_generations
+        need = comp.completion_ids.size(0) // G
+        comps, advs, kept, spare = [comp], [advantages], [], []
+        signal = R.local_groups(ctx, R.group_signal(ctx, scores, step_scores))
+        dropped = int(self.dist.sum(torch.tensor(float((~signal).sum()), device=self.dist.device)))
+        extra = 0
+        while True:
+            r = len(comps) - 1
+            kept += [(r, g) for g in range(need) if signal[g]]
+            spare += [(r, g) for g in range(need) if not signal[g]]
+            if extra >= self.args.max_dynamic_sampling_rounds or not self.dist.any(len(kept) < need):
+                break
+            c, s, ss, a = self._generate_round()
+            comps.append(c)
+            advs.append(a)
+            signal = R.local_groups(ctx, R.group_signal(ctx, s, ss))
+            extra += 1
+        unfilled = max(0, need - len(kept))
+        picks = kept[:need] + spare[:unfilled]
+        comp, advantages = R.select_groups(comps, advs, picks, G, self.tokenizer.pad_token_id)
+        return comp, advantages.to(comp.completion_ids.device), {
+            "dynamic/dropped_groups": float(dropped), "dynamic/extra_rounds": float(extra),
+            "dynamic/unfilled_groups": float(self.dist.sum(torch.tensor(float(unfilled), device=self.dist.device)))}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
