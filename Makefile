@@ -13,7 +13,7 @@ $(PY):
 
 $(VENV)/.installed: pyproject.toml constraints.txt | $(PY)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q $(CONSTRAINTS) -e .
+	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[plot]"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(PY)

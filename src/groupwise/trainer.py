@@ -116,8 +116,10 @@ class GRPOTrainer:
         logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(),
                                resume_step=self.global_step)
         bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO", disable=not self.dist.is_main)
+        started = time.perf_counter()
+        elapsed = lambda: {"time/elapsed": time.perf_counter() - started}  # noqa: E731  (this process's run)
         if self.eval_data is not None and self.global_step == 0:
-            logger.log(0, self.evaluate())
+            logger.log(0, {**self.evaluate(), **elapsed()})
         window_metrics: dict[str, list[float]] = defaultdict(list)
         last: dict[str, float] = {}
         while self.global_step < self.max_steps:
@@ -145,6 +147,7 @@ class GRPOTrainer:
                 if self.global_step % max(args.logging_steps, 1) == 0 or self.global_step == self.max_steps:
                     last = {k: _nanmean(v) for k, v in window_metrics.items()}
                     last["epoch"] = self.sampler.epoch + self.sampler.position / len(self.train_data)
+                    last.update(elapsed())
                     logger.log(self.global_step, last)
                     window_metrics.clear()
                     bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
@@ -156,7 +159,7 @@ class GRPOTrainer:
                     self.save(batch if round_step < len(steps) else None, round_metrics, round_step)
                 if self.eval_data is not None and (
                         (args.eval_steps and self.global_step % args.eval_steps == 0) or self.global_step == self.max_steps):
-                    logger.log(self.global_step, self.evaluate())
+                    logger.log(self.global_step, {**self.evaluate(), **elapsed()})
                 if self.global_step >= self.max_steps:
                     break
         bar.close()
@@ -217,7 +220,7 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy completion of every eval prompt; mean reward per function (eval/…)."""
+        """Greedy completion of every eval prompt: eval/reward/mean (weighted) and eval/<func> per function."""
         ctx, data, dist = self.rollout_ctx, self.eval_data, self.dist
         mine = list(range(dist.rank, len(data), dist.world_size))
         per_func, lengths = [], []
@@ -237,7 +240,7 @@ class GRPOTrainer:
         per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
         out["eval/reward/mean"] = float(torch.nanmean(torch.nansum(per_func * self.rollout_ctx.reward_weights, -1)))
         for f, src in enumerate(self.reward_sources):
-            out[f"eval/reward/{src.name}/mean"] = float(torch.nanmean(per_func[:, f]))
+            out[f"eval/{src.name}"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval/accuracy
         return out
 
     def _maybe_sync_ref(self) -> None:

@@ -1,7 +1,7 @@
 """Built-in tasks: a prompt dataset plus reward functions, addressable as `builtin:<name>` from the CLI."""
 
-from groupwise.tasks import toy
+from groupwise.tasks import arithmetic, toy
 
-TASKS = {"toy": toy}
+TASKS = {"arithmetic": arithmetic, "toy": toy}
 
-__all__ = ["TASKS", "toy"]
+__all__ = ["TASKS", "arithmetic", "toy"]
