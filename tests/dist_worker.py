@@ -16,6 +16,7 @@ from groupwise import GRPOConfig
 from groupwise import rollout as R
 from groupwise.distributed import Distributed
 from groupwise.generation import completion_masks, encode_prompts
+from groupwise.modeling import PolicyForLogps
 from groupwise.tasks import toy
 from groupwise.types import Completions
 from groupwise.update import UpdateContext, optimizer_step
@@ -62,14 +63,14 @@ def same(out: Path) -> None:
         model = toy.build_model(tok, seed=0, hidden_size=32)
         batch = R.build_batch(ctx, comp, advantages, model=model, ref_model=None, need_old_logps=False)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        model, opt = dist.prepare(model, opt)
+        model, opt = dist.prepare(PolicyForLogps(model), opt)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         metrics = optimizer_step(UpdateContext(args, dist, model, opt, sched), [batch])
         global_adv = scores.advantages if step_scores is None else step_scores.advantages
         result[case] = {"advantages": global_adv.tolist(), "local": batch.advantages.tolist(),
                         "loss": metrics["loss/policy"]}
         if dist.is_main:
-            save_file({k: v.contiguous() for k, v in dist.unwrap(model).state_dict().items()},
+            save_file({k: v.contiguous() for k, v in dist.unwrap(model).model.state_dict().items()},
                       str(out / f"weights_{case}.safetensors"))
     (out / f"result_{dist.rank}.json").write_text(json.dumps(result))
 

@@ -29,7 +29,8 @@ def test_nothing_changes_when_every_completion_is_masked(tmp_path, tokenizer, ti
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
     rand = lambda completions, **_: torch.rand(len(completions)).tolist()  # noqa: E731
     t = _trainer(tmp_path, tiny_model, tokenizer, funcs=[rand], max_steps=1, learning_rate=0.1,
-                 mask_truncated_completions=True, max_completion_length=4, generation_kwargs={"min_new_tokens": 4})
+                 mask_truncated_completions=True, max_completion_length=4, generation_kwargs={"min_new_tokens": 4},
+                 generation_backend="transformers")
     metrics = t.train()
     assert metrics["gen/clipped_ratio"] == 1.0
     assert all(torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())

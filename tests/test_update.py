@@ -5,6 +5,7 @@ import torch
 
 from groupwise.config import GRPOConfig
 from groupwise.distributed import Distributed
+from groupwise.modeling import PolicyForLogps
 from groupwise.types import TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
@@ -32,7 +33,7 @@ def _grads(model, tokenizer, batch, windows_, loss_type):
         return orig_step(*a, **k)
 
     opt.step = capture
-    ctx = UpdateContext(args, Distributed(), model, opt, sched)
+    ctx = UpdateContext(args, Distributed(), PolicyForLogps(model), opt, sched)
     for w in windows_:
         metrics = optimizer_step(ctx, w)
     return captured, metrics
@@ -67,7 +68,8 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tokenizer, tiny_model)
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
     args = GRPOConfig(num_generations=2, per_device_train_batch_size=8, max_completion_length=5)
     opt = torch.optim.AdamW(tiny_model.parameters(), lr=0.1)
-    ctx = UpdateContext(args, Distributed(), tiny_model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    ctx = UpdateContext(args, Distributed(), PolicyForLogps(tiny_model), opt,
+                        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
         metrics = optimizer_step(ctx, [bad])
     assert metrics["train/skipped"] == 1.0

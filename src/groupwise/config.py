@@ -98,6 +98,7 @@ class GRPOConfig:
     shuffle_dataset: bool = _help("Shuffle the prompts each epoch (seeded).", default=True)
     disable_dropout: bool = _help("Set dropout to 0 in the policy and reference model (RL needs log-probs without noise).", default=True)
     model_init_kwargs: dict | None = _help("kwargs for AutoModelForCausalLM.from_pretrained when the model is a path.", default=None)
+    logprob_chunk_tokens: int = _help("Completion tokens whose logits exist at once when computing log-probs (the output head runs in checkpointed chunks; the (N, T, V) logits never exist).", default=1024)
     trust_remote_code: bool = _help("Allow model repositories to run their own code. Off unless you ask for it.", default=False)
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -111,7 +112,8 @@ class GRPOConfig:
     top_k: int = _help("Keep the k most likely tokens (0: off).", default=0)
     min_p: float | None = _help("Drop tokens below min_p × the top probability (None: off).", default=None)
     repetition_penalty: float = _help("transformers' repetition penalty (1.0: off).", default=1.0)
-    generation_kwargs: dict | None = _help("Extra transformers GenerationConfig fields.", default=None)
+    generation_kwargs: dict | None = _help("Extra transformers GenerationConfig fields (transformers backend only).", default=None)
+    generation_backend: str = _help("'fast' (groupwise's sampler: prompt encoded once per group, finished rows leave the batch, growing KV cache; same processors as generate()) or 'transformers' (model.generate).", default="fast")
     chat_template_kwargs: dict | None = _help("Extra kwargs for tokenizer.apply_chat_template on conversational prompts.", default=None)
 
     # ---- GRPO objective ---------------------------------------------------------------------------------------
@@ -178,6 +180,11 @@ class GRPOConfig:
         _choice("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE)
         _choice("on_reward_error", self.on_reward_error, ON_REWARD_ERROR)
         _choice("supervision", self.supervision, tuple(SUPERVISION))
+        _choice("generation_backend", self.generation_backend, ("fast", "transformers"))
+        if self.generation_backend == "fast" and self.generation_kwargs:
+            raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
+                              "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
+                              "repetition_penalty)")
         _choice("step_split", self.step_split, STEP_SPLITS)
         if self.step_split == "regex":
             if not self.step_pattern:
@@ -195,7 +202,7 @@ class GRPOConfig:
         if self.num_generations < 2:
             raise ConfigError(f"num_generations must be ≥ 2 (a group of one has no relative advantage), got {self.num_generations}")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "max_completion_length",
-                     "per_device_eval_batch_size", "ref_model_sync_steps"):
+                     "per_device_eval_batch_size", "ref_model_sync_steps", "logprob_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         for name in ("logging_steps", "save_steps", "warmup_steps"):

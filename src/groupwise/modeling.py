@@ -6,7 +6,11 @@ import inspect
 
 import torch
 
-from groupwise.core.logprobs import entropy_from_logits, selective_log_softmax
+import logging
+
+from groupwise.core.logprobs import entropy_from_logits, logps_from_hidden, selective_log_softmax
+
+log = logging.getLogger(__name__)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:  # (N, L) → (N, L)
@@ -15,6 +19,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:  # (N,
 
 
 def _accepts(model, name: str) -> bool:
+    """Does model.forward take `name`? (position_ids / logits_to_keep are not universal.)"""
     fwd = getattr(model, "forward", model)
     try:
         params = inspect.signature(fwd).parameters
@@ -55,11 +60,47 @@ def completion_logps(
     return logps, entropies
 
 
+class PolicyForLogps(torch.nn.Module):
+    """Wraps a causal LM so that one forward returns per-token log-probs of the completion, computed from the
+    final hidden states with the output head applied in checkpointed chunks: the (N, T, V) logits never exist.
+    Distributed wrappers (DDP) wrap this module, so gradient synchronisation still sees a single forward.
+    Models whose head cannot be separated fall back to full logits (logged once)."""
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = 1024):
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        cfg = model.config
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.chunked = isinstance(head, torch.nn.Linear) and decoder is not None and decoder is not model
+        if not self.chunked:
+            log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
+
+    def forward(self, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+                compute_entropy: bool = False):
+        if not self.chunked:
+            return completion_logps(self.model, input_ids, attention_mask, num_completion_tokens,
+                                    temperature=temperature, compute_entropy=compute_entropy)
+        T = num_completion_tokens
+        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        hidden = hidden[:, -(T + 1):-1, :]  # (N, T, H): position p predicts token p + 1
+        return logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, temperature=temperature,
+                                 softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
+                                 compute_entropy=compute_entropy)
+
+
 @torch.no_grad()
-def batched_logps(model, input_ids, attention_mask, T: int, *, temperature: float, batch_size: int) -> torch.Tensor:
-    """No-grad log-probs in batches (old policy and reference model)."""
-    out = [completion_logps(model, input_ids[i:i + batch_size], attention_mask[i:i + batch_size], T,
-                            temperature=temperature)[0] for i in range(0, input_ids.size(0), batch_size)]
+def batched_logps(model, input_ids, attention_mask, T: int, *, temperature: float, batch_size: int,
+                  chunk_tokens: int = 1024) -> torch.Tensor:
+    """No-grad log-probs in batches (old policy and reference model), through the same chunked head."""
+    wrapped = model if isinstance(model, PolicyForLogps) else PolicyForLogps(model, chunk_tokens)
+    out = [wrapped(input_ids[i:i + batch_size], attention_mask[i:i + batch_size], T, temperature=temperature)[0]
+           for i in range(0, input_ids.size(0), batch_size)]
     return torch.cat(out, dim=0)
 
 

@@ -165,10 +165,10 @@ def build_batch(ctx: RolloutContext, comp: Completions, advantages: torch.Tensor
     old = ref = None
     if need_old_logps:  # the policy moves before some micro-batches are used: keep π_θold explicitly
         old = batched_logps(model, input_ids, attention_mask, T, temperature=args.temperature,
-                            batch_size=args.per_device_train_batch_size)
+                            batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     if ref_model is not None:  # β > 0 only
         ref = batched_logps(ref_model, input_ids, attention_mask, T, temperature=args.temperature,
-                            batch_size=args.per_device_train_batch_size)
+                            batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     return TrainBatch(input_ids, attention_mask, loss_mask, advantages, old, ref)
 
 

@@ -17,9 +17,9 @@ from groupwise.checkpoint import load_checkpoint, save_checkpoint
 from groupwise.config import GRPOConfig
 from groupwise.data import PromptData, PromptSampler
 from groupwise.distributed import Distributed
-from groupwise.generation import TransformersGenerator
+from groupwise.generation import GENERATORS
 from groupwise.logging import MetricsLogger, print_completions
-from groupwise.modeling import disable_dropout
+from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
@@ -85,13 +85,17 @@ class GRPOTrainer:
         warmup = args.warmup_steps or int(args.warmup_ratio * self.max_steps)
         self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.max_steps)
-        self.model, self.optimizer = self.dist.prepare(policy, optimizer)
+        # the policy is trained through PolicyForLogps: one forward returns log-probs without full logits
+        self.model, self.optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
 
         eos = _eos_ids(self.tokenizer, self.unwrapped)
-        generator = TransformersGenerator(
-            max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos, generation_kwargs=args.generation_kwargs)
+        sampling = dict(max_completion_length=args.max_completion_length, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                        pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos)
+        if args.generation_backend == "fast":
+            generator = GENERATORS["fast"](**sampling, group_size=args.num_generations)
+        else:
+            generator = GENERATORS["transformers"](**sampling, generation_kwargs=args.generation_kwargs)
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_sources), dtype=torch.float)
         process_weights = torch.tensor(args.process_reward_weights or [1.0] * len(self.process_sources))
         splitter = StepSplitter(args.step_split, delimiter=args.step_delimiter, pattern=args.step_pattern,
@@ -106,7 +110,8 @@ class GRPOTrainer:
 
     @property
     def unwrapped(self):
-        return self.dist.unwrap(self.model)
+        """The Hugging Face model being trained (no distributed or log-prob wrapper)."""
+        return self.dist.unwrap(self.model).model
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:

@@ -19,7 +19,6 @@ import torch
 
 from groupwise.core.logprobs import top_entropy_mask
 from groupwise.core.losses import policy_loss
-from groupwise.modeling import completion_logps
 from groupwise.types import TrainBatch
 
 
@@ -27,7 +26,7 @@ from groupwise.types import TrainBatch
 class UpdateContext:
     args: Any  # GRPOConfig
     dist: Any  # groupwise.distributed.Distributed
-    model: torch.nn.Module
+    model: torch.nn.Module  # groupwise.modeling.PolicyForLogps, possibly wrapped by accelerate
     optimizer: torch.optim.Optimizer
     scheduler: Any
 
@@ -46,8 +45,8 @@ def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
     """The aggregated loss of one micro-batch (before accumulation/DP scaling) and its metrics."""
     args = ctx.args
     mask = mb.completion_mask
-    logps, entropies = completion_logps(ctx.model, mb.input_ids, mb.attention_mask, mask.size(1),
-                                        temperature=args.temperature, compute_entropy=True)
+    logps, entropies = ctx.model(mb.input_ids, mb.attention_mask, mask.size(1), temperature=args.temperature,
+                                 compute_entropy=True)  # PolicyForLogps (possibly inside DDP)
     old = logps.detach() if mb.old_logps is None else mb.old_logps
     loss_mask = None if args.top_entropy_quantile >= 1.0 else top_entropy_mask(entropies, mask, args.top_entropy_quantile)
     loss, metrics = policy_loss(

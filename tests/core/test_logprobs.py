@@ -53,3 +53,33 @@ def test_core_imports_only_torch():
                 top = name.split(".")[0]
                 assert top in {"torch", "__future__", "math", "collections", "typing", "dataclasses"} or \
                     name.startswith("groupwise.core"), f"{path.name} imports {name}"
+
+
+import pytest
+
+from groupwise.core.logprobs import logps_from_hidden
+
+
+@pytest.mark.parametrize("softcap, scale, temperature", [(None, 1.0, 1.0), (30.0, 1.0, 0.7), (None, 0.25, 1.3)])
+def test_chunked_logps_equal_full_logits_values_and_gradients(softcap, scale, temperature):
+    g = torch.Generator().manual_seed(0)
+    N, T, H, V = 3, 5, 8, 50
+    hidden = torch.randn(N, T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (N, T), generator=g)
+    # reference: the full (N, T, V) logits, processed as the formula says
+    logits = (hidden @ weight.T + bias) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    full = torch.log_softmax(logits / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+    p = torch.softmax(logits / temperature, -1)
+    full_entropy = -(p * p.log()).sum(-1)
+    ref_grads = torch.autograd.grad(full.sum(), (hidden, weight, bias))
+    got, entropy = logps_from_hidden(hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
+                                     scale=scale, chunk_tokens=4, compute_entropy=True)  # 15 positions → 4 chunks
+    assert torch.allclose(got.double(), full, atol=1e-5)
+    assert torch.allclose(entropy.double(), full_entropy, atol=1e-5)
+    grads = torch.autograd.grad(got.sum(), (hidden, weight, bias))
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -63,3 +63,25 @@ def test_transformers_generator_greedy_is_deterministic(tokenizer, tiny_model):
     b = gen(tiny_model.eval(), ids, mask, greedy=True)
     assert not tiny_model.training
     assert torch.equal(a, b) and a.size(1) <= 4
+
+
+def test_policy_wrapper_equals_full_logits_path(tokenizer):
+    """PolicyForLogps (hidden states + chunked, checkpointed head) gives the same log-probs, entropies and gradients
+    as the plain forward with full logits."""
+    import copy
+
+    from groupwise.modeling import PolicyForLogps
+
+    model = toy.build_model(tokenizer, seed=4, hidden_size=32)
+    ref = copy.deepcopy(model)
+    ids, mask = encode_prompts(["repeat a:", "b"], tokenizer, None)
+    comp = torch.randint(3, len(tokenizer), (2, 6))
+    full_ids, full_mask = torch.cat([ids, comp], 1), torch.cat([mask, torch.ones_like(comp)], 1)
+    a, ea = PolicyForLogps(model, chunk_tokens=5)(full_ids, full_mask, 6, temperature=0.7, compute_entropy=True)
+    b, eb = completion_logps(ref, full_ids, full_mask, 6, temperature=0.7, compute_entropy=True)
+    assert PolicyForLogps(model).chunked
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-5)
+    a.sum().backward()
+    b.sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), n

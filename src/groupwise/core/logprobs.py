@@ -7,6 +7,7 @@ entropy_from_logits(logits)[n, t]        = −Σ_v p_v log p_v,  p = softmax(log
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 
 def selective_log_softmax(
@@ -46,3 +47,57 @@ def top_entropy_mask(
         return torch.zeros_like(mask, dtype=torch.float)
     threshold = torch.quantile(real, 1.0 - quantile)
     return ((entropies >= threshold) & mask.bool()).float()
+
+
+def _chunk_logps(hidden, weight, bias, targets, temperature: float, softcap: float | None, scale: float):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V): one chunk only
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_entropy(hidden, weight, bias, temperature: float, softcap: float | None, scale: float):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def logps_from_hidden(
+    hidden: torch.Tensor,  # (N, T, H) final hidden states at the positions that predict the targets
+    weight: torch.Tensor,  # (V, H) output head
+    targets: torch.Tensor,  # (N, T)
+    *,
+    bias: torch.Tensor | None = None,  # (V,)
+    temperature: float = 1.0,
+    softcap: float | None = None,  # logits = tanh(logits / c) · c (Gemma 2)
+    scale: float = 1.0,  # logits · scale (Cohere)
+    chunk_tokens: int = 1024,
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # (N, T), (N, T) or None
+    """log softmax(head(h) / temperature)[target] for every position, `chunk_tokens` positions at a time. With
+    gradients, each chunk runs under activation checkpointing: its (chunk, V) logits are freed after the forward and
+    recomputed in the backward, so the (N, T, V) logits never exist, in either pass."""
+    N, T, H = hidden.shape
+    flat_h, flat_t = hidden.reshape(N * T, H), targets.reshape(N * T)
+    args = (temperature, softcap, scale)
+    out = []
+    for lo in range(0, N * T, chunk_tokens):
+        h, t = flat_h[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens]
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            out.append(torch.utils.checkpoint.checkpoint(_chunk_logps, h, weight, bias, t, *args, use_reentrant=False))
+        else:
+            out.append(_chunk_logps(h, weight, bias, t, *args))
+    logps = torch.cat(out).view(N, T)
+    entropies = None
+    if compute_entropy:
+        with torch.no_grad():
+            entropies = torch.cat([_chunk_entropy(flat_h[lo:lo + chunk_tokens], weight, bias, *args)
+                                   for lo in range(0, N * T, chunk_tokens)]).view(N, T)
+    return logps, entropies

@@ -1,8 +1,11 @@
 """prompts → completions. `Generator` is the protocol; `TransformersGenerator` wraps `model.generate`."""
 
 from groupwise.generation.base import Generator, completion_masks, encode_prompts, is_conversational
+from groupwise.generation.fast import FastGenerator
 from groupwise.generation.hf import TransformersGenerator
 
-GENERATORS = {"transformers": TransformersGenerator}
+# the one place a generation backend is chosen (GRPOConfig.generation_backend)
+GENERATORS = {"transformers": TransformersGenerator, "fast": FastGenerator}
 
-__all__ = ["GENERATORS", "Generator", "TransformersGenerator", "completion_masks", "encode_prompts", "is_conversational"]
+__all__ = ["GENERATORS", "FastGenerator", "Generator", "TransformersGenerator", "completion_masks", "encode_prompts",
+           "is_conversational"]
