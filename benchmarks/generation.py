@@ -21,6 +21,9 @@ from groupwise.generation import FastGenerator, completion_masks, encode_prompts
 from groupwise.tasks import arithmetic
 
 
+NOTE = ("Why the target is missed: the 40 M model is compute-bound on 2 cores, so the speedup is about the ratio of token-forwards. generate() prefills every row's prompt and runs all rows to the longest completion (about B·G·(P + 128) token-forwards); the fast sampler prefills once per group and drops finished rows (about B·(P) + B·G·46), a ratio near 3.2 at these lengths; longer prompts and a larger max/mean completion ratio raise it. The 0.8 M demo policy is bound by per-call framework overhead, which both paths pay per step.")
+
+
 def llama40m(eos_share: float = 0.02):
     cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, pad_token_id=0,
@@ -84,7 +87,7 @@ def main() -> None:
     verdict = "met" if min(speed32) >= 4 else f"missed: {min(speed32):.2f}× at worst (target 4×)"
     write_table("generation", "Generation throughput: fast sampler vs transformers generate",
                 ["model", "B×G", "mean completion tokens", "generate tok/s", "fast tok/s", "speedup"], rows,
-                [f"Medians of {args.repeats} runs. Target (fast ≥ 4× generate at 32×8): **{verdict}**."])
+                [f"Medians of {args.repeats} runs. Target (fast ≥ 4× generate at 32×8): **{verdict}**.", "", NOTE])
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 - The prompt of each group is encoded once (one prefill of B rows, not B·G); its KV cache is then repeated for the
   G completions (prompt compute is shared; the cached tensors are copied, not aliased).
-- All rows decode in one batch; rows that finish leave it (the cache is compacted once a quarter of the batch
+- All rows decode in one batch; rows that finish leave it (the cache is compacted once a tenth of the batch
   has finished, so the copy is amortised).
 - The KV cache grows by doubling a preallocated buffer and writing into it, instead of concatenating a new tensor
   at every step (transformers' DynamicLayer).
@@ -77,7 +77,7 @@ class FastGenerator:
 
     def __init__(self, *, max_completion_length: int, temperature: float, top_p: float, top_k: int,
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
-                 group_size: int = 1, compact_fraction: float = 0.25):
+                 group_size: int = 1, compact_fraction: float = 0.1):
         self.max_new = max_completion_length
         self.pad_token_id, self.eos = pad_token_id, torch.tensor(eos_token_ids)
         self.group_size, self.compact_fraction = group_size, compact_fraction
@@ -133,8 +133,10 @@ class FastGenerator:
             cache.batch_repeat_interleave(G)
             logits = logits.repeat_interleave(G, dim=0)  # (N, V)
         tokens = torch.full((N, self.max_new), self.pad_token_id, dtype=torch.long, device=device)
-        seq = prompt_ids.clone()  # (n, P + t) full ids of the active rows (the repetition penalty reads them)
-        mask = prompt_mask.clone()
+        # full ids of the active rows, kept only when a processor reads them (the repetition penalty)
+        seq = prompt_ids.clone() if len(self.greedy_processors) else prompt_ids[:, :0]
+        # attention mask preallocated for every step: each step passes a view, nothing is concatenated
+        mask = torch.cat([prompt_mask, torch.ones(N, self.max_new, dtype=prompt_mask.dtype, device=device)], 1)
         rows = torch.arange(N, device=device)  # original row of each active row
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # per active row
         next_pos = position_ids_from_mask(prompt_mask)[:, -1] + 1  # (n,)
@@ -156,9 +158,9 @@ class FastGenerator:
                 cache.batch_select_indices(keep)
                 rows, seq, mask, nxt, next_pos = rows[keep], seq[keep], mask[keep], nxt[keep], next_pos[keep]
                 finished = finished[keep]
-            seq = torch.cat([seq, nxt[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], dim=1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+            if seq.size(1):
+                seq = torch.cat([seq, nxt[:, None]], dim=1)
+            out = model(input_ids=nxt[:, None], attention_mask=mask[:, :P + t + 1], position_ids=next_pos[:, None],
                         past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
