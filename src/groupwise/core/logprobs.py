@@ -49,7 +49,10 @@ def top_entropy_mask(
     return ((entropies >= threshold) & mask.bool()).float()
 
 
-def _chunk_logps(hidden, weight, bias, targets, temperature: float, softcap: float | None, scale: float):
+def _chunk(hidden, weight, bias, targets, temperature: float, softcap: float | None, scale: float,
+           want_entropy: bool):
+    """One chunk: (n, V) logits → log-prob of the targets (n,), and the entropy (n,) from the same logits
+    (detached: a metric and a mask, never differentiated) or an empty tensor."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V): one chunk only
     if scale != 1.0:
         logits = logits * scale
@@ -57,16 +60,14 @@ def _chunk_logps(hidden, weight, bias, targets, temperature: float, softcap: flo
         logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def _chunk_entropy(hidden, weight, bias, temperature: float, softcap: float | None, scale: float):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() * scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
+    if not want_entropy:
+        return logps, logits.new_empty(0)
+    with torch.no_grad():
+        logp_all = logits.detach() - logsumexp.detach().unsqueeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, entropy
 
 
 def logps_from_hidden(
@@ -86,18 +87,14 @@ def logps_from_hidden(
     recomputed in the backward, so the (N, T, V) logits never exist, in either pass."""
     N, T, H = hidden.shape
     flat_h, flat_t = hidden.reshape(N * T, H), targets.reshape(N * T)
-    args = (temperature, softcap, scale)
-    out = []
+    args = (temperature, softcap, scale, compute_entropy)
+    logps, entropies = [], []
     for lo in range(0, N * T, chunk_tokens):
         h, t = flat_h[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logps, h, weight, bias, t, *args, use_reentrant=False))
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk, h, weight, bias, t, *args, use_reentrant=False)
         else:
-            out.append(_chunk_logps(h, weight, bias, t, *args))
-    logps = torch.cat(out).view(N, T)
-    entropies = None
-    if compute_entropy:
-        with torch.no_grad():
-            entropies = torch.cat([_chunk_entropy(flat_h[lo:lo + chunk_tokens], weight, bias, *args)
-                                   for lo in range(0, N * T, chunk_tokens)]).view(N, T)
-    return logps, entropies
+            lp, ent = _chunk(h, weight, bias, t, *args)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps).view(N, T), torch.cat(entropies).view(N, T) if compute_entropy else None
