@@ -155,11 +155,3 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     pending_file = path / f"rollout_{dist.rank}.safetensors"
     pending = load_file(str(pending_file)) if pending_file.exists() else None
     return json.loads((path / "trainer_state.json").read_text()), pending
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-    return str(found[-1][1]) if found else None

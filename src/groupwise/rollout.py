@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from groupwise.core.advantages import process_advantages
-from groupwise.generation.base import completion_masks, encode_prompts, is_conversational
+from groupwise.generation.base import completion_masks, encode_prompts, is_conversational, trim_to_mask
 from groupwise.modeling import batched_logps
 from groupwise.rewards import combine_rewards, compute_rewards
 from groupwise.rewards.process import compute_step_rewards
@@ -48,8 +48,7 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     completion_ids = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy)  # (N, T)
     mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
-    texts = tok.batch_decode([ids[: int(m.sum())] for ids, m in zip(completion_ids.tolist(), mask)],
-                             skip_special_tokens=True)
+    texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
     completions: list[Any] = texts
     if is_conversational(prompts[0]):
         completions = [[{"role": "assistant", "content": t}] for t in texts]
@@ -60,9 +59,8 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
 def score(ctx: RolloutContext, comp: Completions) -> Scores:
     """Rewards on this process, gathered over all processes, then combined and group-normalised."""
     args, G = ctx.args, ctx.args.num_generations
-    ids = [row[: int(m.sum())] for row, m in zip(comp.completion_ids.tolist(), comp.completion_mask)]
-    local, errors = compute_rewards(ctx.reward_sources, comp.prompts, comp.completions, ids, comp.columns,
-                                    on_error=args.on_reward_error)
+    local, errors = compute_rewards(ctx.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
+                                    comp.columns, on_error=args.on_reward_error)
     per_func = ctx.dist.gather(local.to(ctx.dist.device)).cpu()  # (B·G, F), rank order = row order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     per_func = per_func.view(-1, G, per_func.size(-1))  # (B, G, F)
@@ -75,8 +73,7 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     """Split this process's completions into steps, score them, gather the round, §4.1.3 token advantages."""
     args, G, tok = ctx.args, ctx.args.num_generations, ctx.tokenizer
     steps = []
-    for ids, m, cut in zip(comp.completion_ids.tolist(), comp.completion_mask, comp.truncated.tolist()):
-        ids = ids[: int(m.sum())]
+    for ids, cut in zip(comp.token_lists(), comp.truncated.tolist()):
         s = ctx.splitter.split(ids, tok, ends_with_eos=not cut, truncated=cut)
         if s.truncated_last and not args.score_truncated_step:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0

@@ -233,9 +233,8 @@ class GRPOTrainer:
         for start in range(0, len(mine), bs):
             rows = [data[i] for i in mine[start:start + bs]]
             comp = R.generate(ctx, self.unwrapped, rows, greedy=True)
-            ids = [r[: int(m.sum())] for r, m in zip(comp.completion_ids.tolist(), comp.completion_mask)]
-            rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, ids, comp.columns,
-                                         on_error=self.args.on_reward_error)
+            rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
+                                         comp.columns, on_error=self.args.on_reward_error)
             per_func += rewards.tolist()
             lengths += comp.lengths.tolist()
         lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)

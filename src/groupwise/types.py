@@ -29,6 +29,11 @@ class Completions:
     def lengths(self) -> torch.Tensor:  # (N,)
         return self.completion_mask.sum(-1)
 
+    def token_lists(self) -> list[list[int]]:  # (N)[length] completion tokens, EOS included, no padding
+        from groupwise.generation.base import trim_to_mask
+
+        return trim_to_mask(self.completion_ids, self.completion_mask)
+
 
 @dataclass(frozen=True)
 class Scores:
@@ -63,10 +68,6 @@ class TrainBatch:
     advantages: torch.Tensor  # (N,) outcome, or (N, T) token-level (process supervision)
     old_logps: torch.Tensor | None = None  # (N, T) π_θold; None when fully on-policy (then logps.detach())
     ref_logps: torch.Tensor | None = None  # (N, T) π_ref; None when beta = 0
-
-    @property
-    def num_rows(self) -> int:
-        return self.input_ids.size(0)
 
     def rows(self, start: int, stop: int) -> "TrainBatch":
         return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]

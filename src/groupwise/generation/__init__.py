@@ -1,6 +1,6 @@
 """prompts → completions. `Generator` is the protocol; `TransformersGenerator` wraps `model.generate`."""
 
-from groupwise.generation.base import Generator, completion_masks, encode_prompts, is_conversational
+from groupwise.generation.base import Generator, completion_masks, encode_prompts, is_conversational, trim_to_mask
 from groupwise.generation.fast import FastGenerator
 from groupwise.generation.hf import TransformersGenerator
 
@@ -8,4 +8,4 @@ from groupwise.generation.hf import TransformersGenerator
 GENERATORS = {"transformers": TransformersGenerator, "fast": FastGenerator}
 
 __all__ = ["GENERATORS", "FastGenerator", "Generator", "TransformersGenerator", "completion_masks", "encode_prompts",
-           "is_conversational"]
+           "is_conversational", "trim_to_mask"]

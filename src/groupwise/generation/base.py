@@ -57,6 +57,11 @@ def encode_prompts(
     return ids, mask
 
 
+def trim_to_mask(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:  # (N, T), (N, T) → (N)[len]
+    """Each row's tokens up to the end of its mask (its EOS included): what reward functions and decoding see."""
+    return [row[:n] for row, n in zip(ids.tolist(), mask.sum(-1).tolist())]
+
+
 def completion_masks(
     completion_ids: torch.Tensor,  # (N, T)
     eos_token_ids: list[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from groupwise.generation import completion_masks, encode_prompts
+from groupwise.generation import completion_masks, encode_prompts, trim_to_mask
 from groupwise.tasks import arithmetic as A
 
 
@@ -20,8 +20,7 @@ def greedy_accuracy(model, tokenizer, problems: list[str], *, batch_size: int = 
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         comp = out[:, ids.size(1):]
         cmask, _ = completion_masks(comp, [tokenizer.eos_token_id], max_new_tokens)
-        texts = tokenizer.batch_decode([c[: int(m.sum())] for c, m in zip(comp.tolist(), cmask)],
-                                       skip_special_tokens=True)
+        texts = tokenizer.batch_decode(trim_to_mask(comp, cmask), skip_special_tokens=True)
         correct += int(sum(A.accuracy(texts, chunk)))
     model.train(was_training)
     return correct / len(problems)
