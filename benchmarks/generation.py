@@ -17,7 +17,8 @@ from common import median_time, write_table
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
 from groupwise.demo import POLICY_DIR
-from groupwise.generation import FastGenerator, completion_masks, encode_prompts
+from groupwise.generation.fast import FastGenerator
+from groupwise.text import completion_masks, encode_prompts
 from groupwise.tasks import arithmetic
 
 
@@ -78,7 +79,7 @@ def main() -> None:
                 lambda: model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.size(1):],
                 args.repeats)
             torch.manual_seed(0)
-            t_fast, out_fast = median_time(lambda: fast(model, ids, mask), args.repeats)
+            t_fast, out_fast = median_time(lambda: fast(model, ids, mask).completion_ids, args.repeats)
             ref_tps, fast_tps = count(out_ref) / t_ref, count(out_fast) / t_fast
             rows.append([name, f"{B}×{G}", f"{count(out_ref) / (B * G):.0f}", f"{ref_tps:,.0f}", f"{fast_tps:,.0f}",
                          f"{fast_tps / ref_tps:.2f}×"])

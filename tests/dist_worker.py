@@ -15,10 +15,11 @@ from safetensors.torch import save_file
 from groupwise import GRPOConfig
 from groupwise import rollout as R
 from groupwise.distributed import Distributed
-from groupwise.generation import completion_masks, encode_prompts
+from groupwise.core.advantages import outcome_advantages, process_advantages
+from groupwise.text import completion_masks, encode_prompts
 from groupwise.modeling import PolicyForLogps
 from groupwise.tasks import toy
-from groupwise.types import Completions
+from groupwise.types import Completions, Round
 from groupwise.update import UpdateContext, optimizer_step
 
 PROMPTS = ["repeat a:"] * 4 + ["repeat b:"] * 4 + ["repeat c:"] * 4
@@ -55,18 +56,21 @@ def same(out: Path) -> None:
                           loss_type=loss_type, learning_rate=1.0, max_grad_norm=0.0, output_dir=str(out),
                           supervision=supervision)
         sources = load_reward_sources([toy.letter_reward])
-        ctx = R.RolloutContext(args, tok, None, sources, torch.ones(1), [tok.eos_token_id], dist,
-                               load_reward_sources([step_has_letter]), torch.ones(1), StepSplitter())
+        ctx = R.RolloutContext(args=args, tokenizer=tok, generator=None, dist=dist, eos_token_ids=[tok.eos_token_id],
+                               reward_sources=sources, process_sources=load_reward_sources([step_has_letter]),
+                               splitter=StepSplitter())
         scores = R.score(ctx, comp)
         step_scores = R.score_steps(ctx, comp) if supervision != "outcome" else None
-        advantages = R.local_advantages(ctx, comp, scores, step_scores)
+        advantages = R.advantages(ctx, comp, scores, step_scores)
         model = toy.build_model(tok, seed=0, hidden_size=32)
-        batch = R.build_batch(ctx, comp, advantages, model=model, ref_model=None, need_old_logps=False)
+        batch = R.build_batch(ctx, Round(comp, advantages, dist.shard(scores.rewards.flatten()), None, None), model)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         model, opt = dist.prepare(PolicyForLogps(model), opt)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         metrics = optimizer_step(UpdateContext(args, dist, model, opt, sched), [batch])
-        global_adv = scores.advantages if step_scores is None else step_scores.advantages
+        opts = args.estimator_options()
+        global_adv = outcome_advantages(scores.rewards, **opts) if step_scores is None else \
+            process_advantages(step_scores.rewards, step_scores.ends, T, **opts)
         result[case] = {"advantages": global_adv.tolist(), "local": batch.advantages.tolist(),
                         "loss": metrics["loss/policy"]}
         if dist.is_main:

@@ -3,10 +3,10 @@ import torch
 from groupwise import GRPOConfig
 from groupwise import rollout as R
 from groupwise.distributed import Distributed
-from groupwise.generation import completion_masks, encode_prompts
+from groupwise.text import completion_masks, encode_prompts
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
-from groupwise.types import Completions
+from groupwise.types import Completions, Round
 
 
 def _completions(tokenizer, texts, T=8):
@@ -28,13 +28,14 @@ def test_process_advantages_through_the_rollout_by_hand(tokenizer):
     args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, supervision="process",
                       advantage_eps=0.0)
     reward = lambda steps, **_: [[1.0 if s == "a" else 0.0 for s in row] for row in steps]  # noqa: E731
-    ctx = R.RolloutContext(args, tokenizer, None, [], torch.ones(0), [tokenizer.eos_token_id], Distributed(),
-                           load_process_reward_sources([reward]), torch.ones(1), StepSplitter())
+    ctx = R.RolloutContext(args=args, tokenizer=tokenizer, generator=None, dist=Distributed(),
+                           eos_token_ids=[tokenizer.eos_token_id], process_sources=load_process_reward_sources([reward]),
+                           splitter=StepSplitter())
     comp = _completions(tokenizer, ["a\nb", "\n"])
     steps = R.score_steps(ctx, comp)
     assert steps.texts == [["a", "b"], []] and steps.ends == [[[1, 3], []]]
-    adv = R.local_advantages(ctx, comp, None, steps)
+    adv = R.advantages(ctx, comp, None, steps)
     assert torch.equal(adv, torch.tensor([[0.0, 0.0, -1.0, -1.0, 0, 0, 0, 0], [0.0] * 8]))
-    metrics = R.rollout_metrics(ctx, comp, None, steps)
+    metrics = R.round_metrics(ctx, Round(comp, adv, torch.full((2,), float("nan")), None, None, None, steps))
     assert metrics["process/no_step_completions"] == 1.0 and metrics["process/steps_per_completion"] == 1.0
     assert metrics["process/step_reward_mean"] == 0.5 and metrics["process/zero_std_groups"] == 0.0

@@ -76,8 +76,8 @@ def test_variants_train(tmp_path, tokenizer, tiny_model, kw):
 
 def test_old_logps_only_when_needed(tmp_path, tokenizer, tiny_model):
     on_policy = _trainer(tmp_path, tiny_model, tokenizer)
-    assert not on_policy.need_old_logps and on_policy.ref_model is None
-    assert _trainer(tmp_path, tiny_model, tokenizer, num_iterations=2).need_old_logps
+    assert not on_policy.rollout_ctx.need_old_logps and on_policy.ref_model is None
+    assert _trainer(tmp_path, tiny_model, tokenizer, num_iterations=2).rollout_ctx.need_old_logps
 
 
 def test_chat_prompts(tmp_path, tokenizer, tiny_model):
@@ -143,7 +143,8 @@ def test_process_supervision_trains_with_token_advantages(tmp_path, tokenizer, t
                                                         dynamic_sampling=True,  # (N, T) rows re-padded on refill
                                                         score_truncated_step=True, log_completions=True, num_completions_to_print=1),
                     train_dataset=toy.dataset(16), processing_class=tokenizer, process_reward_funcs=[_steps_with_letter])
-    batch, metrics, comp, _ = t._rollout()
+    rollout = t._collect()
+    batch, metrics = rollout.batch, rollout.metrics
     assert batch.advantages.shape == batch.completion_mask.shape  # (N, T) token advantages reach the loss
     for key in ("process/step_reward_mean", "process/steps_per_completion", "process/zero_std_groups",
                 "process/no_step_completions"):
@@ -194,9 +195,10 @@ def test_dynamic_sampling_drops_groups_without_signal_and_refills(tmp_path, toke
     data = [{"prompt": f"repeat {c}:", "letter": c} for c in "aabbccdd"]
     args = small_args(tmp_path, dynamic_sampling=True, shuffle_dataset=False, max_dynamic_sampling_rounds=max_rounds)
     t = GRPOTrainer(tiny_model, [only_a_varies], args=args, train_dataset=data, processing_class=tokenizer)
-    _, first, _, _ = t._rollout()
+    first = t._collect().metrics
     assert first["dynamic/dropped_groups"] == 0.0 and first["dynamic/extra_rounds"] == 0.0
-    batch, metrics, comp, _ = t._rollout()
+    rollout = t._collect()
+    batch, metrics, comp = rollout.batch, rollout.metrics, rollout.round.completions
     assert metrics["dynamic/dropped_groups"] == 2.0
     assert metrics["dynamic/extra_rounds"] == extra and metrics["dynamic/unfilled_groups"] == unfilled
     letters = [p[-2] for p in comp.prompts]
@@ -212,3 +214,43 @@ def test_dynamic_sampling_needs_whole_groups_per_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # 2 processes × 2 completions: a group of 4 would span both
     with pytest.raises(ConfigError, match="whole groups on each process"):
         GRPOConfig(dynamic_sampling=True, num_generations=4, per_device_train_batch_size=2)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("supervision", ["outcome", "process"])
+def test_advantage_estimators_train(tmp_path, tokenizer, tiny_model, estimator, supervision):
+    """advantage_estimator reaches the rollout: the batch's advantages are the estimator's over the round's
+    rewards (outcome) or step rewards (§4.1.3 suffix sums), and a short run changes the weights."""
+    from groupwise.core.advantages import outcome_advantages, process_advantages
+
+    def length(completions, **_):  # every group has spread, so every advantage estimator has something to do
+        return [float(len(c)) for c in completions]
+
+    process = [_steps_with_letter] if supervision == "process" else None
+    funcs = [] if supervision == "process" else [length]
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    t = GRPOTrainer(tiny_model, funcs, args=small_args(tmp_path, advantage_estimator=estimator, supervision=supervision,
+                                                        score_truncated_step=True),
+                    train_dataset=toy.dataset(16), processing_class=tokenizer, process_reward_funcs=process)
+    rollout = t._collect()
+    rnd, opts = rollout.round, t.args.estimator_options()
+    if supervision == "outcome":
+        expected = outcome_advantages(rnd.scores.rewards, **opts).flatten()
+    else:
+        s = rnd.step_scores
+        expected = process_advantages(s.rewards, s.ends, t.args.max_completion_length, **opts).flatten(0, 1)
+        expected = expected[:, :rollout.batch.advantages.size(1)]
+    assert torch.equal(rollout.batch.advantages, expected) and rollout.batch.advantages.abs().sum() > 0
+    t.train()
+    assert t.global_step == 2
+    assert any(not torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())
+
+
+def test_estimator_options_are_checked_against_the_estimator():
+    from groupwise import ConfigError, GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"scale_rewards='batch' has no effect with advantage_estimator='rloo'"):
+        GRPOConfig(advantage_estimator="rloo", scale_rewards="batch")
+    assert GRPOConfig(advantage_estimator="rloo").estimator_options() == {"estimator": "rloo"}
+    assert GRPOConfig(advantage_estimator="reinforce_plus_plus_baseline", advantage_eps=0.0).estimator_options() == \
+        {"estimator": "reinforce_plus_plus_baseline", "std": "population", "eps": 0.0}

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from groupwise.config import ConfigError, GRPOConfig, _reject_unknown, load_yaml
+from groupwise.config import ConfigError, GRPOConfig, load_yaml
+from groupwise.config_base import reject_unknown
 
 RUN_FIELDS = {
     "model_name_or_path": "Policy: a local folder or hub id loadable with AutoModelForCausalLM.",
@@ -73,7 +74,7 @@ def load_dataset_spec(name: str, split: str | None):
 def build_run(values: dict[str, Any]):
     """Split a flat mapping into run fields and a GRPOConfig (validated before anything loads)."""
     known = set(RUN_FIELDS) | {f.name for f in dataclasses.fields(GRPOConfig)}
-    _reject_unknown(values, known, owner="groupwise train")
+    reject_unknown(values, known, owner="groupwise train", unsupported=GRPOConfig.UNSUPPORTED)
     run = {k: values[k] for k in RUN_FIELDS if k in values}
     args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS})
     return run, args
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         if command == "fields":
             for k, v in RUN_FIELDS.items():
                 print(f"{k:32s} {v}")
-            for f in dataclasses.fields(GRPOConfig):
-                print(f"{f.name:32s} {f.metadata.get('help', '')} (default {f.default!r})")
+            for name, help_text, default in GRPOConfig.describe():
+                print(f"{name:32s} {help_text} (default {default!r})")
             return 0
         parser.error(f"unknown command {command!r}")
     except ConfigError as e:

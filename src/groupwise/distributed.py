@@ -55,6 +55,14 @@ class Distributed:
         grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
         return torch.stack(grads).norm() if grads else torch.tensor(0.0)
 
+    def shard(self, rows):
+        """This process's contiguous share of rows laid out over all processes (a list, or a tensor along dim 0):
+        process r owns rows [r·n, (r+1)·n), n = len(rows) / world_size. The one place ranks are mapped to rows."""
+        n = len(rows) // self.world_size
+        if n * self.world_size != len(rows):
+            raise ValueError(f"{len(rows)} rows cannot be split evenly over {self.world_size} processes")
+        return rows[self.rank * n:(self.rank + 1) * n]
+
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate along dim 0 in rank order. Every rank must pass the same shape (unequal shapes hang)."""
         if self.world_size == 1:

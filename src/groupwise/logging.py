@@ -10,11 +10,38 @@ from typing import Any
 from tqdm.auto import tqdm
 
 
+def _tensorboard(output_dir: str, config: dict):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("report_to=['tensorboard'] needs `pip install groupwise[tensorboard]`") from e
+    writer = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+
+    def log(step, metrics):
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                writer.add_scalar(k, v, step)
+    return log, writer.close
+
+
+def _wandb(output_dir: str, config: dict):
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
+    run = wandb.init(config=config, resume="allow")
+    return (lambda step, metrics: run.log(metrics, step=step)), run.finish
+
+
+# GRPOConfig.report_to: trackers besides metrics.jsonl (always written); each opens to (log, close)
+TRACKERS = {"tensorboard": _tensorboard, "wandb": _wandb}
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.tb = self.wandb = None
+        self.trackers: list = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -22,18 +49,7 @@ class MetricsLogger:
             keep = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in keep))
-        if "tensorboard" in report_to:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ImportError("report_to=['tensorboard'] needs `pip install groupwise[tensorboard]`") from e
-            self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
-        if "wandb" in report_to:
-            try:
-                import wandb
-            except ImportError as e:
-                raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
-            self.wandb = wandb.init(config=config, resume="allow")
+        self.trackers = [TRACKERS[name](output_dir, config) for name in report_to]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -41,18 +57,12 @@ class MetricsLogger:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        for log, _ in self.trackers:
+            log(step, metrics)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for _, close in self.trackers:
+            close()
 
 
 def print_completions(step: int, prompts: list[Any], completions: list[Any], rewards: list[float],

@@ -1,12 +1,12 @@
-"""Model-facing helpers: per-token log-probs of completions, model loading, dropout."""
+"""Model-facing helpers: per-token log-probs of completions, eval mode, dropout."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 
 import torch
-
-import logging
 
 from groupwise.core.logprobs import entropy_from_logits, logps_from_hidden, selective_log_softmax
 
@@ -18,7 +18,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:  # (N,
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _accepts(model, name: str) -> bool:
+def accepts_kwarg(model, name: str) -> bool:
     """Does model.forward take `name`? (position_ids / logits_to_keep are not universal.)"""
     fwd = getattr(model, "forward", model)
     try:
@@ -43,9 +43,9 @@ def completion_logps(
     T = num_completion_tokens
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
     inner = getattr(model, "module", model)
-    if _accepts(inner, "position_ids"):
+    if accepts_kwarg(inner, "position_ids"):
         kwargs["position_ids"] = position_ids_from_mask(attention_mask)
-    if _accepts(inner, "logits_to_keep"):
+    if accepts_kwarg(inner, "logits_to_keep"):
         kwargs["logits_to_keep"] = T + 1
     logits = model(**kwargs).logits  # (N, ≤ L, V)
     logits = logits[:, -(T + 1):-1, :]  # position p predicts token p + 1 → (N, T, V)
@@ -108,3 +108,14 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Run a block with the model in eval mode (no dropout), restoring its train/eval state afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

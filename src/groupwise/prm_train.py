@@ -9,60 +9,44 @@ the step label at the last token of each step's separator; every other position 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from groupwise.config import ConfigError, _coerce, _reject_unknown
+from groupwise.config_base import ConfigError, StrictConfig, option
+from groupwise.modeling import eval_mode
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input
-
-
-def _help(text: str, **kw) -> Any:
-    return field(metadata={"help": text}, **kw)
+from groupwise.text import ensure_pad_token, pad_rows
 
 
 @dataclass
-class PRMTrainConfig:
-    model_name_or_path: str = _help("Base model folder or hub id (a causal LM gets a new 2-label token-classification head).", default="")
-    train_file: str = _help("Step-labelled JSONL: prompt, steps, labels.", default="")
-    eval_file: str | None = _help("Held-out JSONL (default: eval_fraction of train_file, seeded).", default=None)
-    eval_fraction: float = _help("Share of train_file held out when eval_file is not given.", default=0.1)
-    output_dir: str = _help("Where the trained PRM (safetensors), its tokenizer and eval_metrics.json go.", default="outputs/prm")
-    separator: str = _help("Text after each step; the step is judged at its last token.", default="\n")
-    learning_rate: float = _help("AdamW learning rate.", default=2e-5)
-    weight_decay: float = _help("AdamW weight decay.", default=0.0)
-    num_train_epochs: int = _help("Passes over the training examples.", default=1)
-    per_device_train_batch_size: int = _help("Examples per optimizer step.", default=8)
-    max_length: int = _help("Tokens kept per example (steps past it are not trained on).", default=1024)
-    seed: int = _help("Seed of the split, the order and the head initialisation.", default=42)
-    logging_steps: int = _help("Update the progress bar's loss every this many steps.", default=10)
-    trust_remote_code: bool = _help("Allow the base model's repository to run its own code.", default=False)
+class PRMTrainConfig(StrictConfig):
+    model_name_or_path: str = option("Base model folder or hub id (a causal LM gets a new 2-label token-classification head).", default="")
+    train_file: str = option("Step-labelled JSONL: prompt, steps, labels.", default="")
+    eval_file: str | None = option("Held-out JSONL (default: eval_fraction of train_file, seeded).", default=None)
+    eval_fraction: float = option("Share of train_file held out when eval_file is not given.", default=0.1, gt=0, lt=1)
+    output_dir: str = option("Where the trained PRM (safetensors), its tokenizer and eval_metrics.json go.", default="outputs/prm")
+    separator: str = option("Text after each step; the step is judged at its last token.", default="\n")
+    learning_rate: float = option("AdamW learning rate.", default=2e-5, gt=0)
+    weight_decay: float = option("AdamW weight decay.", default=0.0, ge=0)
+    num_train_epochs: int = option("Passes over the training examples.", default=1, ge=1)
+    per_device_train_batch_size: int = option("Examples per optimizer step.", default=8, ge=1)
+    max_length: int = option("Tokens kept per example (steps past it are not trained on).", default=1024, ge=1)
+    seed: int = option("Seed of the split, the order and the head initialisation.", default=42)
+    logging_steps: int = option("Update the progress bar's loss every this many steps.", default=10, ge=1)
+    trust_remote_code: bool = option("Allow the base model's repository to run its own code.", default=False)
 
-    def __new__(cls, *args, **kwargs):
-        _reject_unknown(kwargs, {f.name for f in dataclasses.fields(cls)}, owner="PRMTrainConfig")
-        return super().__new__(cls)
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, _coerce(f.name, f.type, getattr(self, f.name)))
+    def validate(self) -> None:
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required")
         if not self.train_file:
             raise ConfigError("train_file is required (JSONL with prompt, steps, labels)")
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        for name in ("num_train_epochs", "per_device_train_batch_size", "max_length", "logging_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if not self.separator:
             raise ConfigError("separator must be a non-empty string")
 
@@ -108,25 +92,21 @@ def _encode(rows, tokenizer, cfg: PRMTrainConfig):
 def _batches(encoded, size: int, pad_id: int):
     for lo in range(0, len(encoded), size):
         chunk = encoded[lo:lo + size]
-        width = max(len(ids) for ids, _ in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, (x, y) in enumerate(chunk):
-            ids[i, :len(x)], labels[i, :len(y)], mask[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+        ids, mask = pad_rows([x for x, _ in chunk], pad_id)
+        labels, _ = pad_rows([y for _, y in chunk], -100)
         yield ids, mask, labels
 
 
 @torch.no_grad()
 def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str, float]:
     """Step-level accuracy, and precision / recall / F1 for both the good (1) and the bad (0) class."""
-    model.eval()
     preds, golds = [], []
-    for ids, mask, labels in _batches(encoded, batch_size, pad_id):
-        pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
-        keep = labels != -100
-        preds += pred[keep].tolist()
-        golds += labels[keep].tolist()
+    with eval_mode(model):
+        for ids, mask, labels in _batches(encoded, batch_size, pad_id):
+            pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+            keep = labels != -100
+            preds += pred[keep].tolist()
+            golds += labels[keep].tolist()
     n = max(len(golds), 1)
     out = {"eval/steps": float(len(golds)), "eval/accuracy": sum(p == g for p, g in zip(preds, golds)) / n}
     for cls, name in ((1, "good"), (0, "bad")):
@@ -157,8 +137,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         train_rows = [rows[i] for i in order[n_eval:]]
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    ensure_pad_token(tokenizer, f"the tokenizer of {cfg.model_name_or_path}")
     model = AutoModelForTokenClassification.from_pretrained(
         cfg.model_name_or_path, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
         trust_remote_code=cfg.trust_remote_code)
@@ -183,7 +162,6 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
             bar.update(1)
             if step % cfg.logging_steps == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
-        model.train(False)
     bar.close()
     after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
     out = Path(cfg.output_dir)

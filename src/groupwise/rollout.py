@@ -1,43 +1,89 @@
-"""One generation round: prompts → completions → rewards (gathered over processes) → advantages → TrainBatch.
+"""The rollout: `collect(ctx, model)` runs prompts → completions → rewards → advantages → TrainBatch and returns one
+`Rollout` record. No optimizer here.
 
-No optimizer here. Rows are laid out (b, g) over the whole round and each process owns a contiguous slice of
-them, so a group may span processes: rewards are gathered before the group statistics and every process keeps
-its own slice of the advantages.
+Rows are laid out (b, g) over the whole round and each process owns a contiguous slice of them (Distributed.shard),
+so a group may span processes: rewards are gathered before the group statistics and every process keeps its own
+slice of the advantages. With dynamic sampling (DAPO) groups without a learning signal are dropped and refilled
+from further rounds (`refill`), which needs whole groups on each process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from groupwise.core.advantages import process_advantages
-from groupwise.generation.base import completion_masks, encode_prompts, is_conversational, trim_to_mask
+from groupwise.core.advantages import masked_mean_std, outcome_advantages, pack_steps, process_advantages
+from groupwise.core.supervision import SUPERVISIONS, token_advantages
 from groupwise.modeling import batched_logps
-from groupwise.rewards import combine_rewards, compute_rewards
+from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.process import compute_step_rewards
 from groupwise.rewards.steps import StepSplitter
-from groupwise.supervision import token_advantages
-from groupwise.types import Completions, Scores, StepScores, TrainBatch
+from groupwise.text import completion_masks, encode_prompts, is_conversational, trim_to_mask
+from groupwise.types import Completions, Round, Rollout, Scores, StepScores, TrainBatch
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RolloutContext:
-    """What a rollout needs besides the prompts; built once by the trainer."""
+    """What a rollout needs besides the model; built once by the trainer."""
 
     args: Any  # GRPOConfig
-    tokenizer: Any
+    tokenizer: Any  # a transformers tokenizer
     generator: Any  # groupwise.generation.Generator
-    reward_sources: list
-    reward_weights: torch.Tensor  # (F,)
-    eos_token_ids: list[int]
     dist: Any  # groupwise.distributed.Distributed
-    process_sources: list | None = None  # process reward functions (supervision 'process' / 'both')
-    process_weights: torch.Tensor | None = None  # (F_p,)
-    splitter: StepSplitter | None = None
+    eos_token_ids: list[int]
+    reward_sources: list[RewardSource] = dataclasses.field(default_factory=list)
+    process_sources: list[RewardSource] = dataclasses.field(default_factory=list)
+    splitter: StepSplitter | None = None  # needed with process_sources
+    data: Any = None  # groupwise.data.PromptData: what `collect` draws prompts from
+    sampler: Any = None  # groupwise.data.PromptSampler: which prompts, round after round
+    ref_model: torch.nn.Module | None = None  # β > 0 only
+    need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
+
+    @property
+    def reward_weights(self) -> torch.Tensor:  # (F,)
+        return torch.tensor(self.args.reward_weights or [1.0] * len(self.reward_sources), dtype=torch.float)
+
+    @property
+    def process_weights(self) -> torch.Tensor:  # (F_p,)
+        return torch.tensor(self.args.process_reward_weights or [1.0] * len(self.process_sources), dtype=torch.float)
 
 
+# ---- the one call ---------------------------------------------------------------------------------------------------
+def collect(ctx: RolloutContext, model) -> Rollout:
+    """One generation batch: sample a round, measure it, (dynamic sampling) refill groups without signal, then the
+    log-probs the update needs (π_θold when the policy moves within the round, π_ref when β > 0)."""
+    first = sample_round(ctx, model)
+    metrics = round_metrics(ctx, first)
+    chosen = first
+    if ctx.args.dynamic_sampling:
+        chosen, dynamic = refill(ctx, model, first)
+        metrics.update(dynamic)
+    return Rollout(build_batch(ctx, chosen, model), metrics, chosen)
+
+
+def sample_round(ctx: RolloutContext, model) -> Round:
+    """The next B prompts × G completions: generate this process's rows, score them, advantages."""
+    G = ctx.args.num_generations
+    prompt_idx = ctx.sampler.next_round()  # B prompts of the whole round, same on every process
+    rows = ctx.dist.shard([i for i in prompt_idx for _ in range(G)])  # group rows contiguous
+    comp = generate(ctx, model, [ctx.data[i] for i in rows])
+    scores = score(ctx, comp) if ctx.reward_sources else None  # outcome rewards (B, G)
+    step_scores = score_steps(ctx, comp) if ctx.process_sources else None  # step rewards [B][G][K]
+    n = len(rows)
+    rewards = torch.full((n,), float("nan")) if scores is None else ctx.dist.shard(scores.rewards.flatten())
+    steps = None
+    if step_scores is not None:
+        local = ctx.dist.shard([r for group in step_scores.rewards for r in group])
+        steps = [list(zip(texts, r)) for texts, r in zip(step_scores.texts, local)]
+    # per local group; only dynamic sampling asks, and it keeps whole groups on each process
+    signal = ctx.dist.shard(group_signal(ctx, scores, step_scores)) if ctx.args.dynamic_sampling else None
+    return Round(comp, advantages(ctx, comp, scores, step_scores), rewards, steps, signal, scores, step_scores)
+
+
+# ---- stages ---------------------------------------------------------------------------------------------------------
 def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: bool = False) -> Completions:
     """Sample one completion per row (rows already repeated G times, group rows contiguous)."""
     args, tok = ctx.args, ctx.tokenizer
@@ -45,7 +91,7 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
     device = ctx.dist.device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    completion_ids = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy)  # (N, T)
+    completion_ids = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy).completion_ids  # (N, T)
     mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
     texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
@@ -57,20 +103,20 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
 
 
 def score(ctx: RolloutContext, comp: Completions) -> Scores:
-    """Rewards on this process, gathered over all processes, then combined and group-normalised."""
+    """Rewards on this process, gathered over all processes, combined over reward functions."""
     args, G = ctx.args, ctx.args.num_generations
     local, errors = compute_rewards(ctx.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
                                     comp.columns, on_error=args.on_reward_error)
     per_func = ctx.dist.gather(local.to(ctx.dist.device)).cpu()  # (B·G, F), rank order = row order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     per_func = per_func.view(-1, G, per_func.size(-1))  # (B, G, F)
-    rewards, advantages = combine_rewards(per_func, ctx.reward_weights, aggregation=args.multi_objective_aggregation,
-                                          scale=args.scale_rewards, std=args.reward_std, eps=args.advantage_eps)
-    return Scores(per_func, rewards, advantages, tuple(s.name for s in ctx.reward_sources), errors)
+    rewards = combine_rewards(per_func, ctx.reward_weights, aggregation=args.multi_objective_aggregation,
+                              std=args.reward_std, eps=args.advantage_eps)
+    return Scores(per_func, rewards, tuple(s.name for s in ctx.reward_sources), errors)
 
 
 def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
-    """Split this process's completions into steps, score them, gather the round, §4.1.3 token advantages."""
+    """Split this process's completions into steps, score them, gather the round."""
     args, G, tok = ctx.args, ctx.args.num_generations, ctx.tokenizer
     steps = []
     for ids, cut in zip(comp.token_lists(), comp.truncated.tolist()):
@@ -86,73 +132,40 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     B = len(gathered) // G
     all_rewards = [[gathered[b * G + g][0] for g in range(G)] for b in range(B)]
     all_ends = [[gathered[b * G + g][1] for g in range(G)] for b in range(B)]
-    adv = process_advantages(all_rewards, all_ends, args.max_completion_length, std=args.reward_std,
-                             eps=args.advantage_eps)  # (B, G, max_completion_length)
-    return StepScores(all_rewards, all_ends, texts, adv, tuple(s.name for s in ctx.process_sources), errors)
+    return StepScores(all_rewards, all_ends, texts, tuple(s.name for s in ctx.process_sources), errors)
 
 
-def local_advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
-                     step_scores: StepScores | None) -> torch.Tensor:  # (N,) or (N, T)
-    """This process's advantages, outcome / process / both as configured (groupwise.supervision)."""
+def advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
+               step_scores: StepScores | None) -> torch.Tensor:  # (N,) or (N, T)
+    """This process's advantages: the estimator over the round's groups (groupwise.core.advantages), combined as
+    the supervision variant says (groupwise.core.supervision)."""
     args, T = ctx.args, comp.completion_ids.size(1)
-    outcome = None if scores is None else local_slice(ctx, scores.advantages)  # (N,)
-    process = None if step_scores is None else local_slice(ctx, step_scores.advantages)[:, :T]  # (N, T)
+    options = args.estimator_options()  # estimator=… and the options it takes
+    outcome = process = None
+    if scores is not None:
+        outcome = ctx.dist.shard(outcome_advantages(scores.rewards, **options).flatten())  # (N,)
+    if step_scores is not None:
+        adv = process_advantages(step_scores.rewards, step_scores.ends, args.max_completion_length, **options)
+        process = ctx.dist.shard(adv.flatten(0, 1))[:, :T]  # (N, T)
     adv = token_advantages(args.supervision, outcome, process, outcome_weight=args.outcome_advantage_weight,
                            process_weight=args.process_advantage_weight)
     return adv.to(comp.completion_ids.device)
 
 
 def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepScores | None) -> torch.Tensor:
-    """(B,) bool over the round: does the group carry a learning signal? A group whose rewards (outcome) and step
-    rewards (process) all have zero spread gets advantage 0 everywhere."""
-    signal = None
-    if scores is not None:
-        signal = _group_std(scores.rewards) > 1e-6
-    if step_scores is not None:
-        steps = torch.tensor([bool(_nanstd(torch.tensor([r for row in g for r in row] or [float("nan")])) > 1e-6)
-                              for g in step_scores.rewards])
-        signal = steps if signal is None else signal | steps
+    """(B,) bool over the round: does the group carry a learning signal? A group whose rewards have no spread —
+    in what the supervision variant reads: outcome rewards, step rewards, or either — gets advantage 0."""
+    variant = SUPERVISIONS[ctx.args.supervision]
+    signal = torch.zeros(len(scores.rewards) if scores is not None else len(step_scores.rewards), dtype=torch.bool)
+    if variant.outcome and scores is not None:
+        signal |= _spread(scores.rewards.unsqueeze(-1)) > 1e-6
+    if variant.process and step_scores is not None:
+        signal |= _spread(pack_steps(step_scores.rewards)) > 1e-6
     return signal
 
 
-def local_groups(ctx: RolloutContext, per_group: torch.Tensor) -> torch.Tensor:
-    """This process's entries of a (B, …) per-group tensor (whole groups per process, as dynamic sampling needs)."""
-    n = per_group.size(0) // ctx.dist.world_size
-    return per_group[ctx.dist.rank * n:(ctx.dist.rank + 1) * n]
-
-
-def select_groups(comps: list[Completions], advs: list[torch.Tensor], picks: list[tuple[int, int]], G: int,
-                  pad_id: int) -> tuple[Completions, torch.Tensor]:
-    """Rows of the picked (round, local group) pairs, re-padded into one Completions and one advantage tensor."""
-    rows = [(r, g * G + k) for r, g in picks for k in range(G)]
-    P = max(comps[r].prompt_ids.size(1) for r, _ in rows)
-    T = max(comps[r].completion_ids.size(1) for r, _ in rows)
-    pad = lambda t, w, left, v=0: torch.nn.functional.pad(t, (w - t.size(-1), 0) if left else (0, w - t.size(-1)), value=v)  # noqa: E731
-    def stack(get, w, left, v=0):
-        return torch.stack([pad(get(comps[r])[i], w, left, v) for r, i in rows])
-    comp = Completions(
-        stack(lambda c: c.prompt_ids, P, True, pad_id), stack(lambda c: c.prompt_mask, P, True),
-        stack(lambda c: c.completion_ids, T, False, pad_id), stack(lambda c: c.completion_mask, T, False),
-        torch.stack([comps[r].truncated[i] for r, i in rows]),
-        [comps[r].prompts[i] for r, i in rows], [comps[r].completions[i] for r, i in rows],
-        {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns})
-    if advs[0].dim() == 1:
-        adv = torch.stack([advs[r][i] for r, i in rows])
-    else:
-        adv = torch.stack([pad(advs[r][i], T, False) for r, i in rows])
-    return comp, adv
-
-
-def local_slice(ctx: RolloutContext, t: torch.Tensor) -> torch.Tensor:
-    """This process's rows of a (B, G, …) tensor of the whole round."""
-    flat = t.reshape(-1, *t.shape[2:])
-    n = flat.size(0) // ctx.dist.world_size
-    return flat[ctx.dist.rank * n:(ctx.dist.rank + 1) * n]
-
-
-def build_batch(ctx: RolloutContext, comp: Completions, advantages: torch.Tensor, *, model, ref_model,
-                need_old_logps: bool) -> TrainBatch:
-    args = ctx.args
+def build_batch(ctx: RolloutContext, rnd: Round, model) -> TrainBatch:
+    args, comp = ctx.args, rnd.completions
     loss_mask = comp.completion_mask
     if args.mask_truncated_completions:
         loss_mask = loss_mask * (~comp.truncated).unsqueeze(-1).long()
@@ -160,18 +173,68 @@ def build_batch(ctx: RolloutContext, comp: Completions, advantages: torch.Tensor
     attention_mask = torch.cat([comp.prompt_mask, comp.completion_mask], dim=1)
     T = comp.completion_ids.size(1)
     old = ref = None
-    if need_old_logps:  # the policy moves before some micro-batches are used: keep π_θold explicitly
+    if ctx.need_old_logps:  # the policy moves before some micro-batches are used: keep π_θold explicitly
         old = batched_logps(model, input_ids, attention_mask, T, temperature=args.temperature,
                             batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
-    if ref_model is not None:  # β > 0 only
-        ref = batched_logps(ref_model, input_ids, attention_mask, T, temperature=args.temperature,
+    if ctx.ref_model is not None:  # β > 0 only
+        ref = batched_logps(ctx.ref_model, input_ids, attention_mask, T, temperature=args.temperature,
                             batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
-    return TrainBatch(input_ids, attention_mask, loss_mask, advantages, old, ref)
+    return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref)
 
 
-def rollout_metrics(ctx: RolloutContext, comp: Completions, scores: Scores | None,
-                    step_scores: StepScores | None = None) -> dict[str, float]:
-    dist = ctx.dist
+# ---- dynamic sampling (DAPO, Yu et al. 2025) ------------------------------------------------------------------------
+def refill(ctx: RolloutContext, model, first: Round) -> tuple[Round, dict[str, float]]:
+    """Keep the groups with a learning signal, sample further rounds (at most max_dynamic_sampling_rounds) until
+    this process has as many as it started with, then fill any gap with dropped groups. Every process loops until
+    all are full, so collectives stay matched."""
+    G, dist = ctx.args.num_generations, ctx.dist
+    need = first.completions.completion_ids.size(0) // G
+    rounds, kept, spare = [first], [], []
+    dropped = int(dist.sum(torch.tensor(float((~first.signal).sum()), device=dist.device)))
+    extra = 0
+    while True:
+        r, rnd = len(rounds) - 1, rounds[-1]
+        kept += [(r, g) for g in range(need) if rnd.signal[g]]
+        spare += [(r, g) for g in range(need) if not rnd.signal[g]]
+        if extra >= ctx.args.max_dynamic_sampling_rounds or not dist.any(len(kept) < need):
+            break
+        rounds.append(sample_round(ctx, model))
+        extra += 1
+    unfilled = max(0, need - len(kept))
+    chosen = select_groups(rounds, kept[:need] + spare[:unfilled], G, ctx.tokenizer.pad_token_id)
+    return chosen, {"dynamic/dropped_groups": float(dropped), "dynamic/extra_rounds": float(extra),
+                    "dynamic/unfilled_groups": float(dist.sum(torch.tensor(float(unfilled), device=dist.device)))}
+
+
+def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad_id: int) -> Round:
+    """The rows of the picked (round, local group) pairs as one Round, re-padded (prompts left, completions right)."""
+    rows = [(r, g * G + k) for r, g in picks for k in range(G)]
+    comps = [rnd.completions for rnd in rounds]
+    P = max(comps[r].prompt_ids.size(1) for r, _ in rows)
+    T = max(comps[r].completion_ids.size(1) for r, _ in rows)
+
+    def pad(t, width, left, value=0):
+        return torch.nn.functional.pad(t, (width - t.size(-1), 0) if left else (0, width - t.size(-1)), value=value)
+
+    def stack(get, width=None, left=False, value=0):
+        return torch.stack([get(r, i) if width is None else pad(get(r, i), width, left, value) for r, i in rows])
+
+    comp = Completions(
+        stack(lambda r, i: comps[r].prompt_ids[i], P, True, pad_id), stack(lambda r, i: comps[r].prompt_mask[i], P, True),
+        stack(lambda r, i: comps[r].completion_ids[i], T, False, pad_id),
+        stack(lambda r, i: comps[r].completion_mask[i], T, False), stack(lambda r, i: comps[r].truncated[i]),
+        [comps[r].prompts[i] for r, i in rows], [comps[r].completions[i] for r, i in rows],
+        {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns})
+    token_level = rounds[0].advantages.dim() == 2
+    adv = stack(lambda r, i: rounds[r].advantages[i], T if token_level else None)
+    steps = None if rounds[0].steps is None else [rounds[r].steps[i] for r, i in rows]
+    return Round(comp, adv, stack(lambda r, i: rounds[r].rewards[i]), steps,
+                 torch.stack([rounds[r].signal[g] for r, g in picks]))
+
+
+# ---- metrics --------------------------------------------------------------------------------------------------------
+def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
+    dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
     lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
     truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu()
     m: dict[str, float] = {
@@ -180,39 +243,38 @@ def rollout_metrics(ctx: RolloutContext, comp: Completions, scores: Scores | Non
         "gen/max_length": float(lengths.max()),
         "gen/clipped_ratio": float(truncated.mean()),
     }
-    if step_scores is not None:
-        m.update(_process_metrics(step_scores))
+    if rnd.step_scores is not None:
+        m.update(_process_metrics(rnd.step_scores))
     if scores is None:
         return m
     m["reward/mean"] = float(torch.nanmean(scores.rewards))
-    m["reward/std"] = float(_nanstd(scores.rewards.flatten()))
-    m["reward/frac_zero_std_groups"] = float((_group_std(scores.rewards) < 1e-6).float().mean())
+    m["reward/std"] = _nanstd(scores.rewards)
+    m["reward/frac_zero_std_groups"] = float((_spread(scores.rewards.unsqueeze(-1)) < 1e-6).float().mean())
     for f, name in enumerate(scores.names):
-        col = scores.per_func[..., f].flatten()
+        col = scores.per_func[..., f]
         m[f"reward/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
-        m[f"reward/{name}/std"] = float(_nanstd(col))
+        m[f"reward/{name}/std"] = _nanstd(col)
         m[f"reward/{name}/errors"] = float(scores.errors[f])
     return m
 
 
 def _process_metrics(s: StepScores) -> dict[str, float]:
     per_completion = [row for group in s.rewards for row in group]
-    flat = torch.tensor([r for row in per_completion for r in row] or [float("nan")])
-    group_std = [_nanstd(torch.tensor([r for row in group for r in row] or [float("nan")])) for group in s.rewards]
-    m = {"process/step_reward_mean": float(torch.nanmean(flat)),
+    packed = pack_steps(s.rewards)  # (B, G, K)
+    m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
          "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),
          "process/no_step_completions": float(sum(1 for r in per_completion if not r)),
          # a group whose step rewards have no spread carries no signal (all its advantages are 0)
-         "process/zero_std_groups": float(sum(1 for v in group_std if not (v > 1e-6)))}
+         "process/zero_std_groups": float((~(_spread(packed) > 1e-6)).sum())}
     for f, name in enumerate(s.names):
         m[f"process/{name}/errors"] = float(s.errors[f])
     return m
 
 
-def _nanstd(x: torch.Tensor) -> torch.Tensor:
-    x = x[~torch.isnan(x)]
-    return x.std(unbiased=False) if x.numel() else torch.tensor(float("nan"))
+def _spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,) population std of each group
+    return masked_mean_std(values, ~torch.isnan(values), (1, 2))[1].view(-1)
 
 
-def _group_std(r: torch.Tensor) -> torch.Tensor:  # (B, G) → (B,)
-    return torch.stack([_nanstd(row) if (~torch.isnan(row)).sum() > 1 else torch.tensor(0.0) for row in r])
+def _nanstd(values: torch.Tensor) -> float:  # population std of the non-NaN values; NaN when there are none
+    valid = ~torch.isnan(values)
+    return float(masked_mean_std(values, valid, tuple(range(values.dim())))[1]) if valid.any() else float("nan")

@@ -7,7 +7,6 @@ import copy
 import math
 import time
 from collections import defaultdict
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -15,22 +14,24 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.checkpoint import load_checkpoint, save_checkpoint
 from groupwise.config import GRPOConfig
+from groupwise.core.supervision import SUPERVISIONS
 from groupwise.data import PromptData, PromptSampler
 from groupwise.distributed import Distributed
-from groupwise.generation import GENERATORS
+from groupwise.generation import build_generator
 from groupwise.logging import MetricsLogger, print_completions
 from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
-from groupwise.types import TrainBatch
+from groupwise.text import ensure_pad_token
+from groupwise.types import Rollout, Round, TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
 
 class GRPOTrainer:
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, process_reward_funcs=None):
-        # ---- everything that can be checked without a model ----------------------------------------------------
+        # everything that can be checked without a model comes first
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
@@ -38,75 +39,63 @@ class GRPOTrainer:
         self.layout = args.layout(self.dist.world_size)
         self.train_data = PromptData(train_dataset, "train_dataset")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        reward_funcs = _as_list(reward_funcs)
-        process_reward_funcs = _as_list(process_reward_funcs)
-        if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
-            raise ValueError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward functions")
-        if args.supervision == "outcome" and process_reward_funcs:
-            raise ValueError("process_reward_funcs were given but supervision='outcome': set supervision='process' "
-                             "or 'both' (GRPOConfig) to use them")
-        if args.supervision != "outcome" and not process_reward_funcs:
-            raise ValueError(f"supervision={args.supervision!r} needs process_reward_funcs (one reward per step)")
-        if args.supervision != "process" and not reward_funcs:
-            raise ValueError(f"supervision={args.supervision!r} needs at least one outcome reward function")
-        if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
-            raise ValueError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
-                             f"{len(process_reward_funcs)} process reward functions")
-        if not isinstance(model, (str, torch.nn.Module)):
-            raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
-        if not isinstance(model, str) and args.model_init_kwargs:
-            raise ValueError("model_init_kwargs only applies when model is a path; the model is already loaded")
+        reward_funcs, process_reward_funcs = _as_list(reward_funcs), _as_list(process_reward_funcs)
+        _check_inputs(args, model, reward_funcs, process_reward_funcs)
         from transformers import set_seed
 
         set_seed(args.seed + self.dist.rank)  # each process samples different completions
         self.sampler = PromptSampler(len(self.train_data), self.layout.prompts_per_generation,
                                      shuffle=args.shuffle_dataset, seed=args.seed)
-        steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
-        self.steps_per_round = steps_per_round
+        self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self.max_steps = args.max_steps if args.max_steps > 0 else \
-            math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * steps_per_round
-
-        # ---- models --------------------------------------------------------------------------------------------
+            math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * self.steps_per_round
+        # then the models and what is built around them
         policy, self.tokenizer = _load_policy(model, processing_class, args)
-        self.ref_model = None
-        if args.beta != 0.0:
-            self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(self.dist.device)
+        self.ref_model = self._build_reference(policy)
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
                                                   trust_remote_code=args.trust_remote_code,
                                                   device=self.dist.device) if reward_funcs else []
         self.process_sources = load_process_reward_sources(
             process_reward_funcs, trust_remote_code=args.trust_remote_code,
             device=self.dist.device) if process_reward_funcs else []
+        self.model, self.optimizer, self.scheduler = self._build_optimization(policy)
+        self.rollout_ctx = self._build_rollout()
+        self.update_ctx = UpdateContext(args, self.dist, self.model, self.optimizer, self.scheduler)
+        self.global_step = 0
+        self.skipped_steps = 0
+
+    # ---- builders -----------------------------------------------------------------------------------------------
+    def _build_reference(self, policy):
+        """π_ref for the KL term (β > 0 only): a frozen copy of the initial policy."""
+        if self.args.beta == 0.0:
+            return None
+        return copy.deepcopy(policy).eval().requires_grad_(False).to(self.dist.device)
+
+    def _build_optimization(self, policy):
+        """AdamW and the schedule; the policy is trained through PolicyForLogps (log-probs without full logits)."""
+        args = self.args
+        from transformers import get_scheduler
+
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay)
-        from transformers import get_scheduler
-
         warmup = args.warmup_steps or int(args.warmup_ratio * self.max_steps)
-        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                       num_training_steps=self.max_steps)
-        # the policy is trained through PolicyForLogps: one forward returns log-probs without full logits
-        self.model, self.optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=self.max_steps)
+        model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
+        return model, optimizer, scheduler
 
+    def _build_rollout(self) -> R.RolloutContext:
+        args = self.args
         eos = _eos_ids(self.tokenizer, self.unwrapped)
-        sampling = dict(max_completion_length=args.max_completion_length, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                        pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos)
-        if args.generation_backend == "fast":
-            generator = GENERATORS["fast"](**sampling, group_size=args.num_generations)
-        else:
-            generator = GENERATORS["transformers"](**sampling, generation_kwargs=args.generation_kwargs)
-        weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_sources), dtype=torch.float)
-        process_weights = torch.tensor(args.process_reward_weights or [1.0] * len(self.process_sources))
-        splitter = StepSplitter(args.step_split, delimiter=args.step_delimiter, pattern=args.step_pattern,
-                                step_tag=args.step_tag)
-        self.rollout_ctx = R.RolloutContext(args, self.tokenizer, generator, self.reward_sources, weights, eos,
-                                            self.dist, self.process_sources, process_weights, splitter)
-        self.update_ctx = UpdateContext(args, self.dist, self.model, self.optimizer, self.scheduler)
-        # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
-        self.need_old_logps = args.num_iterations > 1 or self.layout.steps_per_generation > args.gradient_accumulation_steps
-        self.global_step = 0
-        self.skipped_steps = 0
+        return R.RolloutContext(
+            args=args, tokenizer=self.tokenizer, dist=self.dist, eos_token_ids=eos,
+            generator=build_generator(args, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos),
+            reward_sources=self.reward_sources, process_sources=self.process_sources,
+            splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
+            ref_model=self.ref_model,
+            # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
+            need_old_logps=args.num_iterations > 1 or self.layout.steps_per_generation > args.gradient_accumulation_steps)
 
     @property
     def unwrapped(self):
@@ -115,113 +104,86 @@ class GRPOTrainer:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
-        args = self.args
-        resume = resume_from_checkpoint or args.resume_from_checkpoint
-        pending = self._resume(resume) if resume else None
-        logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(),
-                               resume_step=self.global_step)
-        bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO", disable=not self.dist.is_main)
-        started = time.perf_counter()
-        elapsed = lambda: {"time/elapsed": time.perf_counter() - started}  # noqa: E731  (this process's run)
-        if self.eval_data is not None and self.global_step == 0:
-            logger.log(0, {**self.evaluate(), **elapsed()})
-        window_metrics: dict[str, list[float]] = defaultdict(list)
-        last: dict[str, float] = {}
+        resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
+        self._begin()
         while self.global_step < self.max_steps:
-            tick = time.perf_counter()
-            if pending is None:
-                batch, round_metrics, comp, scores = self._rollout()
-                round_metrics["time/generation"] = time.perf_counter() - tick
-                round_step = 0
-            else:
-                batch, round_metrics, round_step = pending
-                comp = scores = pending = None
-            steps = windows(batch, self.layout.micro_batch_size, self.layout.steps_per_generation,
-                            args.num_iterations, args.gradient_accumulation_steps)
-            for window in steps[round_step:]:
+            rollout, done = pending or (self._collect(), 0)
+            pending = None
+            for window in self._windows(rollout)[done:]:
                 metrics = optimizer_step(self.update_ctx, window)
-                self.global_step += 1
-                round_step += 1
-                self.skipped_steps += int(metrics["train/skipped"])
-                metrics.update(round_metrics, **{"time/step": time.perf_counter() - tick, "train/skipped_steps": self.skipped_steps})
-                tick = time.perf_counter()
-                for k, v in metrics.items():
-                    window_metrics[k].append(v)
-                self._maybe_sync_ref()
-                bar.update(1)
-                if self.global_step % max(args.logging_steps, 1) == 0 or self.global_step == self.max_steps:
-                    last = {k: _nanmean(v) for k, v in window_metrics.items()}
-                    last["epoch"] = self.sampler.epoch + self.sampler.position / len(self.train_data)
-                    last.update(elapsed())
-                    logger.log(self.global_step, last)
-                    window_metrics.clear()
-                    bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
-                                     ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
-                                     if k in last})
-                    if args.log_completions and comp is not None and self.dist.is_main:
-                        _print_round(self.global_step, comp, scores, self.rollout_ctx, args.num_completions_to_print)
-                if args.save_steps and self.global_step % args.save_steps == 0 or self.global_step == self.max_steps:
-                    self.save(batch if round_step < len(steps) else None, round_metrics, round_step)
-                if self.eval_data is not None and (
-                        (args.eval_steps and self.global_step % args.eval_steps == 0) or self.global_step == self.max_steps):
-                    logger.log(self.global_step, {**self.evaluate(), **elapsed()})
+                done += 1
+                self._after_step(rollout, done, metrics)
                 if self.global_step >= self.max_steps:
                     break
-        bar.close()
-        logger.close()
+        return self._end()
+
+    # ---- phases -------------------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """Metrics file, progress bar, clocks; the step-0 evaluation of a fresh run."""
+        args = self.args
+        self._logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main,
+                                     config=args.to_dict(), resume_step=self.global_step)
+        self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO", disable=not self.dist.is_main)
+        self._started = self._tick = time.perf_counter()
+        self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line
+        self._last: dict[str, float] = {}
+        if self.eval_data is not None and self.global_step == 0:
+            self._logger.log(0, {**self.evaluate(), **self._elapsed()})
+
+    def _collect(self) -> Rollout:
+        """A fresh generation batch (groupwise.rollout.collect), timed."""
+        self._tick = time.perf_counter()
+        rollout = R.collect(self.rollout_ctx, self.unwrapped)
+        rollout.metrics["time/generation"] = time.perf_counter() - self._tick
+        return rollout
+
+    def _windows(self, rollout: Rollout) -> list[list[TrainBatch]]:
+        return windows(rollout.batch, self.layout.micro_batch_size, self.layout.steps_per_generation,
+                       self.args.num_iterations, self.args.gradient_accumulation_steps)
+
+    def _after_step(self, rollout: Rollout, done: int, metrics: dict[str, float]) -> None:
+        """Counters, reference sync, logging, checkpoint, evaluation — after optimizer step `done` of the round."""
+        args = self.args
+        self.global_step += 1
+        self.skipped_steps += int(metrics["train/skipped"])
+        metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
+                                           "train/skipped_steps": self.skipped_steps})
+        self._tick = time.perf_counter()
+        for k, v in metrics.items():
+            self._window[k].append(v)
+        self._maybe_sync_ref()
+        self._bar.update(1)
+        last_step = self.global_step == self.max_steps
+        if self.global_step % max(args.logging_steps, 1) == 0 or last_step:
+            self._log(rollout)
+        if args.save_steps and self.global_step % args.save_steps == 0 or last_step:
+            unfinished = done < len(self._windows(rollout))
+            self.save(rollout.batch if unfinished else None, rollout.metrics, done)
+        if self.eval_data is not None and ((args.eval_steps and self.global_step % args.eval_steps == 0) or last_step):
+            self._logger.log(self.global_step, {**self.evaluate(), **self._elapsed()})
+
+    def _log(self, rollout: Rollout) -> None:
+        last = {k: _nanmean(v) for k, v in self._window.items()}
+        last["epoch"] = self.sampler.epoch + self.sampler.position / len(self.train_data)
+        last.update(self._elapsed())
+        self._logger.log(self.global_step, last)
+        self._window.clear()
+        self._last = last
+        self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
+                               ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
+                               if k in last})
+        if self.args.log_completions and rollout.round is not None and self.dist.is_main:
+            _print_round(self.global_step, rollout.round, self.args.num_completions_to_print)
+
+    def _end(self) -> dict[str, float]:
+        self._bar.close()
+        self._logger.close()
         self.dist.barrier()
-        return last
+        return self._last
 
-    # ---- stages -------------------------------------------------------------------------------------------------
-    def _rollout(self):
-        ctx = self.rollout_ctx
-        comp, scores, step_scores, advantages = self._generate_round()
-        metrics = R.rollout_metrics(ctx, comp, scores, step_scores)
-        if self.args.dynamic_sampling:
-            comp, advantages, dyn = self._refill_groups(comp, scores, step_scores, advantages)
-            metrics.update(dyn)
-        batch = R.build_batch(ctx, comp, advantages, model=self.unwrapped, ref_model=self.ref_model,
-                              need_old_logps=self.need_old_logps)
-        return batch, metrics, comp, (scores, step_scores, advantages)
-
-    def _generate_round(self):
-        ctx, G, rank = self.rollout_ctx, self.args.num_generations, self.dist.rank
-        prompt_idx = self.sampler.next_round()  # B prompts of the whole round, same on every process
-        rows = [i for i in prompt_idx for _ in range(G)]  # (B·G) rows, group rows contiguous
-        n = self.layout.local_rows
-        local = [self.train_data[i] for i in rows[rank * n:(rank + 1) * n]]
-        comp = R.generate(ctx, self.unwrapped, local)
-        scores = R.score(ctx, comp) if self.reward_sources else None  # outcome rewards (B, G)
-        step_scores = R.score_steps(ctx, comp) if self.process_sources else None  # step rewards [B][G][K]
-        return comp, scores, step_scores, R.local_advantages(ctx, comp, scores, step_scores)  # (N,) or (N, T)
-
-    def _refill_groups(self, comp, scores, step_scores, advantages):
-        """DAPO dynamic sampling: keep the groups with a learning signal, generate further rounds (at most
-        max_dynamic_sampling_rounds) until this process has as many as it started with, then fill any gap with
-        dropped groups. Every process loops until all are full, so collectives stay matched."""
-        ctx, G = self.rollout_ctx, self.args.num_generations
-        need = comp.completion_ids.size(0) // G
-        comps, advs, kept, spare = [comp], [advantages], [], []
-        signal = R.local_groups(ctx, R.group_signal(ctx, scores, step_scores))
-        dropped = int(self.dist.sum(torch.tensor(float((~signal).sum()), device=self.dist.device)))
-        extra = 0
-        while True:
-            r = len(comps) - 1
-            kept += [(r, g) for g in range(need) if signal[g]]
-            spare += [(r, g) for g in range(need) if not signal[g]]
-            if extra >= self.args.max_dynamic_sampling_rounds or not self.dist.any(len(kept) < need):
-                break
-            c, s, ss, a = self._generate_round()
-            comps.append(c)
-            advs.append(a)
-            signal = R.local_groups(ctx, R.group_signal(ctx, s, ss))
-            extra += 1
-        unfilled = max(0, need - len(kept))
-        picks = kept[:need] + spare[:unfilled]
-        comp, advantages = R.select_groups(comps, advs, picks, G, self.tokenizer.pad_token_id)
-        return comp, advantages.to(comp.completion_ids.device), {
-            "dynamic/dropped_groups": float(dropped), "dynamic/extra_rounds": float(extra),
-            "dynamic/unfilled_groups": float(self.dist.sum(torch.tensor(float(unfilled), device=self.dist.device)))}
+    def _elapsed(self) -> dict[str, float]:
+        return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -242,7 +204,7 @@ class GRPOTrainer:
         if not self.reward_sources:
             return out
         per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
-        out["eval/reward/mean"] = float(torch.nanmean(torch.nansum(per_func * self.rollout_ctx.reward_weights, -1)))
+        out["eval/reward/mean"] = float(torch.nanmean(torch.nansum(per_func * ctx.reward_weights, -1)))
         for f, src in enumerate(self.reward_sources):
             out[f"eval/{src.name}"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval/accuracy
         return out
@@ -278,7 +240,7 @@ class GRPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         if pending is None:
             return None
-        return TrainBatch.from_tensors(pending), state["round_metrics"], state["round_step"]
+        return Rollout(TrainBatch.from_tensors(pending), state["round_metrics"]), state["round_step"]
 
 
 def _load_policy(model, processing_class, args: GRPOConfig):
@@ -295,10 +257,7 @@ def _load_policy(model, processing_class, args: GRPOConfig):
             if not name:
                 raise ValueError("the model was passed as an object: pass its tokenizer as processing_class")
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.pad_token is None:
-        raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
+    ensure_pad_token(tokenizer)
     if args.disable_dropout:
         disable_dropout(policy)
     if args.gradient_checkpointing:
@@ -332,15 +291,23 @@ def _as_list(funcs) -> list:
     return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
 
-def _print_round(step: int, comp, scored, ctx, limit: int | None) -> None:
-    scores, step_scores, advantages = scored
-    n = len(comp.prompts)
-    rewards = R.local_slice(ctx, scores.rewards).tolist() if scores is not None else [float("nan")] * n
-    first_token_adv = (advantages if advantages.dim() == 1 else advantages[:, 0]).tolist()
-    steps = None
-    if step_scores is not None:
-        G = ctx.args.num_generations
-        lo = ctx.dist.rank * n
-        step_rewards = [step_scores.rewards[(lo + i) // G][(lo + i) % G] for i in range(n)]
-        steps = [list(zip(texts, r)) for texts, r in zip(step_scores.texts, step_rewards)]
-    print_completions(step, comp.prompts, comp.completions, rewards, first_token_adv, limit, steps=steps)
+def _check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list) -> None:
+    """What can be checked before a model loads: the model argument, reward counts against weights and against
+    what the supervision variant reads (groupwise.core.supervision)."""
+    if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward functions")
+    if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
+        raise ValueError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
+                         f"{len(process_reward_funcs)} process reward functions")
+    SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
+    if not isinstance(model, (str, torch.nn.Module)):
+        raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
+    if not isinstance(model, str) and args.model_init_kwargs:
+        raise ValueError("model_init_kwargs only applies when model is a path; the model is already loaded")
+
+
+def _print_round(step: int, rnd: Round, limit: int | None) -> None:
+    first_token_adv = (rnd.advantages if rnd.advantages.dim() == 1 else rnd.advantages[:, 0]).tolist()
+    comp = rnd.completions
+    print_completions(step, comp.prompts, comp.completions, rnd.rewards.tolist(), first_token_adv, limit,
+                      steps=rnd.steps)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from groupwise.text import trim_to_mask
+
 
 @dataclass(frozen=True)
 class Completions:
@@ -30,18 +32,15 @@ class Completions:
         return self.completion_mask.sum(-1)
 
     def token_lists(self) -> list[list[int]]:  # (N)[length] completion tokens, EOS included, no padding
-        from groupwise.generation.base import trim_to_mask
-
         return trim_to_mask(self.completion_ids, self.completion_mask)
 
 
 @dataclass(frozen=True)
 class Scores:
-    """Rewards of the whole generation round (all processes), with the group axis explicit."""
+    """Outcome rewards of the whole generation round (all processes), with the group axis explicit."""
 
     per_func: torch.Tensor  # (B, G, F) NaN = could not be scored
-    rewards: torch.Tensor  # (B, G) weighted combination, NaN where every function gave None
-    advantages: torch.Tensor  # (B, G)
+    rewards: torch.Tensor  # (B, G) combined over functions (groupwise.rewards.combine), NaN where nothing scored
     names: tuple[str, ...]  # (F) reward function names
     errors: torch.Tensor  # (F,) exceptions turned into NaN (on_reward_error="nan")
 
@@ -53,9 +52,23 @@ class StepScores:
     rewards: list[list[list[float]]]  # [B][G][K_i] combined step rewards, NaN = unscored
     ends: list[list[list[int]]]  # [B][G][K_i] token index where each step ends
     texts: list[list[str]]  # (N)[K_i] step texts of this process's rows
-    advantages: torch.Tensor  # (B, G, max_completion_length) §4.1.3 token advantages
     names: tuple[str, ...]  # (F) process reward function names
     errors: torch.Tensor  # (F,)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One scored generation round on this process: its N rows, their advantages and what logging shows of them.
+    `scores` / `step_scores` cover the whole round (all processes) and are None once rows of several rounds are
+    mixed (dynamic sampling)."""
+
+    completions: Completions
+    advantages: torch.Tensor  # (N,) outcome, or (N, T) token-level
+    rewards: torch.Tensor  # (N,) combined outcome reward of each row, NaN when there is none
+    steps: list[list[tuple[str, float]]] | None  # (N)[K_i] (step text, step reward), process supervision
+    signal: torch.Tensor | None  # (N / G,) bool per local group: a learning signal? (dynamic sampling only)
+    scores: Scores | None = None
+    step_scores: StepScores | None = None
 
 
 @dataclass(frozen=True)
@@ -79,3 +92,13 @@ class TrainBatch:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TrainBatch":
         return cls(**tensors)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What one `groupwise.rollout.collect` call returns: the batch to train on, the round's metrics, and the rows
+    behind the batch for logging (None for a round restored from a checkpoint)."""
+
+    batch: TrainBatch
+    metrics: dict[str, float]
+    round: Round | None = None

@@ -2,9 +2,10 @@
 
 Loss scaling under accumulation and data parallelism (the silent-wrong-gradient trap, transformers #34191):
 each process's micro-batch loss is scaled so that, after DDP averages gradients over W processes and k micro-batches
-are summed, the step's gradient equals the gradient of the aggregated loss over the whole window:
-    dapo                 ℓ_i · W    (ℓ_i already divides by the token count of the whole window, all processes)
-    grpo / bnpo / dr_grpo ℓ_i / k
+are summed, the step's gradient equals the gradient of the aggregated loss over the whole window. The aggregation
+says which rule applies (groupwise.core.aggregation, `spans_step`):
+    normaliser spans the step (dapo)          ℓ_i · W   (ℓ_i already divides by the window's tokens, all processes)
+    normaliser local to the micro-batch       ℓ_i / k   (grpo, bnpo, dr_grpo)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from groupwise.core.aggregation import aggregation
 from groupwise.core.logprobs import top_entropy_mask
 from groupwise.core.losses import policy_loss
 from groupwise.types import TrainBatch
@@ -40,7 +42,7 @@ def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int,
     return [micro[i:i + k] for i in range(0, len(micro), k)]
 
 
-def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
+def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor | None
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The aggregated loss of one micro-batch (before accumulation/DP scaling) and its metrics."""
     args = ctx.args
@@ -62,8 +64,12 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     """Accumulate the window's micro-batches and take one optimizer step (skipped if anything is not finite)."""
     args, dist, model = ctx.args, ctx.dist, ctx.model
     k = len(window)
-    num_items = dist.sum(sum(mb.completion_mask.sum() for mb in window).float())  # tokens of the step, all processes
-    scale = dist.world_size if args.loss_type == "dapo" else 1.0 / k
+    num_items = None
+    if aggregation(args.loss_type).spans_step:
+        num_items = dist.sum(sum(mb.completion_mask.sum() for mb in window).float())  # the step's tokens, all processes
+        scale = float(dist.world_size)
+    else:
+        scale = 1.0 / k
     sums: dict[str, float] = defaultdict(float)
     step_loss, finite = 0.0, True
     for i, mb in enumerate(window):

@@ -155,3 +155,102 @@ def test_process_bad_input():
         process_advantages([[[1.0, 2.0]]], [[[2, 1]]], num_tokens=3)
     with pytest.raises(ValueError, match="step ends"):
         process_advantages([[[1.0, 2.0]]], [[[1]]], num_tokens=3)
+
+
+# ---- the estimator registry: RLOO and REINFORCE++-baseline ----------------------------------------------------------
+from groupwise.core.advantages import ESTIMATORS, masked_mean_std, normalize_rewards  # noqa: E402
+
+
+def test_rloo_by_hand():
+    # r = [3, 1, 2]: baselines are the means of the others: (1+2)/2 = 1.5, (3+2)/2 = 2.5, (3+1)/2 = 2
+    # → [3 − 1.5, 1 − 2.5, 2 − 2] = [1.5, −1.5, 0]  (= G/(G−1) · (r − mean) = 1.5 · [1, −1, 0])
+    assert torch.equal(outcome_advantages(torch.tensor([[3.0, 1.0, 2.0]]), estimator="rloo"),
+                       torch.tensor([[1.5, -1.5, 0.0]]))
+    # NaN is left out of the baselines: [3, NaN, 1] → [3 − 1, 0, 1 − 3] = [2, 0, −2]
+    assert torch.equal(outcome_advantages(torch.tensor([[3.0, float("nan"), 1.0]]), estimator="rloo"),
+                       torch.tensor([[2.0, 0.0, -2.0]]))
+    # a completion whose group has no other scored completion has no baseline: 0
+    assert torch.equal(outcome_advantages(torch.tensor([[5.0, float("nan")]]), estimator="rloo"), torch.zeros(1, 2))
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    # groups [1, 3] (mean 2) and [5, 5] (mean 5): centred c = [−1, 1, 0, 0]; batch mean of c = 0,
+    # population std of c = sqrt((1 + 1 + 0 + 0)/4) = 0.70711 → [−1.41421, 1.41421, 0, 0]
+    adv = outcome_advantages(torch.tensor([[1.0, 3.0], [5.0, 5.0]]), estimator="reinforce_plus_plus_baseline", eps=0)
+    assert torch.allclose(adv, torch.tensor([[-1.41421, 1.41421], [0.0, 0.0]]), atol=1e-5)
+    # not grpo's scale="batch", which divides by the std of the raw rewards [1, 3, 5, 5] (= 1.65831)
+    batch = outcome_advantages(torch.tensor([[1.0, 3.0], [5.0, 5.0]]), scale="batch", eps=0)
+    assert torch.allclose(batch, torch.tensor([[-0.60302, 0.60302], [0.0, 0.0]]), atol=1e-5)
+
+
+def test_rloo_over_steps_by_hand():
+    # G = 2. Completion 0 has steps [1, 0] ending at tokens 1, 3; completion 1 has one step [1] ending at token 2.
+    # Step baselines are the other completion's mean step reward: completion 0 → 1, completion 1 → 0.5.
+    # r̃: completion 0 [0, −1], completion 1 [0.5].  Â = Σ_{end ≥ t} r̃:
+    # completion 0: t = 0, 1 → 0 + (−1) = −1; t = 2, 3 → −1.   completion 1: t = 0..2 → 0.5; t = 3 → 0.
+    adv = process_advantages([[[1.0, 0.0], [1.0]]], [[[1, 3], [2]]], num_tokens=4, estimator="rloo")
+    assert torch.equal(adv, torch.tensor([[[-1.0, -1.0, -1.0, -1.0], [0.5, 0.5, 0.5, 0.0]]]))
+
+
+def _flat_groups(rewards):  # (B, G, K) with NaN → per group: [(g, value)] of the valid entries
+    return [[(g, v) for g in range(rewards.size(1)) for v in rewards[b, g].tolist() if not math.isnan(v)]
+            for b in range(rewards.size(0))]
+
+
+def _rloo_loop(rewards):
+    out = torch.zeros_like(rewards)
+    for b, group in enumerate(_flat_groups(rewards)):
+        for g in range(rewards.size(1)):
+            others = [v for h, v in group if h != g]
+            for k in range(rewards.size(2)):
+                r = rewards[b, g, k].item()
+                if not math.isnan(r) and others:
+                    out[b, g, k] = r - sum(others) / len(others)
+    return out
+
+
+def _reinforce_pp_loop(rewards, eps):
+    centred = {}
+    for b, group in enumerate(_flat_groups(rewards)):
+        mean = sum(v for _, v in group) / len(group) if group else 0.0
+        for g in range(rewards.size(1)):
+            for k in range(rewards.size(2)):
+                if not math.isnan(rewards[b, g, k].item()):
+                    centred[b, g, k] = rewards[b, g, k].item() - mean
+    vals = list(centred.values())
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
+    out = torch.zeros_like(rewards)
+    for (b, g, k), v in centred.items():
+        out[b, g, k] = (v - m) / (sd + eps)
+    return out
+
+
+@pytest.mark.parametrize("K", [1, 4])  # outcome rewards, and ragged step rewards padded with NaN
+def test_estimators_match_loops(K):
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(5, 4, K, generator=g, dtype=torch.float64)
+    r[torch.rand(5, 4, K, generator=g) < 0.3] = float("nan")
+    r[1] = 0.25  # an all-equal group
+    r[2, :3] = float("nan")  # one scored completion only: RLOO has no baseline for it
+    assert torch.allclose(normalize_rewards(r, "rloo").double(), _rloo_loop(r), atol=1e-5)
+    assert torch.allclose(normalize_rewards(r, "reinforce_plus_plus_baseline", eps=1e-4).double(),
+                          _reinforce_pp_loop(r, 1e-4), atol=1e-5)
+
+
+def test_estimator_registry_rejects_what_it_does_not_take():
+    assert set(ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus_baseline"}
+    with pytest.raises(ValueError, match=r"'rloo' takes no option\(s\) \['scale'\]"):
+        outcome_advantages(torch.zeros(1, 2), estimator="rloo", scale="group")
+    with pytest.raises(ValueError, match="advantage_estimator='ppo' is not one of"):
+        outcome_advantages(torch.zeros(1, 2), estimator="ppo")
+
+
+def test_masked_mean_std_by_hand():
+    # [1, NaN, 3]: mean 2; population std 1; Bessel std sqrt(2/1) = 1.41421; an empty row: 0, 0
+    x = torch.tensor([[1.0, float("nan"), 3.0], [float("nan")] * 3])
+    valid = ~torch.isnan(x)
+    mean, sd, n = masked_mean_std(torch.nan_to_num(x), valid, -1)
+    assert mean.view(-1).tolist() == [2.0, 0.0] and sd.view(-1).tolist() == [1.0, 0.0] and n.view(-1).tolist() == [2, 0]
+    _, bessel, _ = masked_mean_std(torch.nan_to_num(x), valid, -1, std="unbiased")
+    assert bessel[0].item() == pytest.approx(1.41421, abs=1e-5)

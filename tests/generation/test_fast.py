@@ -4,7 +4,8 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from groupwise.generation import FastGenerator, encode_prompts
+from groupwise.generation.fast import FastGenerator
+from groupwise.text import encode_prompts
 from groupwise.generation.fast import GrowingLayer
 from groupwise.tasks import toy
 
@@ -32,7 +33,7 @@ def test_greedy_equals_generate_token_for_token(pad_is_eos, repetition_penalty):
         model.lm_head.weight[tok.eos_token_id] += 0.3 * model.lm_head.weight.mean(0)
     prompts = [p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)]
     ids, mask = encode_prompts(prompts, tok, None)
-    fast = _fast(tok, group_size=4, repetition_penalty=repetition_penalty)(model, ids, mask, greedy=True)
+    fast = _fast(tok, group_size=4, repetition_penalty=repetition_penalty)(model, ids, mask, greedy=True).completion_ids
     ref = _generate(model, tok, ids, mask, repetition_penalty=repetition_penalty)
     assert torch.equal(fast, ref)
 
@@ -42,7 +43,7 @@ def test_rows_that_are_not_grouped_are_their_own_group(tokenizer):
     ids, mask = encode_prompts(["a", "bc", "a", "d"], tokenizer, None)  # not contiguous groups of 2
     gen = _fast(tokenizer, group_size=2)
     assert gen._groups(ids, mask) == 1
-    assert torch.equal(gen(model, ids, mask, greedy=True), _generate(model, tokenizer, ids, mask))
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
 
 
 def test_sampled_frequencies_match_the_processed_softmax(tokenizer):
@@ -55,7 +56,7 @@ def test_sampled_frequencies_match_the_processed_softmax(tokenizer):
     ids, mask = encode_prompts(["repeat a:"] * n, tokenizer, None)
     gen = _fast(tokenizer, max_completion_length=1, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, group_size=n)
     torch.manual_seed(0)
-    first = gen(model, ids, mask)[:, 0]
+    first = gen(model, ids, mask).completion_ids[:, 0]
     freq = torch.bincount(first, minlength=len(tokenizer)).double() / n
     with torch.no_grad():
         logits = model(input_ids=ids[:1], attention_mask=mask[:1]).logits[:, -1].float()

@@ -1,7 +1,8 @@
 import torch
 from transformers import GenerationConfig
 
-from groupwise.generation import TransformersGenerator, completion_masks, encode_prompts
+from groupwise.generation.hf import TransformersGenerator
+from groupwise.text import completion_masks, encode_prompts
 from groupwise.modeling import completion_logps
 from groupwise.tasks import toy
 
@@ -58,9 +59,9 @@ def test_transformers_generator_greedy_is_deterministic(tokenizer, tiny_model):
                                 eos_token_ids=[tokenizer.eos_token_id])
     ids, mask = encode_prompts(["repeat a:", "b"], tokenizer, None)
     tiny_model.train()
-    a = gen(tiny_model, ids, mask, greedy=True)
+    a = gen(tiny_model, ids, mask, greedy=True).completion_ids
     assert tiny_model.training  # generation runs in eval mode and restores the caller's mode
-    b = gen(tiny_model.eval(), ids, mask, greedy=True)
+    b = gen(tiny_model.eval(), ids, mask, greedy=True).completion_ids
     assert not tiny_model.training
     assert torch.equal(a, b) and a.size(1) <= 4
 

@@ -5,7 +5,7 @@ import torch
 
 from groupwise.rewards import RewardFunctionError
 from groupwise.rewards.process import compute_step_rewards, load_process_reward_sources
-from groupwise.supervision import token_advantages
+from groupwise.core.supervision import token_advantages
 
 
 def _run(funcs, steps, weights=None, **kw):

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from groupwise.core.advantages import outcome_advantages
 from groupwise.rewards import RewardFunctionError, combine_rewards, compute_rewards, load_reward_sources
 
 
@@ -88,8 +89,9 @@ def test_combine_sum_then_normalize_by_hand():
     # 1 prompt, G = 2, two functions with weights [1, 0.5]:
     # row 0: 1 + 0.5·2 = 2; row 1: 0 + 0.5·NaN(skipped) = 0 → rewards [2, 0]; mean 1, population std 1 → [1, −1]
     per_func = torch.tensor([[[1.0, 2.0], [0.0, float("nan")]]])
-    rewards, adv = combine_rewards(per_func, torch.tensor([1.0, 0.5]), aggregation="sum_then_normalize",
-                                   scale="group", std="population", eps=0.0)
+    rewards = combine_rewards(per_func, torch.tensor([1.0, 0.5]), aggregation="sum_then_normalize",
+                              std="population", eps=0.0)
+    adv = outcome_advantages(rewards, scale="group", std="population", eps=0.0)
     assert rewards.tolist() == [[2.0, 0.0]] and adv.tolist() == [[1.0, -1.0]]
 
 
@@ -97,7 +99,8 @@ def test_combine_normalize_then_sum_by_hand():
     # function 0: [1, 0, 0, 1] → z = [1, −1, −1, 1]; function 1: [10, 10, 30, 30] → z = [−1, −1, 1, 1]
     # weights [1, 1]: sums [0, −2, 0, 2]; mean 0, population std sqrt(8/4) = 1.41421 → [0, −1.41421, 0, 1.41421]
     per_func = torch.tensor([[[1.0, 10.0], [0.0, 10.0], [0.0, 30.0], [1.0, 30.0]]])
-    rewards, adv = combine_rewards(per_func, torch.tensor([1.0, 1.0]), aggregation="normalize_then_sum",
-                                   scale="group", std="population", eps=0.0)
+    rewards = combine_rewards(per_func, torch.tensor([1.0, 1.0]), aggregation="normalize_then_sum",
+                              std="population", eps=0.0)
+    adv = outcome_advantages(rewards, scale="group", std="population", eps=0.0)
     assert torch.allclose(rewards, torch.tensor([[0.0, -2.0, 0.0, 2.0]]))
     assert torch.allclose(adv, torch.tensor([[0.0, -1.41421, 0.0, 1.41421]]), atol=1e-5)

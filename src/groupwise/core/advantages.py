@@ -1,16 +1,31 @@
-"""Group-relative advantages (DeepSeekMath §4.1.2 outcome, §4.1.3 process).
+"""Group-relative advantages: every estimator, for outcome (§4.1.2) and process (§4.1.3) supervision.
 
-Outcome supervision:  r̃_i = (r_i − mean(r)) / std(r)  over the G rewards of one prompt; Â_{i,t} = r̃_i.
-Process supervision:  r̃_i^{index(j)} = (r_i^{index(j)} − mean(R)) / std(R), R = every step reward of the
-                      group; Â_{i,t} = Σ_{index(j) ≥ t} r̃_i^{index(j)}.
+An estimator turns the rewards of a group into normalised rewards r̃. It sees them as a (B, G, K) tensor: B
+prompts, G completions per prompt, K rewards per completion, NaN where there is none (K = 1 for outcome rewards;
+for step rewards completion i has K_i ≤ K steps and the rest is NaN padding). The group of prompt b is every
+reward of row b: the G outcome rewards, or, as DeepSeekMath §4.1.3 prescribes, all step rewards of all G
+completions. NaN rewards (could not be scored) are left out of every statistic and get r̃ = 0.
 
-`std="population"` is the 1/G definition the seeds use; `std="unbiased"` is Bessel's 1/(G−1) (TRL's choice).
-NaN marks a reward that could not be scored: it is left out of mean and std and gets advantage 0.
+Then, whichever the estimator:
+    outcome supervision (§4.1.2)  Â_{i,t} = r̃_i                              outcome_advantages → (B, G)
+    process supervision (§4.1.3)  Â_{i,t} = Σ_{index(j) ≥ t} r̃_i^{index(j)}   process_advantages → (B, G, T)
+
+The estimators (`ESTIMATORS`, chosen by GRPOConfig.advantage_estimator):
+    grpo    r̃ = (r − mean(R_b)) / (std(R_b) + eps)             DeepSeekMath §4.1.2/§4.1.3 (scale="group")
+            scale="batch": std over every reward of the batch; scale="none": r − mean(R_b) only (Dr. GRPO)
+    rloo    r̃_{i} = r_i − mean of the rewards of the *other* completions of the group (REINFORCE leave-one-out,
+            Ahmadian et al. 2024); for step rewards, the baseline of a step of completion i is the mean of the
+            step rewards of the other G − 1 completions. No scaling.
+    reinforce_plus_plus_baseline
+            c = r − mean(R_b), then r̃ = (c − mean_batch(c)) / (std_batch(c) + eps): a group-mean baseline, then
+            whitening over the whole batch (REINFORCE++-baseline, Hu et al. 2025).
+`std="population"` is the 1/n definition of DeepSeekMath's std(·); `std="unbiased"` is Bessel's 1/(n−1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,51 +33,115 @@ SCALES = ("group", "batch", "none")
 STDS = ("population", "unbiased")
 
 
-def _masked_std(centered: torch.Tensor, count: torch.Tensor, std: str, dim=None) -> torch.Tensor:
-    """Std of values already centred (0 where invalid); `count` valid entries. Empty or single → 0."""
-    sq = (centered**2).sum(dim=dim, keepdim=dim is not None)
-    denom = count if std == "population" else count - 1
-    return torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq)).sqrt()
-
-
-def _check(scale: str, std: str) -> None:
-    if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not one of {SCALES}")
+def masked_mean_std(x: torch.Tensor, valid: torch.Tensor, dims, *, std: str = "population"
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN-aware mean and std of `x` over `dims` (keepdim), counting only `valid` entries; also the count.
+    An empty or single-value set has std 0 (never NaN). The one std of the package."""
     if std not in STDS:
-        raise ValueError(f"std={std!r} is not one of {STDS}")
+        raise ValueError(f"std={std!r} is not one of {list(STDS)}")
+    zero = torch.zeros_like(x)
+    count = valid.sum(dim=dims, keepdim=True).to(x.dtype)
+    mean = torch.where(valid, x, zero).sum(dim=dims, keepdim=True) / count.clamp(min=1)
+    sq = torch.where(valid, (x - mean) ** 2, zero).sum(dim=dims, keepdim=True)
+    denom = count if std == "population" else count - 1
+    sd = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq)).sqrt()
+    return mean, sd, count
+
+
+def _grpo(r: torch.Tensor, valid: torch.Tensor, *, scale: str = "group", std: str = "population",
+          eps: float = 1e-4) -> torch.Tensor:
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is not one of {list(SCALES)}")
+    mean, group_sd, _ = masked_mean_std(r, valid, (1, 2), std=std)  # (B, 1, 1)
+    centered = r - mean
+    if scale == "group":
+        return centered / (group_sd + eps)
+    if scale == "batch":
+        _, batch_sd, _ = masked_mean_std(r, valid, (0, 1, 2), std=std)
+        return centered / (batch_sd + eps)
+    return centered
+
+
+def _rloo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    filled = torch.where(valid, r, torch.zeros_like(r))
+    group_sum, group_n = filled.sum((1, 2), keepdim=True), valid.sum((1, 2), keepdim=True)  # (B, 1, 1)
+    own_sum, own_n = filled.sum(2, keepdim=True), valid.sum(2, keepdim=True)  # (B, G, 1)
+    others_n = (group_n - own_n).to(r.dtype)
+    baseline = (group_sum - own_sum) / others_n.clamp(min=1)
+    # no other completion has a reward: no baseline, no signal
+    return torch.where(others_n > 0, r - baseline, torch.zeros_like(r))
+
+
+def _reinforce_pp(r: torch.Tensor, valid: torch.Tensor, *, std: str = "population",
+                  eps: float = 1e-4) -> torch.Tensor:
+    mean, _, _ = masked_mean_std(r, valid, (1, 2), std=std)
+    centered = r - mean
+    batch_mean, batch_sd, _ = masked_mean_std(centered, valid, (0, 1, 2), std=std)
+    return (centered - batch_mean) / (batch_sd + eps)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: `normalize(r (B, G, K), valid (B, G, K) bool, **options) → r̃ (B, G, K)`
+    and the keyword options it takes (GRPOConfig maps scale → scale_rewards, std → reward_std,
+    eps → advantage_eps, and rejects a non-default field the chosen estimator would ignore)."""
+
+    normalize: Callable[..., torch.Tensor]
+    options: tuple[str, ...]
+    summary: str
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_grpo, ("scale", "std", "eps"), "group z-score, DeepSeekMath §4.1.2/§4.1.3"),
+    "rloo": Estimator(_rloo, (), "leave-one-out baseline: r_i − mean of the other completions' rewards"),
+    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp, ("std", "eps"),
+                                              "group-mean baseline, then batch whitening"),
+}
+
+
+def normalize_rewards(rewards: torch.Tensor, estimator: str = "grpo", **options) -> torch.Tensor:
+    """(B, G, K) rewards with NaN → (B, G, K) normalised rewards r̃ (float32), 0 where the reward is NaN."""
+    try:
+        est = ESTIMATORS[estimator]
+    except KeyError:
+        raise ValueError(f"advantage_estimator={estimator!r} is not one of {sorted(ESTIMATORS)}") from None
+    unknown = sorted(set(options) - set(est.options))
+    if unknown:
+        raise ValueError(f"advantage estimator {estimator!r} takes no option(s) {unknown} (it takes {list(est.options)})")
+    if rewards.dim() != 3:
+        raise ValueError(f"rewards must be (B, G, K), got shape {tuple(rewards.shape)}")
+    r = rewards.float()
+    valid = ~torch.isnan(r)
+    out = est.normalize(torch.where(valid, r, torch.zeros_like(r)), valid, **options)
+    return torch.where(valid, out, torch.zeros_like(out)).float()
+
+
+def pack_steps(ragged: Sequence[Sequence[Sequence[float | None]]], *, fill: float = float("nan"),
+               dtype: torch.dtype = torch.float) -> torch.Tensor:  # [B][G][K_i] → (B, G, max K_i)
+    """Ragged per-completion step values as one tensor, `fill` (NaN) past each completion's last step; None → NaN."""
+    B = len(ragged)
+    G = len(ragged[0]) if B else 0
+    K = max((len(row) for group in ragged for row in group), default=0)
+    out = torch.full((B, G, K), fill, dtype=dtype)
+    for b, group in enumerate(ragged):
+        for g, row in enumerate(group):
+            if len(row):
+                out[b, g, :len(row)] = torch.tensor([float("nan") if v is None else v for v in row], dtype=dtype)
+    return out
 
 
 def outcome_advantages(
     rewards: torch.Tensor,  # (B, G), NaN = could not be scored
     *,
-    scale: str = "group",
-    std: str = "population",
-    eps: float = 1e-4,
+    estimator: str = "grpo",
+    **options,  # the estimator's options, e.g. scale="group", std="population", eps=1e-4 for grpo
 ) -> torch.Tensor:  # (B, G)
-    """Outcome-supervision advantages (DeepSeekMath §4.1.2, eq. for r̃_i).
-
-    scale="group": (r − group mean) / (group std + eps)
-    scale="batch": (r − group mean) / (std of every reward in the batch + eps)
-    scale="none":  r − group mean   (Dr. GRPO, Liu et al. 2025)
-    An all-equal group gets 0 (never NaN); eps keeps float noise from being blown up into ±1 advantages.
-    """
-    _check(scale, std)
+    """Outcome-supervision advantages (DeepSeekMath §4.1.2): Â_{i,t} = r̃_i for every token of completion i.
+    With the default grpo estimator: r̃ = (r − group mean) / (group std + eps); an all-equal group gets 0 and
+    eps keeps float noise from being blown up into ±1 advantages."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be (B, G), got shape {tuple(rewards.shape)}")
-    rewards = rewards.float()
-    valid = ~torch.isnan(rewards)  # (B, G)
-    count = valid.sum(-1, keepdim=True).float()  # (B, 1)
-    filled = torch.where(valid, rewards, torch.zeros_like(rewards))
-    mean = filled.sum(-1, keepdim=True) / count.clamp(min=1)  # (B, 1)
-    centered = torch.where(valid, rewards - mean, torch.zeros_like(rewards))  # (B, G)
-    if scale == "group":
-        centered = centered / (_masked_std(centered, count, std, dim=-1) + eps)
-    elif scale == "batch":
-        n = valid.sum().float()
-        batch_mean = filled.sum() / n.clamp(min=1)
-        batch_centered = torch.where(valid, rewards - batch_mean, torch.zeros_like(rewards))
-        centered = centered / (_masked_std(batch_centered, n, std) + eps)
-    return centered
+    return normalize_rewards(rewards.unsqueeze(-1), estimator, **options).squeeze(-1)
 
 
 def process_advantages(
@@ -70,21 +149,20 @@ def process_advantages(
     step_ends: Sequence[Sequence[Sequence[int]]],  # [B][G][K_i], token index within the completion, ascending
     num_tokens: int,  # T
     *,
-    std: str = "population",
-    eps: float = 1e-4,
+    estimator: str = "grpo",
+    **options,
 ) -> torch.Tensor:  # (B, G, T)
     """Process-supervision advantages (DeepSeekMath §4.1.3).
 
-    Every step reward of group b (all completions, all steps) forms R_b; r̃ = (r − mean(R_b)) / (std(R_b) + eps);
-    A[b, g, t] = Σ_{j : end_j ≥ t} r̃_{b,g,j}. Tokens after a completion's last step get 0; a completion with
-    no steps gets 0 everywhere. None/NaN step rewards are left out of mean and std and contribute 0.
+    The step rewards of group b (all completions, all steps) are normalised together by the estimator (grpo:
+    r̃ = (r − mean(R_b)) / (std(R_b) + eps)); A[b, g, t] = Σ_{j : end_j ≥ t} r̃_{b,g,j}. Tokens after a
+    completion's last step get 0; a completion with no steps gets 0 everywhere. None/NaN step rewards are left
+    out of the statistics and contribute 0.
     """
-    _check("group", std)
     B = len(step_rewards)
     if len(step_ends) != B:
         raise ValueError(f"step_rewards has {B} prompts but step_ends has {len(step_ends)}")
     G = len(step_rewards[0]) if B else 0
-    flat_r, flat_b, flat_g, flat_end = [], [], [], []
     for b in range(B):
         if len(step_rewards[b]) != G or len(step_ends[b]) != G:
             raise ValueError(f"prompt {b}: expected {G} completions in step_rewards and step_ends")
@@ -92,32 +170,16 @@ def process_advantages(
             rs, es = step_rewards[b][g], step_ends[b][g]
             if len(rs) != len(es):
                 raise ValueError(f"prompt {b}, completion {g}: {len(rs)} step rewards but {len(es)} step ends")
-            prev = -1
-            for r, e in zip(rs, es):
-                e = int(e)
-                if not 0 <= e < num_tokens:
-                    raise ValueError(f"prompt {b}, completion {g}: step end {e} outside [0, {num_tokens})")
-                if e < prev:
-                    raise ValueError(f"prompt {b}, completion {g}: step ends must be ascending, got {list(es)}")
-                prev = e
-                flat_r.append(float("nan") if r is None else float(r))
-                flat_b.append(b)
-                flat_g.append(g)
-                flat_end.append(e)
-    out = torch.zeros(B, G, num_tokens)
-    if not flat_r:
-        return out
-    r = torch.tensor(flat_r)  # (S,)
-    b_idx, g_idx, end = torch.tensor(flat_b), torch.tensor(flat_g), torch.tensor(flat_end)
-    valid = ~torch.isnan(r)
-    filled = torch.where(valid, r, torch.zeros_like(r))
-    count = torch.zeros(B).index_add_(0, b_idx, valid.float())  # (B,)
-    mean = torch.zeros(B).index_add_(0, b_idx, filled) / count.clamp(min=1)  # (B,)
-    centered = torch.where(valid, r - mean[b_idx], torch.zeros_like(r))  # (S,)
-    sq = torch.zeros(B).index_add_(0, b_idx, centered**2)
-    denom = count if std == "population" else count - 1
-    sd = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq)).sqrt()  # (B,)
-    normalized = centered / (sd[b_idx] + eps)  # (S,)
+            if any(not 0 <= int(e) < num_tokens for e in es):
+                bad = next(int(e) for e in es if not 0 <= int(e) < num_tokens)
+                raise ValueError(f"prompt {b}, completion {g}: step end {bad} outside [0, {num_tokens})")
+            if any(int(a) > int(c) for a, c in zip(es, es[1:])):
+                raise ValueError(f"prompt {b}, completion {g}: step ends must be ascending, got {list(es)}")
+    rewards = pack_steps(step_rewards)  # (B, G, K)
+    if rewards.numel() == 0:
+        return torch.zeros(B, G, num_tokens)
+    ends = pack_steps(step_ends, fill=num_tokens, dtype=torch.long)  # padding lands in a spare column T
+    normalized = normalize_rewards(rewards, estimator, **options)  # (B, G, K), 0 on padding and NaN
     # Put each r̃ at its step's last token, then a reverse cumulative sum over t gives Σ_{end ≥ t}.
-    out.index_put_((b_idx, g_idx, end), normalized, accumulate=True)
+    out = torch.zeros(B, G, num_tokens + 1).scatter_add_(-1, ends, normalized)[..., :num_tokens]
     return out.flip(-1).cumsum(-1).flip(-1)

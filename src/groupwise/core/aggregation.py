@@ -1,14 +1,19 @@
-"""Reduce a (N, T) per-token loss to a scalar. The variants, chosen by name in `AGGREGATIONS`:
+"""Reduce a (N, T) per-token loss to a scalar. The variants (GRPOConfig.loss_type), each with its normaliser:
 
 grpo     Σ_i (Σ_t ℓ_it m_it / Σ_t m_it) / N           per-sequence mean, then mean (DeepSeekMath eq. 3)
-bnpo     Σ_it ℓ_it m_it / Σ_it m_it                    mean over the tokens of this (micro-)batch
-dr_grpo  Σ_it ℓ_it m_it / (N · max_completion_length)  constant normalizer, no length bias (Dr. GRPO)
-dapo     Σ_it ℓ_it m_it / num_items_in_batch           token count of the whole optimizer step (DAPO)
+bnpo     Σ_it ℓ_it m_it / Σ_it m_it                    mean over the tokens of this micro-batch
+dr_grpo  Σ_it ℓ_it m_it / (N · max_completion_length)  constant normaliser, no length bias (Dr. GRPO)
+dapo     Σ_it ℓ_it m_it / num_items_in_batch           token count of the whole optimizer step, all processes (DAPO)
 
-Scaling for gradient accumulation and data parallelism is the caller's job (see groupwise.update).
+`Aggregation.spans_step` tells the update step how to scale each micro-batch's loss under gradient accumulation
+(k micro-batches) and data parallelism (W processes, DDP averages gradients): a normaliser local to the
+micro-batch is scaled by 1/k; one that already divides by the whole step's token count is scaled by W.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +38,26 @@ def _dapo(loss, mask, *, num_items_in_batch=None, **_):
     return (loss * mask).sum() / normalizer.clamp(min=1.0)
 
 
-AGGREGATIONS = {"grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_grpo, "dapo": _dapo}
+@dataclass(frozen=True)
+class Aggregation:
+    reduce: Callable[..., torch.Tensor]
+    normalizer: str  # what the sum is divided by, in words
+    spans_step: bool  # True: divides by num_items_in_batch, the token count of the whole optimizer step
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "grpo": Aggregation(_grpo, "tokens of each sequence, then sequences of the micro-batch", spans_step=False),
+    "bnpo": Aggregation(_bnpo, "tokens of the micro-batch", spans_step=False),
+    "dr_grpo": Aggregation(_dr_grpo, "N · max_completion_length", spans_step=False),
+    "dapo": Aggregation(_dapo, "tokens of the whole optimizer step, all processes", spans_step=True),
+}
+
+
+def aggregation(loss_type: str) -> Aggregation:
+    try:
+        return AGGREGATIONS[loss_type]
+    except KeyError:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {sorted(AGGREGATIONS)}") from None
 
 
 def aggregate(
@@ -44,11 +68,7 @@ def aggregate(
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    try:
-        fn = AGGREGATIONS[loss_type]
-    except KeyError:
-        raise ValueError(f"loss_type={loss_type!r} is not one of {sorted(AGGREGATIONS)}") from None
-    return fn(
+    return aggregation(loss_type).reduce(
         per_token_loss,
         mask.to(per_token_loss.dtype),
         max_completion_length=max_completion_length,

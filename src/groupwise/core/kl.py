@@ -1,7 +1,8 @@
 """Per-token KL estimators of KL[π_θ ‖ π_ref] from samples of π_θ (Schulman, "Approximating KL Divergence").
 
 With log r = log π_ref − log π_θ:  k1 = −log r,  k2 = ½ (log r)²,  k3 = r − log r − 1 (unbiased, always ≥ 0;
-the estimator DeepSeekMath eq. 4 uses).
+the estimator DeepSeekMath eq. 4 uses, and the one the loss adds). k1 and k2 are kept for
+diagnostics and tests.
 """
 
 from __future__ import annotations
@@ -21,5 +22,3 @@ def k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     log_r = ref_logps - logps
     return torch.exp(log_r) - log_r - 1
 
-
-KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3}

@@ -1,11 +1,58 @@
-"""prompts → completions. `Generator` is the protocol; `TransformersGenerator` wraps `model.generate`."""
+"""prompts → completions. The generation backends and the one place one is chosen (GRPOConfig.generation_backend).
 
-from groupwise.generation.base import Generator, completion_masks, encode_prompts, is_conversational, trim_to_mask
-from groupwise.generation.fast import FastGenerator
-from groupwise.generation.hf import TransformersGenerator
+A backend is a class with
+    from_config(args, *, pad_token_id, eos_token_ids)   build itself from a GRPOConfig
+    __call__(model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False) -> Generated
+    update_weights(model)                                receive the policy's new weights after an optimizer step
+                                                         (a no-op for backends that sample from the policy itself)
+and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
+validation) never imports transformers or an inference engine.
+"""
 
-# the one place a generation backend is chosen (GRPOConfig.generation_backend)
-GENERATORS = {"transformers": TransformersGenerator, "fast": FastGenerator}
+from __future__ import annotations
 
-__all__ = ["GENERATORS", "FastGenerator", "Generator", "TransformersGenerator", "completion_masks", "encode_prompts",
-           "is_conversational", "trim_to_mask"]
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What a backend returns for N left-padded prompts."""
+
+    completion_ids: torch.Tensor  # (N, T ≤ max_completion_length); anything after the first EOS is ignored
+    logprobs: torch.Tensor | None = None  # (N, T) log π_sampler of each sampled token, when asked for
+
+
+class Generator(Protocol):
+    def __call__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                 greedy: bool = False, logprobs: bool = False) -> Generated: ...
+
+    def update_weights(self, model: torch.nn.Module) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    target: str  # "module:Class", imported on first use
+    generation_kwargs: bool  # accepts GRPOConfig.generation_kwargs (extra GenerationConfig fields)
+    summary: str
+
+    def load(self) -> type:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+BACKENDS: dict[str, Backend] = {
+    "fast": Backend("groupwise.generation.fast:FastGenerator", generation_kwargs=False,
+                    summary="groupwise's sampler: prompt prefilled once per group, finished rows leave the batch"),
+    "transformers": Backend("groupwise.generation.hf:TransformersGenerator", generation_kwargs=True,
+                            summary="model.generate, the reference"),
+}
+
+
+def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int]) -> Generator:
+    """The backend GRPOConfig.generation_backend names, built from the config."""
+    return BACKENDS[args.generation_backend].load().from_config(args, pad_token_id=pad_token_id,
+                                                                eos_token_ids=eos_token_ids)

@@ -9,6 +9,8 @@
 - Logits are processed by transformers' own processors, in generate()'s order (repetition penalty, temperature,
   top-k, top-p, min-p), and sampled with torch.multinomial as generate() does; greedy equals generate() token for
   token (tested).
+- With logprobs=True it also returns log softmax(logits / temperature) of each sampled token: the quantity the
+  trainer computes as log π_θold, from the sampler's own forward (for importance-sampling correction).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from groupwise.modeling import _accepts, position_ids_from_mask
+from groupwise.generation import Generated
+from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
 
 
 class GrowingLayer(DynamicLayer):
@@ -72,8 +75,14 @@ def _growing_cache(model) -> DynamicCache:
 
 
 class FastGenerator:
-    """Generator backend (see groupwise.generation.base.Generator). Rows with identical prompts must be contiguous
-    in groups of `group_size` for the prompt to be shared; otherwise each row is its own group."""
+    """Generator backend (see groupwise.generation). Rows with identical prompts must be contiguous in groups of
+    `group_size` for the prompt to be shared; otherwise each row is its own group."""
+
+    @classmethod
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> "FastGenerator":
+        return cls(max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                   pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, group_size=args.num_generations)
 
     def __init__(self, *, max_completion_length: int, temperature: float, top_p: float, top_k: int,
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
@@ -81,6 +90,7 @@ class FastGenerator:
         self.max_new = max_completion_length
         self.pad_token_id, self.eos = pad_token_id, torch.tensor(eos_token_ids)
         self.group_size, self.compact_fraction = group_size, compact_fraction
+        self.temperature = temperature
         penalty = [RepetitionPenaltyLogitsProcessor(repetition_penalty)] if repetition_penalty != 1.0 else []
         warpers = []  # generate()'s order and conditions
         if temperature != 1.0:
@@ -104,16 +114,15 @@ class FastGenerator:
         same = (ids == ids[:, :1]).all() and (mask == mask[:, :1]).all()
         return G if bool(same) else 1
 
-    @torch.no_grad()
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False) -> torch.Tensor:  # (N, T)
-        was_training = model.training
-        model.eval()
-        try:
-            return self._generate(model, prompt_ids, prompt_mask, greedy)
-        finally:
-            model.train(was_training)
+    def update_weights(self, model) -> None:
+        """Samples from the policy module itself: new weights are already there."""
 
-    def _generate(self, model, prompt_ids, prompt_mask, greedy):
+    @torch.no_grad()
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
+        with eval_mode(model):
+            return self._generate(model, prompt_ids, prompt_mask, greedy, logprobs)
+
+    def _generate(self, model, prompt_ids, prompt_mask, greedy, want_logprobs):
         device = prompt_ids.device
         N, P = prompt_ids.shape
         G = self._groups(prompt_ids, prompt_mask)
@@ -122,8 +131,8 @@ class FastGenerator:
         cache = _growing_cache(model)
         # prefill: one row per group
         u_ids, u_mask = prompt_ids[::G], prompt_mask[::G]
-        extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-        if not _accepts(model, "position_ids"):
+        extra = {"logits_to_keep": 1} if accepts_kwarg(model, "logits_to_keep") else {}
+        if not accepts_kwarg(model, "position_ids"):
             raise ValueError(f"{type(model).__name__}.forward takes no position_ids: use generation_backend="
                              "'transformers' for this model")
         out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask),
@@ -133,6 +142,7 @@ class FastGenerator:
             cache.batch_repeat_interleave(G)
             logits = logits.repeat_interleave(G, dim=0)  # (N, V)
         tokens = torch.full((N, self.max_new), self.pad_token_id, dtype=torch.long, device=device)
+        logps = torch.zeros((N, self.max_new), device=device) if want_logprobs else None
         # full ids of the active rows, kept only when a processor reads them (the repetition penalty)
         seq = prompt_ids.clone() if len(self.greedy_processors) else prompt_ids[:, :0]
         # attention mask preallocated for every step: each step passes a view, nothing is concatenated
@@ -150,6 +160,8 @@ class FastGenerator:
                 nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_token_id), nxt)
             tokens[rows, t] = nxt
+            if logps is not None:
+                logps[rows, t] = torch.log_softmax(logits / self.temperature, -1).gather(-1, nxt[:, None]).squeeze(1)
             finished = finished | torch.isin(nxt, eos)
             if bool(finished.all()) or t == self.max_new - 1:
                 break
@@ -164,4 +176,5 @@ class FastGenerator:
                         past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        return tokens[:, :steps]  # as generate(): as many columns as decoding steps (pad may equal EOS)
+        # as generate(): as many columns as decoding steps (pad may equal EOS)
+        return Generated(tokens[:, :steps], None if logps is None else logps[:, :steps])

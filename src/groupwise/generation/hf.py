@@ -5,24 +5,39 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
+from groupwise.generation import Generated
+from groupwise.modeling import eval_mode
+
 
 class TransformersGenerator:
+    @classmethod
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> "TransformersGenerator":
+        return cls(max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                   pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, generation_kwargs=args.generation_kwargs)
+
     def __init__(self, *, max_completion_length: int, temperature: float, top_p: float, top_k: int,
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
                  generation_kwargs: dict | None = None):
         common = dict(max_new_tokens=max_completion_length, pad_token_id=pad_token_id, eos_token_id=eos_token_ids,
                       repetition_penalty=repetition_penalty, **(generation_kwargs or {}))
+        self.temperature = temperature
         self.sample_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
                                               min_p=min_p, **common)
         self.greedy_config = GenerationConfig(do_sample=False, **common)
 
+    def update_weights(self, model) -> None:
+        """Samples from the policy module itself: new weights are already there."""
+
     @torch.no_grad()
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False) -> torch.Tensor:
-        was_training = model.training
-        model.eval()
-        try:
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
+        with eval_mode(model):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                 generation_config=self.greedy_config if greedy else self.sample_config)
-        finally:
-            model.train(was_training)
-        return out[:, prompt_ids.size(1):]  # (N, T)
+                                 generation_config=self.greedy_config if greedy else self.sample_config,
+                                 output_logits=logprobs, return_dict_in_generate=True)
+        ids = out.sequences[:, prompt_ids.size(1):]  # (N, T)
+        if not logprobs:
+            return Generated(ids)
+        # raw logits of each step (before any processor), at the sampling temperature: log π_θold of the token
+        logits = torch.stack(out.logits, dim=1).float() / self.temperature  # (N, T, V)
+        return Generated(ids, torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1))

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from groupwise.text import ensure_pad_token, pad_rows
+
 PRM_CONFIG = "groupwise_prm.json"  # written by `groupwise prm train`: kind, separator, positive label
 
 
@@ -50,16 +52,6 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
     return ids, positions
 
 
-def _pad(batch: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(x) for x in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, row in enumerate(batch):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-    return ids.to(device), mask.to(device)
-
-
 class _PRM:
     kind = ""
 
@@ -67,8 +59,7 @@ class _PRM:
                  name: str | None = None):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        ensure_pad_token(tokenizer, "the PRM's tokenizer")
         self.separator, self.batch_size, self.max_length = separator, batch_size, max_length
         self.__name__ = name or f"prm_{self.kind}"
 
@@ -90,7 +81,7 @@ class _PRM:
     def _inputs(self, prompts, steps, judge_offset=-1):
         built = [build_prm_input(self.tokenizer, p, s, self.separator, judge_offset=judge_offset,
                                  max_length=self.max_length) for p, s in zip(prompts, steps)]
-        ids, mask = _pad([b[0] for b in built], self.tokenizer.pad_token_id, self.device)
+        ids, mask = (t.to(self.device) for t in pad_rows([b[0] for b in built], self.tokenizer.pad_token_id))
         return ids, mask, [b[1] for b in built]
 
     @staticmethod
@@ -160,7 +151,7 @@ class PrefixClassificationPRM(_PRM):
                                  max_length=self.max_length)[0] for i, j in prefixes]
         scores: list[float] = []
         for lo in range(0, len(texts), self.batch_size):
-            ids, mask = _pad(texts[lo:lo + self.batch_size], self.tokenizer.pad_token_id, self.device)
+            ids, mask = (t.to(self.device) for t in pad_rows(texts[lo:lo + self.batch_size], self.tokenizer.pad_token_id))
             logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
             if logits.size(-1) == 1:
                 scores += logits[:, 0].tolist()

@@ -8,12 +8,13 @@ Several functions are combined step by step as a weighted sum (NaN terms skipped
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
 
-from groupwise.rewards.sources import RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources
+from groupwise.rewards.combine import weighted_nansum
+from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources,
+                                       reward_value)
 
 
 def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, device=None) -> list[RewardSource]:
@@ -50,16 +51,11 @@ def _validate(name: str, out: Any, steps: list[list[str]]) -> list[list[float]]:
             got = len(values) if isinstance(values, (list, tuple)) else repr(values)
             raise RewardFunctionError(f"process reward function {name!r} returned {got} rewards for row {i}, "
                                       f"which has {len(row_steps)} steps: {row_steps!r:.300}")
-        row = []
-        for v in values:
-            if v is None:
-                row.append(math.nan)
-            elif isinstance(v, numbers.Real) and not isinstance(v, bool) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
-                row.append(float(v))
-            else:
-                raise RewardFunctionError(f"process reward function {name!r} returned a non-numeric step reward "
-                                          f"for row {i}: {v!r}")
-        rows.append(row)
+        try:
+            rows.append([reward_value(v) for v in values])
+        except TypeError as e:
+            raise RewardFunctionError(f"process reward function {name!r} returned a non-numeric step reward "
+                                      f"for row {i}: {e}") from None
     return rows
 
 
@@ -86,12 +82,8 @@ def compute_step_rewards(
             "process reward function", src.name, call, n, on_error=on_error,
             failed_row=lambda i: [math.nan] * len(steps[i]), describe=lambda i: f"completion={completions[i]!r:.200}")
         per_func.append(rows)
-    combined = []
-    for i in range(n):
-        row = []
-        for j in range(len(steps[i])):
-            terms = [(float(weights[f]) * per_func[f][i][j]) for f in range(len(sources))
-                     if not math.isnan(per_func[f][i][j])]
-            row.append(sum(terms) if terms else math.nan)
-        combined.append(row)
+    # one weighted NaN-skipping sum per step, as for outcome rewards (groupwise.rewards.combine)
+    combined = [weighted_nansum(torch.tensor([[per_func[f][i][j] for f in range(len(sources))]
+                                              for j in range(len(steps[i]))], dtype=torch.float64).view(-1, len(sources)),
+                                weights.double()).tolist() for i in range(n)]
     return combined, errors

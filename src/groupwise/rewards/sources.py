@@ -2,6 +2,7 @@
 
 A reward function is `fn(prompts=…, completions=…, completion_ids=…, **dataset_columns) -> list[float | None]`,
 one value per completion; None means "cannot score this one" (NaN downstream, left out of the statistics).
+A value is a real number (int, float, bool as 0/1, a 0-d tensor or numpy scalar) or None (`reward_value`).
 Bad output is an error naming the function; an exception stops the run with the function and the row, or, with
 on_reward_error="nan", scores the failing rows NaN and counts them.
 """
@@ -17,7 +18,12 @@ from typing import Any, Callable
 
 import torch
 
-from groupwise.generation.base import is_conversational
+from groupwise.text import ensure_pad_token, is_conversational
+
+
+# GRPOConfig.on_reward_error: what an exception in a reward function does (call_isolating_rows)
+ON_REWARD_ERROR = {"raise": "stop, naming the function and the first failing row",
+                   "nan": "score the failing rows NaN (unscored) and count them in reward/<func>/errors"}
 
 
 class RewardFunctionError(RuntimeError):
@@ -86,8 +92,7 @@ def _model_source(name, model, tok, device) -> RewardSource:
     model.eval().requires_grad_(False)
     if device is not None:
         model.to(device)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    ensure_pad_token(tok, f"the tokenizer of reward model {name!r}")
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
     return RewardSource(name=name, model=model, tokenizer=tok)
@@ -108,6 +113,16 @@ def _score_with_model(src: RewardSource, prompts, completions, batch_size: int =
     return out
 
 
+def reward_value(v: Any) -> float:
+    """One reward value as a float: None → NaN; int, float, bool (as 0/1), 0-d tensors and numpy scalars → float.
+    Anything else raises TypeError (the caller names the function and the row). Used for outcome and step rewards."""
+    if v is None:
+        return math.nan
+    if isinstance(v, numbers.Real) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
+        return float(v)
+    raise TypeError(f"{v!r} ({type(v).__name__})")
+
+
 def _validate(name: str, values: Any, n: int) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
@@ -119,13 +134,11 @@ def _validate(name: str, values: Any, n: int) -> list[float]:
                                   "(one float or None per completion expected)")
     out = []
     for row, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
-        elif isinstance(v, numbers.Real) or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0):
-            out.append(float(v))
-        else:
+        try:
+            out.append(reward_value(v))
+        except TypeError as e:
             raise RewardFunctionError(f"reward function {name!r} returned a non-numeric value for row {row}: "
-                                      f"{v!r} ({type(v).__name__}); expected a float or None")
+                                      f"{e}; expected a float or None") from None
     return out
 
 

@@ -12,7 +12,10 @@ max_completion_length, that final step is marked `truncated_last`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from groupwise.config_base import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,26 +31,46 @@ class Steps:
         return Steps(self.texts[:-1], self.ends[:-1], False)
 
 
+@dataclass(frozen=True)
+class SplitMode:
+    """A way to find step boundaries (GRPOConfig.step_split): the option it reads and how it becomes a regex."""
+
+    name: str
+    reads: str  # the GRPOConfig field the mode needs
+    to_regex: Callable[[str], "re.Pattern[str]"]
+
+    def check(self, **options) -> "re.Pattern[str]":
+        """The boundary regex from the GRPOConfig fields given as keywords; a ConfigError naming the field when it
+        is missing or invalid."""
+        value = options.get(self.reads)
+        if not value:
+            raise ConfigError(f"step_split={self.name!r} needs {self.reads} (a non-empty string)")
+        try:
+            return self.to_regex(value)
+        except re.error as e:
+            raise ConfigError(f"{self.reads}={value!r} is not a valid regex: {e}") from None
+
+
+SPLIT_MODES: dict[str, SplitMode] = {
+    "delimiter": SplitMode("delimiter", "step_delimiter", lambda d: re.compile(re.escape(d))),  # default "\n"
+    "regex": SplitMode("regex", "step_pattern", re.compile),  # each match of step_pattern ends a step
+    "tag": SplitMode("tag", "step_tag", lambda t: re.compile(re.escape(t))),  # a step tag after each step
+}
+
+
 class StepSplitter:
     """mode "delimiter" (default "\\n"), "regex" (each match ends a step) or "tag" (a step tag after each step)."""
 
     def __init__(self, mode: str = "delimiter", *, delimiter: str = "\n", pattern: str | None = None,
                  step_tag: str | None = None):
-        if mode == "delimiter":
-            if not delimiter:
-                raise ValueError("step_delimiter must be a non-empty string")
-            self.regex = re.compile(re.escape(delimiter))
-        elif mode == "regex":
-            if not pattern:
-                raise ValueError("step_split='regex' needs step_pattern")
-            self.regex = re.compile(pattern)
-        elif mode == "tag":
-            if not step_tag:
-                raise ValueError("step_split='tag' needs step_tag")
-            self.regex = re.compile(re.escape(step_tag))
-        else:
-            raise ValueError(f"step_split={mode!r} is not one of ['delimiter', 'regex', 'tag']")
+        if mode not in SPLIT_MODES:
+            raise ConfigError(f"step_split={mode!r} is not one of {list(SPLIT_MODES)}")
+        self.regex = SPLIT_MODES[mode].check(step_delimiter=delimiter, step_pattern=pattern, step_tag=step_tag)
         self.mode = mode
+
+    @classmethod
+    def from_config(cls, args) -> "StepSplitter":
+        return cls(args.step_split, delimiter=args.step_delimiter, pattern=args.step_pattern, step_tag=args.step_tag)
 
     def split_text(self, text: str) -> list[tuple[str, int]]:
         """[(step text without its delimiter, character index just past the step's delimiter)], blanks dropped.

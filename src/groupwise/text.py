@@ -1,24 +1,18 @@
-"""Backend-independent pieces of generation: prompt encoding and completion masks."""
+"""Text formats and token layouts shared by generation, rewards, process reward models and the rollout.
+
+Bottom-level: imports torch only (a tokenizer is passed in, never imported).
+    is_conversational, prompt_text   TRL's two prompt formats: a string, or a list of {"role", "content"} messages
+    encode_prompts                   prompts → left-padded (N, P) ids and mask
+    pad_rows                         ragged token lists → (N, L) ids and mask, padded on either side
+    completion_masks, trim_to_mask   where a completion ends (its first EOS, included)
+    ensure_pad_token                 the pad token every batch needs
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-
-
-class Generator(Protocol):
-    """Samples completions for already-encoded, left-padded prompts."""
-
-    def __call__(
-        self,
-        model: torch.nn.Module,
-        prompt_ids: torch.Tensor,  # (N, P) left-padded
-        prompt_mask: torch.Tensor,  # (N, P)
-        *,
-        greedy: bool = False,
-    ) -> torch.Tensor:  # (N, T ≤ max_completion_length) completion tokens, anything after the first EOS is ignored
-        ...
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -35,6 +29,21 @@ def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None
     raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r:.80}")
 
 
+def pad_rows(rows: list[list[int]], pad_id: int, *, side: str = "right", width: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, L) ids, (N, L) mask
+    """Stack ragged token lists into one (N, L) long tensor and its 0/1 mask; L = the longest row (or `width`)."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side={side!r} is not 'left' or 'right'")
+    L = max((len(r) for r in rows), default=0) if width is None else width
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(L - len(row), L) if side == "left" else slice(0, len(row))
+        ids[i, span] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
 def encode_prompts(
     prompts: list[Any], tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, P) ids, (N, P) mask, both left-padded
@@ -47,14 +56,7 @@ def encode_prompts(
     if any(len(ids) == 0 for ids in encoded):
         bad = next(i for i, ids in enumerate(encoded) if len(ids) == 0)
         raise ValueError(f"prompt {bad} encodes to zero tokens: {prompts[bad]!r}")
-    width = max(len(ids) for ids in encoded)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for i, row in enumerate(encoded):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids, mask
+    return pad_rows(encoded, tokenizer.pad_token_id, side="left")
 
 
 def trim_to_mask(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:  # (N, T), (N, T) → (N)[len]
@@ -77,3 +79,11 @@ def completion_masks(
     mask = (positions <= first.unsqueeze(-1)).long()  # through the EOS, or every token when none
     # generate() only stops before max_completion_length when every row has ended, so no EOS means cut off
     return mask, ~has_eos
+
+
+def ensure_pad_token(tokenizer, owner: str = "the tokenizer") -> None:
+    """Batches need a pad token: use EOS when there is none; neither is an error naming `owner`."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        raise ValueError(f"{owner} has neither a pad token nor an EOS token; set tokenizer.pad_token")

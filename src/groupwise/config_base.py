@@ -1,0 +1,159 @@
+"""The strict dataclass config that GRPOConfig and PRMTrainConfig share.
+
+Each field is declared with `option(help, default, …constraints)`: a one-line help text (printed by
+`groupwise fields`) and the rules its value must follow — a range (`ge`, `gt`, `le`, `lt`) or a set of `choices`
+(a registry dict: its keys are the choices, so every list of choices has one source). On construction:
+unknown field names are errors (with a "did you mean"), every value is checked against its annotation (YAML and
+command-line strings such as '1e-3' become numbers), floats must be finite, and the declared constraints hold;
+then the class's own `validate()` checks rules that span several fields. Every failure is a ConfigError naming
+the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterable
+from dataclasses import field
+from typing import Any, ClassVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+_MISSING = dataclasses.MISSING
+
+
+def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = None, ge: float | None = None,
+           gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING):
+    """A documented config field with its constraints (checked by StrictConfig on construction)."""
+    rules = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    if choices is not None:
+        rules["choices"] = choices
+    kw = {"default": default} if default_factory is _MISSING else {"default_factory": default_factory}
+    return field(metadata={"help": help, **rules}, **kw)
+
+
+class StrictConfig:
+    """Base of the config dataclasses (subclasses are `@dataclass`es whose fields use `option`)."""
+
+    # extra known names that are not fields, with the message to give (e.g. TRL fields we do not support)
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+
+    def __new__(cls, *args, **kwargs):
+        reject_unknown(kwargs, {f.name for f in dataclasses.fields(cls)}, owner=cls.__name__, unsupported=cls.UNSUPPORTED)
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = coerce(f.name, f.type, getattr(self, f.name))
+            check_rules(f.name, value, f.metadata)
+            setattr(self, f.name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """Rules that span several fields (subclasses override)."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str):
+        return cls.from_dict(load_yaml(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, Any]]:
+        """(name, help, default) of every field, in declaration order."""
+        return [(f.name, f.metadata.get("help", ""), f.default if f.default is not _MISSING else f.default_factory())
+                for f in dataclasses.fields(cls)]
+
+
+def check_rules(name: str, value: Any, rules: dict) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    if isinstance(value, (int, float)):
+        lo_key = "ge" if "ge" in rules else "gt" if "gt" in rules else None
+        hi_key = "le" if "le" in rules else "lt" if "lt" in rules else None
+        lo_ok = lo_key is None or (value >= rules[lo_key] if lo_key == "ge" else value > rules[lo_key])
+        hi_ok = hi_key is None or (value <= rules[hi_key] if hi_key == "le" else value < rules[hi_key])
+        if not (lo_ok and hi_ok):
+            if lo_key and hi_key:  # e.g. "in (0, 1]"
+                allowed = (f"in {'[' if lo_key == 'ge' else '('}{rules[lo_key]}, "
+                           f"{rules[hi_key]}{']' if hi_key == 'le' else ')'}")
+            else:
+                key = lo_key or hi_key
+                allowed = f"{dict(ge='≥', gt='>', le='≤', lt='<')[key]} {rules[key]}"
+            raise ConfigError(f"{name} must be {allowed}, got {value}")
+    if "choices" in rules:
+        choices = list(rules["choices"])
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if v not in choices:
+                raise ConfigError(f"{name}={v!r} is not one of {choices}")
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
+    return values
+
+
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def coerce(name: str, annotation: str, value: Any) -> Any:
+    """Check a value against the field's annotation (e.g. 'float | None'); YAML/CLI strings such as '1e-3'
+    become numbers. A mismatch is a ConfigError naming the field."""
+    allowed = [a.strip() for a in annotation.split("|")]
+    if value is None:
+        if "None" in allowed:
+            return None
+        raise ConfigError(f"{name} must not be None")
+    for a in allowed:
+        t = _SCALARS.get(a)
+        if t is bool and isinstance(value, bool):
+            return value
+        if t in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if t is int and (not math.isfinite(value) or float(value) != int(value)):
+                continue
+            return t(value)
+        if t is str and isinstance(value, str):
+            return value
+        if a.startswith(("list", "dict")) and isinstance(value, (list, tuple, dict)):
+            return list(value) if a.startswith("list") else value
+    if isinstance(value, str):  # '1e-3' from YAML 1.1 or the command line
+        for a in allowed:
+            if a in ("float", "int"):
+                try:
+                    number = float(value)
+                except ValueError:
+                    continue
+                if a == "float" or number.is_integer():
+                    return _SCALARS[a](number)
+    raise ConfigError(f"{name}={value!r} must be of type {annotation}")
+
+
+def reject_unknown(kwargs: dict[str, Any], known: set[str], owner: str,
+                   unsupported: dict[str, str] | None = None) -> None:
+    """A name that is not a field is an error: with the reason for a known-unsupported name, else a close match."""
+    for key in kwargs:
+        if key in known:
+            continue
+        if unsupported and key in unsupported:
+            raise ConfigError(f"{owner}: TRL field {key!r} is not supported by groupwise: {unsupported[key]} "
+                              "(docs/trl_compat.md)")
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{owner}: unknown field {key!r}{hint}")
