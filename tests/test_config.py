@@ -73,3 +73,50 @@ def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
         GRPOTrainer("no/such/model", lambda completions, **_: [0.0], train_dataset=[{"prompt": "x"}],
                     args=GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,
                                     reward_weights=[1.0, 2.0]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(learning_rate=float("nan")), r"learning_rate must be a finite number, got nan"),
+    (dict(beta=float("inf")), r"beta must be a finite number"),
+    (dict(temperature="nan"), r"temperature must be a finite number"),  # as typed on the command line
+    (dict(max_grad_norm=float("-inf")), r"max_grad_norm must be a finite number"),
+    (dict(max_steps=-5), r"max_steps must be ≥ -1, got -5"),
+    (dict(max_steps=0), r"max_steps must be ≥ 1, or -1"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(adam_beta2=1.0), r"adam_beta2 must be in \[0, 1\), got 1.0"),
+    (dict(advantage_estimator="ppo"), r"advantage_estimator='ppo' is not one of \['grpo', 'rloo', 'reinforce_plus_plus_baseline'\]"),
+    (dict(generation_backend="vllm"), r"generation_backend='vllm' is not one of \['fast', 'transformers'\]"),
+    (dict(step_split="regex"), r"step_split='regex' needs step_pattern"),
+    (dict(reward_weights=[1.0, float("nan")]), r"reward_weights must be a list of finite numbers"),
+])
+def test_declared_constraints_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_choices_come_from_the_registries():
+    """Every list of choices has one source: the registry the value is looked up in."""
+    import dataclasses
+
+    from groupwise.core.advantages import ESTIMATORS
+    from groupwise.core.aggregation import AGGREGATIONS
+    from groupwise.core.supervision import SUPERVISIONS
+    from groupwise.generation import BACKENDS
+    from groupwise.rewards.steps import SPLIT_MODES
+
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(GRPOConfig)}
+    assert choices["advantage_estimator"] is ESTIMATORS and choices["loss_type"] is AGGREGATIONS
+    assert choices["supervision"] is SUPERVISIONS and choices["generation_backend"] is BACKENDS
+    assert choices["step_split"] is SPLIT_MODES
+
+
+def test_import_groupwise_stays_light():
+    """`import groupwise` and building a config import neither transformers nor an optional backend."""
+    import subprocess
+    import sys
+
+    code = ("import sys, groupwise; groupwise.GRPOConfig(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate', 'datasets', "
+            "'vllm', 'peft', 'wandb', 'deepspeed', 'tensorboard'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         if command == "fields":
             for k, v in RUN_FIELDS.items():
                 print(f"{k:32s} {v}")
-            for name, help_text, default in GRPOConfig.describe():
+            for name, help_text, default, choices in GRPOConfig.describe():
                 print(f"{name:32s} {help_text} (default {default!r})")
+                for choice in choices:
+                    print(f"{'':34s}- {choice}")
             return 0
         parser.error(f"unknown command {command!r}")
     except ConfigError as e:

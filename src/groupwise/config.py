@@ -107,7 +107,7 @@ class GRPOConfig(StrictConfig):
     min_p: float | None = option("Drop tokens below min_p × the top probability (None: off).", default=None, ge=0, le=1)
     repetition_penalty: float = option("transformers' repetition penalty (1.0: off).", default=1.0, gt=0)
     generation_kwargs: dict | None = option("Extra transformers GenerationConfig fields (transformers backend only).", default=None)
-    generation_backend: str = option("'fast' (groupwise's sampler: prompt encoded once per group, finished rows leave the batch, growing KV cache; same processors as generate()) or 'transformers' (model.generate).", default="fast", choices=BACKENDS)
+    generation_backend: str = option("Generation backend (groupwise.generation); 'fast' prefills each prompt once per group and drops finished rows, with generate()'s processors.", default="fast", choices=BACKENDS)
     chat_template_kwargs: dict | None = option("Extra kwargs for tokenizer.apply_chat_template on conversational prompts.", default=None)
 
     # ---- GRPO objective ---------------------------------------------------------------------------------------
@@ -117,10 +117,10 @@ class GRPOConfig(StrictConfig):
     delta: float | None = option("δ: cap on the unclipped ratio, two-sided clipping (INTELLECT-2); > 1 + ε_high.", default=None)
     importance_sampling_level: str = option("'token' ratio per token (GRPO) or 'sequence' (GSPO, exp of the mean log-ratio).", default="token", choices=IMPORTANCE_SAMPLING_LEVELS)
     num_iterations: int = option("μ: policy updates per generation batch (DeepSeekMath Alg. 1).", default=1, ge=1)
-    loss_type: str = option("Loss aggregation: 'grpo' (DeepSeekMath), 'bnpo', 'dr_grpo' (Dr. GRPO), 'dapo' (DAPO).", default="dapo", choices=AGGREGATIONS)
+    loss_type: str = option("Loss aggregation (groupwise.core.aggregation): what the masked per-token loss sum is divided by.", default="dapo", choices=AGGREGATIONS)
     scale_rewards: str | bool = option("Advantage scaling: 'group' (DeepSeekMath), 'batch', 'none' (Dr. GRPO); True='group', False='none'.", default="group")
-    advantage_estimator: str = option("How rewards become advantages (groupwise.core.advantages): 'grpo' (group z-score, DeepSeekMath §4.1.2/§4.1.3; reads scale_rewards, reward_std, advantage_eps), 'rloo' (leave-one-out baseline, no scaling) or 'reinforce_plus_plus_baseline' (group-mean baseline, then batch whitening; reads reward_std, advantage_eps). Applies to outcome and step rewards alike.", default="grpo", choices=ESTIMATORS)
-    reward_std: str = option("Std in the normalisation: 'population' (1/G, the seeds' definition) or 'unbiased' (Bessel, TRL).", default="population", choices=STDS)
+    advantage_estimator: str = option("How rewards become advantages, for outcome and step rewards alike (groupwise.core.advantages; the default is DeepSeekMath §4.1.2/§4.1.3). Each estimator reads only the options it takes among scale_rewards, reward_std and advantage_eps; setting another is an error.", default="grpo", choices=ESTIMATORS)
+    reward_std: str = option("Std in the normalisation: 'population' (1/G, DeepSeekMath's std) or 'unbiased' (Bessel, TRL).", default="population", choices=STDS)
     advantage_eps: float = option("Added to the std before dividing, so near-equal rewards do not become ±1 advantages.", default=1e-4, ge=0)
     reward_weights: list[float] | None = option("One weight per reward function (default: all 1).", default=None)
     multi_objective_aggregation: str = option("'sum_then_normalize' (weighted sum, then group-normalise) or 'normalize_then_sum' (normalise each function, then weighted sum).", default="sum_then_normalize", choices=MULTI_OBJECTIVE)
@@ -132,7 +132,7 @@ class GRPOConfig(StrictConfig):
     ref_model_sync_steps: int = option("Optimizer steps between TR-DPO reference syncs.", default=512, ge=1)
 
     # ---- process supervision (DeepSeekMath §4.1.3) ------------------------------------------------------------
-    supervision: str = option("'outcome' (§4.1.2, one advantage per completion), 'process' (§4.1.3, token t gets the sum of the normalised rewards of the steps ending at or after t) or 'both' (weighted sum of the two).", default="outcome", choices=SUPERVISIONS)
+    supervision: str = option("'outcome' (§4.1.2, one advantage per completion), 'process' (§4.1.3, token t gets the sum of the normalised rewards of the steps ending at or after t) or 'both' (w_o·outcome + w_p·process) (groupwise.core.supervision).", default="outcome", choices=SUPERVISIONS)
     step_split: str = option("How completions split into steps: 'delimiter' (step_delimiter), 'regex' (each step_pattern match ends a step) or 'tag' (step_tag after each step).", default="delimiter", choices=SPLIT_MODES)
     step_delimiter: str = option("Text that ends a step when step_split='delimiter'.", default="\n")
     step_pattern: str | None = option("Regex whose matches end steps when step_split='regex'.", default=None)

@@ -70,10 +70,17 @@ class StrictConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def describe(cls) -> list[tuple[str, str, Any]]:
-        """(name, help, default) of every field, in declaration order."""
-        return [(f.name, f.metadata.get("help", ""), f.default if f.default is not _MISSING else f.default_factory())
-                for f in dataclasses.fields(cls)]
+    def describe(cls) -> list[tuple[str, str, Any, list[str]]]:
+        """(name, help, default, choices) of every field, in declaration order; a choice from a registry whose
+        entries carry a `summary` is shown as "name: summary"."""
+        out = []
+        for f in dataclasses.fields(cls):
+            registry = f.metadata.get("choices", ())
+            choices = [f"{k}: {registry[k].summary}" if hasattr(registry, "get") and hasattr(registry[k], "summary")
+                       else str(k) for k in registry]
+            out.append((f.name, f.metadata.get("help", ""),
+                        f.default if f.default is not _MISSING else f.default_factory(), choices))
+        return out
 
 
 def check_rules(name: str, value: Any, rules: dict) -> None:

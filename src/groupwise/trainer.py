@@ -128,6 +128,8 @@ class GRPOTrainer:
         self._started = self._tick = time.perf_counter()
         self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line
         self._last: dict[str, float] = {}
+        if self.global_step:  # resumed: the sampler must see the restored weights
+            self.rollout_ctx.generator.update_weights(self.unwrapped)
         if self.eval_data is not None and self.global_step == 0:
             self._logger.log(0, {**self.evaluate(), **self._elapsed()})
 
@@ -147,6 +149,8 @@ class GRPOTrainer:
         args = self.args
         self.global_step += 1
         self.skipped_steps += int(metrics["train/skipped"])
+        if not metrics["train/skipped"]:
+            self.rollout_ctx.generator.update_weights(self.unwrapped)  # the sampler sees the new policy
         metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
                                            "train/skipped_steps": self.skipped_steps})
         self._tick = time.perf_counter()

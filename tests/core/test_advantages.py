@@ -7,8 +7,8 @@ import torch
 from groupwise.core.advantages import outcome_advantages, process_advantages
 
 
-def test_seed_001_worked_example():
-    # Seed 001 §4: r = [8.5, 6.2, 4.1]; mean = 18.8/3 = 6.2667
+def test_outcome_worked_example():
+    # DeepSeekMath §4.1.2 by hand: r = [8.5, 6.2, 4.1]; mean = 18.8/3 = 6.2667
     # population std = sqrt((2.2333² + 0.0667² + 2.1667²)/3) = sqrt(9.6867/3) = 1.7969
     # r̃ = [2.2333/1.7969, −0.0667/1.7969, −2.1667/1.7969] = [1.2429, −0.0371, −1.2058]
     adv = outcome_advantages(torch.tensor([[8.5, 6.2, 4.1]]))
@@ -95,11 +95,11 @@ def test_bad_arguments():
         outcome_advantages(torch.zeros(4))
 
 
-def test_seed_000_process_example():
-    # Seed 000 §4: three identical outputs with step rewards [0.8, 0.9, 0.7, 1.0].
+def test_process_worked_example():
+    # DeepSeekMath §4.1.3 by hand: three identical outputs with step rewards [0.8, 0.9, 0.7, 1.0].
     # R has 12 values, mean 0.85, population std = sqrt((.0025+.0025+.0225+.0225)/4) = sqrt(.0125) = 0.11180
     # r̃ = [−0.4472, 0.4472, −1.3416, 1.3416]; advantage at step j's end = Σ_{k ≥ j} r̃_k
-    #   = [0.0, 0.4472, 0.0, 1.3416]  (the seed rounds std to 0.11 and prints 1.36)
+    #   = [0.0, 0.4472, 0.0, 1.3416]  (rounding std to 0.11 first would give 1.36)
     steps = [[[0.8, 0.9, 0.7, 1.0]] * 3]
     ends = [[[1, 3, 5, 7]] * 3]  # each step two tokens long
     adv = process_advantages(steps, ends, num_tokens=9, eps=0)

@@ -8,8 +8,8 @@ from groupwise.core.kl import k1, k2, k3
 from groupwise.core.losses import policy_loss
 
 
-def test_seed_004_clip_example():
-    # Seed 004 §4: ratios [1.22, 1.11, 1.11, 1.22] (here set exactly via log-ratios), A = 0.6, ε = 0.2.
+def test_clip_worked_example():
+    # DeepSeekMath eq. 3 by hand: ratios [1.22, 1.11, 1.11, 1.22] (here set exactly via log-ratios), A = 0.6, ε = 0.2.
     # clip → [1.2, 1.11, 1.11, 1.2]; per-token objective min(ρA, clip(ρ)A) = [0.72, 0.666, 0.666, 0.72]
     # dapo over 4 tokens: loss = −(0.72 + 0.666 + 0.666 + 0.72)/4 = −2.772/4 = −0.693
     ratios = torch.tensor([[1.22, 1.11, 1.11, 1.22]])
@@ -20,8 +20,8 @@ def test_seed_004_clip_example():
     assert m["clip/high"].item() == pytest.approx(0.5) and m["clip/low"].item() == 0.0
 
 
-def test_seed_001_sequence_ratio_example():
-    # Seed 001 §4 steps 4–6: sum log-ratio 2.0 → ratio e² = 7.389, clipped to 1.2, A = 1.24:
+def test_sequence_ratio_worked_example():
+    # sequence-level ratio by hand: sum log-ratio 2.0 → ratio e² = 7.389, clipped to 1.2, A = 1.24:
     # min(7.389·1.24, 1.2·1.24) = 1.488. With a sequence of one token and log-ratio 2.0 the loss is −1.488.
     loss, m = policy_loss(torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([1.24]), torch.ones(1, 1))
     assert loss.item() == pytest.approx(-1.488, abs=1e-6)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -86,3 +87,31 @@ def test_policy_wrapper_equals_full_logits_path(tokenizer):
     b.sum().backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_backends_return_the_log_probs_they_sampled_with(tokenizer, backend):
+    """logprobs=True: log softmax(logits / temperature) of each sampled token, as the sampler saw it. With the
+    sampler and the trainer on the same weights and numerics this equals the trainer's own log π_θold (what an
+    importance-sampling correction compares), on every completion token; top-k does not enter it."""
+    from groupwise.config import GRPOConfig
+    from groupwise.generation import BACKENDS, build_generator
+
+    model = toy.build_model(tokenizer, seed=2, hidden_size=32).eval()
+    args = GRPOConfig(generation_backend=backend, num_generations=2, per_device_train_batch_size=6,
+                      max_completion_length=7, temperature=0.7, top_k=5)
+    gen = build_generator(args, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
+    assert isinstance(gen, BACKENDS[backend].load())
+    ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz"] for _ in range(2)], tokenizer, None)
+    torch.manual_seed(0)
+    out = gen(model, ids, mask, logprobs=True)
+    T = out.completion_ids.size(1)
+    assert out.logprobs.shape == out.completion_ids.shape
+    cmask, _ = completion_masks(out.completion_ids, [tokenizer.eos_token_id], T)
+    seq = torch.cat([ids, torch.where(cmask.bool(), out.completion_ids, tokenizer.pad_token_id)], 1)
+    expected, _ = completion_logps(model, seq, torch.cat([mask, cmask], 1), T, temperature=0.7)
+    real = cmask.bool()
+    assert torch.allclose(out.logprobs[real], expected[real], atol=1e-4)
+    assert (out.logprobs[real] < 0).all()
+    assert gen(model, ids, mask).logprobs is None  # not computed unless asked
+    gen.update_weights(model)  # in-process backends sample from the policy itself: a no-op that must exist

@@ -41,7 +41,7 @@ def _dapo(loss, mask, *, num_items_in_batch=None, **_):
 @dataclass(frozen=True)
 class Aggregation:
     reduce: Callable[..., torch.Tensor]
-    normalizer: str  # what the sum is divided by, in words
+    summary: str  # what the sum is divided by
     spans_step: bool  # True: divides by num_items_in_batch, the token count of the whole optimizer step
 
 
