@@ -76,3 +76,17 @@ def test_demo_runs_two_steps(tmp_path, capsys):
     assert 0.15 <= evals[0]["eval/accuracy"] <= 0.5  # the shipped warm start leaves room for RL
     assert any("process/step_reward_mean" in x for x in lines)
     assert "before" in capsys.readouterr().out
+
+
+def test_builtin_task_brings_its_step_rewards(tmp_path):
+    """`dataset_name: builtin:<task>` with supervision process uses the task's PROCESS_REWARD_FUNCS."""
+    from groupwise.demo import POLICY_DIR
+
+    out = tmp_path / "run"
+    assert main(["train", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", "builtin:arithmetic",
+                 "--supervision", "process", "--max_steps", "1", "--num_generations", "4",
+                 "--per_device_train_batch_size", "8", "--max_completion_length", "16", "--max_prompt_length", "null",
+                 "--output_dir", str(out), "--save_steps", "0"]) == 0
+    line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "process/step_correct/errors" in line and "reward/accuracy/mean" in line
+    assert main(["train", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", "builtin:nope"]) == 2

@@ -49,14 +49,22 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_dataset_spec(name: str, split: str | None):
-    if name.startswith("builtin:"):
-        from groupwise.tasks import TASKS
+def builtin_task(name: str):
+    """The task module of `builtin:<task>` (groupwise.tasks.TASKS), or None for any other dataset name."""
+    if not name.startswith("builtin:"):
+        return None
+    from groupwise.tasks import TASKS
 
-        task = name.split(":", 1)[1]
-        if task not in TASKS:
-            raise ConfigError(f"dataset_name={name!r}: unknown built-in task; choose from {sorted(TASKS)}")
-        return TASKS[task].dataset()
+    task = name.split(":", 1)[1]
+    if task not in TASKS:
+        raise ConfigError(f"dataset_name={name!r}: unknown built-in task; choose from {sorted(TASKS)}")
+    return TASKS[task]
+
+
+def load_dataset_spec(name: str, split: str | None):
+    task = builtin_task(name)
+    if task is not None:
+        return task.dataset()
     import datasets
 
     path = Path(name)
@@ -96,12 +104,11 @@ def cmd_train(argv: list[str]) -> int:
     eval_data = None
     if run.get("eval_dataset_name"):
         eval_data = load_dataset_spec(run["eval_dataset_name"], run.get("eval_split") or "test")
-    reward_funcs = run.get("reward_funcs")
-    if not reward_funcs and dataset_name.startswith("builtin:"):
-        from groupwise.tasks import TASKS
-
-        reward_funcs = TASKS[dataset_name.split(":", 1)[1]].REWARD_FUNCS
+    task = builtin_task(dataset_name)  # a built-in task brings its reward (and step-reward) functions
+    reward_funcs = run.get("reward_funcs") or (task.REWARD_FUNCS if task else None)
     process_funcs = run.get("process_reward_funcs") or None
+    if not process_funcs and task is not None and args.supervision != "outcome":
+        process_funcs = getattr(task, "PROCESS_REWARD_FUNCS", None)
     if not reward_funcs and args.supervision != "process":
         raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
     from groupwise.trainer import GRPOTrainer
