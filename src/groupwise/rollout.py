@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,21 +24,29 @@ from groupwise.rewards.steps import StepSplitter
 from groupwise.text import completion_masks, encode_prompts, is_conversational, trim_to_mask
 from groupwise.types import Completions, Round, Rollout, Scores, StepScores, TrainBatch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from groupwise.config import GRPOConfig
+    from groupwise.data import PromptData, PromptSampler
+    from groupwise.distributed import Distributed
+    from groupwise.generation import Generator
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutContext:
     """What a rollout needs besides the model; built once by the trainer."""
 
-    args: Any  # GRPOConfig
-    tokenizer: Any  # a transformers tokenizer
-    generator: Any  # groupwise.generation.Generator
-    dist: Any  # groupwise.distributed.Distributed
+    args: GRPOConfig
+    tokenizer: PreTrainedTokenizerBase
+    generator: Generator | None  # None only for callers that score given completions (tests)
+    dist: Distributed
     eos_token_ids: list[int]
     reward_sources: list[RewardSource] = dataclasses.field(default_factory=list)
     process_sources: list[RewardSource] = dataclasses.field(default_factory=list)
     splitter: StepSplitter | None = None  # needed with process_sources
-    data: Any = None  # groupwise.data.PromptData: what `collect` draws prompts from
-    sampler: Any = None  # groupwise.data.PromptSampler: which prompts, round after round
+    data: PromptData | None = None  # what `collect` draws prompts from
+    sampler: PromptSampler | None = None  # which prompts, round after round
     ref_model: torch.nn.Module | None = None  # β > 0 only
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 

@@ -14,7 +14,7 @@ import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,14 +23,18 @@ from groupwise.core.logprobs import top_entropy_mask
 from groupwise.core.losses import policy_loss
 from groupwise.types import TrainBatch
 
+if TYPE_CHECKING:
+    from groupwise.config import GRPOConfig
+    from groupwise.distributed import Distributed
+
 
 @dataclass
 class UpdateContext:
-    args: Any  # GRPOConfig
-    dist: Any  # groupwise.distributed.Distributed
+    args: GRPOConfig
+    dist: Distributed
     model: torch.nn.Module  # groupwise.modeling.PolicyForLogps, possibly wrapped by accelerate
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
 def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int, num_iterations: int,
