@@ -7,11 +7,16 @@ checkpoint-N/
   rng_state_<rank>.safetensors + .json              torch (CPU, CUDA), numpy and python RNG of each process
   rollout_<rank>.safetensors                        the generation batch, when N falls inside a round
   ref_model.safetensors                             the reference model, when TR-DPO moves it
-The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint.
+  checksums.json                                    sha256 of every other file, written last
+The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
+checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
+bit-flipped or edited), naming the file. trainer_state.json records the run id; `save_total_limit` rotation only
+ever deletes checkpoints of the same run, and a new run refuses an output_dir that holds another run's outputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,6 +30,66 @@ import torch
 from safetensors.torch import load_file, save_file
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+MANIFEST = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from, or an output folder would be overwritten; the message names the file."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    _write_json(folder / MANIFEST, {name: _sha256(folder / name) for name in files})
+
+
+def verify_checkpoint(folder: str | Path) -> None:
+    """Raise CheckpointError unless every file listed in checksums.json is there with its recorded sha256."""
+    path = Path(folder)
+    if not (path / MANIFEST).exists():
+        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete groupwise checkpoint (a save that "
+                              "did not finish, or another tool's folder); resume from an earlier checkpoint")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / MANIFEST} is corrupted ({e}); resume from an earlier checkpoint") from None
+    for name, digest in manifest.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f} is missing (listed in {MANIFEST}); resume from an earlier checkpoint")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f} does not match its checksum: the file was changed or corrupted after the "
+                                  "save; resume from an earlier checkpoint")
+
+
+def run_outputs(output_dir: str | Path) -> list[Path]:
+    """What a previous run left in output_dir: checkpoint-N folders and metrics.jsonl."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or p.name == "metrics.jsonl")
+
+
+def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
+    """Before a new (non-resumed) run: refuse an output_dir holding another run's checkpoints or metrics, unless
+    overwrite (TRL's overwrite_output_dir), which deletes them."""
+    found = run_outputs(output_dir)
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in found[:4]) + (" …" if len(found) > 4 else "")
+        raise CheckpointError(f"output_dir {output_dir} already holds a run ({names}): resume it with "
+                              "resume_from_checkpoint, choose another output_dir, or set overwrite_output_dir=True "
+                              "to delete those outputs")
+    for p in found:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -101,20 +166,31 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
                       str(tmp / "ref_model.safetensors"))
     dist.barrier()
     if dist.is_main:
+        _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _rotate(root, save_total_limit)
+        _rotate(root, save_total_limit, state.get("run_id"), keep=final)
     dist.barrier()
     return final
 
 
-def _rotate(root: Path, limit: int | None) -> None:
+def _run_id_of(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "trainer_state.json").read_text()).get("run_id")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _rotate(root: Path, limit: int | None, run_id: str | None, keep: Path) -> None:
+    """Keep the newest `limit` checkpoints of this run (never the one just written); other runs' are not touched."""
     if not limit:
         return
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_RE.match(p.name)))
-    for _, path in found[:-limit]:
-        shutil.rmtree(path)
+    mine = sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := CHECKPOINT_RE.match(p.name)) and _run_id_of(p) == run_id)
+    for _, path in mine[:-limit]:
+        if path != keep:
+            shutil.rmtree(path)
 
 
 def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -140,8 +216,7 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
                     ) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """Restore everything saved by save_checkpoint; returns (trainer_state, pending rollout tensors or None)."""
     path = Path(folder)
-    if not (path / "trainer_state.json").exists():
-        raise FileNotFoundError(f"{folder} is not a groupwise checkpoint (no trainer_state.json)")
+    state = read_state(path)
     rng_file = path / f"rng_state_{dist.rank}.safetensors"
     if not rng_file.exists():
         raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
@@ -154,4 +229,13 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
     pending_file = path / f"rollout_{dist.rank}.safetensors"
     pending = load_file(str(pending_file)) if pending_file.exists() else None
-    return json.loads((path / "trainer_state.json").read_text()), pending
+    return state, pending
+
+
+def read_state(folder: str | Path) -> dict:
+    """trainer_state.json of a verified checkpoint (cheap to call before any weights load)."""
+    path = Path(folder)
+    if not (path / "trainer_state.json").exists():
+        raise FileNotFoundError(f"{folder} is not a groupwise checkpoint (no trainer_state.json)")
+    verify_checkpoint(path)
+    return json.loads((path / "trainer_state.json").read_text())

@@ -70,6 +70,9 @@ class GRPOConfig(StrictConfig):
     report_to: str | list[str] = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb' or a list.", default="none", choices=("none", *TRACKERS))
     log_completions: bool = option("Print a table of prompts, completions and rewards every logging_steps.", default=False)
     num_completions_to_print: int | None = option("Rows printed when log_completions is on (None: all).", default=None)
+    overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
+    save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
+    max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
     resume_from_checkpoint: str | None = option("Path of a checkpoint-N/ folder to resume from exactly.", default=None)
     seed: int = option("Seed of the data order, sampling and anything random in the run.", default=42)
 
@@ -100,6 +103,7 @@ class GRPOConfig(StrictConfig):
     steps_per_generation: int | None = option("Micro-batches per process that one generation round feeds (default: gradient_accumulation_steps).", default=None, ge=1)
     generation_batch_size: int | None = option("Completions per generation round over all processes (alternative to steps_per_generation).", default=None, ge=1)
     max_prompt_length: int | None = option("Keep only the last this many prompt tokens (None: no truncation).", default=512, ge=1)
+    truncate_prompt: str = option("Prompts longer than max_prompt_length: 'left' keeps their last max_prompt_length tokens (TRL's behaviour; counted in a warning when the dataset is checked), 'error' stops before the model loads, naming the first such row.", default="left", choices=("left", "error"))
     max_completion_length: int = option("Maximum completion tokens; longer completions are truncated (and known as such).", default=256, ge=1)
     temperature: float = option("Sampling temperature; log-probs are computed at the same temperature.", default=1.0, gt=0)
     top_p: float = option("Nucleus sampling mass.", default=1.0, gt=0, le=1)
@@ -124,6 +128,7 @@ class GRPOConfig(StrictConfig):
     advantage_eps: float = option("Added to the std before dividing, so near-equal rewards do not become ±1 advantages.", default=1e-4, ge=0)
     reward_weights: list[float] | None = option("One weight per reward function (default: all 1).", default=None)
     multi_objective_aggregation: str = option("'sum_then_normalize' (weighted sum, then group-normalise) or 'normalize_then_sum' (normalise each function, then weighted sum).", default="sum_then_normalize", choices=MULTI_OBJECTIVE)
+    reward_timeout: float | None = option("Seconds one reward-function call may take (None, the default: no limit). With a limit the call runs in a daemon thread: an overrun scores that call's rows NaN (unscored, counted in reward/<func>/errors), the run goes on and the stuck call cannot keep the process alive. Reward code that relies on signal.alarm (math_verify's default timeout) only works without a limit.", default=None, gt=0)
     on_reward_error: str = option("An exception in a reward function: 'raise' (stop, naming the function and row) or 'nan' (score NaN, counted in reward/<func>/errors).", default="raise", choices=ON_REWARD_ERROR)
     mask_truncated_completions: bool = option("Leave completions that hit max_completion_length out of the loss (DAPO).", default=False)
     top_entropy_quantile: float = option("Train only on this top fraction of tokens by entropy (1.0: all tokens).", default=1.0, gt=0, le=1)
@@ -179,6 +184,10 @@ class GRPOConfig(StrictConfig):
                               "repetition_penalty)")
         SPLIT_MODES[self.step_split].check(step_delimiter=self.step_delimiter, step_pattern=self.step_pattern,
                                            step_tag=self.step_tag)
+        if not self.output_dir or "\x00" in self.output_dir:
+            raise ConfigError(f"output_dir={self.output_dir!r} is not a usable folder name")
+        if os.path.isfile(self.output_dir):
+            raise ConfigError(f"output_dir={self.output_dir!r} is a file; give a folder")
         eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.delta is not None and self.delta <= 1 + eps_high:
             raise ConfigError(f"delta must be > 1 + epsilon_high = {1 + eps_high}, got {self.delta}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import field
 from typing import Any, ClassVar
@@ -109,9 +111,37 @@ def check_rules(name: str, value: Any, rules: dict) -> None:
                 raise ConfigError(f"{name}={v!r} is not one of {choices}")
 
 
+# a hub repository id: `name` or `org/name`, letters, digits, '.', '_', '-' (what the hub accepts)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".yaml", ".yml", ".safetensors", ".bin", ".txt")
+
+
+def check_location(value: str, field: str) -> str:
+    """"local" when `value` exists on disk; "hub" when it is a hub id (`name` or `org/name`); otherwise a
+    ConfigError: a value that looks local (starts with '.', '/' or '~', has two or more path separators, or a
+    file extension) must exist, and is never sent to the hub."""
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ConfigError(f"{field}={value!r} is not a usable path or hub id")
+    if os.path.exists(os.path.expanduser(value)):
+        return "local"
+    looks_local = (value.startswith((".", "/", "~")) or value.count("/") + value.count(os.sep) >= 2
+                   or value.lower().endswith(LOCAL_SUFFIXES))
+    if looks_local or not HUB_ID.match(value):
+        raise ConfigError(f"{field}={value!r} does not exist (a local path is checked before anything loads; only "
+                          "a bare 'name' or 'org/name' is looked up on the hub)")
+    return "hub"
+
+
 def load_yaml(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
     return values

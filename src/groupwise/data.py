@@ -1,11 +1,31 @@
-"""Prompt datasets and the seeded, resumable order in which a run visits them."""
+"""Prompt datasets, checked whole before any model loads, and the seeded, resumable order in which a run visits them."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+
+from groupwise.config_base import ConfigError
+from groupwise.text import prompt_text
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """Why a prompt is unusable, or None: it must be a non-empty string or a non-empty list of chat messages, each
+    a dict with a string 'role' and a string 'content'."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "an empty prompt"
+    if isinstance(prompt, list):
+        if not prompt:
+            return "an empty message list"
+        for j, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return f"message {j} is not a {{'role': str, 'content': str}} dict: {m!r:.80}"
+        return None
+    return f"a {type(prompt).__name__}, not a string or a list of chat messages"
 
 
 class PromptData:
@@ -13,20 +33,70 @@ class PromptData:
 
     def __init__(self, data: Any, name: str):
         if data is None:
-            raise ValueError(f"{name} is required")
+            raise ConfigError(f"{name} is required")
         columns = getattr(data, "column_names", None)
         if columns is None:
             if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
                 raise TypeError(f"{name} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}")
             missing = [i for i, r in enumerate(data) if "prompt" not in r]
             if missing:
-                raise ValueError(f"{name} row {missing[0]} has no 'prompt' column (keys: {sorted(data[missing[0]])})")
+                raise ConfigError(f"{name} row {missing[0]} has no 'prompt' column (keys: {sorted(data[missing[0]])})")
         elif "prompt" not in columns:
-            raise ValueError(f"{name} has no 'prompt' column (columns: {columns}); rename the column holding the "
+            raise ConfigError(f"{name} has no 'prompt' column (columns: {columns}); rename the column holding the "
                              "prompts to 'prompt'")
         if len(data) == 0:
-            raise ValueError(f"{name} is empty")
-        self.data = data
+            raise ConfigError(f"{name} is empty: give a dataset with at least one row")
+        self.data, self.name = data, name
+        bad = [(i, why) for i, row in enumerate(self._prompts()) if (why := prompt_problem(row)) is not None]
+        if bad:
+            i, why = bad[0]
+            raise ConfigError(f"{name} row {i} has {why}; {len(bad)} of {len(data)} rows are unusable (each prompt "
+                              "must be a non-empty string or a list of {'role', 'content'} messages)")
+
+    def _prompts(self):
+        """Every prompt, one at a time (a datasets.Dataset is read column-wise in batches, not all at once)."""
+        if hasattr(self.data, "column_names"):
+            for lo in range(0, len(self.data), 1000):
+                yield from self.data[lo:lo + 1000]["prompt"]
+        else:
+            for row in self.data:
+                yield row["prompt"]
+
+    def check_lengths(self, tokenizer, *, max_prompt_length: int | None, max_completion_length: int,
+                      truncate_prompt: str, max_positions: int | None, chat_template_kwargs: dict | None = None):
+        """Tokenize every prompt as the rollout will. Prompts over max_prompt_length are cut from the left with a
+        warning (truncate_prompt='left', TRL's behaviour) or are an error ('error'); a prompt that, kept or cut,
+        leaves no room for max_completion_length tokens within the model's max positions is an error."""
+        over, too_long, total = [], [], len(self)
+        prompts = self._prompts()
+        with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
+            for lo in range(0, total, 512):
+                chunk = [p for _, p in zip(range(512), prompts)]
+                texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in chunk]
+                for k, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+                    n = len(ids)
+                    if n == 0:
+                        raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
+                    if max_prompt_length is not None and n > max_prompt_length:
+                        over.append((lo + k, n))
+                        n = max_prompt_length
+                    if max_positions is not None and n + max_completion_length > max_positions:
+                        too_long.append((lo + k, n))
+                bar.update(len(chunk))
+        if too_long:
+            i, n = too_long[0]
+            raise ConfigError(f"{self.name} row {i}: {n} prompt tokens + max_completion_length={max_completion_length} "
+                              f"exceed the model's {max_positions} positions ({len(too_long)} of {total} rows); lower "
+                              "max_completion_length or max_prompt_length")
+        if over and truncate_prompt == "error":
+            i, n = over[0]
+            raise ConfigError(f"{self.name} row {i} has {n} prompt tokens > max_prompt_length={max_prompt_length} "
+                              f"({len(over)} of {total} rows); raise max_prompt_length, shorten the prompts, or set "
+                              "truncate_prompt='left' to keep their last tokens")
+        if over:
+            warnings.warn(f"{self.name}: {len(over)} of {total} prompts are longer than max_prompt_length="
+                          f"{max_prompt_length} tokens and will be cut from the left (first: row {over[0][0]}, "
+                          f"{over[0][1]} tokens)", stacklevel=2)
 
     def __len__(self) -> int:
         return len(self.data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,28 @@ TRACKERS = {"tensorboard": _tensorboard, "wandb": _wandb}
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0):
-        self.enabled = enabled
+    """metrics.jsonl: one JSON object per logged step, with the run id. On resume, lines after the resumed step are
+    dropped (they are replayed exactly) and a torn last line (a crash mid-write) is skipped with a warning."""
+
+    def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0,
+                 run_id: str | None = None):
+        self.enabled, self.run_id = enabled, run_id
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers: list = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # resuming: drop lines written after the checkpoint we resume from
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            keep = []
+            for i, line in enumerate(self.path.read_text().splitlines()):
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:
+                    warnings.warn(f"{self.path}: line {i + 1} is not valid JSON (a crash mid-write?); dropped",
+                                  RuntimeWarning, stacklevel=2)
+                    continue
+                if record is not None and record.get("step", 0) <= resume_step:
+                    keep.append(line)
             self.path.write_text("".join(line + "\n" for line in keep))
         self.trackers = [TRACKERS[name](output_dir, config) for name in report_to]
 
@@ -56,7 +69,7 @@ class MetricsLogger:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+            f.write(json.dumps({"step": step, "run_id": self.run_id, **clean}) + "\n")
         for log, _ in self.trackers:
             log(step, metrics)
 

@@ -114,7 +114,7 @@ def score(ctx: RolloutContext, comp: Completions) -> Scores:
     """Rewards on this process, gathered over all processes, combined over reward functions."""
     args, G = ctx.args, ctx.args.num_generations
     local, errors = compute_rewards(ctx.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                    comp.columns, on_error=args.on_reward_error)
+                                    comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout)
     per_func = ctx.dist.gather(local.to(ctx.dist.device)).cpu()  # (B·G, F), rank order = row order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     per_func = per_func.view(-1, G, per_func.size(-1))  # (B, G, F)
@@ -134,7 +134,8 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
         steps.append(s)
     texts = [list(s.texts) for s in steps]
     rewards, errors = compute_step_rewards(ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions,
-                                           texts, comp.columns, on_error=args.on_reward_error)
+                                           texts, comp.columns, on_error=args.on_reward_error,
+                                           timeout=args.reward_timeout)
     gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     B = len(gathered) // G
@@ -280,9 +281,11 @@ def _process_metrics(s: StepScores) -> dict[str, float]:
 
 
 def _spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,) population std of each group
+    values = values.double()  # large finite rewards must not overflow the squares
     return masked_mean_std(values, ~torch.isnan(values), (1, 2))[1].view(-1)
 
 
 def _nanstd(values: torch.Tensor) -> float:  # population std of the non-NaN values; NaN when there are none
+    values = values.double()
     valid = ~torch.isnan(values)
     return float(masked_mean_std(values, valid, tuple(range(values.dim())))[1]) if valid.any() else float("nan")

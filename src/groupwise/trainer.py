@@ -6,14 +6,16 @@ from __future__ import annotations
 import copy
 import math
 import time
+import uuid
 from collections import defaultdict
 
 import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
-from groupwise.checkpoint import load_checkpoint, save_checkpoint
+from groupwise.checkpoint import claim_output_dir, load_checkpoint, read_state, save_checkpoint
 from groupwise.config import GRPOConfig
+from groupwise.config_base import ConfigError, check_location
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.data import PromptData, PromptSampler
 from groupwise.distributed import Distributed
@@ -21,11 +23,21 @@ from groupwise.generation import build_generator
 from groupwise.logging import MetricsLogger, print_completions
 from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.rewards import compute_rewards, load_reward_sources
-from groupwise.rewards.process import load_process_reward_sources
+from groupwise.rewards.process import load_process_reward_sources, resolve_process_spec
+from groupwise.rewards.sources import resolve_spec
 from groupwise.rewards.steps import StepSplitter
 from groupwise.text import ensure_pad_token
 from groupwise.types import Rollout, Round, TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
+
+
+# fields a resumed run must share with the checkpoint for the data order and batch layout to continue exactly
+RESUME_FIELDS = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                 "steps_per_generation", "generation_batch_size", "seed", "shuffle_dataset", "dynamic_sampling")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
 
 
 class GRPOTrainer:
@@ -39,8 +51,8 @@ class GRPOTrainer:
         self.layout = args.layout(self.dist.world_size)
         self.train_data = PromptData(train_dataset, "train_dataset")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        reward_funcs, process_reward_funcs = _as_list(reward_funcs), _as_list(process_reward_funcs)
-        _check_inputs(args, model, reward_funcs, process_reward_funcs)
+        reward_funcs, process_reward_funcs = _check_inputs(args, model, _as_list(reward_funcs),
+                                                           _as_list(process_reward_funcs))
         from transformers import set_seed
 
         set_seed(args.seed + self.dist.rank)  # each process samples different completions
@@ -49,8 +61,14 @@ class GRPOTrainer:
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self.max_steps = args.max_steps if args.max_steps > 0 else \
             math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * self.steps_per_round
-        # then the models and what is built around them
-        policy, self.tokenizer = _load_policy(model, processing_class, args)
+        # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
+        self.tokenizer, max_positions = _load_tokenizer(model, processing_class, args)
+        for data in (self.train_data, self.eval_data):
+            if data is not None:
+                data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
+                                   max_completion_length=args.max_completion_length, max_positions=max_positions,
+                                   truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
+        policy = _load_policy(model, args)
         self.ref_model = self._build_reference(policy)
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
                                                   trust_remote_code=args.trust_remote_code,
@@ -63,6 +81,8 @@ class GRPOTrainer:
         self.update_ctx = UpdateContext(args, self.dist, self.model, self.optimizer, self.scheduler)
         self.global_step = 0
         self.skipped_steps = 0
+        self.consecutive_skipped = 0
+        self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_reference(self, policy):
@@ -105,6 +125,9 @@ class GRPOTrainer:
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
         resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        if not resume and self.dist.is_main:  # a new run never writes over another run's outputs
+            claim_output_dir(self.args.output_dir, self.args.overwrite_output_dir)
+        self.dist.barrier()
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         self._begin()
         while self.global_step < self.max_steps:
@@ -123,7 +146,7 @@ class GRPOTrainer:
         """Metrics file, progress bar, clocks; the step-0 evaluation of a fresh run."""
         args = self.args
         self._logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main,
-                                     config=args.to_dict(), resume_step=self.global_step)
+                                     config=args.to_dict(), resume_step=self.global_step, run_id=self.run_id)
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO", disable=not self.dist.is_main)
         self._started = self._tick = time.perf_counter()
         self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line
@@ -148,8 +171,16 @@ class GRPOTrainer:
         """Counters, reference sync, logging, checkpoint, evaluation — after optimizer step `done` of the round."""
         args = self.args
         self.global_step += 1
-        self.skipped_steps += int(metrics["train/skipped"])
-        if not metrics["train/skipped"]:
+        skipped = bool(metrics["train/skipped"])
+        self.skipped_steps += skipped
+        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        if self.consecutive_skipped >= args.max_consecutive_skipped_steps:
+            raise TrainingStopped(
+                f"{self.consecutive_skipped} optimizer steps in a row were skipped for a non-finite loss or gradient "
+                f"(steps {self.global_step - self.consecutive_skipped + 1}–{self.global_step}; see the warnings and "
+                "metrics.jsonl); stopping with the weights of the last good step untouched and the last checkpoint "
+                "kept. Check the rewards, beta and learning_rate, or raise max_consecutive_skipped_steps")
+        if not skipped:
             self.rollout_ctx.generator.update_weights(self.unwrapped)  # the sampler sees the new policy
         metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
                                            "train/skipped_steps": self.skipped_steps})
@@ -184,6 +215,9 @@ class GRPOTrainer:
         self._bar.close()
         self._logger.close()
         self.dist.barrier()
+        if self.dist.is_main:
+            tqdm.write(f"groupwise: {self.global_step} optimizer steps, {self.skipped_steps} skipped as non-finite; "
+                       f"outputs in {self.args.output_dir}")
         return self._last
 
     def _elapsed(self) -> dict[str, float]:
@@ -200,7 +234,8 @@ class GRPOTrainer:
             rows = [data[i] for i in mine[start:start + bs]]
             comp = R.generate(ctx, self.unwrapped, rows, greedy=True)
             rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                         comp.columns, on_error=self.args.on_reward_error)
+                                         comp.columns, on_error=self.args.on_reward_error,
+                                         timeout=self.args.reward_timeout)
             per_func += rewards.tolist()
             lengths += comp.lengths.tolist()
         lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
@@ -225,6 +260,7 @@ class GRPOTrainer:
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
         state = {"global_step": self.global_step, "max_steps": self.max_steps, "sampler": self.sampler.state_dict(),
+                 "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "round_step": round_step if pending is not None else 0,
                  "round_metrics": round_metrics if pending is not None else None}
@@ -235,11 +271,20 @@ class GRPOTrainer:
                                save_total_limit=self.args.save_total_limit)
 
     def _resume(self, path: str):
-        state, pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
-                                         scheduler=self.scheduler, ref_model=self.ref_model)
+        state = read_state(path)  # verified against its checksums before anything loads
         if state["world_size"] != self.dist.world_size:
             raise ValueError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
                              f"(now {self.dist.world_size}) so the data split and RNG streams match")
+        if state["global_step"] >= self.max_steps:
+            raise ValueError(f"{path} is at step {state['global_step']}, which is not before max_steps="
+                             f"{self.max_steps}: raise max_steps to train further")
+        for name, saved in state.get("config", {}).items():
+            if getattr(self.args, name) != saved:
+                raise ValueError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
+                                 "resume with the same value (the data order and batch layout depend on it)")
+        state, pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
+                                         scheduler=self.scheduler, ref_model=self.ref_model)
+        self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
         if pending is None:
@@ -247,28 +292,40 @@ class GRPOTrainer:
         return Rollout(TrainBatch.from_tensors(pending), state["round_metrics"]), state["round_step"]
 
 
-def _load_policy(model, processing_class, args: GRPOConfig):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_tokenizer(model, processing_class, args: GRPOConfig):
+    """The policy's tokenizer and its max positions (from the model's config), before the weights load."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if isinstance(model, str):
+        config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        tokenizer = processing_class or AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    else:
+        config, tokenizer = model.config, processing_class
+        if tokenizer is None:
+            name = getattr(config, "_name_or_path", "")
+            if not name:
+                raise ConfigError("the model was passed as an object: pass its tokenizer as processing_class")
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    ensure_pad_token(tokenizer)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return tokenizer, getattr(text_config, "max_position_embeddings", None)
+
+
+def _load_policy(model, args: GRPOConfig):
+    from transformers import AutoModelForCausalLM
 
     if isinstance(model, str):
         kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
         policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-        tokenizer = processing_class or AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
     else:
-        policy, tokenizer = model, processing_class
-        if tokenizer is None:
-            name = getattr(policy.config, "_name_or_path", "")
-            if not name:
-                raise ValueError("the model was passed as an object: pass its tokenizer as processing_class")
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    ensure_pad_token(tokenizer)
+        policy = model
     if args.disable_dropout:
         disable_dropout(policy)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     policy.train()
-    return policy, tokenizer
+    return policy
 
 
 def _eos_ids(tokenizer, model) -> list[int]:
@@ -295,19 +352,28 @@ def _as_list(funcs) -> list:
     return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
 
-def _check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list) -> None:
-    """What can be checked before a model loads: the model argument, reward counts against weights and against
-    what the supervision variant reads (groupwise.core.supervision)."""
+def _check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list) -> tuple[list, list]:
+    """What can be checked before a model loads: the model argument (a local path must exist), reward specs
+    (imported or located), counts against weights and against what the supervision variant reads. Returns the
+    reward and step-reward specs with 'module:function' strings imported."""
     if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward functions")
+        raise ConfigError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward "
+                          "functions")
     if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
-        raise ValueError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
-                         f"{len(process_reward_funcs)} process reward functions")
-    SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
+        raise ConfigError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
+                          f"{len(process_reward_funcs)} process reward functions")
+    try:
+        SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(model, (str, torch.nn.Module)):
         raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
-    if not isinstance(model, str) and args.model_init_kwargs:
-        raise ValueError("model_init_kwargs only applies when model is a path; the model is already loaded")
+    if isinstance(model, str):
+        check_location(model, "model")
+    elif args.model_init_kwargs:
+        raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
+    return ([resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)],
+            [resolve_process_spec(s, f"process_reward_funcs[{i}]") for i, s in enumerate(process_reward_funcs)])
 
 
 def _print_round(step: int, rnd: Round, limit: int | None) -> None:

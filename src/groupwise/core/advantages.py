@@ -20,6 +20,7 @@ The estimators (`ESTIMATORS`, chosen by GRPOConfig.advantage_estimator):
             c = r − mean(R_b), then r̃ = (c − mean_batch(c)) / (std_batch(c) + eps): a group-mean baseline, then
             whitening over the whole batch (REINFORCE++-baseline, Hu et al. 2025).
 `std="population"` is the 1/n definition of DeepSeekMath's std(·); `std="unbiased"` is Bessel's 1/(n−1).
+Statistics are computed in float64, so rewards of very different magnitude (1e20 next to 0) keep their signal.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _reinforce_pp(r: torch.Tensor, valid: torch.Tensor, *, std: str = "populatio
 
 @dataclass(frozen=True)
 class Estimator:
-    """An advantage estimator: `normalize(r (B, G, K), valid (B, G, K) bool, **options) → r̃ (B, G, K)`
+    """An advantage estimator: `normalize(r (B, G, K) float64, valid (B, G, K) bool, **options) → r̃ (B, G, K)`
     and the keyword options it takes (GRPOConfig maps scale → scale_rewards, std → reward_std,
     eps → advantage_eps, and rejects a non-default field the chosen estimator would ignore)."""
 
@@ -110,7 +111,7 @@ def normalize_rewards(rewards: torch.Tensor, estimator: str = "grpo", **options)
         raise ValueError(f"advantage estimator {estimator!r} takes no option(s) {unknown} (it takes {list(est.options)})")
     if rewards.dim() != 3:
         raise ValueError(f"rewards must be (B, G, K), got shape {tuple(rewards.shape)}")
-    r = rewards.float()
+    r = rewards.double()
     valid = ~torch.isnan(r)
     out = est.normalize(torch.where(valid, r, torch.zeros_like(r)), valid, **options)
     return torch.where(valid, out, torch.zeros_like(out)).float()
@@ -175,7 +176,7 @@ def process_advantages(
                 raise ValueError(f"prompt {b}, completion {g}: step end {bad} outside [0, {num_tokens})")
             if any(int(a) > int(c) for a, c in zip(es, es[1:])):
                 raise ValueError(f"prompt {b}, completion {g}: step ends must be ascending, got {list(es)}")
-    rewards = pack_steps(step_rewards)  # (B, G, K)
+    rewards = pack_steps(step_rewards, dtype=torch.float64)  # (B, G, K)
     if rewards.numel() == 0:
         return torch.zeros(B, G, num_tokens)
     ends = pack_steps(step_ends, fill=num_tokens, dtype=torch.long)  # padding lands in a spare column T

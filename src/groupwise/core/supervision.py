@@ -26,7 +26,7 @@ class Supervision:
     process: bool
 
     def check_sources(self, name: str, num_outcome: int, num_process: int) -> None:
-        """Raise ValueError naming what is missing or unused (before any model loads)."""
+        """Raise ValueError naming what is missing or unused (the trainer calls this before any model loads)."""
         if self.outcome and not num_outcome:
             raise ValueError(f"supervision={name!r} needs at least one outcome reward function (reward_funcs)")
         if self.process and not num_process:

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from groupwise.config_base import ConfigError, check_location
 from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources,
-                                       reward_value)
+                                       resolve_spec, reward_value)
 
 
 def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, device=None) -> list[RewardSource]:
@@ -23,11 +24,10 @@ def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, devic
     from groupwise.rewards.prm import load_prm
 
     resolved = []
-    for spec in funcs:
+    for i, spec in enumerate(funcs):
+        spec = resolve_process_spec(spec, f"process_reward_funcs[{i}]")
         if isinstance(spec, dict):
             spec = dict(spec)
-            if "path" not in spec:
-                raise ValueError(f"a PRM spec needs 'path': {spec!r}")
             spec = load_prm(spec.pop("path"), spec.pop("kind", None), trust_remote_code=trust_remote_code, **spec)
         if hasattr(spec, "model") and hasattr(spec, "to") and device is not None:
             spec.to(device)
@@ -38,6 +38,17 @@ def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, devic
             raise TypeError(f"process reward source {s.name!r} is a bare model: wrap it in one of "
                             "groupwise.rewards.prm's PRM classes (token classification, step tag, prefix)")
     return sources
+
+
+def resolve_process_spec(spec: Any, where: str) -> Any:
+    """A step-reward spec checked before any model loads: 'package.module:function' → the function; a PRM spec
+    {"path": …, "kind": …} needs a path that exists locally or is a hub id; anything else unchanged."""
+    if isinstance(spec, dict):
+        if "path" not in spec:
+            raise ConfigError(f"{where}: a PRM spec needs 'path': {spec!r}")
+        check_location(spec["path"], f"{where}.path")
+        return spec
+    return resolve_spec(spec, where)
 
 
 def _validate(name: str, out: Any, steps: list[list[str]]) -> list[list[float]]:
@@ -68,6 +79,7 @@ def compute_step_rewards(
     columns: dict[str, list[Any]],
     *,
     on_error: str = "raise",
+    timeout: float | None = None,
 ) -> tuple[list[list[float]], torch.Tensor]:  # (N)[K_i] combined step rewards (NaN = unscored), (F,) errors
     n = len(prompts)
     per_func: list[list[list[float]]] = []
@@ -80,7 +92,8 @@ def compute_step_rewards(
 
         rows, errors[f] = call_isolating_rows(
             "process reward function", src.name, call, n, on_error=on_error,
-            failed_row=lambda i: [math.nan] * len(steps[i]), describe=lambda i: f"completion={completions[i]!r:.200}")
+            failed_row=lambda i: [math.nan] * len(steps[i]), describe=lambda i: f"completion={completions[i]!r:.200}",
+            timeout=timeout)
         per_func.append(rows)
     # one weighted NaN-skipping sum per step, as for outcome rewards (groupwise.rewards.combine)
     combined = [weighted_nansum(torch.tensor([[per_func[f][i][j] for f in range(len(sources))]

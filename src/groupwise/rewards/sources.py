@@ -3,6 +3,8 @@
 A reward function is `fn(prompts=…, completions=…, completion_ids=…, **dataset_columns) -> list[float | None]`,
 one value per completion; None means "cannot score this one" (NaN downstream, left out of the statistics).
 A value is a real number (int, float, bool as 0/1, a 0-d tensor or numpy scalar) or None (`reward_value`).
+±inf is treated as unscored (NaN) and counted with the function's errors, as is every row of a call that overruns
+`reward_timeout` seconds (the stuck call is left behind in a daemon thread and cannot keep the process alive).
 Bad output is an error naming the function; an exception stops the run with the function and the row, or, with
 on_reward_error="nan", scores the failing rows NaN and counts them.
 """
@@ -12,12 +14,16 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import os
+import re
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from groupwise.config_base import ConfigError, check_location
 from groupwise.text import ensure_pad_token, is_conversational
 
 
@@ -30,6 +36,51 @@ class RewardFunctionError(RuntimeError):
     """A reward function misbehaved; the message names it and the row."""
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call overran reward_timeout; its rows are scored NaN and counted, the run goes on."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+    """fn() in a daemon thread, waiting at most `timeout` seconds (None: call it here, no limit). An overrun raises
+    RewardTimeout; the thread is abandoned (daemon threads never keep the process from exiting)."""
+    if timeout is None:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name=f"groupwise {what}")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def drop_infinite(rows: list, name: str, kind: str = "reward function") -> int:
+    """Replace ±inf values (in a list of floats, or of lists of floats) by NaN in place; return how many rows had
+    one, warning once with the function's name."""
+    bad = 0
+    for i, row in enumerate(rows):
+        if isinstance(row, list):
+            if any(math.isinf(v) for v in row):
+                rows[i] = [math.nan if math.isinf(v) else v for v in row]
+                bad += 1
+        elif math.isinf(row):
+            rows[i] = math.nan
+            bad += 1
+    if bad:
+        warnings.warn(f"{kind} {name!r} returned ±inf for {bad} row(s): scored as unscored (NaN) and counted in its "
+                      "errors", RuntimeWarning, stacklevel=3)
+    return bad
+
+
 @dataclass
 class RewardSource:
     name: str
@@ -38,12 +89,34 @@ class RewardSource:
     tokenizer: Any = None
 
 
-def _import_object(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+_MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+SPEC_FORMS = "'package.module:function', a local reward-model folder, or a hub id 'org/name'"
+
+
+def resolve_spec(spec: Any, where: str) -> Any:
+    """A reward spec as given in a config: 'package.module:function' → the imported object; a local folder or a hub
+    id → the string; anything else (a callable, a model) unchanged. Checked strictly, before any model loads."""
+    if not isinstance(spec, str):
+        return spec
+    if _MODULE_PATH.match(spec):
+        module, _, attr = spec.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{where}={spec!r}: cannot import it ({type(e).__name__}: {e})") from None
+        return obj
+    if _DOTTED.match(spec) and not os.path.exists(spec):
+        module, _, fn = spec.rpartition(".")
+        raise ConfigError(f"{where}={spec!r} looks like a Python path: write it '{module}:{fn}' "
+                          f"(accepted: {SPEC_FORMS})")
+    try:
+        check_location(spec, where)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (accepted: {SPEC_FORMS})") from None
+    return spec
 
 
 def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False,
@@ -61,8 +134,7 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
     sources = []
     for i, spec in enumerate(reward_funcs):
         tok = classes[i] if classes is not None else None
-        if isinstance(spec, str) and ":" in spec and not spec.startswith(("/", ".")):
-            spec = _import_object(spec)
+        spec = resolve_spec(spec, f"reward_funcs[{i}]")
         if isinstance(spec, str):  # a reward model on disk or the hub
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -143,14 +215,22 @@ def _validate(name: str, values: Any, n: int) -> list[float]:
 
 
 def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], n: int, *, on_error: str,
-                        failed_row: Callable[[int], Any], describe: Callable[[int], str]) -> tuple[list, int]:
+                        failed_row: Callable[[int], Any], describe: Callable[[int], str],
+                        timeout: float | None = None) -> tuple[list, int]:
     """Call `call(0, n)` for the whole batch; if it raises (anything but a RewardFunctionError, which is the
     caller's contract being broken), call it row by row to find the failing rows. on_error="raise": stop naming the
-    function and the first failing row; "nan": those rows get `failed_row(i)` and are counted."""
+    function and the first failing row; "nan": those rows get `failed_row(i)` and are counted. A call that overruns
+    `timeout` scores every row of the batch `failed_row` and counts them, whatever on_error says. ±inf values are
+    unscored and counted too (`drop_infinite`)."""
     try:
-        return call(0, n), 0
+        rows = call_with_timeout(lambda: call(0, n), timeout, f"{kind} {name!r}")
+        return rows, drop_infinite(rows, name, kind)
     except RewardFunctionError:
         raise
+    except RewardTimeout as e:
+        warnings.warn(f"{e}: its {n} rows are scored NaN (unscored) and counted in its errors", RuntimeWarning,
+                      stacklevel=2)
+        return [failed_row(i) for i in range(n)], n
     except Exception as batch_exc:
         rows, failures = [], 0
         for i in range(n):
@@ -168,7 +248,7 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], 
         if failures == 0:  # every row alone succeeded: the batch call itself is at fault
             raise RewardFunctionError(f"{kind} {name!r} raised {type(batch_exc).__name__}: {batch_exc} on the "
                                       "batch, but on no single row") from batch_exc
-        return rows, failures
+        return rows, failures + drop_infinite(rows, name, kind)
 
 
 def compute_rewards(
@@ -179,13 +259,14 @@ def compute_rewards(
     columns: dict[str, list[Any]],
     *,
     on_error: str = "raise",
-) -> tuple[torch.Tensor, torch.Tensor]:  # (N, F) rewards with NaN, (F,) error counts
+    timeout: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (N, F) float64 rewards with NaN, (F,) error counts
     n = len(prompts)
-    rewards = torch.full((n, len(sources)), math.nan)
+    rewards = torch.full((n, len(sources)), math.nan, dtype=torch.float64)  # 1e30 must not overflow downstream
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):
         if src.model is not None:
-            rewards[:, f] = torch.tensor(_score_with_model(src, prompts, completions))
+            rewards[:, f] = torch.tensor(_score_with_model(src, prompts, completions), dtype=torch.float64)
             continue
 
         def call(lo, hi, src=src):
@@ -195,8 +276,8 @@ def compute_rewards(
 
         values, errors[f] = call_isolating_rows(
             "reward function", src.name, call, n, on_error=on_error, failed_row=lambda i: math.nan,
-            describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}")
-        rewards[:, f] = torch.tensor(values)
+            describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}", timeout=timeout)
+        rewards[:, f] = torch.tensor(values, dtype=torch.float64)
     all_none = torch.isnan(rewards).all(-1)
     if all_none.any():
         i = int(all_none.nonzero()[0])
