@@ -92,7 +92,31 @@ def train(out: Path) -> None:
     (out / f"result_{t.dist.rank}.json").write_text(json.dumps({"checksum": checksum, "world": t.dist.world_size}))
 
 
+def fault(out: Path, kind: str) -> None:
+    """A run in which rank 1 misbehaves: its reward function raises ('raises'), or the process dies ('dies')."""
+    import os
+
+    from groupwise import GRPOTrainer
+
+    tok = toy.build_tokenizer()
+
+    def reward(completions, **_):
+        if int(os.environ.get("RANK", "0")) == 1:
+            if kind == "raises":
+                raise KeyError("only on rank 1")
+            os._exit(9)  # the process vanishes without a word
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+                      max_steps=3, learning_rate=1e-2, ddp_timeout=20, save_steps=0)
+    GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args, train_dataset=toy.dataset(16),
+                processing_class=tok).train()
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    {"same": same, "train": train}[mode](out)
+    if mode.startswith("fault_"):
+        fault(out, mode.removeprefix("fault_"))
+    else:
+        {"same": same, "train": train}[mode](out)

@@ -16,8 +16,11 @@ from typing import Any
 
 import yaml
 
+from groupwise.checkpoint import CheckpointError, claim_output_dir
 from groupwise.config import ConfigError, GRPOConfig, load_yaml
-from groupwise.config_base import reject_unknown
+from groupwise.config_base import check_location, reject_unknown
+from groupwise.rewards.process import resolve_process_spec
+from groupwise.rewards.sources import resolve_spec
 
 RUN_FIELDS = {
     "model_name_or_path": "Policy: a local folder or hub id loadable with AutoModelForCausalLM.",
@@ -44,7 +47,10 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
                 value, i = tokens[i + 1], i + 1
             else:
                 value = "true"
-        out[key.replace("-", "_")] = yaml.safe_load(value)
+        try:
+            out[key.replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError:  # not a YAML scalar or list (e.g. a control character): the plain string
+            out[key.replace("-", "_")] = value
         i += 1
     return out
 
@@ -75,6 +81,8 @@ def load_dataset_spec(name: str, split: str | None):
         kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
             raise ConfigError(f"dataset_name={name!r}: unsupported file type {path.suffix!r}")
+        if path.stat().st_size == 0:
+            raise ConfigError(f"dataset {name!r} is empty: give a file with at least one row")
         return datasets.load_dataset(kind, data_files=str(path), split="train")
     return datasets.load_dataset(name, split=split or "train")
 
@@ -93,13 +101,28 @@ def cmd_train(argv: list[str]) -> int:
     values = load_yaml(config_path) if config_path else {}
     values.update(parse_overrides(argv[1:] if config_path else argv))
     if "model_name_or_path" not in values:
+        given = sorted(set(values) & set(RUN_FIELDS))
+        if given:
+            raise ConfigError(f"{given[0]} is set but model_name_or_path is not: give the policy as "
+                              "model_name_or_path (without one, `groupwise train` runs the built-in demo)")
         from groupwise.demo import run_demo
 
         return run_demo(values)
     run, args = build_run(values)
+    # everything that names a file is checked before anything loads
+    check_location(run["model_name_or_path"], "model_name_or_path")
     dataset_name = run.get("dataset_name")
     if not dataset_name:
         raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name)")
+    for field in ("dataset_name", "eval_dataset_name"):
+        if run.get(field) and builtin_task(run[field]) is None:
+            check_location(run[field], field)
+    for i, spec in enumerate(run.get("reward_funcs") or []):
+        resolve_spec(spec, f"reward_funcs[{i}]")
+    for i, spec in enumerate(run.get("process_reward_funcs") or []):
+        resolve_process_spec(spec, f"process_reward_funcs[{i}]")
+    if not args.resume_from_checkpoint:
+        claim_output_dir(args.output_dir, args.overwrite_output_dir)
     train_data = load_dataset_spec(dataset_name, run.get("dataset_split"))
     eval_data = None
     if run.get("eval_dataset_name"):
@@ -130,7 +153,34 @@ def cmd_prm_train(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 a configuration or input error (one line naming the field or file; --debug for the
+    traceback); 1 the run stopped on an error of its own (a reward function, non-finite steps, another process);
+    130 / 143 stopped by SIGINT / SIGTERM (after writing a checkpoint when save_on_interrupt)."""
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _main(argv)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        if debug:
+            raise
+        print(f"groupwise: configuration error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 — a stopped run: one line, the traceback with --debug
+        from groupwise.distributed import ProcessFailed
+        from groupwise.rewards import RewardFunctionError
+        from groupwise.trainer import TrainingInterrupted, TrainingStopped
+
+        if isinstance(e, TrainingInterrupted) and not debug:
+            print(f"groupwise: {e}", file=sys.stderr)
+            return 128 + int(e.signum)
+        if debug or not isinstance(e, (RewardFunctionError, TrainingStopped, ProcessFailed)):
+            raise
+        print(f"groupwise: run stopped: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
     parser.add_argument("command", choices=["train", "prm", "fields"],
                         help="train: run GRPO; prm train: train a process reward model; fields: list config fields")
@@ -138,27 +188,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    try:
-        if command == "train":
-            return cmd_train(rest)
-        if command == "prm":
-            if not rest or rest[0] != "train":
-                parser.error("usage: groupwise prm train CONFIG.yaml [--field value …]")
-            return cmd_prm_train(rest[1:])
-        if command == "fields":
-            for k, v in RUN_FIELDS.items():
-                print(f"{k:32s} {v}")
-            for name, help_text, default, choices in GRPOConfig.describe():
-                print(f"{name:32s} {help_text} (default {default!r})")
-                for choice in choices:
-                    print(f"{'':34s}- {choice}")
-            return 0
-        parser.error(f"unknown command {command!r}")
-    except ConfigError as e:
-        print(f"groupwise: configuration error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+    if command == "train":
+        return cmd_train(rest)
+    if command == "prm":
+        if not rest or rest[0] != "train":
+            parser.error("usage: groupwise prm train CONFIG.yaml [--field value …]")
+        return cmd_prm_train(rest[1:])
+    if command == "fields":
+        for k, v in RUN_FIELDS.items():
+            print(f"{k:32s} {v}")
+        for name, help_text, default, choices in GRPOConfig.describe():
+            print(f"{name:32s} {help_text} (default {default!r})")
+            for choice in choices:
+                print(f"{'':34s}- {choice}")
+        return 0
+    parser.error(f"unknown command {command!r}")
+    return 2
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -90,6 +90,7 @@ class GRPOConfig(StrictConfig):
     num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=1.0, gt=0)
     per_device_train_batch_size: int = option("Completions (not prompts) per micro-batch on each process (TRL meaning).", default=8, ge=1)
     gradient_accumulation_steps: int = option("Micro-batches accumulated into one optimizer step.", default=1, ge=1)
+    ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time.", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
     gradient_checkpointing: bool = option("Recompute activations in the backward pass to save memory.", default=False)
     shuffle_dataset: bool = option("Shuffle the prompts each epoch (seeded).", default=True)

@@ -2,22 +2,33 @@
 
 CPU multi-process runs: `ACCELERATE_USE_CPU=1 python -m torch.distributed.run --nproc_per_node 2 -m groupwise train …`
 (`accelerate launch --cpu` starts one process only). The process group is destroyed at exit: gloo runs that skip
-it abort intermittently.
+it abort intermittently. Every collective is bounded by `ddp_timeout` seconds (TRL / transformers' name), so a
+process that dies makes the others fail within that time instead of waiting forever; user code that may raise on
+one process only (reward functions) runs under `run_together`, so every process stops with that process's message.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 
 import torch
 import torch.distributed as torch_dist
 from accelerate import Accelerator
 
 
+class ProcessFailed(RuntimeError):
+    """Another process raised in a `run_together` block; the message is that process's."""
+
+
 class Distributed:
-    def __init__(self, bf16: bool = False):
-        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
+    def __init__(self, bf16: bool = False, timeout: float = 1800.0):
+        from accelerate.utils import InitProcessGroupKwargs
+
+        self.timeout = timeout
+        kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout))
+        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[kwargs])
         atexit.register(self.teardown)
 
     @property
@@ -86,12 +97,34 @@ class Distributed:
     def any(self, flag: bool) -> bool:
         return bool(self.sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 
+    def run_together(self, fn, what: str):
+        """fn() on every process; if it raises on any, it raises on all: the failing process re-raises its own
+        exception, the others raise ProcessFailed with its message (instead of waiting in the next collective)."""
+        try:
+            result, failure = fn(), None
+        except Exception as e:  # noqa: BLE001 — shared with the other processes, then re-raised
+            result, failure = None, e
+        if self.world_size == 1:
+            if failure is not None:
+                raise failure
+            return result
+        messages = [m for m in self.gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"])
+                    if m is not None]
+        if failure is not None:
+            raise failure
+        if messages:
+            raise ProcessFailed(f"{what} failed on another process: {messages[0]}")
+        return result
+
     def barrier(self) -> None:
         if self.world_size > 1:
             self.accelerator.wait_for_everyone()
 
     def teardown(self) -> None:
         if torch_dist.is_available() and torch_dist.is_initialized():
-            with contextlib.suppress(Exception):
-                torch_dist.barrier()
+            with contextlib.suppress(Exception):  # bounded: a peer that died cannot hold this process forever
+                if torch_dist.get_backend() == "gloo":
+                    torch_dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(self.timeout, 60)))
+                else:
+                    torch_dist.barrier()
             torch_dist.destroy_process_group()

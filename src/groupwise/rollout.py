@@ -113,8 +113,9 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
 def score(ctx: RolloutContext, comp: Completions) -> Scores:
     """Rewards on this process, gathered over all processes, combined over reward functions."""
     args, G = ctx.args, ctx.args.num_generations
-    local, errors = compute_rewards(ctx.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                    comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout)
+    local, errors = ctx.dist.run_together(lambda: compute_rewards(
+        ctx.reward_sources, comp.prompts, comp.completions, comp.token_lists(), comp.columns,
+        on_error=args.on_reward_error, timeout=args.reward_timeout), "a reward function")
     per_func = ctx.dist.gather(local.to(ctx.dist.device)).cpu()  # (B·G, F), rank order = row order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     per_func = per_func.view(-1, G, per_func.size(-1))  # (B, G, F)
@@ -133,9 +134,9 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
         steps.append(s)
     texts = [list(s.texts) for s in steps]
-    rewards, errors = compute_step_rewards(ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions,
-                                           texts, comp.columns, on_error=args.on_reward_error,
-                                           timeout=args.reward_timeout)
+    rewards, errors = ctx.dist.run_together(lambda: compute_step_rewards(
+        ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions, texts, comp.columns,
+        on_error=args.on_reward_error, timeout=args.reward_timeout), "a process reward function")
     gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     B = len(gathered) // G

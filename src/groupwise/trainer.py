@@ -3,8 +3,11 @@ updates grouped into optimizer steps; log, evaluate, checkpoint. TRL's construct
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import signal
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -40,6 +43,14 @@ class TrainingStopped(RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
 
 
+class TrainingInterrupted(RuntimeError):
+    """SIGINT / SIGTERM stopped the run after an optimizer step (a checkpoint written when save_on_interrupt)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
 class GRPOTrainer:
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, process_reward_funcs=None):
@@ -47,7 +58,7 @@ class GRPOTrainer:
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        self.dist = Distributed(bf16=args.bf16)
+        self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout)
         self.layout = args.layout(self.dist.world_size)
         self.train_data = PromptData(train_dataset, "train_dataset")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
@@ -129,16 +140,17 @@ class GRPOTrainer:
             claim_output_dir(self.args.output_dir, self.args.overwrite_output_dir)
         self.dist.barrier()
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
-        self._begin()
-        while self.global_step < self.max_steps:
-            rollout, done = pending or (self._collect(), 0)
-            pending = None
-            for window in self._windows(rollout)[done:]:
-                metrics = optimizer_step(self.update_ctx, window)
-                done += 1
-                self._after_step(rollout, done, metrics)
-                if self.global_step >= self.max_steps:
-                    break
+        with self._signals_stop_the_run():
+            self._begin()
+            while self.global_step < self.max_steps:
+                rollout, done = pending or (self._collect(), 0)
+                pending = None
+                for window in self._windows(rollout)[done:]:
+                    metrics = optimizer_step(self.update_ctx, window)
+                    done += 1
+                    self._after_step(rollout, done, metrics)
+                    if self.global_step >= self.max_steps:
+                        break
         return self._end()
 
     # ---- phases -------------------------------------------------------------------------------------------------
@@ -192,11 +204,46 @@ class GRPOTrainer:
         last_step = self.global_step == self.max_steps
         if self.global_step % max(args.logging_steps, 1) == 0 or last_step:
             self._log(rollout)
-        if args.save_steps and self.global_step % args.save_steps == 0 or last_step:
-            unfinished = done < len(self._windows(rollout))
-            self.save(rollout.batch if unfinished else None, rollout.metrics, done)
+        saved = args.save_steps and self.global_step % args.save_steps == 0 or last_step
+        if saved:
+            self._save_round(rollout, done)
         if self.eval_data is not None and ((args.eval_steps and self.global_step % args.eval_steps == 0) or last_step):
             self._logger.log(self.global_step, {**self.evaluate(), **self._elapsed()})
+        if self.dist.any(bool(self._signals)):  # every process stops at the same step
+            signum = self._signals[0] if self._signals else signal.SIGTERM
+            if args.save_on_interrupt and not saved:
+                self._save_round(rollout, done)
+            where = f"; checkpoint-{self.global_step} written" if args.save_on_interrupt else ""
+            raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
+                                              f"{self.global_step}{where}")
+
+    def _save_round(self, rollout: Rollout, done: int) -> None:
+        """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
+        unfinished = done < len(self._windows(rollout))
+        self.save(rollout.batch if unfinished else None, rollout.metrics, done)
+
+    @contextlib.contextmanager
+    def _signals_stop_the_run(self):
+        """SIGINT / SIGTERM are recorded and end the run after the current optimizer step (`_after_step`); a second
+        one interrupts at once. Only the main thread can install handlers; elsewhere signals keep their handlers."""
+        self._signals: list[int] = []
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._signals:
+                raise KeyboardInterrupt
+            self._signals.append(signum)
+            tqdm.write(f"groupwise: {signal.Signals(signum).name} received: stopping after this optimizer step "
+                       "(again to stop at once)")
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
     def _log(self, rollout: Rollout) -> None:
         last = {k: _nanmean(v) for k, v in self._window.items()}
@@ -228,16 +275,21 @@ class GRPOTrainer:
         """Greedy completion of every eval prompt: eval/reward/mean (weighted) and eval/<func> per function."""
         ctx, data, dist = self.rollout_ctx, self.eval_data, self.dist
         mine = list(range(dist.rank, len(data), dist.world_size))
-        per_func, lengths = [], []
         bs = self.args.per_device_eval_batch_size
-        for start in range(0, len(mine), bs):
-            rows = [data[i] for i in mine[start:start + bs]]
-            comp = R.generate(ctx, self.unwrapped, rows, greedy=True)
-            rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                         comp.columns, on_error=self.args.on_reward_error,
-                                         timeout=self.args.reward_timeout)
-            per_func += rewards.tolist()
-            lengths += comp.lengths.tolist()
+
+        def local():  # this process's share; no collective inside, so it runs under run_together
+            per_func, lengths = [], []
+            for start in range(0, len(mine), bs):
+                rows = [data[i] for i in mine[start:start + bs]]
+                comp = R.generate(ctx, self.unwrapped, rows, greedy=True)
+                rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
+                                             comp.columns, on_error=self.args.on_reward_error,
+                                             timeout=self.args.reward_timeout)
+                per_func += rewards.tolist()
+                lengths += comp.lengths.tolist()
+            return per_func, lengths
+
+        per_func, lengths = dist.run_together(local, "evaluation")
         lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
         out = {"eval/mean_length": float(lengths.mean())}
         if not self.reward_sources:

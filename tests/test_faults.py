@@ -1,0 +1,390 @@
+"""Fault injection: what a careless or unlucky user sees — exit code, first line of the message — and that nothing
+is lost. Every case of the reliability issue has a test here (small models, short timeouts)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from groupwise import ConfigError, GRPOConfig, GRPOTrainer
+from groupwise.checkpoint import CheckpointError, verify_checkpoint
+from groupwise.cli import main
+from groupwise.core.advantages import outcome_advantages
+from groupwise.rewards import compute_rewards, load_reward_sources
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+ROOT = Path(__file__).parents[1]
+
+
+def _length(completions, **_):  # spread in every group, so every step trains
+    return [float(len(c)) for c in completions]
+
+
+def _config(tmp_path, model_dir, rows=None, **extra) -> str:
+    data = tmp_path / "prompts.jsonl"
+    rows = rows if rows is not None else [{"prompt": f"repeat {c}:", "letter": c} for c in "abcdabcd"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model_name_or_path": model_dir, "dataset_name": str(data), "reward_funcs": ["tests.test_faults:_length"],
+           "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 5, "logging_steps": 1,
+           "output_dir": str(tmp_path / "run"), "learning_rate": 1e-3, **extra}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _exit_and_first_line(capsys, argv) -> tuple[int, str]:
+    code = main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("groupwise:")]
+    return code, err[0] if err else ""
+
+
+def _trainer(tmp_path, tokenizer, out="run", reward=_length, **kw):
+    args = small_args(tmp_path, output_dir=str(tmp_path / out), **kw)
+    return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [reward], args=args,
+                       train_dataset=toy.dataset(12), processing_class=tokenizer)
+
+
+# ---- 1. configuration errors: exit 2, one line naming the field or file, before anything loads ---------------------
+@pytest.mark.parametrize("override, first_line", [
+    (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
+    (["--beta", "inf"], "beta must be a finite number, got inf"),
+    (["--max_grad_norm", "-inf"], "max_grad_norm must be a finite number"),
+    (["--max_steps", "-5"], "max_steps must be ≥ -1, got -5"),
+    (["--model_name_or_path", "./no/such/model"], "model_name_or_path='./no/such/model' does not exist"),
+    (["--dataset_name", "data/trian.jsonl"], "dataset_name='data/trian.jsonl' does not exist"),
+    (["--reward_funcs", "[tests.test_faults._length]"],
+     "reward_funcs[0]='tests.test_faults._length' looks like a Python path: write it 'tests.test_faults:_length'"),
+    (["--reward_funcs", "[tests.test_faults:nothing]"], "reward_funcs[0]='tests.test_faults:nothing': cannot import it"),
+    (["--output_dir", "a\x00b"], "output_dir='a\\x00b' is not a usable folder name"),
+])
+def test_config_errors_exit_2_with_one_line(tmp_path, model_dir, capsys, override, first_line):
+    code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir), *override])
+    assert code == 2 and line.startswith("groupwise: configuration error: ") and first_line in line
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_config_file_errors_exit_2(tmp_path, capsys):
+    code, line = _exit_and_first_line(capsys, ["train", str(tmp_path / "missing.yaml")])
+    assert code == 2 and "config file" in line and "does not exist" in line
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_name_or_path: [unclosed\n")
+    code, line = _exit_and_first_line(capsys, ["train", str(bad)])
+    assert code == 2 and "not valid YAML at line 2" in line
+    code, line = _exit_and_first_line(capsys, ["train", "--dataset_name", "builtin:toy"])
+    assert code == 2 and "dataset_name is set but model_name_or_path is not" in line
+
+
+def test_debug_shows_the_traceback(tmp_path, model_dir):
+    with pytest.raises(ConfigError, match="learning_rate must be a finite number"):
+        main(["train", _config(tmp_path, model_dir), "--learning_rate", "nan", "--debug"])
+
+
+# ---- 2. the dataset, checked whole before the model loads -------------------------------------------------------------
+def test_bad_rows_are_found_before_the_model_loads(tmp_path, model_dir, capsys):
+    rows = [{"prompt": "repeat a:"}] * 3 + [{"prompt": "  "}] + [{"prompt": "repeat b:"}] * 3 + [{"prompt": []}]
+    code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir, rows=rows)])
+    assert code == 2 and "train_dataset row 3 has an empty prompt; 2 of 8 rows are unusable" in line
+    rows = [{"prompt": [{"role": "user", "content": None}]}]
+    with pytest.raises(ConfigError, match=r"row 0 has message 0 is not a \{'role': str, 'content': str\} dict"):
+        GRPOTrainer("./not/loaded", _length, args=small_args(tmp_path), train_dataset=rows)
+
+
+def test_empty_dataset_names_the_file(tmp_path, model_dir, capsys):
+    cfg = _config(tmp_path, model_dir)
+    Path(yaml.safe_load(Path(cfg).read_text())["dataset_name"]).write_text("")
+    code, line = _exit_and_first_line(capsys, ["train", cfg])
+    assert code == 2 and "prompts.jsonl' is empty" in line
+    with pytest.raises(ConfigError, match="train_dataset is empty"):
+        GRPOTrainer("./not/loaded", _length, args=small_args(tmp_path), train_dataset=[])
+
+
+def test_prompt_lengths_against_max_prompt_length_and_positions(tmp_path, tokenizer):
+    long = [{"prompt": "repeat " + "a" * 40 + ":"}] + toy.dataset(7)
+    with pytest.raises(ConfigError, match=r"train_dataset row 0 has \d+ prompt tokens > max_prompt_length=12 "
+                                          r"\(1 of 8 rows\)"):
+        GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), _length, processing_class=tokenizer,
+                    train_dataset=long, args=small_args(tmp_path, max_prompt_length=12, truncate_prompt="error"))
+    with pytest.warns(UserWarning, match=r"1 of 8 prompts are longer than max_prompt_length=12 tokens and will be cut"):
+        GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), _length, processing_class=tokenizer,
+                    train_dataset=long, args=small_args(tmp_path, max_prompt_length=12))
+    # the toy model has 256 positions: a 250-token completion leaves no room for the prompts
+    with pytest.raises(ConfigError, match=r"row 0: \d+ prompt tokens \+ max_completion_length=250 exceed the "
+                                          r"model's 256 positions \(8 of 8 rows\)"):
+        GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), _length, processing_class=tokenizer,
+                    train_dataset=toy.dataset(8), args=small_args(tmp_path, max_completion_length=250))
+
+
+# ---- 3. non-finite values cannot hide ---------------------------------------------------------------------------------
+def test_huge_rewards_keep_their_signal():
+    # [1e20, 0, 0, 0]: mean 2.5e19, population std sqrt(7.5e39 / 4) = 4.3301e19 → [1.7321, −0.5774 ×3]
+    adv = outcome_advantages(torch.tensor([[1e20, 0.0, 0.0, 0.0]], dtype=torch.float64))
+    assert torch.allclose(adv, torch.tensor([[1.7321, -0.5774, -0.5774, -0.5774]]), atol=1e-4)
+    # [1e30, −1e30, 0, 0]: mean 0, std sqrt(2e60 / 4) = 7.0711e29 → [1.4142, −1.4142, 0, 0]
+    adv = outcome_advantages(torch.tensor([[1e30, -1e30, 0.0, 0.0]], dtype=torch.float64))
+    assert torch.allclose(adv, torch.tensor([[1.4142, -1.4142, 0.0, 0.0]]), atol=1e-4)
+    rewards, _ = compute_rewards(load_reward_sources([lambda completions, **_: [1e30, 0.0]]), ["p"] * 2, ["a", "b"],
+                                 [[1], [2]], {})
+    assert rewards.dtype == torch.float64 and rewards[0, 0].item() == 1e30
+
+
+def test_infinite_reward_is_unscored_and_counted(tmp_path, tokenizer):
+    with pytest.warns(RuntimeWarning, match=r"'<lambda>' returned ±inf for 1 row\(s\)"):
+        rewards, errors = compute_rewards(load_reward_sources([lambda completions, **_: [math.inf, 1.0]]),
+                                          ["p"] * 2, ["a", "b"], [[1], [2]], {})
+    assert math.isnan(rewards[0, 0]) and rewards[1, 0] == 1.0 and errors.tolist() == [1.0]
+
+    def inf_first(completions, **_):
+        return [math.inf] + [float(len(c)) for c in completions[1:]]
+
+    t = _trainer(tmp_path, tokenizer, reward=inf_first, max_steps=2)
+    with pytest.warns(RuntimeWarning, match="returned ±inf"):
+        metrics = t.train()
+    assert metrics["train/skipped_steps"] == 0.0 and metrics["reward/inf_first/errors"] == 1.0
+
+
+def test_consecutive_non_finite_steps_stop_the_run(tmp_path, tokenizer, model_dir, capsys, monkeypatch):
+    from groupwise.trainer import TrainingStopped
+
+    t = _trainer(tmp_path, tokenizer, max_steps=10, beta=0.1, save_steps=0, max_consecutive_skipped_steps=3)
+    with torch.no_grad():
+        next(t.ref_model.parameters()).fill_(float("nan"))  # a reference model gone bad: every loss is NaN
+    weights = {n: p.detach().clone() for n, p in t.unwrapped.named_parameters()}
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
+        with pytest.raises(TrainingStopped, match=r"3 optimizer steps in a row were skipped .*steps 1–3"):
+            t.train()
+    assert t.global_step == 3 and all(torch.equal(weights[n], p) for n, p in t.unwrapped.named_parameters())
+    assert not list((tmp_path / "run").glob("checkpoint-*"))  # the untrained policy was not saved as a result
+
+    def stopped(self, resume_from_checkpoint=None):
+        raise TrainingStopped("3 optimizer steps in a row were skipped")
+
+    monkeypatch.setattr(GRPOTrainer, "train", stopped)
+    code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir, output_dir=str(tmp_path / "cli"))])
+    assert code == 1 and line == "groupwise: run stopped: 3 optimizer steps in a row were skipped"
+
+
+# ---- 4. hung rewards and signals --------------------------------------------------------------------------------------
+def test_reward_timeout_scores_the_call_nan_and_goes_on(tmp_path, tokenizer):
+    calls = []
+
+    def slow_once(completions, **_):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(3)
+        return _length(completions)
+
+    t = _trainer(tmp_path, tokenizer, reward=slow_once, max_steps=2, reward_timeout=0.5)
+    start = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match=r"'slow_once' did not return within reward_timeout=0.5 s: its 8 rows"):
+        t.train()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["reward/slow_once/errors"] == 8.0 and lines[1]["reward/slow_once/errors"] == 0.0
+    assert time.perf_counter() - start < 30
+
+
+def _run_script(tmp_path, body: str, timeout=120, **popen):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+@pytest.mark.slow
+def test_a_hung_reward_does_not_keep_the_process_alive(tmp_path):
+    proc = _run_script(tmp_path, f"""
+        import threading, warnings
+        from groupwise import GRPOTrainer
+        from groupwise.tasks import toy
+        from tests.conftest import small_args
+        from pathlib import Path
+        def hangs(completions, **_):
+            threading.Event().wait()  # forever
+        tok = toy.build_tokenizer()
+        args = small_args(Path({str(tmp_path)!r}), max_steps=1, reward_timeout=1.0)
+        warnings.simplefilter("ignore")
+        GRPOTrainer(toy.build_model(tok, hidden_size=32), [hangs], args=args, train_dataset=toy.dataset(8),
+                    processing_class=tok).train()
+        print("finished")
+    """)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "finished" in out, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_run_with_a_checkpoint(tmp_path, model_dir, signum):
+    cfg = _config(tmp_path, model_dir, max_steps=500, save_steps=0)
+    proc = _run_script(tmp_path, f"""
+        import sys
+        from groupwise.cli import main
+        sys.exit(main(["train", {cfg!r}]))
+    """)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 90
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    sent = time.time()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - sent < 30, "did not stop within seconds"
+    assert proc.returncode == 128 + signum, err[-2000:]
+    ckpts = list((tmp_path / "run").glob("checkpoint-*"))
+    assert len(ckpts) == 1 and f"stopped by {signal.Signals(signum).name} after step" in err
+    verify_checkpoint(ckpts[0])  # complete and resumable
+    assert main(["train", cfg, "--resume_from_checkpoint", str(ckpts[0]),
+                 "--max_steps", str(int(ckpts[0].name.split("-")[1]) + 1)]) == 0
+
+
+# ---- 5. never destroy a previous run ----------------------------------------------------------------------------------
+def test_a_new_run_refuses_another_runs_output_dir(tmp_path, tokenizer, model_dir, capsys):
+    _trainer(tmp_path, tokenizer, max_steps=1, save_steps=1).train()
+    before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    with pytest.raises(CheckpointError, match=r"already holds a run \(checkpoint-1, metrics.jsonl\)"):
+        _trainer(tmp_path, tokenizer, max_steps=1).train()
+    cfg = _config(tmp_path, model_dir)
+    code, line = _exit_and_first_line(capsys, ["train", cfg])
+    assert code == 2 and "already holds a run" in line and "overwrite_output_dir=True" in line
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before  # untouched
+    assert main(["train", cfg, "--overwrite_output_dir", "--max_steps", "1", "--save_steps", "0"]) == 0
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_rotation_only_deletes_this_runs_checkpoints(tmp_path, tokenizer):
+    _trainer(tmp_path, tokenizer, out="other", max_steps=1, save_steps=1).train()
+    _trainer(tmp_path, tokenizer, max_steps=2, save_steps=1).train()
+    os.rename(tmp_path / "other" / "checkpoint-1", tmp_path / "run" / "checkpoint-50")  # another run's, newer
+    _trainer(tmp_path, tokenizer, max_steps=4, save_steps=1, save_total_limit=1).train(
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-50"]
+
+
+def test_torn_metrics_line_is_skipped_on_resume_and_lines_carry_the_run_id(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=2)
+    t.train()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "loss/pol')  # the crash came mid-write
+    with pytest.warns(RuntimeWarning, match=r"line 3 is not valid JSON \(a crash mid-write\?\); dropped"):
+        _trainer(tmp_path, tokenizer, max_steps=3).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and {x["run_id"] for x in lines} == {t.run_id}
+
+
+# ---- 6. faults during saves; corrupted or mismatched checkpoints ------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path, tokenizer):
+    """A run of 2 steps with a checkpoint inside its μ = 2 round (step 1) and one at its end (step 2)."""
+    _trainer(tmp_path, tokenizer, max_steps=2, save_steps=1, num_iterations=2).train()
+    return tmp_path / "run"
+
+
+def _flip_a_bit_in_tensor_data(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header + 5] ^= 0x10  # inside the first tensor, past the JSON header
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: _flip_a_bit_in_tensor_data(c / "model.safetensors"), "model.safetensors does not match its checksum"),
+    (lambda c: (c / "optimizer.safetensors").write_bytes((c / "optimizer.safetensors").read_bytes()[:100]),
+     "optimizer.safetensors does not match its checksum"),
+    (lambda c: (c / "trainer_state.json").write_text((c / "trainer_state.json").read_text().replace('"global_step": 1',
+                                                                                                   '"global_step": 0')),
+     "trainer_state.json does not match its checksum"),
+    (lambda c: (c / "rollout_0.safetensors").unlink(), "rollout_0.safetensors is missing"),
+    (lambda c: (c / "checksums.json").unlink(), "has no checksums.json"),
+])
+def test_resume_refuses_a_damaged_checkpoint_naming_the_file(saved, tmp_path, tokenizer, model_dir, capsys, damage,
+                                                              message):
+    ckpt = saved / "checkpoint-1"
+    assert (ckpt / "rollout_0.safetensors").exists()  # saved inside the round
+    damage(ckpt)
+    with pytest.raises(CheckpointError, match=message):
+        _trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2).train(resume_from_checkpoint=str(ckpt))
+    code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir), "--num_iterations", "2",
+                                               "--resume_from_checkpoint", str(ckpt)])
+    assert code == 2 and message in line
+
+
+def test_resume_refuses_a_finished_or_differently_laid_out_run(saved, tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"checkpoint-2 is at step 2, which is not before max_steps=2: raise max_steps"):
+        _trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2).train(
+            resume_from_checkpoint=str(saved / "checkpoint-2"))
+    with pytest.raises(ValueError, match=r"resume: num_generations is 4 in .* but 2 now"):
+        _trainer(tmp_path, tokenizer, max_steps=4, num_iterations=2, num_generations=2).train(
+            resume_from_checkpoint=str(saved / "checkpoint-2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [1, 3, 6, "manifest"])
+def test_a_kill_during_a_save_never_leaves_a_checkpoint_resume_accepts(tmp_path, kill_at):
+    """The process is SIGKILLed at the kill_at-th file write of its first save (or while writing checksums.json):
+    whatever is left on disk, no checkpoint-N folder that resume accepts exists, and a later run resumes from an
+    earlier, complete checkpoint."""
+    proc = _run_script(tmp_path, f"""
+        import os, signal
+        import groupwise.checkpoint as C
+        from groupwise import GRPOTrainer
+        from groupwise.tasks import toy
+        from tests.conftest import small_args
+        from pathlib import Path
+        writes = {{"n": 0}}
+        def killing(real):
+            def wrapped(*a, **k):
+                out = real(*a, **k)
+                writes["n"] += 1
+                if writes["n"] == {kill_at!r}:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return out
+            return wrapped
+        C.save_file, C._write_json = killing(C.save_file), killing(C._write_json)
+        if {kill_at!r} == "manifest":
+            C._sha256 = lambda p: os.kill(os.getpid(), signal.SIGKILL)
+        tok = toy.build_tokenizer()
+        args = small_args(Path({str(tmp_path)!r}), max_steps=2, save_steps=1)
+        GRPOTrainer(toy.build_model(tok, hidden_size=32), [lambda completions, **_: [float(len(c)) for c in completions]],
+                    args=args, train_dataset=toy.dataset(8), processing_class=tok).train()
+    """)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    out = tmp_path / "out"
+    for folder in out.glob("checkpoint-*"):
+        verify_checkpoint(folder)  # anything under a checkpoint-N name is complete
+    for folder in out.glob(".tmp-checkpoint-*"):
+        with pytest.raises(CheckpointError):
+            verify_checkpoint(folder)
+
+
+# ---- 7. several processes -------------------------------------------------------------------------------------------
+def _torchrun(tmp_path, mode):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist_worker.py"), mode, str(tmp_path / "out")]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return proc, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_an_exception_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    proc, seconds = _torchrun(tmp_path, "fault_raises")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120
+    assert "only on rank 1" in out and "a reward function failed on another process: RewardFunctionError" in out
+
+
+@pytest.mark.slow
+def test_a_dead_rank_makes_the_others_exit_within_the_timeout(tmp_path):
+    proc, seconds = _torchrun(tmp_path, "fault_dies")  # ddp_timeout=20 in the worker
+    assert proc.returncode != 0 and seconds < 150, (seconds, proc.stderr[-2000:])
