@@ -17,7 +17,7 @@ def short_and_on_letter(completions, letter, **kwargs):
 def main():
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(tokenizer, seed=0)
-    args = GRPOConfig(output_dir="outputs/example-outcome", num_generations=8, per_device_train_batch_size=32,
+    args = GRPOConfig(output_dir="outputs/example-outcome", overwrite_output_dir=True, num_generations=8, per_device_train_batch_size=32,
                       max_completion_length=12, max_steps=30, learning_rate=1e-2, logging_steps=10,
                       lr_scheduler_type="constant", log_completions=True, num_completions_to_print=2)
     trainer = GRPOTrainer(model, short_and_on_letter, args=args, train_dataset=toy.dataset(128),

@@ -317,6 +317,14 @@ def test_resume_refuses_a_damaged_checkpoint_naming_the_file(saved, tmp_path, to
     assert code == 2 and message in line
 
 
+def test_resume_refuses_a_model_the_weights_do_not_fit(saved, tmp_path, tokenizer):
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=4, num_iterations=2)
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=48), [_length], args=args,
+                    train_dataset=toy.dataset(12), processing_class=tokenizer)
+    with pytest.raises(CheckpointError, match=r"checkpoint does not match the model \(size mismatch for"):
+        t.train(resume_from_checkpoint=str(saved / "checkpoint-2"))
+
+
 def test_resume_refuses_a_finished_or_differently_laid_out_run(saved, tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"checkpoint-2 is at step 2, which is not before max_steps=2: raise max_steps"):
         _trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2).train(

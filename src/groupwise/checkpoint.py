@@ -203,13 +203,18 @@ def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shapes differ
+        first = str(e).strip().splitlines()[-1].strip()
+        raise CheckpointError(f"{source}: checkpoint does not match the model ({first}): resume with the model it "
+                              "was saved from") from None
     current = model.state_dict()
     loaded = {current[n].data_ptr() for n in weights if n in current}
     untied = [n for n in missing if current[n].data_ptr() not in loaded]  # save_pretrained drops tied copies
     if unexpected or untied:
-        raise RuntimeError(f"{source}: checkpoint does not match the model (missing {untied[:5]}, "
-                           f"unexpected {unexpected[:5]})")
+        raise CheckpointError(f"{source}: checkpoint does not match the model (missing {untied[:5]}, "
+                              f"unexpected {unexpected[:5]}): resume with the model it was saved from")
 
 
 def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None

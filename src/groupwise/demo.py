@@ -22,6 +22,7 @@ DEMO_DEFAULTS: dict[str, Any] = dict(
     per_device_train_batch_size=64, max_completion_length=48, max_prompt_length=None, temperature=0.7,
     logging_steps=5, save_steps=100, eval_steps=50, beta=0.0, lr_scheduler_type="constant", seed=0,
     per_device_eval_batch_size=200, loss_type="dapo",
+    overwrite_output_dir=True,  # the demo is a scratch run: `make demo` twice replaces the first one's outputs
 )
 NUM_EVAL_PROBLEMS = 200
 
