@@ -136,9 +136,9 @@ class GRPOTrainer:
     # ---- the loop -----------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
         resume = resume_from_checkpoint or self.args.resume_from_checkpoint
-        if not resume and self.dist.is_main:  # a new run never writes over another run's outputs
-            claim_output_dir(self.args.output_dir, self.args.overwrite_output_dir)
-        self.dist.barrier()
+        if not resume:  # a new run never writes over another run's outputs (checked by the main process)
+            self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
+                self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         with self._signals_stop_the_run():
             self._begin()
