@@ -63,7 +63,7 @@ def same(out: Path) -> None:
         step_scores = R.score_steps(ctx, comp) if supervision != "outcome" else None
         advantages = R.advantages(ctx, comp, scores, step_scores)
         model = toy.build_model(tok, seed=0, hidden_size=32)
-        batch = R.build_batch(ctx, Round(comp, advantages, dist.shard(scores.rewards.flatten()), None, None), model)
+        batch = R.build_batch(ctx, Round(comp, advantages, dist.shard(scores.rewards.flatten()), None, None, None), model)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         model, opt = dist.prepare(PolicyForLogps(model), opt)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -250,7 +250,7 @@ def test_a_signal_stops_the_run_with_a_checkpoint(tmp_path, model_dir, signum):
 def test_a_new_run_refuses_another_runs_output_dir(tmp_path, tokenizer, model_dir, capsys):
     _trainer(tmp_path, tokenizer, max_steps=1, save_steps=1).train()
     before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
-    with pytest.raises(CheckpointError, match=r"already holds a run \(checkpoint-1, metrics.jsonl\)"):
+    with pytest.raises(CheckpointError, match=r"already holds a run \(checkpoint-1, completions.jsonl, metrics.jsonl\)"):
         _trainer(tmp_path, tokenizer, max_steps=1).train()
     cfg = _config(tmp_path, model_dir)
     code, line = _exit_and_first_line(capsys, ["train", cfg])
@@ -326,10 +326,10 @@ def test_resume_refuses_a_model_the_weights_do_not_fit(saved, tmp_path, tokenize
 
 
 def test_resume_refuses_a_finished_or_differently_laid_out_run(saved, tmp_path, tokenizer):
-    with pytest.raises(ValueError, match=r"checkpoint-2 is at step 2, which is not before max_steps=2: raise max_steps"):
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 is at step 2, which is not before max_steps=2: raise"):
         _trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2).train(
             resume_from_checkpoint=str(saved / "checkpoint-2"))
-    with pytest.raises(ValueError, match=r"resume: num_generations is 4 in .* but 2 now"):
+    with pytest.raises(CheckpointError, match=r"resume: num_generations is 4 in .* but 2 now"):
         _trainer(tmp_path, tokenizer, max_steps=4, num_iterations=2, num_generations=2).train(
             resume_from_checkpoint=str(saved / "checkpoint-2"))
 
@@ -396,3 +396,40 @@ def test_an_exception_on_one_rank_stops_every_rank_with_its_message(tmp_path):
 def test_a_dead_rank_makes_the_others_exit_within_the_timeout(tmp_path):
     proc, seconds = _torchrun(tmp_path, "fault_dies")  # ddp_timeout=20 in the worker
     assert proc.returncode != 0 and seconds < 150, (seconds, proc.stderr[-2000:])
+
+
+def test_the_row_by_row_retry_keeps_the_timeout():
+    """The batch call raises, so the rows are retried one by one; one row hangs: it is unscored, not a hang."""
+    def bad_batch(completions, **_):
+        if len(completions) > 1:
+            raise ValueError("batch")
+        if completions[0] == "hang":
+            time.sleep(5)
+        return [1.0]
+
+    start = time.perf_counter()
+    with pytest.warns(RuntimeWarning):
+        rewards, errors = compute_rewards(load_reward_sources([bad_batch]), ["p"] * 2, ["ok", "hang"], [[1], [2]], {},
+                                          on_error="nan", timeout=0.5)
+    assert rewards[0, 0] == 1.0 and math.isnan(rewards[1, 0]) and errors.tolist() == [1.0]
+    assert time.perf_counter() - start < 3
+
+
+def test_checkpoints_from_before_checksums_resume_with_a_warning(saved, tmp_path, tokenizer):
+    ckpt = saved / "checkpoint-2"
+    (ckpt / "checksums.json").unlink()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["run_id"]  # what earlier versions wrote
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.warns(RuntimeWarning, match="predates checksums"):
+        _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2).train(resume_from_checkpoint=str(ckpt))
+
+
+def test_resume_leaves_other_runs_metrics_lines_alone(saved, tmp_path, tokenizer):
+    metrics = saved / "metrics.jsonl"
+    foreign = json.dumps({"step": 7, "run_id": "someone-else", "loss/policy": 1.0})
+    metrics.write_text(metrics.read_text() + foreign + "\n")
+    _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2).train(
+        resume_from_checkpoint=str(saved / "checkpoint-2"))
+    lines = metrics.read_text().splitlines()
+    assert foreign in lines and [json.loads(x)["step"] for x in lines if x != foreign] == [1, 2, 3]

@@ -36,6 +36,6 @@ def test_process_advantages_through_the_rollout_by_hand(tokenizer):
     assert steps.texts == [["a", "b"], []] and steps.ends == [[[1, 3], []]]
     adv = R.advantages(ctx, comp, None, steps)
     assert torch.equal(adv, torch.tensor([[0.0, 0.0, -1.0, -1.0, 0, 0, 0, 0], [0.0] * 8]))
-    metrics = R.round_metrics(ctx, Round(comp, adv, torch.full((2,), float("nan")), None, None, None, steps))
+    metrics = R.round_metrics(ctx, Round(comp, adv, torch.full((2,), float("nan")), None, None, None, None, steps))
     assert metrics["process/no_step_completions"] == 1.0 and metrics["process/steps_per_completion"] == 1.0
     assert metrics["process/step_reward_mean"] == 0.5 and metrics["process/zero_std_groups"] == 0.0

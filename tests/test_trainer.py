@@ -252,5 +252,7 @@ def test_estimator_options_are_checked_against_the_estimator():
     with pytest.raises(ConfigError, match=r"scale_rewards='batch' has no effect with advantage_estimator='rloo'"):
         GRPOConfig(advantage_estimator="rloo", scale_rewards="batch")
     assert GRPOConfig(advantage_estimator="rloo").estimator_options() == {"estimator": "rloo"}
+    # normalize_then_sum reads reward_std and advantage_eps itself, whatever the estimator
+    GRPOConfig(advantage_estimator="rloo", multi_objective_aggregation="normalize_then_sum", reward_std="unbiased")
     assert GRPOConfig(advantage_estimator="reinforce_plus_plus_baseline", advantage_eps=0.0).estimator_options() == \
         {"estimator": "reinforce_plus_plus_baseline", "std": "population", "eps": 0.0}

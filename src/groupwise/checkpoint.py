@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,15 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from groupwise.config_base import ConfigError
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 MANIFEST = "checksums.json"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be resumed from, or an output folder would be overwritten; the message names the file."""
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be resumed from, or an output folder would be overwritten; the message names the file
+    (an input error: exit 2 on the command line)."""
 
 
 def _sha256(path: Path) -> str:
@@ -53,6 +57,10 @@ def _write_manifest(folder: Path) -> None:
 def verify_checkpoint(folder: str | Path) -> None:
     """Raise CheckpointError unless every file listed in checksums.json is there with its recorded sha256."""
     path = Path(folder)
+    if not (path / MANIFEST).exists() and _run_id_of(path) is None and (path / "trainer_state.json").exists():
+        warnings.warn(f"{path} predates checksums (no {MANIFEST}): resumed without verifying its files",
+                      RuntimeWarning, stacklevel=2)
+        return
     if not (path / MANIFEST).exists():
         raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete groupwise checkpoint (a save that "
                               "did not finish, or another tool's folder); resume from an earlier checkpoint")
@@ -74,7 +82,8 @@ def run_outputs(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or p.name == "metrics.jsonl")
+    return sorted(p for p in root.iterdir()
+                  if CHECKPOINT_RE.match(p.name) or p.name in ("metrics.jsonl", "completions.jsonl"))
 
 
 def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
@@ -218,10 +227,10 @@ def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
 
 
 def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None
-                    ) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """Restore everything saved by save_checkpoint; returns (trainer_state, pending rollout tensors or None)."""
+                    ) -> dict[str, torch.Tensor] | None:
+    """Restore everything saved by save_checkpoint into the given objects (call `read_state` first: it verifies
+    the files); returns the pending rollout tensors, or None."""
     path = Path(folder)
-    state = read_state(path)
     rng_file = path / f"rng_state_{dist.rank}.safetensors"
     if not rng_file.exists():
         raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
@@ -234,7 +243,7 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
     pending_file = path / f"rollout_{dist.rank}.safetensors"
     pending = load_file(str(pending_file)) if pending_file.exists() else None
-    return state, pending
+    return pending
 
 
 def read_state(folder: str | Path) -> dict:

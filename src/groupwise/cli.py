@@ -121,8 +121,8 @@ def cmd_train(argv: list[str]) -> int:
         resolve_spec(spec, f"reward_funcs[{i}]")
     for i, spec in enumerate(run.get("process_reward_funcs") or []):
         resolve_process_spec(spec, f"process_reward_funcs[{i}]")
-    if not args.resume_from_checkpoint:
-        claim_output_dir(args.output_dir, args.overwrite_output_dir)
+    if not args.resume_from_checkpoint and not args.overwrite_output_dir:
+        claim_output_dir(args.output_dir, overwrite=False)  # refuses only; deleting is the trainer's, on one process
     train_data = load_dataset_spec(dataset_name, run.get("dataset_split"))
     eval_data = None
     if run.get("eval_dataset_name"):

@@ -20,7 +20,7 @@ from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS
 from groupwise.logging import TRACKERS
-from groupwise.rewards.combine import MULTI_OBJECTIVE
+from groupwise.rewards.combine import MULTI_OBJECTIVE, MULTI_OBJECTIVE_OPTIONS
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
 
@@ -173,9 +173,10 @@ class GRPOConfig(StrictConfig):
         if self.scale_rewards not in SCALES:
             raise ConfigError(f"scale_rewards={self.scale_rewards!r} is not one of {list(SCALES)} (or True / False)")
         taken = ESTIMATORS[self.advantage_estimator].options
+        read = set(taken) | set(MULTI_OBJECTIVE_OPTIONS[self.multi_objective_aggregation])
         for opt, name in ESTIMATOR_OPTIONS.items():
             default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-            if opt not in taken and getattr(self, name) != default:
+            if opt not in read and getattr(self, name) != default:
                 raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with advantage_estimator="
                                   f"{self.advantage_estimator!r} (it reads {[ESTIMATOR_OPTIONS[o] for o in taken] or 'none of them'}); "
                                   f"remove {name} or choose advantage_estimator='grpo'")

@@ -43,39 +43,78 @@ class MetricsLogger:
     dropped (they are replayed exactly) and a torn last line (a crash mid-write) is skipped with a warning."""
 
     def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0,
-                 run_id: str | None = None):
+                 run_id: str | None = None, resumed: bool = False):
         self.enabled, self.run_id = enabled, run_id
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.completions_path = Path(output_dir) / "completions.jsonl"
+        self.history: list[dict] = []
         self.trackers: list = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # resuming: drop lines written after the checkpoint we resume from
-            keep = []
-            for i, line in enumerate(self.path.read_text().splitlines()):
-                try:
-                    record = json.loads(line) if line.strip() else None
-                except json.JSONDecodeError:
-                    warnings.warn(f"{self.path}: line {i + 1} is not valid JSON (a crash mid-write?); dropped",
-                                  RuntimeWarning, stacklevel=2)
-                    continue
-                if record is not None and record.get("step", 0) <= resume_step:
-                    keep.append(line)
-            self.path.write_text("".join(line + "\n" for line in keep))
+        if resumed:  # keep what this run logged up to the resumed step (trainer.state); other runs' lines stay
+            self.history = trim_jsonl(self.path, resume_step, run_id)
+            trim_jsonl(self.completions_path, resume_step, run_id)
         self.trackers = [TRACKERS[name](output_dir, config) for name in report_to]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        clean = _finite(metrics)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "run_id": self.run_id, **clean}) + "\n")
         for log, _ in self.trackers:
             log(step, metrics)
 
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """completions.jsonl: one line per completion of the logged step (prompt, completion, rewards, advantage)."""
+        if not self.enabled or not rows:
+            return
+        with self.completions_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, "run_id": self.run_id, **_finite(row)}, default=str) + "\n")
+
     def close(self) -> None:
         for _, close in self.trackers:
             close()
+
+
+def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return {k: clean(v) for k, v in record.items()}
+
+
+def trim_jsonl(path: Path, resume_step: int, run_id: str | None) -> list[dict]:
+    """On resume: drop the run's records of steps after resume_step (they are replayed exactly) and return the run's
+    kept ones; lines of other runs are left alone (a line without run id counts as the run's); a line that is not
+    valid JSON (a crash mid-write) is dropped with a warning."""
+    if not path.exists():
+        return []
+    keep, records = [], []
+    for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}: line {i + 1} is not valid JSON (a crash mid-write?); dropped", RuntimeWarning,
+                          stacklevel=3)
+            continue
+        if record is None:
+            continue
+        mine = record.get("run_id") in (run_id, None)
+        if mine and record.get("step", 0) > resume_step:
+            continue
+        keep.append(line)
+        if mine:
+            records.append(record)
+    path.write_text("".join(line + "\n" for line in keep))
+    return records
 
 
 def print_completions(step: int, prompts: list[Any], completions: list[Any], rewards: list[float],

@@ -45,6 +45,7 @@ class RolloutContext:
     reward_sources: list[RewardSource] = dataclasses.field(default_factory=list)
     process_sources: list[RewardSource] = dataclasses.field(default_factory=list)
     splitter: StepSplitter | None = None  # needed with process_sources
+    reward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # TRL's trainer_state, log_metric, log_extra
     data: PromptData | None = None  # what `collect` draws prompts from
     sampler: PromptSampler | None = None  # which prompts, round after round
     ref_model: torch.nn.Module | None = None  # β > 0 only
@@ -82,13 +83,15 @@ def sample_round(ctx: RolloutContext, model) -> Round:
     step_scores = score_steps(ctx, comp) if ctx.process_sources else None  # step rewards [B][G][K]
     n = len(rows)
     rewards = torch.full((n,), float("nan")) if scores is None else ctx.dist.shard(scores.rewards.flatten())
+    per_func = None if scores is None else ctx.dist.shard(scores.per_func.flatten(0, 1))  # (N, F)
     steps = None
     if step_scores is not None:
         local = ctx.dist.shard([r for group in step_scores.rewards for r in group])
         steps = [list(zip(texts, r)) for texts, r in zip(step_scores.texts, local)]
     # per local group; only dynamic sampling asks, and it keeps whole groups on each process
     signal = ctx.dist.shard(group_signal(ctx, scores, step_scores)) if ctx.args.dynamic_sampling else None
-    return Round(comp, advantages(ctx, comp, scores, step_scores), rewards, steps, signal, scores, step_scores)
+    return Round(comp, advantages(ctx, comp, scores, step_scores), rewards, per_func, steps, signal, scores,
+                 step_scores)
 
 
 # ---- stages ---------------------------------------------------------------------------------------------------------
@@ -115,7 +118,7 @@ def score(ctx: RolloutContext, comp: Completions) -> Scores:
     args, G = ctx.args, ctx.args.num_generations
     local, errors = ctx.dist.run_together(lambda: compute_rewards(
         ctx.reward_sources, comp.prompts, comp.completions, comp.token_lists(), comp.columns,
-        on_error=args.on_reward_error, timeout=args.reward_timeout), "a reward function")
+        on_error=args.on_reward_error, timeout=args.reward_timeout, extra=ctx.reward_kwargs), "a reward function")
     per_func = ctx.dist.gather(local.to(ctx.dist.device)).cpu()  # (B·G, F), rank order = row order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     per_func = per_func.view(-1, G, per_func.size(-1))  # (B, G, F)
@@ -136,7 +139,8 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     texts = [list(s.texts) for s in steps]
     rewards, errors = ctx.dist.run_together(lambda: compute_step_rewards(
         ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions, texts, comp.columns,
-        on_error=args.on_reward_error, timeout=args.reward_timeout), "a process reward function")
+        on_error=args.on_reward_error, timeout=args.reward_timeout, extra=ctx.reward_kwargs),
+        "a process reward function")
     gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
     B = len(gathered) // G
@@ -238,7 +242,8 @@ def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad
     token_level = rounds[0].advantages.dim() == 2
     adv = stack(lambda r, i: rounds[r].advantages[i], T if token_level else None)
     steps = None if rounds[0].steps is None else [rounds[r].steps[i] for r, i in rows]
-    return Round(comp, adv, stack(lambda r, i: rounds[r].rewards[i]), steps,
+    per_func = None if rounds[0].per_func is None else stack(lambda r, i: rounds[r].per_func[i])
+    return Round(comp, adv, stack(lambda r, i: rounds[r].rewards[i]), per_func, steps,
                  torch.stack([rounds[r].signal[g] for r, g in picks]))
 
 

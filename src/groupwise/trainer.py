@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
-from groupwise.checkpoint import claim_output_dir, load_checkpoint, read_state, save_checkpoint
+from groupwise.checkpoint import CheckpointError, claim_output_dir, load_checkpoint, read_state, save_checkpoint
 from groupwise.config import GRPOConfig
 from groupwise.config_base import ConfigError, check_location
 from groupwise.core.supervision import SUPERVISIONS
@@ -26,6 +26,7 @@ from groupwise.generation import build_generator
 from groupwise.logging import MetricsLogger, print_completions
 from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.rewards import compute_rewards, load_reward_sources
+from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.process import load_process_reward_sources, resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.rewards.steps import StepSplitter
@@ -53,7 +54,7 @@ class TrainingInterrupted(RuntimeError):
 
 class GRPOTrainer:
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, process_reward_funcs=None):
+                 processing_class=None, reward_processing_classes=None, callbacks=None, process_reward_funcs=None):
         # everything that can be checked without a model comes first
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
@@ -72,6 +73,18 @@ class GRPOTrainer:
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self.max_steps = args.max_steps if args.max_steps > 0 else \
             math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * self.steps_per_round
+        from transformers import TrainerControl, TrainerState
+
+        # transformers' own records, as TRL users read them: state.global_step, state.log_history, …
+        self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=args.num_train_epochs,
+                                  logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
+                                  train_batch_size=args.per_device_train_batch_size,
+                                  is_local_process_zero=self.dist.accelerator.is_local_main_process,
+                                  is_world_process_zero=self.dist.is_main)
+        self.control = TrainerControl()
+        self.callbacks = list(callbacks or [])
+        self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line (log_metric too)
+        self._extra: dict[str, list] = defaultdict(list)  # log_extra columns of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, max_positions = _load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
@@ -90,7 +103,6 @@ class GRPOTrainer:
         self.model, self.optimizer, self.scheduler = self._build_optimization(policy)
         self.rollout_ctx = self._build_rollout()
         self.update_ctx = UpdateContext(args, self.dist, self.model, self.optimizer, self.scheduler)
-        self.global_step = 0
         self.skipped_steps = 0
         self.consecutive_skipped = 0
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
@@ -125,8 +137,18 @@ class GRPOTrainer:
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             ref_model=self.ref_model,
+            # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
+            reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
             # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
             need_old_logps=args.num_iterations > 1 or self.layout.steps_per_generation > args.gradient_accumulation_steps)
+
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.state.global_step = value
 
     @property
     def unwrapped(self):
@@ -142,15 +164,19 @@ class GRPOTrainer:
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         with self._signals_stop_the_run():
             self._begin()
-            while self.global_step < self.max_steps:
-                rollout, done = pending or (self._collect(), 0)
-                pending = None
-                for window in self._windows(rollout)[done:]:
-                    metrics = optimizer_step(self.update_ctx, window)
-                    done += 1
-                    self._after_step(rollout, done, metrics)
-                    if self.global_step >= self.max_steps:
-                        break
+            try:
+                while not self._finished():
+                    rollout, done = pending or (self._collect(), 0)
+                    pending = None
+                    for window in self._windows(rollout)[done:]:
+                        metrics = optimizer_step(self.update_ctx, window)
+                        done += 1
+                        self._after_step(rollout, done, metrics)
+                        if self._finished():
+                            break
+            finally:  # also when the run stops on an error or a signal: trackers flushed, progress bar closed
+                self._bar.close()
+                self._logger.close()
         return self._end()
 
     # ---- phases -------------------------------------------------------------------------------------------------
@@ -158,11 +184,14 @@ class GRPOTrainer:
         """Metrics file, progress bar, clocks; the step-0 evaluation of a fresh run."""
         args = self.args
         self._logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main,
-                                     config=args.to_dict(), resume_step=self.global_step, run_id=self.run_id)
+                                     config=args.to_dict(), resume_step=self.global_step, run_id=self.run_id,
+                                     resumed=self.global_step > 0)
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO", disable=not self.dist.is_main)
         self._started = self._tick = time.perf_counter()
-        self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line
+        self._window.clear()
         self._last: dict[str, float] = {}
+        self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
+        self._event("on_train_begin")
         if self.global_step:  # resumed: the sampler must see the restored weights
             self.rollout_ctx.generator.update_weights(self.unwrapped)
         if self.eval_data is not None and self.global_step == 0:
@@ -171,6 +200,7 @@ class GRPOTrainer:
     def _collect(self) -> Rollout:
         """A fresh generation batch (groupwise.rollout.collect), timed."""
         self._tick = time.perf_counter()
+        self._extra.clear()
         rollout = R.collect(self.rollout_ctx, self.unwrapped)
         rollout.metrics["time/generation"] = time.perf_counter() - self._tick
         return rollout
@@ -201,15 +231,24 @@ class GRPOTrainer:
             self._window[k].append(v)
         self._maybe_sync_ref()
         self._bar.update(1)
-        last_step = self.global_step == self.max_steps
-        if self.global_step % max(args.logging_steps, 1) == 0 or last_step:
+        self._event("on_step_end")
+        # a callback may ask to stop (control.should_training_stop): every process stops at the same step
+        self.control.should_training_stop = self.dist.any(self.control.should_training_stop)
+        last_step = self._finished()
+        control = self.control
+        if self.global_step % max(args.logging_steps, 1) == 0 or last_step or control.should_log:
             self._log(rollout)
-        saved = args.save_steps and self.global_step % args.save_steps == 0 or last_step
+        saved = args.save_steps and self.global_step % args.save_steps == 0 or last_step or control.should_save
         if saved:
             self._save_round(rollout, done)
-        if self.eval_data is not None and ((args.eval_steps and self.global_step % args.eval_steps == 0) or last_step):
-            self._logger.log(self.global_step, {**self.evaluate(), **self._elapsed()})
-        if self.dist.any(bool(self._signals)):  # every process stops at the same step
+        if self.eval_data is not None and ((args.eval_steps and self.global_step % args.eval_steps == 0) or last_step
+                                           or control.should_evaluate):
+            metrics = {**self.evaluate(), **self._elapsed()}
+            self._logger.log(self.global_step, metrics)
+            self.state.log_history.append({**metrics, "step": self.global_step})
+            self._event("on_evaluate", metrics=metrics)
+        control.should_log = control.should_save = control.should_evaluate = False
+        if self.dist.any(bool(self._signals)) and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM
             if args.save_on_interrupt and not saved:
                 self._save_round(rollout, done)
@@ -219,8 +258,9 @@ class GRPOTrainer:
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
-        unfinished = done < len(self._windows(rollout))
-        self.save(rollout.batch if unfinished else None, rollout.metrics, done)
+        unfinished = done < self.steps_per_round
+        path = self.save(rollout.batch if unfinished else None, rollout.metrics, done)
+        self._event("on_save", checkpoint=str(path))
 
     @contextlib.contextmanager
     def _signals_stop_the_run(self):
@@ -231,9 +271,16 @@ class GRPOTrainer:
             yield
             return
 
+        first: list[float] = []
+
         def handler(signum, frame):
             if self._signals:
-                raise KeyboardInterrupt
+                # launchers (torchrun, accelerate) forward the terminal's signal: a copy within 2 s is that, not a
+                # second request; a later one stops at once
+                if time.monotonic() - first[0] > 2.0:
+                    raise KeyboardInterrupt
+                return
+            first.append(time.monotonic())
             self._signals.append(signum)
             tqdm.write(f"groupwise: {signal.Signals(signum).name} received: stopping after this optimizer step "
                        "(again to stop at once)")
@@ -252,15 +299,70 @@ class GRPOTrainer:
         self._logger.log(self.global_step, last)
         self._window.clear()
         self._last = last
+        self.state.epoch = last["epoch"]
+        self.state.log_history.append({**last, "step": self.global_step})
+        self._event("on_log", logs=last)
+        if rollout.round is not None:
+            rows = self.dist.gather_object(self._completion_rows(rollout.round))
+            self._logger.log_completions(self.global_step, rows)
         self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
                                ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
                                if k in last})
         if self.args.log_completions and rollout.round is not None and self.dist.is_main:
             _print_round(self.global_step, rollout.round, self.args.num_completions_to_print)
 
+    def _finished(self) -> bool:
+        return self.global_step >= self.max_steps or self.control.should_training_stop
+
+    def _event(self, name: str, **kwargs) -> None:
+        """Call `name` (on_train_begin, on_step_end, on_log, on_save, on_evaluate, on_train_end) on every callback,
+        with transformers' arguments (args, state, control, model=…, …); a returned TrainerControl replaces ours."""
+        for callback in self.callbacks:
+            method = getattr(callback, name, None)
+            if method is None:
+                continue
+            result = method(self.args, self.state, self.control, model=self.unwrapped, processing_class=self.tokenizer,
+                            optimizer=self.optimizer, lr_scheduler=self.scheduler, **kwargs)
+            if result is not None:
+                self.control = result
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` reward keyword: a scalar averaged over the logging window, logged under `name`."""
+        self._window[name].append(float(value))
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` reward keyword: a column of completions.jsonl, one value per completion of the call."""
+        self._extra[column].extend(values)
+
+    def _completion_rows(self, rnd: Round) -> list[dict]:
+        """This process's rows of the logged round for completions.jsonl: prompt, completion, each reward function's
+        value, the combined reward, the first token's advantage, step rewards, and log_extra columns (kept when they
+        have one value per row)."""
+        n = len(rnd.completions.prompts)
+        names = [s.name for s in self.reward_sources]
+        first_token = (rnd.advantages if rnd.advantages.dim() == 1 else rnd.advantages[:, 0]).tolist()
+        extra = {k: v for k, v in self._extra.items() if len(v) == n}
+        rows = []
+        for i in range(n):
+            row = {"prompt": rnd.completions.prompts[i], "completion": rnd.completions.completions[i],
+                   "reward": float(rnd.rewards[i]), "advantage": first_token[i]}
+            if rnd.per_func is not None:
+                row["rewards"] = {name: float(rnd.per_func[i, f]) for f, name in enumerate(names)}
+            if rnd.steps is not None:
+                row["steps"] = [[text, float(r)] for text, r in rnd.steps[i]]
+            rows.append({**row, **{k: v[i] for k, v in extra.items()}})
+        return rows
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
+        out = output_dir or self.args.output_dir
+        if self.dist.is_main:
+            self.unwrapped.save_pretrained(out, safe_serialization=True)
+            self.tokenizer.save_pretrained(out)
+        self.dist.barrier()
+
     def _end(self) -> dict[str, float]:
-        self._bar.close()
-        self._logger.close()
+        self._event("on_train_end")
         self.dist.barrier()
         if self.dist.is_main:
             tqdm.write(f"groupwise: {self.global_step} optimizer steps, {self.skipped_steps} skipped as non-finite; "
@@ -284,7 +386,7 @@ class GRPOTrainer:
                 comp = R.generate(ctx, self.unwrapped, rows, greedy=True)
                 rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
                                              comp.columns, on_error=self.args.on_reward_error,
-                                             timeout=self.args.reward_timeout)
+                                             timeout=self.args.reward_timeout, extra=ctx.reward_kwargs)
                 per_func += rewards.tolist()
                 lengths += comp.lengths.tolist()
             return per_func, lengths
@@ -295,7 +397,8 @@ class GRPOTrainer:
         if not self.reward_sources:
             return out
         per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
-        out["eval/reward/mean"] = float(torch.nanmean(torch.nansum(per_func * ctx.reward_weights, -1)))
+        # combined as in training: a row no function scored is left out, not counted as 0
+        out["eval/reward/mean"] = float(torch.nanmean(weighted_nansum(per_func, ctx.reward_weights)))
         for f, src in enumerate(self.reward_sources):
             out[f"eval/{src.name}"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval/accuracy
         return out
@@ -323,19 +426,19 @@ class GRPOTrainer:
                                save_total_limit=self.args.save_total_limit)
 
     def _resume(self, path: str):
-        state = read_state(path)  # verified against its checksums before anything loads
+        state = read_state(path)  # verified against its checksums before anything loads (once)
         if state["world_size"] != self.dist.world_size:
-            raise ValueError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
+            raise CheckpointError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
                              f"(now {self.dist.world_size}) so the data split and RNG streams match")
         if state["global_step"] >= self.max_steps:
-            raise ValueError(f"{path} is at step {state['global_step']}, which is not before max_steps="
+            raise CheckpointError(f"{path} is at step {state['global_step']}, which is not before max_steps="
                              f"{self.max_steps}: raise max_steps to train further")
         for name, saved in state.get("config", {}).items():
             if getattr(self.args, name) != saved:
-                raise ValueError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
-                                 "resume with the same value (the data order and batch layout depend on it)")
-        state, pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
-                                         scheduler=self.scheduler, ref_model=self.ref_model)
+                raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
+                                      "resume with the same value (the data order and batch layout depend on it)")
+        pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
+                                  scheduler=self.scheduler, ref_model=self.ref_model)
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])

@@ -174,8 +174,8 @@ def test_rloo_by_hand():
 
 
 def test_reinforce_plus_plus_baseline_by_hand():
-    # groups [1, 3] (mean 2) and [5, 5] (mean 5): centred c = [−1, 1, 0, 0]; batch mean of c = 0,
-    # population std of c = sqrt((1 + 1 + 0 + 0)/4) = 0.70711 → [−1.41421, 1.41421, 0, 0]
+    # groups [1, 3] (mean 2) and [5, 5] (mean 5): centred c = [−1, 1, 0, 0] (its batch mean is 0),
+    # population std of c = sqrt((1 + 1 + 0 + 0)/4) = 0.70711 → c / 0.70711 = [−1.41421, 1.41421, 0, 0]
     adv = outcome_advantages(torch.tensor([[1.0, 3.0], [5.0, 5.0]]), estimator="reinforce_plus_plus_baseline", eps=0)
     assert torch.allclose(adv, torch.tensor([[-1.41421, 1.41421], [0.0, 0.0]]), atol=1e-5)
     # not grpo's scale="batch", which divides by the std of the raw rewards [1, 3, 5, 5] (= 1.65831)

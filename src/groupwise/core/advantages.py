@@ -17,8 +17,10 @@ The estimators (`ESTIMATORS`, chosen by GRPOConfig.advantage_estimator):
             Ahmadian et al. 2024); for step rewards, the baseline of a step of completion i is the mean of the
             step rewards of the other G − 1 completions. No scaling.
     reinforce_plus_plus_baseline
-            c = r − mean(R_b), then r̃ = (c − mean_batch(c)) / (std_batch(c) + eps): a group-mean baseline, then
-            whitening over the whole batch (REINFORCE++-baseline, Hu et al. 2025).
+            c = r − mean(R_b), then r̃ = c / (std_batch(c) + eps): a group-mean baseline, then scaling by the std of
+            every centred reward of the batch (the batch mean of c is 0 by construction), after REINFORCE++-baseline
+            (Hu et al. 2025). Here the batch statistics are over rewards (completions or steps); the paper's
+            implementations whiten over tokens, which weighs long completions more.
 `std="population"` is the 1/n definition of DeepSeekMath's std(·); `std="unbiased"` is Bessel's 1/(n−1).
 Statistics are computed in float64, so rewards of very different magnitude (1e20 next to 0) keep their signal.
 """
@@ -75,10 +77,10 @@ def _rloo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _reinforce_pp(r: torch.Tensor, valid: torch.Tensor, *, std: str = "population",
                   eps: float = 1e-4) -> torch.Tensor:
-    mean, _, _ = masked_mean_std(r, valid, (1, 2), std=std)
-    centered = r - mean
-    batch_mean, batch_sd, _ = masked_mean_std(centered, valid, (0, 1, 2), std=std)
-    return (centered - batch_mean) / (batch_sd + eps)
+    mean, _, _ = masked_mean_std(r, valid, (1, 2))
+    centered = r - mean  # each group's centred rewards sum to 0, so their batch mean is 0
+    _, batch_sd, _ = masked_mean_std(centered, valid, (0, 1, 2), std=std)
+    return centered / (batch_sd + eps)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@
   top-k, top-p, min-p), and sampled with torch.multinomial as generate() does; greedy equals generate() token for
   token (tested).
 - With logprobs=True it also returns log softmax(logits / temperature) of each sampled token: the quantity the
-  trainer computes as log π_θold, from the sampler's own forward (for importance-sampling correction).
+  trainer computes as log π_θold, from the sampler's own forward (what an importance-sampling correction compares;
+  not used by the trainer yet).
 """
 
 from __future__ import annotations

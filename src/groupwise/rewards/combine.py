@@ -32,6 +32,8 @@ def _normalize_then_sum(per_func, weights, *, std, eps):
 
 
 MULTI_OBJECTIVE = {"sum_then_normalize": _sum_then_normalize, "normalize_then_sum": _normalize_then_sum}
+# the advantage options (as in groupwise.core.advantages) each combination reads besides the estimator's
+MULTI_OBJECTIVE_OPTIONS = {"sum_then_normalize": (), "normalize_then_sum": ("std", "eps")}
 
 
 def combine_rewards(

@@ -7,6 +7,7 @@ Several functions are combined step by step as a weighted sum (NaN terms skipped
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from groupwise.config_base import ConfigError, check_location
 from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources,
-                                       resolve_spec, reward_value)
+                                       resolve_spec, reward_value, run_async)
 
 
 def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, device=None) -> list[RewardSource]:
@@ -80,15 +81,18 @@ def compute_step_rewards(
     *,
     on_error: str = "raise",
     timeout: float | None = None,
+    extra: dict[str, Any] | None = None,  # passed to every function, as for outcome rewards
 ) -> tuple[list[list[float]], torch.Tensor]:  # (N)[K_i] combined step rewards (NaN = unscored), (F,) errors
     n = len(prompts)
     per_func: list[list[list[float]]] = []
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):
         def call(lo, hi, src=src):
-            return _validate(src.name, src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi],
-                                              steps=steps[lo:hi], **{k: v[lo:hi] for k, v in columns.items()}),
-                             steps[lo:hi])
+            out = src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi], steps=steps[lo:hi],
+                         **{k: v[lo:hi] for k, v in columns.items()}, **(extra or {}))
+            if inspect.isawaitable(out):  # an async step-reward function
+                out = run_async(out, timeout, f"process reward function {src.name!r}")
+            return _validate(src.name, out, steps[lo:hi])
 
         rows, errors[f] = call_isolating_rows(
             "process reward function", src.name, call, n, on_error=on_error,

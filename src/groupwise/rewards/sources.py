@@ -1,7 +1,9 @@
 """Outcome reward sources: TRL-compatible callables and sequence-classification reward models.
 
-A reward function is `fn(prompts=…, completions=…, completion_ids=…, **dataset_columns) -> list[float | None]`,
-one value per completion; None means "cannot score this one" (NaN downstream, left out of the statistics).
+A reward function is `fn(prompts=…, completions=…, completion_ids=…, **dataset_columns, **trainer_kwargs) ->
+list[float | None]`, one value per completion (TRL's protocol; `trainer_kwargs` are TRL's `trainer_state`,
+`log_metric` and `log_extra` when a trainer calls it). `async def` functions run concurrently with each other on
+one event loop kept in a daemon thread; None means "cannot score this one" (NaN downstream, left out of the statistics).
 A value is a real number (int, float, bool as 0/1, a 0-d tensor or numpy scalar) or None (`reward_value`).
 ±inf is treated as unscored (NaN) and counted with the function's errors, as is every row of a call that overruns
 `reward_timeout` seconds (the stuck call is left behind in a daemon thread and cannot keep the process alive).
@@ -11,7 +13,10 @@ on_reward_error="nan", scores the failing rows NaN and counts them.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
+import inspect
 import math
 import numbers
 import os
@@ -38,6 +43,28 @@ class RewardFunctionError(RuntimeError):
 
 class RewardTimeout(TimeoutError):
     """A reward call overran reward_timeout; its rows are scored NaN and counted, the run goes on."""
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def run_async(awaitable, timeout: float | None = None, what: str = "async reward functions") -> Any:
+    """Run a coroutine on the one event loop of async reward functions (started on first use in a daemon thread,
+    so clients bound to it — HTTP sessions — live across steps); wait at most `timeout` seconds."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, daemon=True, name="groupwise async rewards").start()
+    future = asyncio.run_coroutine_threadsafe(awaitable, _LOOP)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s") from None
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
@@ -235,11 +262,14 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], 
         rows, failures = [], 0
         for i in range(n):
             try:
-                rows.append(call(i, i + 1)[0])
+                rows.append(call_with_timeout(lambda i=i: call(i, i + 1), timeout, f"{kind} {name!r}")[0])
             except RewardFunctionError:
                 raise
             except Exception as exc:
-                if on_error == "raise":
+                if isinstance(exc, RewardTimeout):
+                    warnings.warn(f"{exc}: row {i} is scored NaN (unscored) and counted in its errors", RuntimeWarning,
+                                  stacklevel=2)
+                elif on_error == "raise":
                     raise RewardFunctionError(
                         f"{kind} {name!r} raised {type(exc).__name__}: {exc} on row {i}: {describe(i)} "
                         "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
@@ -260,18 +290,44 @@ def compute_rewards(
     *,
     on_error: str = "raise",
     timeout: float | None = None,
+    extra: dict[str, Any] | None = None,  # passed to every function: TRL's trainer_state, log_metric, log_extra
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, F) float64 rewards with NaN, (F,) error counts
     n = len(prompts)
+    extra = extra or {}
+
+    def kwargs(lo: int, hi: int) -> dict[str, Any]:
+        return dict(prompts=prompts[lo:hi], completions=completions[lo:hi], completion_ids=completion_ids[lo:hi],
+                    **{k: v[lo:hi] for k, v in columns.items()}, **extra)
+
+    # the whole-batch calls of the async functions run concurrently; a failed one is retried row by row below
+    concurrent_ = [f for f, src in enumerate(sources) if src.fn is not None and is_async(src.fn)]
+    first_calls: dict[int, Any] = {}
+    if concurrent_:
+        async def gather():
+            return await asyncio.gather(*(sources[f].fn(**kwargs(0, n)) for f in concurrent_), return_exceptions=True)
+
+        try:
+            first_calls = dict(zip(concurrent_, run_async(gather(), timeout)))
+        except RewardTimeout as e:
+            first_calls = {f: e for f in concurrent_}
     rewards = torch.full((n, len(sources)), math.nan, dtype=torch.float64)  # 1e30 must not overflow downstream
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):
         if src.model is not None:
-            rewards[:, f] = torch.tensor(_score_with_model(src, prompts, completions), dtype=torch.float64)
+            scores = _score_with_model(src, prompts, completions)
+            errors[f] = drop_infinite(scores, src.name, "reward model")
+            rewards[:, f] = torch.tensor(scores, dtype=torch.float64)
             continue
 
-        def call(lo, hi, src=src):
-            out = src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi], completion_ids=completion_ids[lo:hi],
-                         **{k: v[lo:hi] for k, v in columns.items()})
+        def call(lo, hi, src=src, f=f):
+            if (lo, hi) == (0, n) and f in first_calls:
+                out = first_calls.pop(f)
+                if isinstance(out, BaseException):
+                    raise out
+            elif is_async(src.fn):
+                out = run_async(src.fn(**kwargs(lo, hi)), timeout, f"reward function {src.name!r}")
+            else:
+                out = src.fn(**kwargs(lo, hi))
             return _validate(src.name, out, hi - lo)
 
         values, errors[f] = call_isolating_rows(

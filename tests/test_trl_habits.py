@@ -1,0 +1,131 @@
+"""TRL's reward-function protocol in full (async functions, trainer_state, log_metric, log_extra) and the trainer
+habits TRL users rely on (callbacks, trainer.state, save_model, completions.jsonl)."""
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from groupwise import GRPOTrainer
+from groupwise.rewards import compute_rewards, load_reward_sources
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(tmp_path, tokenizer, funcs=(_length,), **kw):
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), **kw)
+    return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), list(funcs), args=args,
+                       train_dataset=toy.dataset(12), processing_class=tokenizer)
+
+
+def test_async_reward_functions_run_concurrently():
+    async def slow_a(completions, **_):
+        await asyncio.sleep(0.6)
+        return [1.0] * len(completions)
+
+    async def slow_b(completions, **_):
+        await asyncio.sleep(0.6)
+        return [float(len(c)) for c in completions]
+
+    start = time.perf_counter()
+    rewards, errors = compute_rewards(load_reward_sources([slow_a, slow_b, _length]), ["p"] * 2, ["a", "bb"],
+                                      [[1], [2, 2]], {})
+    elapsed = time.perf_counter() - start
+    assert rewards.tolist() == [[1.0, 1.0, 1.0], [1.0, 2.0, 2.0]] and errors.tolist() == [0.0, 0.0, 0.0]
+    assert elapsed < 1.1, f"the two 0.6 s functions ran one after the other ({elapsed:.2f} s)"
+
+
+def test_async_reward_errors_are_isolated_by_row_like_sync_ones():
+    async def fragile(completions, **_):
+        return [1.0 / (len(c) - 2) for c in completions]  # "bb" divides by zero
+
+    with pytest.warns(UserWarning, match="row 1"):
+        rewards, errors = compute_rewards(load_reward_sources([fragile]), ["p"] * 2, ["a", "bb"], [[1], [2, 2]], {},
+                                          on_error="nan")
+    assert rewards[0, 0] == -1.0 and math.isnan(rewards[1, 0]) and errors.tolist() == [1.0]
+
+
+def test_trainer_state_log_metric_and_log_extra_reach_reward_functions(tmp_path, tokenizer):
+    seen = []
+
+    def curriculum(completions, trainer_state, log_metric, log_extra, **_):
+        """TRL's documented curriculum pattern: shape the reward by training progress."""
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        progress = trainer_state.global_step / trainer_state.max_steps
+        log_metric("curriculum/progress", progress)
+        log_extra("length", [len(c) for c in completions])
+        return [float(len(c)) * (1 + progress) for c in completions]
+
+    t = _trainer(tmp_path, tokenizer, funcs=[curriculum], max_steps=2)
+    t.train()
+    assert seen == [(0, 2), (1, 2)]  # called before steps 1 and 2
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["curriculum/progress"] for x in lines] == [0.0, 0.5]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {r["step"] for r in rows} == {1, 2}  # 8 completions per logged step
+    first = rows[0]
+    assert first["length"] == len(first["completion"]) and set(first["rewards"]) == {"curriculum"}
+    assert first["reward"] == first["rewards"]["curriculum"] and isinstance(first["advantage"], float)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self, stop_at=None):
+        self.events, self.logs, self.stop_at = [], [], stop_at
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.events.append(("on_train_begin", state.global_step))
+
+    def on_step_end(self, args, state, control, **kw):
+        self.events.append(("on_step_end", state.global_step))
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.logs.append(dict(logs))
+
+    def on_save(self, args, state, control, **kw):
+        self.events.append(("on_save", state.global_step))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        self.events.append(("on_evaluate", state.global_step, "eval/mean_length" in metrics))
+
+    def on_train_end(self, args, state, control, **kw):
+        self.events.append(("on_train_end", state.global_step))
+
+
+def test_callbacks_see_the_events_and_can_stop_the_run(tmp_path, tokenizer):
+    recorder = Recorder(stop_at=2)
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=5, save_steps=0, eval_steps=100)
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
+                    train_dataset=toy.dataset(12), eval_dataset=toy.dataset(4), processing_class=tokenizer,
+                    callbacks=[recorder])
+    t.train()
+    assert t.global_step == 2 and t.state.global_step == 2  # stopped by the callback, not by max_steps
+    assert recorder.events == [("on_train_begin", 0), ("on_step_end", 1), ("on_step_end", 2), ("on_save", 2),
+                               ("on_evaluate", 2, True), ("on_train_end", 2)]
+    assert [x["loss/policy"] == x["loss/policy"] for x in recorder.logs] == [True, True]  # on_log every step
+    assert (tmp_path / "run" / "checkpoint-2").exists()  # the stop is treated as the last step: saved
+
+
+def test_state_log_history_survives_resume_and_save_model_loads(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=2)
+    t.train()
+    assert [x["step"] for x in t.state.log_history] == [1, 2] and "reward/mean" in t.state.log_history[0]
+    resumed = _trainer(tmp_path, tokenizer, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert [x["step"] for x in resumed.state.log_history] == [1, 2, 3]
+    rows = [json.loads(x)["step"] for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert rows == [1] * 8 + [2] * 8 + [3] * 8  # completions survive resume without duplicates
+    resumed.save_model(str(tmp_path / "final"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    for (n, a), (_, b) in zip(resumed.unwrapped.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), n
