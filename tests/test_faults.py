@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from groupwise import ConfigError, GRPOConfig, GRPOTrainer
+from groupwise import ConfigError, GRPOTrainer
 from groupwise.checkpoint import CheckpointError, verify_checkpoint
 from groupwise.cli import main
 from groupwise.core.advantages import outcome_advantages

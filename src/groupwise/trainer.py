@@ -18,19 +18,16 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.checkpoint import CheckpointError, claim_output_dir, load_checkpoint, read_state, save_checkpoint
 from groupwise.config import GRPOConfig
-from groupwise.config_base import ConfigError, check_location
-from groupwise.core.supervision import SUPERVISIONS
 from groupwise.data import PromptData, PromptSampler
 from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
+from groupwise.loading import as_list, check_inputs, eos_token_ids, load_policy, load_tokenizer
 from groupwise.logging import MetricsLogger, print_completions
-from groupwise.modeling import PolicyForLogps, disable_dropout
+from groupwise.modeling import PolicyForLogps
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.rewards.combine import weighted_nansum
-from groupwise.rewards.process import load_process_reward_sources, resolve_process_spec
-from groupwise.rewards.sources import resolve_spec
+from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
-from groupwise.text import ensure_pad_token
 from groupwise.types import Rollout, Round, TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
@@ -63,8 +60,8 @@ class GRPOTrainer:
         self.layout = args.layout(self.dist.world_size)
         self.train_data = PromptData(train_dataset, "train_dataset")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        reward_funcs, process_reward_funcs = _check_inputs(args, model, _as_list(reward_funcs),
-                                                           _as_list(process_reward_funcs))
+        reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
+                                                           as_list(process_reward_funcs))
         from transformers import set_seed
 
         set_seed(args.seed + self.dist.rank)  # each process samples different completions
@@ -86,13 +83,13 @@ class GRPOTrainer:
         self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line (log_metric too)
         self._extra: dict[str, list] = defaultdict(list)  # log_extra columns of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
-        self.tokenizer, max_positions = _load_tokenizer(model, processing_class, args)
+        self.tokenizer, max_positions = load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
             if data is not None:
                 data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
                                    max_completion_length=args.max_completion_length, max_positions=max_positions,
                                    truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
-        policy = _load_policy(model, args)
+        policy = load_policy(model, args)
         self.ref_model = self._build_reference(policy)
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
                                                   trust_remote_code=args.trust_remote_code,
@@ -130,7 +127,7 @@ class GRPOTrainer:
 
     def _build_rollout(self) -> R.RolloutContext:
         args = self.args
-        eos = _eos_ids(self.tokenizer, self.unwrapped)
+        eos = eos_token_ids(self.tokenizer, self.unwrapped)
         return R.RolloutContext(
             args=args, tokenizer=self.tokenizer, dist=self.dist, eos_token_ids=eos,
             generator=build_generator(args, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos),
@@ -447,88 +444,9 @@ class GRPOTrainer:
         return Rollout(TrainBatch.from_tensors(pending), state["round_metrics"]), state["round_step"]
 
 
-def _load_tokenizer(model, processing_class, args: GRPOConfig):
-    """The policy's tokenizer and its max positions (from the model's config), before the weights load."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    if isinstance(model, str):
-        config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-        tokenizer = processing_class or AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-    else:
-        config, tokenizer = model.config, processing_class
-        if tokenizer is None:
-            name = getattr(config, "_name_or_path", "")
-            if not name:
-                raise ConfigError("the model was passed as an object: pass its tokenizer as processing_class")
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    ensure_pad_token(tokenizer)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return tokenizer, getattr(text_config, "max_position_embeddings", None)
-
-
-def _load_policy(model, args: GRPOConfig):
-    from transformers import AutoModelForCausalLM
-
-    if isinstance(model, str):
-        kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
-        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-    else:
-        policy = model
-    if args.disable_dropout:
-        disable_dropout(policy)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.config.use_cache = False
-    policy.train()
-    return policy
-
-
-def _eos_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for v in (tokenizer.eos_token_id, gen_eos):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-    if not ids:
-        raise ValueError("no EOS token: the tokenizer and the model's generation_config both lack eos_token_id")
-    return sorted(ids)
-
-
 def _nanmean(values: list[float]) -> float:
     finite = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(finite) / len(finite) if finite else float("nan")
-
-
-def _as_list(funcs) -> list:
-    if funcs is None:
-        return []
-    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
-
-
-def _check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list) -> tuple[list, list]:
-    """What can be checked before a model loads: the model argument (a local path must exist), reward specs
-    (imported or located), counts against weights and against what the supervision variant reads. Returns the
-    reward and step-reward specs with 'module:function' strings imported."""
-    if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
-        raise ConfigError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward "
-                          "functions")
-    if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
-        raise ConfigError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
-                          f"{len(process_reward_funcs)} process reward functions")
-    try:
-        SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if not isinstance(model, (str, torch.nn.Module)):
-        raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
-    if isinstance(model, str):
-        check_location(model, "model")
-    elif args.model_init_kwargs:
-        raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
-    return ([resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)],
-            [resolve_process_spec(s, f"process_reward_funcs[{i}]") for i, s in enumerate(process_reward_funcs)])
 
 
 def _print_round(step: int, rnd: Round, limit: int | None) -> None:

@@ -1,0 +1,93 @@
+"""Everything a trainer needs from its inputs before training: checks that run before any model loads, the
+tokenizer (and the model's positions) before the weights, the policy, its EOS ids."""
+
+from __future__ import annotations
+
+import torch
+
+from groupwise.config import GRPOConfig
+from groupwise.config_base import ConfigError, check_location
+from groupwise.core.supervision import SUPERVISIONS
+from groupwise.modeling import disable_dropout
+from groupwise.rewards.process import resolve_process_spec
+from groupwise.rewards.sources import resolve_spec
+from groupwise.text import ensure_pad_token
+
+
+def load_tokenizer(model, processing_class, args: GRPOConfig):
+    """The policy's tokenizer and its max positions (from the model's config), before the weights load."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if isinstance(model, str):
+        config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        tokenizer = processing_class or AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+    else:
+        config, tokenizer = model.config, processing_class
+        if tokenizer is None:
+            name = getattr(config, "_name_or_path", "")
+            if not name:
+                raise ConfigError("the model was passed as an object: pass its tokenizer as processing_class")
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    ensure_pad_token(tokenizer)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return tokenizer, getattr(text_config, "max_position_embeddings", None)
+
+
+def load_policy(model, args: GRPOConfig):
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, str):
+        kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    else:
+        policy = model
+    if args.disable_dropout:
+        disable_dropout(policy)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    policy.train()
+    return policy
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for v in (tokenizer.eos_token_id, gen_eos):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    if not ids:
+        raise ValueError("no EOS token: the tokenizer and the model's generation_config both lack eos_token_id")
+    return sorted(ids)
+
+
+def as_list(funcs) -> list:
+    if funcs is None:
+        return []
+    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+
+
+def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list) -> tuple[list, list]:
+    """What can be checked before a model loads: the model argument (a local path must exist), reward specs
+    (imported or located), counts against weights and against what the supervision variant reads. Returns the
+    reward and step-reward specs with 'module:function' strings imported."""
+    if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
+        raise ConfigError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward "
+                          "functions")
+    if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
+        raise ConfigError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
+                          f"{len(process_reward_funcs)} process reward functions")
+    try:
+        SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(model, (str, torch.nn.Module)):
+        raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
+    if isinstance(model, str):
+        check_location(model, "model")
+    elif args.model_init_kwargs:
+        raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
+    return ([resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)],
+            [resolve_process_spec(s, f"process_reward_funcs[{i}]") for i, s in enumerate(process_reward_funcs)])
