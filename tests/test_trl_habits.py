@@ -129,3 +129,35 @@ def test_state_log_history_survives_resume_and_save_model_loads(tmp_path, tokeni
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     for (n, a), (_, b) in zip(resumed.unwrapped.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_warmup_steps_as_transformers_reads_it():
+    from groupwise import GRPOConfig
+
+    # ≥ 1: steps; < 1: ceil(max_steps · fraction) = ceil(10 · 0.25) = 3; 0: warmup_ratio (int(0.5 · 10) = 5)
+    assert GRPOConfig(warmup_steps=4).warmup(10) == 4
+    assert GRPOConfig(warmup_steps=0.25).warmup(10) == 3
+    assert GRPOConfig(warmup_ratio=0.5).warmup(10) == 5
+
+
+def test_logging_first_step_data_seed_and_disable_tqdm(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, max_steps=3, logging_steps=5, logging_first_step=True, disable_tqdm=True)
+    t.train()
+    lines = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 3] and t._bar.disable  # step 1 (first), step 3 (last); no progress bar
+    order = lambda **kw: _trainer(tmp_path, tokenizer, **kw).sampler.next_round()  # noqa: E731
+    assert order(seed=1, data_seed=7) == order(seed=2, data_seed=7)  # the prompt order follows data_seed alone
+    assert order(seed=1, data_seed=7) != order(seed=1, data_seed=8)
+
+
+def test_run_name_names_the_wandb_run(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from groupwise.logging import MetricsLogger
+
+    seen = {}
+    fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or types.SimpleNamespace(log=None, finish=None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    MetricsLogger(str(tmp_path), ["wandb"], enabled=True, config={"run_name": "exp-7"})
+    assert seen["name"] == "exp-7"

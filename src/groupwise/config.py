@@ -64,6 +64,9 @@ class GRPOConfig(StrictConfig):
 
     # ---- output, logging, checkpoints -------------------------------------------------------------------------
     output_dir: str = option("Folder for metrics.jsonl, checkpoint-N/ folders and the final model.", default="outputs/groupwise")
+    run_name: str | None = option("Name of the run in the trackers (the wandb run name), as in TRL / transformers.", default=None)
+    logging_first_step: bool = option("Also log the first optimizer step (TRL / transformers).", default=False)
+    disable_tqdm: bool | None = option("Hide the progress bars (None: shown on the main process), as in TRL / transformers.", default=None)
     logging_steps: int = option("Log metrics (progress bar, metrics.jsonl, trackers) every this many optimizer steps.", default=10, ge=0)
     save_steps: int = option("Write checkpoint-N/ every this many optimizer steps (0: only at the end).", default=500, ge=0)
     save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders (oldest deleted first).", default=None, ge=1)
@@ -74,6 +77,7 @@ class GRPOConfig(StrictConfig):
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
     resume_from_checkpoint: str | None = option("Path of a checkpoint-N/ folder to resume from exactly.", default=None)
+    data_seed: int | None = option("Seed of the prompt order alone (None: seed), as in TRL / transformers.", default=None)
     seed: int = option("Seed of the data order, sampling and anything random in the run.", default=42)
 
     # ---- optimisation -----------------------------------------------------------------------------------------
@@ -84,7 +88,7 @@ class GRPOConfig(StrictConfig):
     adam_epsilon: float = option("AdamW ε.", default=1e-8, gt=0)
     max_grad_norm: float = option("Clip the global gradient norm to this value (0: no clipping).", default=1.0, ge=0)
     lr_scheduler_type: str = option("transformers scheduler name: 'linear', 'cosine', 'constant', 'constant_with_warmup', ….", default="linear")
-    warmup_steps: int = option("Linear warm-up steps (overrides warmup_ratio when > 0).", default=0, ge=0)
+    warmup_steps: float = option("Linear warm-up: this many optimizer steps when ≥ 1, that fraction of max_steps (rounded up) when < 1 — transformers 5's meaning; 0: use warmup_ratio.", default=0.0, ge=0)
     warmup_ratio: float = option("Fraction of max_steps used for linear warm-up.", default=0.0, ge=0, le=1)
     max_steps: int = option("Optimizer steps to train; -1: derive from num_train_epochs.", default=-1, ge=-1)
     num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=1.0, gt=0)
@@ -206,6 +210,14 @@ class GRPOConfig(StrictConfig):
                 raise ConfigError(f"{name} must be a list of finite numbers, got {weights!r}")
         # torchrun / accelerate export WORLD_SIZE; the trainer checks again with the real process count
         self.layout(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+    def warmup(self, max_steps: int) -> int:
+        """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:
+            return math.ceil(max_steps * self.warmup_steps)
+        return int(self.warmup_ratio * max_steps)
 
     def estimator_options(self) -> dict[str, Any]:
         """`estimator=` and the options the chosen advantage estimator takes, read from their fields."""

@@ -30,7 +30,7 @@ def _wandb(output_dir: str, config: dict):
         import wandb
     except ImportError as e:
         raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
-    run = wandb.init(config=config, resume="allow")
+    run = wandb.init(config=config, name=config.get("run_name"), resume="allow")
     return (lambda step, metrics: run.log(metrics, step=step)), run.finish
 
 

@@ -34,7 +34,8 @@ from groupwise.update import UpdateContext, optimizer_step, windows
 
 # fields a resumed run must share with the checkpoint for the data order and batch layout to continue exactly
 RESUME_FIELDS = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                 "steps_per_generation", "generation_batch_size", "seed", "shuffle_dataset", "dynamic_sampling")
+                 "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
+                 "dynamic_sampling")
 
 
 class TrainingStopped(RuntimeError):
@@ -66,7 +67,7 @@ class GRPOTrainer:
 
         set_seed(args.seed + self.dist.rank)  # each process samples different completions
         self.sampler = PromptSampler(len(self.train_data), self.layout.prompts_per_generation,
-                                     shuffle=args.shuffle_dataset, seed=args.seed)
+                                     shuffle=args.shuffle_dataset, seed=args.seed if args.data_seed is None else args.data_seed)
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self.max_steps = args.max_steps if args.max_steps > 0 else \
             math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * self.steps_per_round
@@ -119,8 +120,7 @@ class GRPOTrainer:
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                       weight_decay=args.weight_decay)
-        warmup = args.warmup_steps or int(args.warmup_ratio * self.max_steps)
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
                                   num_training_steps=self.max_steps)
         model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
         return model, optimizer, scheduler
@@ -183,7 +183,8 @@ class GRPOTrainer:
         self._logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main,
                                      config=args.to_dict(), resume_step=self.global_step, run_id=self.run_id,
                                      resumed=self.global_step > 0)
-        self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO", disable=not self.dist.is_main)
+        self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
+                         disable=bool(args.disable_tqdm) or not self.dist.is_main)
         self._started = self._tick = time.perf_counter()
         self._window.clear()
         self._last: dict[str, float] = {}
@@ -233,7 +234,8 @@ class GRPOTrainer:
         self.control.should_training_stop = self.dist.any(self.control.should_training_stop)
         last_step = self._finished()
         control = self.control
-        if self.global_step % max(args.logging_steps, 1) == 0 or last_step or control.should_log:
+        if (self.global_step % max(args.logging_steps, 1) == 0 or last_step or control.should_log
+                or (args.logging_first_step and self.global_step == 1)):
             self._log(rollout)
         saved = args.save_steps and self.global_step % args.save_steps == 0 or last_step or control.should_save
         if saved:
