@@ -339,7 +339,7 @@ class GRPOTrainer:
         have one value per row)."""
         n = len(rnd.completions.prompts)
         names = [s.name for s in self.reward_sources]
-        first_token = (rnd.advantages if rnd.advantages.dim() == 1 else rnd.advantages[:, 0]).tolist()
+        first_token = rnd.first_token_advantages()
         extra = {k: v for k, v in self._extra.items() if len(v) == n}
         rows = []
         for i in range(n):
@@ -452,7 +452,6 @@ def _nanmean(values: list[float]) -> float:
 
 
 def _print_round(step: int, rnd: Round, limit: int | None) -> None:
-    first_token_adv = (rnd.advantages if rnd.advantages.dim() == 1 else rnd.advantages[:, 0]).tolist()
     comp = rnd.completions
-    print_completions(step, comp.prompts, comp.completions, rnd.rewards.tolist(), first_token_adv, limit,
+    print_completions(step, comp.prompts, comp.completions, rnd.rewards.tolist(), rnd.first_token_advantages(), limit,
                       steps=rnd.steps)

@@ -71,6 +71,9 @@ class Round:
     scores: Scores | None = None
     step_scores: StepScores | None = None
 
+    def first_token_advantages(self) -> list[float]:  # (N) the whole completion's under outcome supervision
+        return (self.advantages if self.advantages.dim() == 1 else self.advantages[:, 0]).tolist()
+
 
 @dataclass(frozen=True)
 class TrainBatch:
