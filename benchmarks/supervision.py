@@ -26,7 +26,7 @@ def run(supervision: str, seed: int, max_steps: int, eval_steps: int, out: Path)
     from groupwise.demo import demo_trainer
 
     trainer = demo_trainer({"supervision": supervision, "seed": seed, "max_steps": max_steps,
-                            "eval_steps": eval_steps, "save_steps": 0, "output_dir": str(out), "logging_steps": 5})
+                            "eval_steps": eval_steps, "eval_strategy": "steps", "eval_on_start": True, "save_steps": 0, "output_dir": str(out), "logging_steps": 5})
     trainer.train()
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 

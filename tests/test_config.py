@@ -1,7 +1,7 @@
 import pytest
 
 from groupwise import ConfigError, GRPOConfig
-from groupwise.config import TRL_UNSUPPORTED
+from groupwise.config import TRL_NOT_SUPPORTED
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -29,9 +29,9 @@ def test_bad_values_name_the_field(kwargs, match):
 def test_unknown_and_unsupported_fields():
     with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
         GRPOConfig(num_generation=4)
-    with pytest.raises(ConfigError, match=r"TRL field 'use_vllm' is not supported"):
+    with pytest.raises(ConfigError, match=r"TRL field use_vllm=True is not supported"):
         GRPOConfig(use_vllm=True)
-    assert "use_liger_loss" in TRL_UNSUPPORTED
+    assert "use_liger_loss" in TRL_NOT_SUPPORTED
 
 
 def test_trl_spellings_and_coercion():
@@ -99,15 +99,16 @@ def test_choices_come_from_the_registries():
     import dataclasses
 
     from groupwise.core.advantages import ESTIMATORS
-    from groupwise.core.aggregation import AGGREGATIONS
+    from groupwise.core.losses import LOSS_TYPES
     from groupwise.core.supervision import SUPERVISIONS
+    from groupwise.optim import OPTIMIZERS
     from groupwise.generation import BACKENDS
     from groupwise.rewards.steps import SPLIT_MODES
 
     choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(GRPOConfig)}
-    assert choices["advantage_estimator"] is ESTIMATORS and choices["loss_type"] is AGGREGATIONS
+    assert choices["advantage_estimator"] is ESTIMATORS and choices["loss_type"] is LOSS_TYPES
     assert choices["supervision"] is SUPERVISIONS and choices["generation_backend"] is BACKENDS
-    assert choices["step_split"] is SPLIT_MODES
+    assert choices["step_split"] is SPLIT_MODES and choices["optim"] is OPTIMIZERS
 
 
 def test_import_groupwise_stays_light():

@@ -121,7 +121,8 @@ def test_reward_exception_counted_when_configured(tmp_path, tokenizer, tiny_mode
 
 
 def test_eval_dataset_is_logged(tmp_path, tokenizer, tiny_model):
-    t = GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path, max_steps=2, eval_steps=1),
+    t = GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path, max_steps=2, eval_steps=1,
+                                                                      eval_strategy="steps", eval_on_start=True),
                     train_dataset=toy.dataset(16), eval_dataset=toy.dataset(5, seed=3), processing_class=tokenizer)
     t.train()
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -104,7 +104,8 @@ class Recorder(TrainerCallback):
 
 def test_callbacks_see_the_events_and_can_stop_the_run(tmp_path, tokenizer):
     recorder = Recorder(stop_at=2)
-    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=5, save_steps=0, eval_steps=100)
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=5, save_steps=0, eval_steps=100,
+                      eval_strategy="steps")
     t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
                     train_dataset=toy.dataset(12), eval_dataset=toy.dataset(4), processing_class=tokenizer,
                     callbacks=[recorder])

@@ -149,28 +149,35 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
 
 def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optimizer, scheduler, state: dict,
                     pending: dict[str, torch.Tensor] | None = None, ref_model=None,
-                    save_total_limit: int | None = None) -> Path:
+                    save_total_limit: int | None = None, model_only: bool = False) -> Path:
+    """checkpoint-<step>/: the model (safetensors, from_pretrained-loadable), tokenizer, optimizer, scheduler, each
+    process's RNG state, the trainer state and an unfinished round; written to a temporary folder, checksummed,
+    then renamed. `model_only` (save_only_model) writes the model, tokenizer and trainer state only: such a
+    checkpoint cannot be resumed."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    tensors, rest = _rng_state()
-    save_file(tensors, str(tmp / f"rng_state_{dist.rank}.safetensors"))
-    _write_json(tmp / f"rng_state_{dist.rank}.json", rest)
-    if pending:
-        save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()}, str(tmp / f"rollout_{dist.rank}.safetensors"))
+    if not model_only:
+        tensors, rest = _rng_state()
+        save_file(tensors, str(tmp / f"rng_state_{dist.rank}.safetensors"))
+        _write_json(tmp / f"rng_state_{dist.rank}.json", rest)
+        if pending:
+            save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()},
+                      str(tmp / f"rollout_{dist.rank}.safetensors"))
     # every process builds the optimizer state dict (collective under some backends); the main one writes
-    opt_state = optimizer.state_dict()
+    opt_state = None if model_only else optimizer.state_dict()
     if dist.is_main:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        _optimizer_to_files(opt_state, tmp)
-        _write_json(tmp / "scheduler.json", scheduler.state_dict())
-        _write_json(tmp / "trainer_state.json", state)
-        if ref_model is not None:
+        _write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})
+        if not model_only:
+            _optimizer_to_files(opt_state, tmp)
+            _write_json(tmp / "scheduler.json", scheduler.state_dict())
+        if ref_model is not None and not model_only:
             save_file({k: v.detach().cpu().contiguous() for k, v in ref_model.state_dict().items()},
                       str(tmp / "ref_model.safetensors"))
     dist.barrier()

@@ -90,7 +90,7 @@ def load_dataset_spec(name: str, split: str | None):
 def build_run(values: dict[str, Any]):
     """Split a flat mapping into run fields and a GRPOConfig (validated before anything loads)."""
     known = set(RUN_FIELDS) | {f.name for f in dataclasses.fields(GRPOConfig)}
-    reject_unknown(values, known, owner="groupwise train", unsupported=GRPOConfig.UNSUPPORTED)
+    reject_unknown(values, known | set(GRPOConfig.UNSUPPORTED), owner="groupwise train")
     run = {k: values[k] for k in RUN_FIELDS if k in values}
     args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS})
     return run, args

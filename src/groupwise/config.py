@@ -1,8 +1,9 @@
 """GRPOConfig: every knob of a run, TRL's names and meanings where TRL has the field.
 
-A TRL user switches by changing an import. A field TRL has and groupwise does not support, or a field nobody has,
-is an error naming it (never silently ignored); `TRL_UNSUPPORTED` lists the former with the reason.
-Validation runs in `__post_init__`, before any model is loaded.
+A TRL user switches by changing an import. Every TRL 1.16 field is either a field here, with TRL's meaning (a few
+are accepted without effect, marked `inert` with the reason), or listed in `TRL_NOT_SUPPORTED` (groupwise.config_trl)
+with what to use instead: such a field may appear at TRL's default, any other value is an error naming it. A name
+nobody has is an error with a close match. Validation runs in `__post_init__`, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -13,50 +14,25 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from groupwise.config_base import ConfigError, StrictConfig, load_yaml, option
+from groupwise.config_base import HUB_ID, ConfigError, StrictConfig, load_yaml, option
+from groupwise.config_trl import TRL_NOT_SUPPORTED
 from groupwise.core.advantages import ESTIMATORS, SCALES, STDS
-from groupwise.core.aggregation import AGGREGATIONS
-from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS
+from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS
-from groupwise.logging import TRACKERS
+from groupwise.logging import LOG_LEVELS, TRACKERS
+from groupwise.optim import OPTIMIZERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE, MULTI_OBJECTIVE_OPTIONS
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
 
-__all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_UNSUPPORTED", "load_yaml"]
+__all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "load_yaml"]
+
+# GRPOConfig fields a loss objective may read, by the objective's option name (groupwise.core.losses.OBJECTIVES)
+OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg")
 
 # GRPOConfig fields an advantage estimator may take, by the estimator's option name (groupwise.core.advantages)
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
-
-# TRL GRPOConfig / TrainingArguments fields that groupwise does not implement (yet), with what to do instead.
-TRL_UNSUPPORTED: dict[str, str] = {
-    "use_vllm": "vLLM generation is not implemented yet; generation uses transformers",
-    "vllm_mode": "vLLM generation is not implemented yet",
-    "vllm_server_host": "vLLM generation is not implemented yet",
-    "vllm_server_port": "vLLM generation is not implemented yet",
-    "vllm_gpu_memory_utilization": "vLLM generation is not implemented yet",
-    "vllm_tensor_parallel_size": "vLLM generation is not implemented yet",
-    "vllm_importance_sampling_correction": "vLLM generation is not implemented yet",
-    "use_liger_loss": "Liger kernels are not used; log-probs are computed in row chunks instead",
-    "use_transformers_paged": "paged generation is not implemented",
-    "cache_implementation": "generation uses the model's default KV cache",
-    "deepspeed": "launch with `accelerate launch --config_file …` (accelerate's DeepSpeed plugin) instead",
-    "fsdp": "launch with `accelerate launch --config_file …` (accelerate's FSDP plugin) instead",
-    "push_to_hub": "groupwise never uploads; push the checkpoint folder yourself",
-    "hub_model_id": "groupwise never uploads",
-    "torch_compile": "not supported",
-    "use_cpu": "set ACCELERATE_USE_CPU=1 or CUDA_VISIBLE_DEVICES='' instead",
-    "fp16": "use bf16=True (fp16 loss scaling is not implemented)",
-    "save_strategy": "checkpoints are written every save_steps optimizer steps (and at the end)",
-    "logging_strategy": "metrics are logged every logging_steps optimizer steps",
-    "eval_strategy": "set eval_steps (and pass eval_dataset) instead",
-    "vllm_enable_sleep_mode": "vLLM generation is not implemented yet",
-    "ds3_gather_for_generation": "DeepSpeed ZeRO-3 generation gathering is not implemented",
-    "use_peft": "pass a PEFT-wrapped model instead (LoRA support is not built in yet)",
-}
-
-
 
 @dataclass
 class GRPOConfig(StrictConfig):
@@ -67,8 +43,16 @@ class GRPOConfig(StrictConfig):
     run_name: str | None = option("Name of the run in the trackers (the wandb run name), as in TRL / transformers.", default=None)
     logging_first_step: bool = option("Also log the first optimizer step (TRL / transformers).", default=False)
     disable_tqdm: bool | None = option("Hide the progress bars (None: shown on the main process), as in TRL / transformers.", default=None)
+    logging_strategy: str = option("When to log metrics: 'steps' (every logging_steps), 'epoch' (at the end of each pass over the prompts) or 'no' (only the last step).", default="steps", choices=("steps", "epoch", "no"))
     logging_steps: int = option("Log metrics (progress bar, metrics.jsonl, trackers) every this many optimizer steps.", default=10, ge=0)
+    logging_nan_inf_filter: bool = option("Leave non-finite loss values out of the logged averages (transformers' meaning; a skipped step is still counted in train/skipped_steps).", default=True)
+    log_level: str = option("transformers / groupwise log level on the main process ('passive': leave it as it is).", default="passive", choices=LOG_LEVELS)
+    log_level_replica: str = option("Log level on the other processes.", default="warning", choices=LOG_LEVELS)
+    log_on_each_node: bool = option("In multi-node runs, log (progress bar, warnings) on the main process of each node, not only the first (transformers).", default=True)
+    log_unique_prompts: bool = option("The printed completions table shows one row per prompt (its first completion) instead of every completion (TRL).", default=False)
+    save_strategy: str = option("When to write checkpoint-N/: 'steps' (every save_steps, and at the end), 'epoch' (at the end of each pass over the prompts, and at the end) or 'no' (never; save_model() still works).", default="steps", choices=("steps", "epoch", "no"))
     save_steps: int = option("Write checkpoint-N/ every this many optimizer steps (0: only at the end).", default=500, ge=0)
+    save_only_model: bool = option("Checkpoints hold the model only: no optimizer, scheduler or RNG state (smaller, but a run cannot resume from them).", default=False)
     save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders (oldest deleted first).", default=None, ge=1)
     report_to: str | list[str] = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb' or a list.", default="none", choices=("none", *TRACKERS))
     log_completions: bool = option("Print a table of prompts, completions and rewards every logging_steps.", default=False)
@@ -77,6 +61,13 @@ class GRPOConfig(StrictConfig):
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
     resume_from_checkpoint: str | None = option("Path of a checkpoint-N/ folder to resume from exactly.", default=None)
+    push_to_hub: bool = option("Upload the model folder (output_dir) to the hub: at every save (hub_strategy 'every_save') or at the end ('end'), and on trainer.push_to_hub() (needs hub_model_id and a token).", default=False)
+    hub_model_id: str | None = option("Hub repository ('name' or 'org/name') push_to_hub uploads to (default: the output_dir's folder name).", default=None)
+    hub_token: str | None = option("Hub token for push_to_hub (default: HF_TOKEN or the cached login). Never written to metrics.jsonl.", default=None)
+    hub_private_repo: bool | None = option("Create the hub repository as private (None: the account's default).", default=None)
+    hub_strategy: str = option("When push_to_hub uploads: 'every_save' (each checkpoint's model, and the end) or 'end'.", default="every_save", choices=("every_save", "end"))
+    hub_revision: str | None = option("Branch of the hub repository to push to.", default=None)
+    hub_always_push: bool = option("Kept for TRL configs: uploads here are synchronous, so a push is never skipped.", default=False)
     data_seed: int | None = option("Seed of the prompt order alone (None: seed), as in TRL / transformers.", default=None)
     seed: int = option("Seed of the data order, sampling and anything random in the run.", default=42)
 
@@ -87,7 +78,10 @@ class GRPOConfig(StrictConfig):
     adam_beta2: float = option("AdamW β2.", default=0.999, ge=0, lt=1)
     adam_epsilon: float = option("AdamW ε.", default=1e-8, gt=0)
     max_grad_norm: float = option("Clip the global gradient norm to this value (0: no clipping).", default=1.0, ge=0)
+    optim: str = option("Optimizer (groupwise.optim.OPTIMIZERS; transformers' names): torch's AdamW (fused or not), Adafactor, SGD, Adagrad, RMSprop, and bitsandbytes' 8-bit ones when bitsandbytes is installed.", default="adamw_torch_fused", choices=OPTIMIZERS)
+    optim_args: str | None = option("Extra optimizer arguments as 'key=value,key=value' (transformers' format), e.g. 'momentum=0.9' for sgd.", default=None)
     lr_scheduler_type: str = option("transformers scheduler name: 'linear', 'cosine', 'constant', 'constant_with_warmup', ….", default="linear")
+    lr_scheduler_kwargs: dict | None = option("Extra arguments of the scheduler (transformers' scheduler_specific_kwargs), e.g. {'num_cycles': 2}.", default=None)
     warmup_steps: float = option("Linear warm-up: this many optimizer steps when ≥ 1, that fraction of max_steps (rounded up) when < 1 — transformers 5's meaning; 0: use warmup_ratio.", default=0.0, ge=0)
     warmup_ratio: float = option("Fraction of max_steps used for linear warm-up.", default=0.0, ge=0, le=1)
     max_steps: int = option("Optimizer steps to train; -1: derive from num_train_epochs.", default=-1, ge=-1)
@@ -97,6 +91,31 @@ class GRPOConfig(StrictConfig):
     ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time.", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
     gradient_checkpointing: bool = option("Recompute activations in the backward pass to save memory.", default=False)
+    gradient_checkpointing_kwargs: dict | None = option("Arguments of model.gradient_checkpointing_enable (e.g. {'use_reentrant': False}).", default=None)
+    tf32: bool | None = option("Allow TF32 matmuls on Ampere+ GPUs (True/False sets torch's flags; None leaves them).", default=None)
+    cast_lm_head_to_fp32: bool = option("Keep the output head in float32 (policy and reference; needs an untied head) (TRL, ScaleRL).", default=False)
+    full_determinism: bool = option("Deterministic algorithms everywhere (transformers' enable_full_determinism): slower, bitwise reproducible across runs.", default=False)
+    torch_empty_cache_steps: int | None = option("Release cached accelerator memory every this many optimizer steps (None: never).", default=None, ge=1)
+    average_tokens_across_devices: bool = option("Normalise token-count losses by the tokens of all processes (always the case for loss_type 'dapo' / 'cispo'; transformers' meaning).", default=True)
+    ddp_find_unused_parameters: bool | None = option("DDP find_unused_parameters (None: accelerate's default, False).", default=None)
+    ddp_bucket_cap_mb: int | None = option("DDP gradient bucket size in MiB (None: torch's default).", default=None, ge=1)
+    ddp_broadcast_buffers: bool | None = option("DDP broadcast_buffers (None: torch's default).", default=None)
+    ddp_static_graph: bool | None = option("DDP static_graph (None: torch's default).", default=None)
+    ddp_backend: str | None = option("torch.distributed backend (None: nccl on GPUs, gloo on CPU).", default=None, choices=(None, "nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl"))
+    dataloader_num_workers: int = option("Kept for TRL configs.", default=0, ge=0, inert="prompt rows are read by index in the main process (one round needs a few rows); there is no DataLoader")
+    dataloader_pin_memory: bool = option("Kept for TRL configs.", default=True, inert="there is no DataLoader; prompts are tokenized into device tensors directly")
+    dataloader_persistent_workers: bool = option("Kept for TRL configs.", default=False, inert="there is no DataLoader")
+    dataloader_prefetch_factor: int | None = option("Kept for TRL configs.", default=None, inert="there is no DataLoader")
+    dataloader_drop_last: bool = option("Kept for TRL configs.", default=False, inert="every round is a full batch of prompts (epochs wrap around)")
+    dataloader_in_order: bool = option("Kept for TRL configs.", default=True, inert="there is no DataLoader")
+    dataloader_multiprocessing_context: str | None = option("Kept for TRL configs.", default=None, inert="there is no DataLoader")
+    use_cache: bool = option("Kept for TRL configs.", default=False, inert="generation always uses a KV cache and training forwards never do")
+    skip_memory_metrics: bool = option("Kept for TRL configs.", default=True, inert="memory metrics are not collected")
+    log_multimodal: bool = option("Kept for TRL configs.", default=True, inert="groupwise trains text-only models")
+    do_train: bool = option("Not read by the trainer, as in transformers (for your scripts).", default=False)
+    do_eval: bool = option("Not read by the trainer, as in transformers (for your scripts).", default=False)
+    do_predict: bool = option("Not read by the trainer, as in transformers (for your scripts).", default=False)
+    local_rank: int = option("Set by launchers; the process rank is read from the environment (transformers).", default=-1)
     shuffle_dataset: bool = option("Shuffle the prompts each epoch (seeded).", default=True)
     disable_dropout: bool = option("Set dropout to 0 in the policy and reference model (RL needs log-probs without noise).", default=True)
     model_init_kwargs: dict | None = option("kwargs for AutoModelForCausalLM.from_pretrained when the model is a path.", default=None)
@@ -105,10 +124,12 @@ class GRPOConfig(StrictConfig):
 
     # ---- generation -------------------------------------------------------------------------------------------
     num_generations: int = option("G: completions sampled per prompt (the group of DeepSeekMath §4.1).", default=8, ge=2)
+    remove_unused_columns: bool = option("Pass only the prompt column to reward functions (TRL); False passes every dataset column as a keyword.", default=False)
     steps_per_generation: int | None = option("Micro-batches per process that one generation round feeds (default: gradient_accumulation_steps).", default=None, ge=1)
     generation_batch_size: int | None = option("Completions per generation round over all processes (alternative to steps_per_generation).", default=None, ge=1)
     max_prompt_length: int | None = option("Keep only the last this many prompt tokens (None: no truncation).", default=512, ge=1)
     truncate_prompt: str = option("Prompts longer than max_prompt_length: 'left' keeps their last max_prompt_length tokens (TRL's behaviour; counted in a warning when the dataset is checked), 'error' stops before the model loads, naming the first such row.", default="left", choices=("left", "error"))
+    pad_to_multiple_of: int | str | None = option("Pad prompt and completion tensors to a multiple of this many tokens ('auto': no padding here, 128 on Neuron in TRL).", default="auto")
     max_completion_length: int = option("Maximum completion tokens; longer completions are truncated (and known as such).", default=256, ge=1)
     temperature: float = option("Sampling temperature; log-probs are computed at the same temperature.", default=1.0, gt=0)
     top_p: float = option("Nucleus sampling mass.", default=1.0, gt=0, le=1)
@@ -126,7 +147,11 @@ class GRPOConfig(StrictConfig):
     delta: float | None = option("δ: cap on the unclipped ratio, two-sided clipping (INTELLECT-2); > 1 + ε_high.", default=None)
     importance_sampling_level: str = option("'token' ratio per token (GRPO) or 'sequence' (GSPO, exp of the mean log-ratio).", default="token", choices=IMPORTANCE_SAMPLING_LEVELS)
     num_iterations: int = option("μ: policy updates per generation batch (DeepSeekMath Alg. 1).", default=1, ge=1)
-    loss_type: str = option("Loss aggregation (groupwise.core.aggregation): what the masked per-token loss sum is divided by.", default="dapo", choices=AGGREGATIONS)
+    loss_type: str = option("The per-token objective and what its masked sum is divided by (groupwise.core.losses.LOSS_TYPES, TRL's names).", default="dapo", choices=LOSS_TYPES)
+    sapo_temperature_pos: float = option("τ_pos of loss_type='sapo': the gate's temperature on tokens with positive advantage (TRL).", default=1.0, gt=0)
+    sapo_temperature_neg: float = option("τ_neg of loss_type='sapo': the gate's temperature on tokens with advantage ≤ 0 (TRL).", default=1.05, gt=0)
+    use_bias_correction_kl: bool = option("Multiply the k3 KL term by the importance ratio ρ (TRL's default True): its value is unchanged on-policy but its gradient gains k3·∇log π. False (groupwise's default) is DeepSeekMath eq. 3 as written.", default=False)
+    entropy_coef: float = option("c in L − c·H̄: an entropy bonus, H̄ the mean token entropy of each micro-batch (over the tokens the policy term acts on), the same for every loss_type (TRL). 0: off.", default=0.0)
     scale_rewards: str | bool = option("Advantage scaling: 'group' (DeepSeekMath), 'batch', 'none' (Dr. GRPO); True='group', False='none'.", default="group")
     advantage_estimator: str = option("How rewards become advantages, for outcome and step rewards alike (groupwise.core.advantages; the default is DeepSeekMath §4.1.2/§4.1.3). Each estimator reads only the options it takes among scale_rewards, reward_std and advantage_eps; setting another is an error.", default="grpo", choices=ESTIMATORS)
     reward_std: str = option("Std in the normalisation: 'population' (1/G, DeepSeekMath's std) or 'unbiased' (Bessel, TRL).", default="population", choices=STDS)
@@ -157,10 +182,14 @@ class GRPOConfig(StrictConfig):
     max_dynamic_sampling_rounds: int = option("Extra generation rounds at most per batch when refilling; groups still missing are taken from the dropped ones (counted in dynamic/unfilled_groups).", default=4, ge=0)
 
     # ---- evaluation -------------------------------------------------------------------------------------------
-    eval_steps: int | None = option("Evaluate on eval_dataset every this many optimizer steps (None: only at start and end if eval_dataset is given).", default=None, ge=1)
+    eval_strategy: str = option("When to evaluate on eval_dataset during training: 'no' (TRL's default; trainer.evaluate() still works), 'steps' (every eval_steps, and at the end) or 'epoch'.", default="no", choices=("no", "steps", "epoch"))
+    eval_steps: int | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps, as in transformers).", default=None, ge=1)
+    eval_on_start: bool = option("Also evaluate before the first optimizer step (a sanity check, transformers).", default=False)
+    eval_delay: float = option("Do not evaluate (eval_strategy 'steps' / 'epoch') before this many optimizer steps / epochs.", default=0, ge=0)
+    num_generations_eval: int | None = option("Completions sampled per eval prompt (None: greedy, one per prompt). With k ≥ 2 evaluation samples at the training temperature and logs mean@k and pass@k per reward function.", default=None, ge=1)
     per_device_eval_batch_size: int = option("Prompts per generation batch during evaluation.", default=16, ge=1)
 
-    UNSUPPORTED = TRL_UNSUPPORTED
+    UNSUPPORTED = TRL_NOT_SUPPORTED
 
     def __post_init__(self) -> None:
         if self.scale_rewards is True:  # TRL's boolean spellings
@@ -179,11 +208,40 @@ class GRPOConfig(StrictConfig):
         taken = ESTIMATORS[self.advantage_estimator].options
         read = set(taken) | set(MULTI_OBJECTIVE_OPTIONS[self.multi_objective_aggregation])
         for opt, name in ESTIMATOR_OPTIONS.items():
-            default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-            if opt not in read and getattr(self, name) != default:
+            if opt not in read and getattr(self, name) != _default(name):
                 raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with advantage_estimator="
                                   f"{self.advantage_estimator!r} (it reads {[ESTIMATOR_OPTIONS[o] for o in taken] or 'none of them'}); "
                                   f"remove {name} or choose advantage_estimator='grpo'")
+        objective = LOSS_TYPES[self.loss_type].objective
+        for name in OBJECTIVE_FIELDS:
+            if name not in OBJECTIVES[objective].options and getattr(self, name) != _default(name):
+                readers = sorted(t for t, lt in LOSS_TYPES.items() if name in OBJECTIVES[lt.objective].options)
+                raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with loss_type={self.loss_type!r}; "
+                                  f"remove it, or choose a loss_type that reads it: {readers}")
+        if objective == "cispo" and self.epsilon_high is None:
+            raise ConfigError("loss_type='cispo' caps the importance weight at epsilon_high (ε_max; 5.0 is the value "
+                              "recommended with CISPO): set epsilon_high")
+        if not self.average_tokens_across_devices:
+            raise ConfigError("average_tokens_across_devices=False is not supported: loss types that count tokens "
+                              "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
+                              "per-process token mean")
+        check_available(self.optim)
+        parse_optim_args(self.optim_args)
+        if isinstance(self.pad_to_multiple_of, str):
+            text = self.pad_to_multiple_of.strip().lower()
+            if text in ("auto", "none", "null"):
+                self.pad_to_multiple_of = None  # "auto" pads on Neuron devices only, which groupwise does not run on
+            elif text.isdigit() and int(text) > 0:
+                self.pad_to_multiple_of = int(text)
+            else:
+                raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive integer, "
+                                  "'auto' or None")
+        elif self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ConfigError(f"pad_to_multiple_of must be ≥ 1, got {self.pad_to_multiple_of}")
+        if self.push_to_hub and self.hub_model_id is not None and not HUB_ID.match(self.hub_model_id):
+            raise ConfigError(f"hub_model_id={self.hub_model_id!r} is not a hub repository id ('name' or 'org/name')")
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps or None  # transformers: eval_steps defaults to logging_steps
         if self.generation_kwargs and not BACKENDS[self.generation_backend].generation_kwargs:
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
                               "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
@@ -210,6 +268,13 @@ class GRPOConfig(StrictConfig):
                 raise ConfigError(f"{name} must be a list of finite numbers, got {weights!r}")
         # torchrun / accelerate export WORLD_SIZE; the trainer checks again with the real process count
         self.layout(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, as logged (metrics.jsonl, trackers): the hub token is hidden."""
+        values = super().to_dict()
+        if values.get("hub_token"):
+            values["hub_token"] = "<hidden>"
+        return values
 
     def warmup(self, max_steps: int) -> int:
         """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""
@@ -253,6 +318,10 @@ class GRPOConfig(StrictConfig):
                 "generation batches")
         return BatchLayout(world_size, steps, gen_batch, gen_batch // self.num_generations, self.num_generations,
                            self.per_device_train_batch_size)
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == name)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import difflib
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import field
 from typing import Any, ClassVar
@@ -31,30 +32,54 @@ _MISSING = dataclasses.MISSING
 
 
 def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = None, ge: float | None = None,
-           gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING):
-    """A documented config field with its constraints (checked by StrictConfig on construction)."""
+           gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING,
+           inert: str | None = None):
+    """A documented config field with its constraints (checked by StrictConfig on construction). `inert` marks a
+    field kept for configs written for another trainer that has no effect here: a value other than the default
+    warns, with this reason."""
     rules = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     if choices is not None:
         rules["choices"] = choices
+    if inert is not None:
+        rules["inert"] = inert
     kw = {"default": default} if default_factory is _MISSING else {"default_factory": default_factory}
     return field(metadata={"help": help, **rules}, **kw)
 
 
-class StrictConfig:
+class _Screened(type):
+    """Construction screens the keyword arguments first (`StrictConfig.screen`): names that are not fields are
+    dropped when harmless or are errors, before the dataclass __init__ sees them."""
+
+    def __call__(cls, *args, **kwargs):
+        return super().__call__(*args, **cls.screen(kwargs))
+
+
+class StrictConfig(metaclass=_Screened):
     """Base of the config dataclasses (subclasses are `@dataclass`es whose fields use `option`)."""
 
-    # extra known names that are not fields, with the message to give (e.g. TRL fields we do not support)
-    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    # names that are not fields but are known (another trainer's fields), each an object with `.reason` and
+    # `.accepts(value, all_values)`: an accepted value is dropped, any other is a ConfigError with the reason
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}
 
-    def __new__(cls, *args, **kwargs):
-        reject_unknown(kwargs, {f.name for f in dataclasses.fields(cls)}, owner=cls.__name__, unsupported=cls.UNSUPPORTED)
-        return super().__new__(cls)
+    @classmethod
+    def screen(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key, value in kwargs.items():
+            entry = cls.UNSUPPORTED.get(key)
+            if key not in known and entry is not None and not entry.accepts(value, kwargs):
+                raise ConfigError(f"{cls.__name__}: TRL field {key}={value!r} is not supported by groupwise: "
+                                  f"{entry.reason} (docs/trl_compat.md)")
+        kwargs = {k: v for k, v in kwargs.items() if k in known or k not in cls.UNSUPPORTED}
+        reject_unknown(kwargs, known, owner=cls.__name__)
+        return kwargs
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = coerce(f.name, f.type, getattr(self, f.name))
             check_rules(f.name, value, f.metadata)
             setattr(self, f.name, value)
+            if "inert" in f.metadata and value != (f.default if f.default is not _MISSING else f.default_factory()):
+                warnings.warn(f"{f.name}={value!r} has no effect in groupwise: {f.metadata['inert']}", stacklevel=5)
         self.validate()
 
     def validate(self) -> None:
@@ -182,15 +207,11 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
     raise ConfigError(f"{name}={value!r} must be of type {annotation}")
 
 
-def reject_unknown(kwargs: dict[str, Any], known: set[str], owner: str,
-                   unsupported: dict[str, str] | None = None) -> None:
-    """A name that is not a field is an error: with the reason for a known-unsupported name, else a close match."""
+def reject_unknown(kwargs: dict[str, Any], known: set[str], owner: str) -> None:
+    """A name that is not a field is an error, with a close match when there is one."""
     for key in kwargs:
         if key in known:
             continue
-        if unsupported and key in unsupported:
-            raise ConfigError(f"{owner}: TRL field {key!r} is not supported by groupwise: {unsupported[key]} "
-                              "(docs/trl_compat.md)")
         close = difflib.get_close_matches(key, sorted(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{owner}: unknown field {key!r}{hint}")

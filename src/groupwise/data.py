@@ -132,8 +132,101 @@ class PromptSampler:
     def rounds_per_epoch(self) -> int:
         return math.ceil(self.size / self.per_round)
 
+    def progress(self) -> float:
+        """Epochs done, fractional."""
+        return self.epoch + self.position / self.size
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def is_stream(data: Any) -> bool:
+    """A dataset read by iteration only (`datasets.IterableDataset`, or any iterable without len / indexing)."""
+    try:
+        from datasets import IterableDataset
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        IterableDataset = ()
+    if isinstance(data, IterableDataset):
+        return True
+    return not isinstance(data, (list, tuple)) and not hasattr(data, "__getitem__") and hasattr(data, "__iter__")
+
+
+class StreamData:
+    """An iterable prompt dataset (TRL accepts `datasets.IterableDataset` with max_steps), read in order, row r of
+    the run being the r-th row yielded; after the last row it starts again (the next epoch). Rows are checked
+    when read (a bad row is a ConfigError naming its number); prompt lengths are checked as the rollout encodes
+    them. Only recent rows are kept in memory."""
+
+    KEEP = 65_536  # rows kept for lookups behind the read position (a round asks for its rows in order)
+
+    def __init__(self, data: Any, name: str):
+        self.data, self.name = data, name
+        self.length: int | None = None  # rows per epoch, known once the stream has ended once
+        self._iter = None
+        self._next = 0  # run row number of the next row the iterator yields
+        self._epoch_start = 0
+        self._rows: dict[int, dict[str, Any]] = {}
+
+    def _pull(self) -> dict[str, Any]:
+        if self._iter is None:
+            self._iter = iter(self.data)
+        try:
+            row = next(self._iter)
+        except StopIteration:
+            if self._next == self._epoch_start:
+                raise ConfigError(f"{self.name} is empty: give a dataset with at least one row") from None
+            self.length = self._next - self._epoch_start
+            self._epoch_start = self._next
+            self._iter = iter(self.data)
+            row = next(self._iter)
+        if not isinstance(row, dict) or "prompt" not in row:
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"{self.name} row {self._next} has no 'prompt' column ({keys})")
+        why = prompt_problem(row["prompt"])
+        if why is not None:
+            raise ConfigError(f"{self.name} row {self._next} has {why} (each prompt must be a non-empty string or a "
+                              "list of {'role', 'content'} messages)")
+        return dict(row)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        i = int(i)
+        while self._next <= i:
+            self._rows[self._next] = self._pull()
+            self._next += 1
+            if len(self._rows) > self.KEEP:
+                self._rows.pop(next(iter(self._rows)))
+        if i not in self._rows:
+            raise IndexError(f"{self.name}: row {i} is no longer in memory (rows are read in order)")
+        return self._rows[i]
+
+    def seek(self, position: int) -> None:
+        """Read up to run row `position` (resume): the rows before it are read and dropped, as they were used."""
+        while self._next < position:
+            self._pull()
+            self._next += 1
+
+
+class StreamSampler:
+    """The run's rows in order, `per_round` at a time; state: how many rows were handed out."""
+
+    def __init__(self, data: StreamData, per_round: int):
+        self.data, self.per_round, self.position = data, per_round, 0
+
+    def next_round(self) -> list[int]:
+        out = list(range(self.position, self.position + self.per_round))
+        self.position += self.per_round
+        return out
+
+    def progress(self) -> float:
+        """Epochs done (fractional); unknown until the stream has ended once: 0."""
+        return self.position / self.data.length if self.data.length else 0.0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": 0, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+        self.data.seek(self.position)

@@ -20,7 +20,8 @@ POLICY_DIR = Path(__file__).parent / "tasks" / "data" / "arithmetic_policy"
 DEMO_DEFAULTS: dict[str, Any] = dict(
     output_dir="outputs/demo", supervision="process", max_steps=200, learning_rate=5e-5, num_generations=8,
     per_device_train_batch_size=64, max_completion_length=48, max_prompt_length=None, temperature=0.7,
-    logging_steps=5, save_steps=100, eval_steps=50, beta=0.0, lr_scheduler_type="constant", seed=0,
+    logging_steps=5, save_steps=100, eval_strategy="steps", eval_steps=50, eval_on_start=True, beta=0.0,
+    lr_scheduler_type="constant", seed=0,
     per_device_eval_batch_size=200, loss_type="dapo",
     overwrite_output_dir=True,  # the demo is a scratch run: `make demo` twice replaces the first one's outputs
 )

@@ -23,12 +23,18 @@ class ProcessFailed(RuntimeError):
 
 
 class Distributed:
-    def __init__(self, bf16: bool = False, timeout: float = 1800.0):
-        from accelerate.utils import InitProcessGroupKwargs
+    def __init__(self, bf16: bool = False, timeout: float = 1800.0, backend: str | None = None,
+                 ddp_kwargs: dict | None = None):
+        """`backend`: torch.distributed's (None: nccl on GPUs, gloo on CPU); `ddp_kwargs`: DistributedDataParallel
+        arguments (find_unused_parameters, bucket_cap_mb, broadcast_buffers, static_graph), None values left out."""
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
         self.timeout = timeout
-        kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout))
-        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", kwargs_handlers=[kwargs])
+        handlers = [InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=timeout))]
+        ddp = {k: v for k, v in (ddp_kwargs or {}).items() if v is not None}
+        if ddp:
+            handlers.append(DistributedDataParallelKwargs(**ddp))
+        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", kwargs_handlers=handlers)
         atexit.register(self.teardown)
 
     @property
@@ -42,6 +48,11 @@ class Distributed:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def is_local_main(self) -> bool:
+        """The first process of this node."""
+        return self.accelerator.is_local_main_process
 
     @property
     def device(self) -> torch.device:

@@ -8,7 +8,7 @@ import torch
 from groupwise.config import GRPOConfig
 from groupwise.config_base import ConfigError, check_location
 from groupwise.core.supervision import SUPERVISIONS
-from groupwise.modeling import disable_dropout
+from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.text import ensure_pad_token
@@ -44,10 +44,29 @@ def load_policy(model, args: GRPOConfig):
     if args.disable_dropout:
         disable_dropout(policy)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         policy.config.use_cache = False
+    if args.cast_lm_head_to_fp32:
+        cast_head_to_fp32(policy)
     policy.train()
     return policy
+
+
+def cast_head_to_fp32(model) -> None:
+    """The output head's weights in float32 and its matmul in float32, outside autocast (TRL's
+    cast_lm_head_to_fp32). A head tied to the input embeddings cannot change dtype alone: a ConfigError."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"cast_lm_head_to_fp32=True: {type(model).__name__} has no separable output head")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and embeddings.weight is head.weight:
+        raise ConfigError("cast_lm_head_to_fp32=True needs an output head that is not tied to the input embeddings "
+                          "(tie_word_embeddings=False in the model config); set cast_lm_head_to_fp32=False")
+    if type(head) is not torch.nn.Linear:
+        raise ConfigError(f"cast_lm_head_to_fp32=True: the output head is a {type(head).__name__}, not a plain Linear "
+                          "(a PEFT adapter on lm_head?); set cast_lm_head_to_fp32=False")
+    head.float()
+    head.__class__ = Float32Head  # a copy (the reference model) keeps the behaviour
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

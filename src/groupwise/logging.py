@@ -34,6 +34,23 @@ def _wandb(output_dir: str, config: dict):
     return (lambda step, metrics: run.log(metrics, step=step)), run.finish
 
 
+# GRPOConfig.log_level / log_level_replica: transformers' names; "passive" leaves the levels as they are
+LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": None}
+
+
+def set_log_level(level: str) -> None:
+    """Apply a LOG_LEVELS name to transformers' and groupwise's loggers."""
+    value = LOG_LEVELS[level]
+    if value is None:
+        return
+    import logging
+
+    import transformers
+
+    transformers.logging.set_verbosity(value)
+    logging.getLogger("groupwise").setLevel(value)
+
+
 # GRPOConfig.report_to: trackers besides metrics.jsonl (always written); each opens to (log, close)
 TRACKERS = {"tensorboard": _tensorboard, "wandb": _wandb}
 

@@ -36,6 +36,7 @@ def completion_logps(
     *,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_rows: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (N, T) log-probs, (N, T) entropies or None
     """log π(o_t | q, o_<t) of each completion token, at the sampling temperature (logits / T, as in sampling).
@@ -54,10 +55,21 @@ def completion_logps(
     targets = input_ids[:, -T:]
     logps = selective_log_softmax(logits, targets, chunk_rows=chunk_rows)
     entropies = None
-    if compute_entropy:
+    if compute_entropy and entropy_grad:
+        entropies = entropy_from_logits(logits, chunk_rows=chunk_rows)
+    elif compute_entropy:
         with torch.no_grad():
             entropies = entropy_from_logits(logits.detach(), chunk_rows=chunk_rows)
     return logps, entropies
+
+
+class Float32Head(torch.nn.Linear):
+    """An output head whose matmul runs in float32 outside autocast, whatever the hidden states' dtype."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(),
+                                              None if self.bias is None else self.bias.float())
 
 
 class PolicyForLogps(torch.nn.Module):
@@ -80,10 +92,11 @@ class PolicyForLogps(torch.nn.Module):
             log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
 
     def forward(self, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                compute_entropy: bool = False):
+                compute_entropy: bool = False, entropy_grad: bool = False):
         if not self.chunked:
             return completion_logps(self.model, input_ids, attention_mask, num_completion_tokens,
-                                    temperature=temperature, compute_entropy=compute_entropy)
+                                    temperature=temperature, compute_entropy=compute_entropy,
+                                    entropy_grad=entropy_grad)
         T = num_completion_tokens
         decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -91,7 +104,8 @@ class PolicyForLogps(torch.nn.Module):
         hidden = hidden[:, -(T + 1):-1, :]  # (N, T, H): position p predicts token p + 1
         return logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, temperature=temperature,
                                  softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
-                                 compute_entropy=compute_entropy)
+                                 compute_entropy=compute_entropy, entropy_grad=entropy_grad,
+                                 head_fp32=isinstance(head, Float32Head))
 
 
 @torch.no_grad()

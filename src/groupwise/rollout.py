@@ -21,7 +21,7 @@ from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.process import compute_step_rewards
 from groupwise.rewards.steps import StepSplitter
-from groupwise.text import completion_masks, encode_prompts, is_conversational, trim_to_mask
+from groupwise.text import completion_masks, encode_prompts, is_conversational, pad_to_multiple, trim_to_mask
 from groupwise.types import Completions, Round, Rollout, Scores, StepScores, TrainBatch
 
 if TYPE_CHECKING:
@@ -109,7 +109,12 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     completions: list[Any] = texts
     if is_conversational(prompts[0]):
         completions = [[{"role": "assistant", "content": t}] for t in texts]
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    # pad_to_multiple_of: the training tensors' widths (generation saw the prompts unpadded)
+    multiple, pad = args.pad_to_multiple_of, tok.pad_token_id
+    prompt_ids, prompt_mask = pad_to_multiple(prompt_ids, prompt_mask, multiple, pad, side="left")
+    completion_ids, mask = pad_to_multiple(completion_ids, mask, multiple, pad, side="right")
+    # dataset columns reach reward functions as keywords, unless remove_unused_columns (TRL: the prompt only)
+    columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     return Completions(prompt_ids, prompt_mask, completion_ids, mask, truncated, prompts, completions, columns)
 
 

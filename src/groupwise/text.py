@@ -6,6 +6,7 @@ Bottom-level: imports torch only (a tokenizer is passed in, never imported).
     pad_rows                         ragged token lists → (N, L) ids and mask, padded on either side
     completion_masks, trim_to_mask   where a completion ends (its first EOS, included)
     ensure_pad_token                 the pad token every batch needs
+    pad_to_multiple                  widen (N, L) ids and mask to a multiple of k columns (pad_to_multiple_of)
 """
 
 from __future__ import annotations
@@ -87,3 +88,16 @@ def ensure_pad_token(tokenizer, owner: str = "the tokenizer") -> None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token is None:
         raise ValueError(f"{owner} has neither a pad token nor an EOS token; set tokenizer.pad_token")
+
+
+def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int | None, pad_id: int, *, side: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, L) → (N, L') with L' = ⌈L / multiple⌉ · multiple
+    """Add padding columns (mask 0) on `side` so the width is a multiple of `multiple` (None: unchanged)."""
+    if not multiple or ids.size(1) % multiple == 0:
+        return ids, mask
+    extra = multiple - ids.size(1) % multiple
+    pad_ids = torch.full((ids.size(0), extra), pad_id, dtype=ids.dtype, device=ids.device)
+    pad_mask = torch.zeros((mask.size(0), extra), dtype=mask.dtype, device=mask.device)
+    if side == "left":
+        return torch.cat([pad_ids, ids], 1), torch.cat([pad_mask, mask], 1)
+    return torch.cat([ids, pad_ids], 1), torch.cat([mask, pad_mask], 1)

@@ -18,12 +18,15 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.checkpoint import CheckpointError, claim_output_dir, load_checkpoint, read_state, save_checkpoint
 from groupwise.config import GRPOConfig
-from groupwise.data import PromptData, PromptSampler
+from groupwise.config_base import ConfigError
+from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
 from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
+from groupwise.hub import hub_token, push_folder
 from groupwise.loading import as_list, check_inputs, eos_token_ids, load_policy, load_tokenizer
-from groupwise.logging import MetricsLogger, print_completions
+from groupwise.logging import MetricsLogger, print_completions, set_log_level
 from groupwise.modeling import PolicyForLogps
+from groupwise.optim import build_optimizer
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.process import load_process_reward_sources
@@ -50,24 +53,67 @@ class TrainingInterrupted(RuntimeError):
         self.signum = signum
 
 
+# TRL 1.16 GRPOTrainer arguments groupwise does not take yet, with what to do instead
+TRAINER_NOT_SUPPORTED = {
+    "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
+                           "with PEFT (get_peft_model) and pass it as model",
+    "peft_config": "wrap the model yourself (peft.get_peft_model(model, peft_config)) and pass it as model; built-in "
+                   "LoRA is not implemented yet",
+    "tools": "multi-turn tool calling is not implemented yet",
+    "rollout_func": "custom rollout functions are not supported; rewards see every completion through reward_funcs",
+    "environment_factory": "environments are not implemented yet",
+}
+
+
 class GRPOTrainer:
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, process_reward_funcs=None):
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
+                 process_reward_funcs=None):
         # everything that can be checked without a model comes first
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout)
+        given = {"quantization_config": quantization_config, "peft_config": peft_config, "tools": tools,
+                 "rollout_func": rollout_func, "environment_factory": environment_factory}
+        for name, value in given.items():
+            if value is not None:
+                raise ConfigError(f"GRPOTrainer({name}=…) is not supported by groupwise: {TRAINER_NOT_SUPPORTED[name]} "
+                                  "(docs/trl_compat.md)")
+        self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
+            "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
+            "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph})
+        set_log_level(args.log_level if self.dist.is_main else args.log_level_replica)
         self.layout = args.layout(self.dist.world_size)
-        self.train_data = PromptData(train_dataset, "train_dataset")
+        stream = is_stream(train_dataset)
+        if stream and args.max_steps <= 0:
+            raise ConfigError("train_dataset is an IterableDataset: set max_steps (its length is unknown, so "
+                              "num_train_epochs cannot say when to stop)")
+        self.train_data = StreamData(train_dataset, "train_dataset") if stream else PromptData(train_dataset, "train_dataset")
+        if is_stream(eval_dataset):
+            raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
+                              "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
+            raise ConfigError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} need an "
+                              "eval_dataset")
+        if args.push_to_hub:
+            hub_token(args)  # no credentials: stop now, not after training
+        self.optimizers = tuple(optimizers) if optimizers is not None else (None, None)
+        if len(self.optimizers) != 2:
+            raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
                                                            as_list(process_reward_funcs))
-        from transformers import set_seed
+        from transformers import enable_full_determinism, set_seed
 
-        set_seed(args.seed + self.dist.rank)  # each process samples different completions
-        self.sampler = PromptSampler(len(self.train_data), self.layout.prompts_per_generation,
-                                     shuffle=args.shuffle_dataset, seed=args.seed if args.data_seed is None else args.data_seed)
+        # each process samples different completions
+        (enable_full_determinism if args.full_determinism else set_seed)(args.seed + self.dist.rank)
+        if args.tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+        data_seed = args.seed if args.data_seed is None else args.data_seed
+        self.sampler = StreamSampler(self.train_data, self.layout.prompts_per_generation) if stream else \
+            PromptSampler(len(self.train_data), self.layout.prompts_per_generation, shuffle=args.shuffle_dataset,
+                          seed=data_seed)
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self.max_steps = args.max_steps if args.max_steps > 0 else \
             math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * self.steps_per_round
@@ -86,7 +132,7 @@ class GRPOTrainer:
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, max_positions = load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
-            if data is not None:
+            if isinstance(data, PromptData):
                 data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
                                    max_completion_length=args.max_completion_length, max_positions=max_positions,
                                    truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
@@ -113,15 +159,24 @@ class GRPOTrainer:
         return copy.deepcopy(policy).eval().requires_grad_(False).to(self.dist.device)
 
     def _build_optimization(self, policy):
-        """AdamW and the schedule; the policy is trained through PolicyForLogps (log-probs without full logits)."""
+        """The optimizer (`optim`, or the one passed in `optimizers`) and the schedule; the policy is trained through
+        PolicyForLogps (log-probs without full logits)."""
         args = self.args
         from transformers import get_scheduler
 
-        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                      weight_decay=args.weight_decay)
-        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
-                                  num_training_steps=self.max_steps)
+        optimizer, scheduler = self.optimizers
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        if optimizer is None:
+            optimizer = build_optimizer(trainable, args)
+        else:  # TRL's optimizers=(opt, sched): built by the user over the model's parameters
+            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not given <= {id(p) for p in policy.parameters()}:
+                raise ConfigError("optimizers[0] holds parameters that are not the model's: build it over "
+                                  "model.parameters() of the model passed to GRPOTrainer")
+        if scheduler is None:
+            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
+                                      num_training_steps=self.max_steps,
+                                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
         model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
         return model, optimizer, scheduler
 
@@ -183,8 +238,10 @@ class GRPOTrainer:
         self._logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main,
                                      config=args.to_dict(), resume_step=self.global_step, run_id=self.run_id,
                                      resumed=self.global_step > 0)
+        shows = self.dist.is_main or (args.log_on_each_node and self.dist.is_local_main)
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
-                         disable=bool(args.disable_tqdm) or not self.dist.is_main)
+                         disable=bool(args.disable_tqdm) or not shows)
+        self._epochs_done = int(self.sampler.progress())
         self._started = self._tick = time.perf_counter()
         self._window.clear()
         self._last: dict[str, float] = {}
@@ -192,8 +249,8 @@ class GRPOTrainer:
         self._event("on_train_begin")
         if self.global_step:  # resumed: the sampler must see the restored weights
             self.rollout_ctx.generator.update_weights(self.unwrapped)
-        if self.eval_data is not None and self.global_step == 0:
-            self._logger.log(0, {**self.evaluate(), **self._elapsed()})
+        if args.eval_on_start and self.global_step == 0:
+            self._evaluate_and_log()
 
     def _collect(self) -> Rollout:
         """A fresh generation batch (groupwise.rollout.collect), timed."""
@@ -228,24 +285,31 @@ class GRPOTrainer:
         for k, v in metrics.items():
             self._window[k].append(v)
         self._maybe_sync_ref()
+        if args.torch_empty_cache_steps and self.global_step % args.torch_empty_cache_steps == 0:
+            _empty_cache(self.dist.device)
         self._bar.update(1)
         self._event("on_step_end")
         # a callback may ask to stop (control.should_training_stop): every process stops at the same step
         self.control.should_training_stop = self.dist.any(self.control.should_training_stop)
         last_step = self._finished()
-        control = self.control
-        if (self.global_step % max(args.logging_steps, 1) == 0 or last_step or control.should_log
-                or (args.logging_first_step and self.global_step == 1)):
+        control, step = self.control, self.global_step
+        epoch_end = False
+        if done == self.steps_per_round and int(self.sampler.progress()) > self._epochs_done:
+            self._epochs_done, epoch_end = int(self.sampler.progress()), True
+        # logging_strategy / save_strategy / eval_strategy: "steps", "epoch" or "no" (transformers' meanings)
+        due = {"steps": lambda every: bool(every) and step % every == 0, "epoch": lambda every: epoch_end,
+               "no": lambda every: False}
+        if (due[args.logging_strategy](max(args.logging_steps, 1)) or last_step or control.should_log
+                or (args.logging_first_step and step == 1)):
             self._log(rollout)
-        saved = args.save_steps and self.global_step % args.save_steps == 0 or last_step or control.should_save
+        saved = (due[args.save_strategy](args.save_steps) or (last_step and args.save_strategy != "no")
+                 or control.should_save)
         if saved:
             self._save_round(rollout, done)
-        if self.eval_data is not None and ((args.eval_steps and self.global_step % args.eval_steps == 0) or last_step
-                                           or control.should_evaluate):
-            metrics = {**self.evaluate(), **self._elapsed()}
-            self._logger.log(self.global_step, metrics)
-            self.state.log_history.append({**metrics, "step": self.global_step})
-            self._event("on_evaluate", metrics=metrics)
+        delayed = (self._epochs_done if args.eval_strategy == "epoch" else step) <= args.eval_delay and args.eval_delay
+        if self.eval_data is not None and (control.should_evaluate or (
+                not delayed and (due[args.eval_strategy](args.eval_steps) or (last_step and args.eval_strategy != "no")))):
+            self._evaluate_and_log()
         control.should_log = control.should_save = control.should_evaluate = False
         if self.dist.any(bool(self._signals)) and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM
@@ -260,6 +324,14 @@ class GRPOTrainer:
         unfinished = done < self.steps_per_round
         path = self.save(rollout.batch if unfinished else None, rollout.metrics, done)
         self._event("on_save", checkpoint=str(path))
+        if self.args.push_to_hub and self.args.hub_strategy == "every_save":
+            self.push_to_hub(commit_message=f"groupwise: step {self.global_step}")
+
+    def _evaluate_and_log(self) -> None:
+        metrics = {**self.evaluate(), **self._elapsed()}
+        self._logger.log(self.global_step, metrics)
+        self.state.log_history.append({**metrics, "step": self.global_step})
+        self._event("on_evaluate", metrics=metrics)
 
     @contextlib.contextmanager
     def _signals_stop_the_run(self):
@@ -292,8 +364,9 @@ class GRPOTrainer:
                 signal.signal(s, h)
 
     def _log(self, rollout: Rollout) -> None:
-        last = {k: _nanmean(v) for k, v in self._window.items()}
-        last["epoch"] = self.sampler.epoch + self.sampler.position / len(self.train_data)
+        loss_mode = "finite" if self.args.logging_nan_inf_filter else "all"
+        last = {k: _mean(v, loss_mode if k.startswith("loss") else "measured") for k, v in self._window.items()}
+        last["epoch"] = self.sampler.progress()
         last.update(self._elapsed())
         self._logger.log(self.global_step, last)
         self._window.clear()
@@ -308,7 +381,8 @@ class GRPOTrainer:
                                ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
                                if k in last})
         if self.args.log_completions and rollout.round is not None and self.dist.is_main:
-            _print_round(self.global_step, rollout.round, self.args.num_completions_to_print)
+            _print_round(self.global_step, rollout.round, self.args.num_completions_to_print,
+                         unique_prompts=self.args.log_unique_prompts)
 
     def _finished(self) -> bool:
         return self.global_step >= self.max_steps or self.control.should_training_stop
@@ -352,6 +426,19 @@ class GRPOTrainer:
             rows.append({**row, **{k: v[i] for k, v in extra.items()}})
         return rows
 
+    def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True, **kwargs) -> str | None:
+        """Save the model to output_dir and upload it (model, tokenizer, config; not the checkpoints or logs) to
+        hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads are
+        synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
+        if kwargs:
+            raise TypeError(f"push_to_hub() got unexpected arguments {sorted(kwargs)}")
+        self.save_model(self.args.output_dir)
+        url = None
+        if self.dist.is_main:
+            url = push_folder(self.args, self.args.output_dir, commit_message)
+        self.dist.barrier()
+        return url
+
     def save_model(self, output_dir: str | None = None) -> None:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
         out = output_dir or self.args.output_dir
@@ -362,6 +449,8 @@ class GRPOTrainer:
 
     def _end(self) -> dict[str, float]:
         self._event("on_train_end")
+        if self.args.push_to_hub:
+            self.push_to_hub()
         self.dist.barrier()
         if self.dist.is_main:
             tqdm.write(f"groupwise: {self.global_step} optimizer steps, {self.skipped_steps} skipped as non-finite; "
@@ -373,19 +462,26 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy completion of every eval prompt: eval/reward/mean (weighted) and eval/<func> per function."""
-        ctx, data, dist = self.rollout_ctx, self.eval_data, self.dist
+        """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
+        or k sampled completions per prompt at the training temperature (num_generations_eval = k). Logs
+        eval/reward/mean (weighted), eval/<func> (the mean over all completions) and, with k samples,
+        eval/<func>/mean@k and eval/<func>/pass@k (the mean over prompts of the best of k: for 0/1 rewards, the
+        share of prompts solved at least once)."""
+        ctx, data, dist, args = self.rollout_ctx, self.eval_data, self.dist, self.args
+        if data is None:
+            raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer)")
+        k = args.num_generations_eval or 1
         mine = list(range(dist.rank, len(data), dist.world_size))
-        bs = self.args.per_device_eval_batch_size
+        bs = args.per_device_eval_batch_size
 
         def local():  # this process's share; no collective inside, so it runs under run_together
             per_func, lengths = [], []
             for start in range(0, len(mine), bs):
-                rows = [data[i] for i in mine[start:start + bs]]
-                comp = R.generate(ctx, self.unwrapped, rows, greedy=True)
+                rows = [data[i] for i in mine[start:start + bs] for _ in range(k)]
+                comp = R.generate(ctx, self.unwrapped, rows, greedy=args.num_generations_eval is None)
                 rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                             comp.columns, on_error=self.args.on_reward_error,
-                                             timeout=self.args.reward_timeout, extra=ctx.reward_kwargs)
+                                             comp.columns, on_error=args.on_reward_error,
+                                             timeout=args.reward_timeout, extra=ctx.reward_kwargs)
                 per_func += rewards.tolist()
                 lengths += comp.lengths.tolist()
             return per_func, lengths
@@ -398,8 +494,14 @@ class GRPOTrainer:
         per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
         # combined as in training: a row no function scored is left out, not counted as 0
         out["eval/reward/mean"] = float(torch.nanmean(weighted_nansum(per_func, ctx.reward_weights)))
+        by_prompt = per_func.view(-1, k, len(self.reward_sources))  # (prompts, k, F)
         for f, src in enumerate(self.reward_sources):
             out[f"eval/{src.name}"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval/accuracy
+            if args.num_generations_eval is not None:
+                scores = by_prompt[:, :, f]
+                best = torch.where(scores.isnan(), float("-inf"), scores).amax(1)  # unscored samples do not count
+                out[f"eval/{src.name}/mean@{k}"] = out[f"eval/{src.name}"]
+                out[f"eval/{src.name}/pass@{k}"] = float(best[best.isfinite()].mean())
         return out
 
     def _maybe_sync_ref(self) -> None:
@@ -422,10 +524,14 @@ class GRPOTrainer:
                                tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=state, pending=pending.tensors() if pending is not None else None,
                                ref_model=self.ref_model if self.args.sync_ref_model else None,
-                               save_total_limit=self.args.save_total_limit)
+                               save_total_limit=self.args.save_total_limit, model_only=self.args.save_only_model)
 
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
+        if state.get("model_only"):
+            raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model only (no "
+                                  "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
+                                  "run with it as the model")
         if state["world_size"] != self.dist.world_size:
             raise CheckpointError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
                              f"(now {self.dist.world_size}) so the data split and RNG streams match")
@@ -446,12 +552,36 @@ class GRPOTrainer:
         return Rollout(TrainBatch.from_tensors(pending), state["round_metrics"]), state["round_step"]
 
 
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(finite) / len(finite) if finite else float("nan")
+def _mean(values: list[float], mode: str) -> float:
+    """Mean over the logging window. mode "measured": NaN marks "not measured" (a metric absent from a step) and is
+    left out; "finite": NaN and ±inf left out (logging_nan_inf_filter, for the loss); "all": nothing left out."""
+    def keep(v) -> bool:
+        if v is None:
+            return False
+        if mode == "all" or not isinstance(v, float):
+            return True
+        return not math.isnan(v) and (mode == "measured" or not math.isinf(v))
+    kept = [v for v in values if keep(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
 
 
-def _print_round(step: int, rnd: Round, limit: int | None) -> None:
+def _empty_cache(device: torch.device) -> None:
+    """torch_empty_cache_steps: give cached accelerator memory back (nothing to do on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
+def _print_round(step: int, rnd: Round, limit: int | None, unique_prompts: bool = False) -> None:
     comp = rnd.completions
-    print_completions(step, comp.prompts, comp.completions, rnd.rewards.tolist(), rnd.first_token_advantages(), limit,
-                      steps=rnd.steps)
+    rows = list(range(len(comp.prompts)))
+    if unique_prompts:  # one row per prompt: its first completion (TRL's log_unique_prompts)
+        first: dict[str, int] = {}
+        for i in rows:
+            first.setdefault(repr(comp.prompts[i]), i)
+        rows = sorted(first.values())
+    advantages = rnd.first_token_advantages()
+    print_completions(step, [comp.prompts[i] for i in rows], [comp.completions[i] for i in rows],
+                      [float(rnd.rewards[i]) for i in rows], [advantages[i] for i in rows], limit,
+                      steps=None if rnd.steps is None else [rnd.steps[i] for i in rows])

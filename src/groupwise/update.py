@@ -5,7 +5,9 @@ each process's micro-batch loss is scaled so that, after DDP averages gradients 
 are summed, the step's gradient equals the gradient of the aggregated loss over the whole window. The aggregation
 says which rule applies (groupwise.core.aggregation, `spans_step`):
     normaliser spans the step (dapo)          ℓ_i · W   (ℓ_i already divides by the window's tokens, all processes)
-    normaliser local to the micro-batch       ℓ_i / k   (grpo, bnpo, dr_grpo)
+    normaliser local to the micro-batch       ℓ_i / k   (grpo, bnpo, dr_grpo, luspo)
+An entropy bonus (entropy_coef = c) subtracts c · H̄_i / k per micro-batch, H̄_i its mean token entropy, so the step
+maximises c times the window's mean of micro-batch entropies whatever the loss type's normaliser (TRL's definition).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from groupwise.core.aggregation import aggregation
+from groupwise.core.losses import LOSS_TYPES
 from groupwise.core.logprobs import top_entropy_mask
 from groupwise.core.losses import policy_loss
 from groupwise.types import TrainBatch
@@ -47,21 +50,29 @@ def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int,
 
 
 def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The aggregated loss of one micro-batch (before accumulation/DP scaling) and its metrics."""
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The aggregated loss of one micro-batch (before accumulation/DP scaling), the mean entropy H̄ of the tokens the
+    policy term acts on (differentiable; None when entropy_coef = 0), and the metrics."""
     args = ctx.args
     mask = mb.completion_mask
+    bonus = args.entropy_coef != 0.0
     logps, entropies = ctx.model(mb.input_ids, mb.attention_mask, mask.size(1), temperature=args.temperature,
-                                 compute_entropy=True)  # PolicyForLogps (possibly inside DDP)
+                                 compute_entropy=True, entropy_grad=bonus)  # PolicyForLogps (possibly inside DDP)
     old = logps.detach() if mb.old_logps is None else mb.old_logps
-    loss_mask = None if args.top_entropy_quantile >= 1.0 else top_entropy_mask(entropies, mask, args.top_entropy_quantile)
+    loss_mask = None if args.top_entropy_quantile >= 1.0 else \
+        top_entropy_mask(entropies.detach(), mask, args.top_entropy_quantile)
     loss, metrics = policy_loss(
         logps, old, mb.advantages, mask, loss_type=args.loss_type, epsilon_low=args.epsilon,
-        epsilon_high=args.epsilon_high, delta=args.delta, importance_sampling_level=args.importance_sampling_level,
-        beta=args.beta, ref_logps=mb.ref_logps, max_completion_length=args.max_completion_length,
-        num_items_in_batch=num_items, loss_mask=loss_mask)
-    metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
-    return loss, metrics
+        epsilon_high=args.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, importance_sampling_level=args.importance_sampling_level,
+        beta=args.beta, ref_logps=mb.ref_logps, use_bias_correction_kl=args.use_bias_correction_kl,
+        max_completion_length=args.max_completion_length, num_items_in_batch=num_items, loss_mask=loss_mask)
+    metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
+    mean_entropy = None
+    if bonus:  # over the tokens the policy term acts on (the top-entropy ones when top_entropy_quantile < 1), as TRL
+        acting = mask if loss_mask is None else mask * loss_mask
+        mean_entropy = (entropies * acting).sum() / acting.sum().clamp(min=1)
+    return loss, mean_entropy, metrics
 
 
 def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, float]:
@@ -69,7 +80,7 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     args, dist, model = ctx.args, ctx.dist, ctx.model
     k = len(window)
     num_items = None
-    if aggregation(args.loss_type).spans_step:
+    if aggregation(LOSS_TYPES[args.loss_type].aggregation).spans_step:
         num_items = dist.sum(sum(mb.completion_mask.sum() for mb in window).float())  # the step's tokens, all processes
         scale = float(dist.world_size)
     else:
@@ -78,8 +89,11 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     step_loss, finite = 0.0, True
     for i, mb in enumerate(window):
         with dist.no_sync(model, skip_sync=i < k - 1):
-            loss, metrics = micro_batch_loss(ctx, mb, num_items)
-            dist.backward(loss * scale)
+            loss, mean_entropy, metrics = micro_batch_loss(ctx, mb, num_items)
+            total = loss * scale
+            if mean_entropy is not None:  # L − c·H̄: each micro-batch's mean token entropy, averaged over the window
+                total = total - args.entropy_coef * mean_entropy / k
+            dist.backward(total)
         finite = finite and bool(torch.isfinite(loss.detach()))
         step_loss += float(loss.detach()) * scale
         for name, value in metrics.items():

@@ -75,7 +75,7 @@ def test_aggregations_by_hand():
     assert aggregate(loss, mask, "dr_grpo", max_completion_length=5).item() == pytest.approx(1.0)
     assert aggregate(loss, mask, "dapo", num_items_in_batch=8).item() == pytest.approx(1.25)
     assert aggregate(loss, mask, "dapo").item() == pytest.approx(2.5)
-    with pytest.raises(ValueError, match="loss_type"):
+    with pytest.raises(ValueError, match="aggregation"):
         aggregate(loss, mask, "ppo")
 
 

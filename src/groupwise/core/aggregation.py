@@ -1,9 +1,11 @@
-"""Reduce a (N, T) per-token loss to a scalar. The variants (GRPOConfig.loss_type), each with its normaliser:
+"""Reduce a (N, T) per-token loss to a scalar. The aggregations (each loss_type names one,
+groupwise.core.losses.LOSS_TYPES), each with its normaliser:
 
 grpo     Σ_i (Σ_t ℓ_it m_it / Σ_t m_it) / N           per-sequence mean, then mean (DeepSeekMath eq. 3)
 bnpo     Σ_it ℓ_it m_it / Σ_it m_it                    mean over the tokens of this micro-batch
 dr_grpo  Σ_it ℓ_it m_it / (N · max_completion_length)  constant normaliser, no length bias (Dr. GRPO)
 dapo     Σ_it ℓ_it m_it / num_items_in_batch           token count of the whole optimizer step, all processes (DAPO)
+luspo    Σ_i (Σ_t ℓ_it m_it) / N                       per-sequence sum, then mean: longer sequences weigh more (LUSPO)
 
 `Aggregation.spans_step` tells the update step how to scale each micro-batch's loss under gradient accumulation
 (k micro-batches) and data parallelism (W processes, DDP averages gradients): a normaliser local to the
@@ -33,6 +35,10 @@ def _dr_grpo(loss, mask, *, max_completion_length=None, **_):
     return (loss * mask).sum() / (loss.size(0) * max_completion_length)
 
 
+def _luspo(loss, mask, **_):
+    return (loss * mask).sum(-1).mean()
+
+
 def _dapo(loss, mask, *, num_items_in_batch=None, **_):
     normalizer = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
     return (loss * mask).sum() / normalizer.clamp(min=1.0)
@@ -50,25 +56,26 @@ AGGREGATIONS: dict[str, Aggregation] = {
     "bnpo": Aggregation(_bnpo, "tokens of the micro-batch", spans_step=False),
     "dr_grpo": Aggregation(_dr_grpo, "N · max_completion_length", spans_step=False),
     "dapo": Aggregation(_dapo, "tokens of the whole optimizer step, all processes", spans_step=True),
+    "luspo": Aggregation(_luspo, "sequences of the micro-batch (tokens summed)", spans_step=False),
 }
 
 
-def aggregation(loss_type: str) -> Aggregation:
+def aggregation(name: str) -> Aggregation:
     try:
-        return AGGREGATIONS[loss_type]
+        return AGGREGATIONS[name]
     except KeyError:
-        raise ValueError(f"loss_type={loss_type!r} is not one of {sorted(AGGREGATIONS)}") from None
+        raise ValueError(f"aggregation {name!r} is not one of {sorted(AGGREGATIONS)}") from None
 
 
 def aggregate(
     per_token_loss: torch.Tensor,  # (N, T)
     mask: torch.Tensor,  # (N, T)
-    loss_type: str,
+    name: str,
     *,
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return aggregation(loss_type).reduce(
+    return aggregation(name).reduce(
         per_token_loss,
         mask.to(per_token_loss.dtype),
         max_completion_length=max_completion_length,

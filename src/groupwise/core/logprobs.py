@@ -50,10 +50,14 @@ def top_entropy_mask(
 
 
 def _chunk(hidden, weight, bias, targets, temperature: float, softcap: float | None, scale: float,
-           want_entropy: bool):
-    """One chunk: (n, V) logits → log-prob of the targets (n,), and the entropy (n,) from the same logits
-    (detached: a metric and a mask, never differentiated) or an empty tensor."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V): one chunk only
+           want_entropy: bool, entropy_grad: bool = False, head_fp32: bool = False):
+    """One chunk: (n, V) logits → log-prob of the targets (n,), and the entropy (n,) from the same logits or an
+    empty tensor. The entropy is detached (a metric and a mask) unless `entropy_grad` (an entropy bonus in the loss)."""
+    if head_fp32:  # the head's matmul in float32, outside autocast (cast_lm_head_to_fp32)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    else:
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()  # (n, V): one chunk only
     if scale != 1.0:
         logits = logits * scale
     if softcap is not None:
@@ -64,6 +68,9 @@ def _chunk(hidden, weight, bias, targets, temperature: float, softcap: float | N
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
     if not want_entropy:
         return logps, logits.new_empty(0)
+    if entropy_grad:
+        logp_all = logits - logsumexp.unsqueeze(-1)
+        return logps, -(logp_all.exp() * logp_all).sum(-1)
     with torch.no_grad():
         logp_all = logits.detach() - logsumexp.detach().unsqueeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -81,13 +88,15 @@ def logps_from_hidden(
     scale: float = 1.0,  # logits · scale (Cohere)
     chunk_tokens: int = 1024,
     compute_entropy: bool = False,
+    entropy_grad: bool = False,  # the entropies carry gradients (an entropy bonus in the loss)
+    head_fp32: bool = False,  # the head's matmul in float32 outside autocast
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (N, T), (N, T) or None
     """log softmax(head(h) / temperature)[target] for every position, `chunk_tokens` positions at a time. With
     gradients, each chunk runs under activation checkpointing: its (chunk, V) logits are freed after the forward and
     recomputed in the backward, so the (N, T, V) logits never exist, in either pass."""
     N, T, H = hidden.shape
     flat_h, flat_t = hidden.reshape(N * T, H), targets.reshape(N * T)
-    args = (temperature, softcap, scale, compute_entropy)
+    args = (temperature, softcap, scale, compute_entropy, entropy_grad, head_fp32)
     logps, entropies = [], []
     for lo in range(0, N * T, chunk_tokens):
         h, t = flat_h[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens]

@@ -1,20 +1,79 @@
-"""The clipped GRPO surrogate (DeepSeekMath eq. 3) with the field's common extensions.
+"""The GRPO surrogate (DeepSeekMath eq. 3) and its variants, selected by `loss_type` (TRL's names).
 
-    ρ_t   = π_θ(o_t) / π_θold(o_t)                      per token, or exp(mean_t log ρ_t) per sequence (GSPO)
-    ℓ_t   = −min(min(ρ_t, δ) Â_t, clip(ρ_t, 1−ε_low, 1+ε_high) Â_t) + β · k3_t
-    k3_t  = exp(ref_t − logp_t) − (ref_t − logp_t) − 1
+A loss type is an objective (the per-token term ℓ_t) and an aggregation (what Σ ℓ_t m_t is divided by,
+groupwise.core.aggregation). With ρ_t = π_θ(o_t) / π_θold(o_t) per token, or exp(mean_t log ρ_t) per sequence (GSPO):
+
+    clip   ℓ_t = −min(min(ρ_t, δ) Â_t, clip(ρ_t, 1−ε_low, 1+ε_high) Â_t)     DeepSeekMath eq. 3 (δ: INTELLECT-2)
+    cispo  ℓ_t = −sg[min(ρ_t, ε_high)] Â_t log π_θ(o_t)                          (MiniMax-M1; ε_high is ε_max here)
+    sapo   ℓ_t = −(4/τ) σ(τ (ρ_t − 1)) Â_t,  τ = τ_pos if Â_t > 0 else τ_neg     (soft gate; d/dρ = 1 at ρ = 1)
+
+and then, for every loss type, the KL penalty β · k3_t (DeepSeekMath eq. 4),
+k3_t = exp(ref_t − logp_t) − (ref_t − logp_t) − 1, multiplied by ρ_t when `use_bias_correction_kl` (TRL's default:
+the samples come from π_θold, so ρ_t k3_t is the importance-weighted KL; its value at ρ = 1 is unchanged but its
+gradient gains k3_t ∇log π_θ).
 
 Â may be one value per completion (N,) (outcome supervision) or one per token (N, T) (process supervision).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from groupwise.core.aggregation import aggregate
+from groupwise.core.aggregation import AGGREGATIONS, aggregate
 from groupwise.core.kl import k3
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def _clip(ratio, logps, adv, *, epsilon_low, epsilon_high, delta, **_):
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)  # two-sided clipping (δ)
+    return -torch.min(capped * adv, clipped * adv)
+
+
+def _cispo(ratio, logps, adv, *, epsilon_high, **_):
+    return -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
+
+
+def _sapo(ratio, logps, adv, *, sapo_temperature_pos, sapo_temperature_neg, **_):
+    tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+@dataclass(frozen=True)
+class Objective:
+    per_token: Callable[..., torch.Tensor]  # (ratio, logps, adv, **options) → (N, T) per-token loss
+    options: tuple[str, ...]  # GRPOConfig fields it reads (setting another objective's field is a ConfigError)
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "clip": Objective(_clip, ("epsilon", "epsilon_high", "delta")),
+    "cispo": Objective(_cispo, ("epsilon_high",)),
+    "sapo": Objective(_sapo, ("sapo_temperature_pos", "sapo_temperature_neg")),
+}
+
+
+@dataclass(frozen=True)
+class LossType:
+    objective: str  # key of OBJECTIVES
+    aggregation: str  # key of AGGREGATIONS
+    summary: str
+
+
+# TRL 1.16's loss_type values (all but "vespo"), each as objective + aggregation
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType("clip", "grpo", "clipped ratio; mean over each sequence's tokens, then over sequences"),
+    "bnpo": LossType("clip", "bnpo", "clipped ratio; mean over the micro-batch's tokens"),
+    "dr_grpo": LossType("clip", "dr_grpo", "clipped ratio; sum / (N · max_completion_length) (Dr. GRPO)"),
+    "dapo": LossType("clip", "dapo", "clipped ratio; sum / tokens of the whole optimizer step (DAPO)"),
+    "cispo": LossType("cispo", "dapo", "clipped, detached ratio × Â × log π (MiniMax-M1); dapo normaliser"),
+    "sapo": LossType("sapo", "grpo", "soft sigmoid gate instead of clipping (SAPO); grpo normaliser"),
+    "luspo": LossType("clip", "luspo", "clipped ratio; sum over each sequence's tokens, mean over sequences (LUSPO)"),
+}
+assert all(t.objective in OBJECTIVES and t.aggregation in AGGREGATIONS for t in LOSS_TYPES.values())
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -33,9 +92,12 @@ def policy_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
     importance_sampling_level: str = "token",
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,  # (N, T), needed when beta != 0
+    use_bias_correction_kl: bool = False,
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,  # (N, T) extra 0/1 mask on the policy term (top-entropy tokens)
@@ -45,11 +107,14 @@ def policy_loss(
         raise ValueError(
             f"importance_sampling_level={importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}"
         )
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {sorted(LOSS_TYPES)}")
     if logps.shape != old_logps.shape or logps.shape != mask.shape:
         raise ValueError(f"logps {tuple(logps.shape)}, old_logps {tuple(old_logps.shape)} and mask "
                          f"{tuple(mask.shape)} must have the same (N, T) shape")
     if beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps")
+    kind = LOSS_TYPES[loss_type]
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     adv = advantages.to(logps.dtype)
@@ -62,23 +127,26 @@ def policy_loss(
     if importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (N, 1)
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)  # two-sided clipping (δ)
-    per_token = -torch.min(capped * adv, clipped * adv)  # (N, T)
+    per_token = OBJECTIVES[kind.objective].per_token(
+        ratio, logps, adv, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     if loss_mask is not None:
         per_token = per_token * loss_mask.to(per_token.dtype)
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         kl = k3(logps, ref_logps)  # (N, T)
-        per_token = per_token + beta * kl
+        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)
         metrics["kl"] = _masked_mean(kl.detach(), mask)
-    loss = aggregate(per_token, mask, loss_type, max_completion_length=max_completion_length,
+    loss = aggregate(per_token, mask, kind.aggregation, max_completion_length=max_completion_length,
                      num_items_in_batch=num_items_in_batch)
 
     with torch.no_grad():
-        low = (ratio < 1 - epsilon_low) & (adv < 0)
-        high = (ratio > 1 + epsilon_high) & (adv > 0)
-        metrics["clip/low"] = _masked_mean(low, mask)
-        metrics["clip/high"] = _masked_mean(high, mask)
-        metrics["clip/region"] = _masked_mean(low | high, mask)
+        if kind.objective == "cispo":  # the weight is capped at ε_max, on positive advantages (TRL's metric)
+            metrics["clip/high"] = _masked_mean((ratio > epsilon_high) & (adv > 0), mask)
+        else:
+            low = (ratio < 1 - epsilon_low) & (adv < 0)
+            high = (ratio > 1 + epsilon_high) & (adv > 0)
+            metrics["clip/low"] = _masked_mean(low, mask)
+            metrics["clip/high"] = _masked_mean(high, mask)
+            metrics["clip/region"] = _masked_mean(low | high, mask)
     return loss, metrics

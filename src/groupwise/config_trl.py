@@ -1,0 +1,141 @@
+"""TRL 1.16 GRPOConfig / TrainingArguments fields that groupwise does not implement, each with what to do instead.
+
+A config may still carry such a field at TRL's default, or at any value while the field it depends on is off
+(`vllm_mode` with `use_vllm: false`): a TRL config dumped whole loads, since it asks for nothing groupwise lacks.
+Any other value is a ConfigError naming the field and the alternative. Every other TRL field is a GRPOConfig field
+(docs/trl_compat.md lists the ones accepted without effect and why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NotSupported:
+    default: Any  # TRL's default: a config may carry this value
+    reason: str  # what to do instead
+    needs: Callable[[dict], bool] | None = None  # given the config's values: is the field read at all?
+
+    def accepts(self, value: Any, values: dict[str, Any]) -> bool:
+        """May a config carry this value? Yes at TRL's default, or while the field it depends on is off."""
+        if self.needs is not None and not self.needs(values):
+            return True
+        return value == self.default or (value is None and self.default in (None, False, "", []))
+
+
+_VLLM = "vLLM generation is not implemented yet; generation uses generation_backend ('fast' or 'transformers')"
+_EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluate()); there is no prediction loop or "
+              "compute_metrics to configure")
+_NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
+
+
+def _never(values: dict) -> bool:  # read only by a loss_type groupwise does not offer (vespo)
+    return False
+
+
+def _best(values: dict) -> bool:
+    return bool(values.get("load_best_model_at_end"))
+
+
+def _vllm(default: Any) -> NotSupported:
+    return NotSupported(default, _VLLM, needs=lambda values: bool(values.get("use_vllm")))
+
+
+TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
+    # generation engines
+    "use_vllm": NotSupported(False, _VLLM),
+    **{name: _vllm(default) for name, default in {
+        "vllm_mode": "colocate", "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False,
+        "vllm_structured_outputs_regex": None, "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0",
+        "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
+        "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": None, "vllm_tensor_parallel_size": 1,
+        "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
+        "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": None,
+        "vllm_importance_sampling_cap": None}.items()},
+    "use_transformers_paged": NotSupported(False, "use generation_backend='fast' (prefill shared per group)"),
+    "use_transformers_continuous_batching": NotSupported(False, "use generation_backend='fast' (prefill shared per "
+                                                                "group, finished rows leave the batch)"),
+    "transformers_continuous_batching_config": NotSupported(None, "continuous batching is not implemented; use "
+                                                                  "generation_backend='fast'"),
+    "cache_implementation": NotSupported(None, "generation uses the model's default KV cache"),
+    "max_tool_calling_iterations": NotSupported(None, "tool calling is not implemented yet"),
+    # kernels and compilation
+    "use_liger_loss": NotSupported(None, "log-probs never build the full logits: the output head runs in "
+                                         "checkpointed chunks (logprob_chunk_tokens)"),
+    "use_liger_kernel": NotSupported(False, "Liger kernels are not used; log-probs run the output head in chunks "
+                                            "(logprob_chunk_tokens)"),
+    "liger_kernel_config": NotSupported(None, "Liger kernels are not used"),
+    "torch_compile": NotSupported(False, "the training forward is not compiled"),
+    "torch_compile_backend": NotSupported(None, "the training forward is not compiled"),
+    "torch_compile_mode": NotSupported(None, "the training forward is not compiled"),
+    # precision and devices
+    "fp16": NotSupported(False, "use bf16=True (fp16 loss scaling is not implemented)"),
+    "bf16_full_eval": NotSupported(False, "evaluation runs in the training precision; set bf16=True"),
+    "fp16_full_eval": NotSupported(False, "evaluation runs in the training precision; set bf16=True"),
+    "use_cpu": NotSupported(False, "set ACCELERATE_USE_CPU=1 or CUDA_VISIBLE_DEVICES='' instead"),
+    # sharding and launchers
+    "deepspeed": NotSupported(None, "DeepSpeed is not supported: launch with accelerate and an FSDP config instead"),
+    "ds3_gather_for_generation": NotSupported(True, "DeepSpeed ZeRO-3 is not supported"),
+    "fsdp": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
+    "fsdp_config": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
+    "accelerator_config": NotSupported(None, "configure accelerate with `accelerate launch --config_file …`"),
+    "parallelism_config": NotSupported(None, "context / tensor parallelism is not supported; use data parallelism"),
+    "activation_checkpointing": NotSupported(None, "use gradient_checkpointing=True"),
+    "activation_checkpointing_kwargs": NotSupported(None, "use gradient_checkpointing_kwargs"),
+    "save_on_each_node": NotSupported(False, "checkpoints are written by the main process to a folder every node "
+                                             "must see (a shared file system)"),
+    # adapters (LoRA is passed as a PEFT-wrapped model for now)
+    "use_peft": NotSupported(False, "pass a PEFT-wrapped model instead (built-in LoRA is not implemented yet)"),
+    # objective variants not implemented
+    "vespo_k_pos": NotSupported(2.0, "loss_type='vespo' is not implemented", needs=_never),
+    "vespo_lambda_pos": NotSupported(3.0, "loss_type='vespo' is not implemented", needs=_never),
+    "vespo_k_neg": NotSupported(3.0, "loss_type='vespo' is not implemented", needs=_never),
+    "vespo_lambda_neg": NotSupported(2.0, "loss_type='vespo' is not implemented", needs=_never),
+    "use_adaptive_entropy": NotSupported(False, "adaptive entropy control is not implemented; use a fixed "
+                                                "entropy_coef"),
+    **{name: NotSupported(default, "adaptive entropy control is not implemented; use a fixed entropy_coef",
+                          needs=lambda values: bool(values.get("use_adaptive_entropy")))
+       for name, default in {"entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005,
+                             "entropy_target": 0.2}.items()},
+    "off_policy_mask_threshold": NotSupported(None, "off-policy sequence masking is not implemented; lower "
+                                                    "num_iterations or use delta (two-sided clipping)"),
+    "router_aux_loss_coef": NotSupported(None, "the MoE load-balancing loss is not added to the GRPO loss"),
+    "neftune_noise_alpha": NotSupported(None, "NEFTune is for supervised fine-tuning, not GRPO"),
+    "label_smoothing_factor": NotSupported(0.0, "GRPO has no labels to smooth"),
+    "label_names": NotSupported(None, "GRPO has no labels"),
+    "optim_target_modules": NotSupported(None, "GaLore / APOLLO optimizers are not supported; use optim "
+                                               "'adamw_torch_fused', 'adamw_torch', 'adafactor', 'sgd', 'adagrad' "
+                                               "or 'rmsprop'"),
+    # batching and data order
+    "auto_find_batch_size": NotSupported(False, "a generation batch must hold whole groups; lower "
+                                                "per_device_train_batch_size instead (as in TRL)"),
+    "train_sampling_strategy": NotSupported("random", "use shuffle_dataset (True: a seeded permutation each epoch, "
+                                                      "False: dataset order)"),
+    "length_column_name": NotSupported("length", "group_by_length sampling is not supported"),
+    "ignore_data_skip": NotSupported(False, "resume always continues from the exact data position of the checkpoint"),
+    "include_num_input_tokens_seen": NotSupported("no", "not counted; metrics.jsonl has gen/mean_length per step"),
+    # evaluation loop of transformers' Trainer
+    **{name: NotSupported(default, _EVAL_LOOP) for name, default in {
+        "prediction_loss_only": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,
+        "eval_accumulation_steps": None, "include_for_metrics": [], "batch_eval_metrics": False}.items()},
+    "load_best_model_at_end": NotSupported(False, "there is no best-model tracking; pick a checkpoint-N/ from the "
+                                                  "eval metrics in metrics.jsonl"),
+    "metric_for_best_model": NotSupported(None, "there is no best-model tracking", needs=_best),
+    "greater_is_better": NotSupported(None, "there is no best-model tracking", needs=_best),
+    # checkpoints and logging
+    "restore_callback_states_from_checkpoint": NotSupported(False, "callback states are not saved in checkpoints"),
+    "enable_jit_checkpoint": NotSupported(False, "groupwise checkpoints on SIGTERM / SIGINT already "
+                                                 "(save_on_interrupt, on by default)"),
+    "debug": NotSupported("", "transformers' debug modes are not supported"),
+    "project": NotSupported("huggingface", _NO_TRACKIO),
+    "trackio_space_id": NotSupported(None, _NO_TRACKIO),
+    "trackio_bucket_id": NotSupported(None, _NO_TRACKIO),
+    "trackio_static_space_id": NotSupported(None, _NO_TRACKIO),
+    "log_completions_hub_repo": NotSupported(None, "completions are written to output_dir/completions.jsonl; "
+                                                   "upload that file yourself"),
+}
+
+

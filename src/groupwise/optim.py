@@ -1,0 +1,110 @@
+"""Optimizers by transformers' `optim` names (GRPOConfig.optim), each built from the run's config.
+
+Every entry takes the trainable parameters and the config, and reads `learning_rate`, `weight_decay`, the Adam
+fields where they apply, and `optim_args` ("key=value,key=value", transformers' format) for anything else.
+bitsandbytes' optimizers are offered under transformers' names and need `pip install bitsandbytes`; the config
+checks that before any model loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from groupwise.config_base import ConfigError
+
+if TYPE_CHECKING:
+    from groupwise.config import GRPOConfig
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """'momentum=0.9,nesterov=True' → {'momentum': 0.9, 'nesterov': True} (values read as Python literals)."""
+    out: dict[str, Any] = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"optim_args item {item!r} is not key=value (e.g. optim_args='momentum=0.9')")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def _adam(args: GRPOConfig) -> dict[str, Any]:
+    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
+            "weight_decay": args.weight_decay}
+
+
+def _adamw_torch(params, args, fused: bool = False):
+    return torch.optim.AdamW(params, **_adam(args), **({"fused": True} if fused else {}),
+                             **parse_optim_args(args.optim_args))
+
+
+def _adamw_torch_fused(params, args):
+    return _adamw_torch(params, args, fused=True)
+
+
+def _adafactor(params, args):
+    from transformers.optimization import Adafactor
+
+    kwargs = {"scale_parameter": False, "relative_step": False, **parse_optim_args(args.optim_args)}
+    return Adafactor(params, lr=args.learning_rate, weight_decay=args.weight_decay, **kwargs)
+
+
+def _torch(cls_name: str):
+    def build(params, args):
+        return getattr(torch.optim, cls_name)(params, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                              **parse_optim_args(args.optim_args))
+    return build
+
+
+def _bnb(cls_name: str, **fixed):
+    def build(params, args):
+        import bitsandbytes
+
+        return getattr(bitsandbytes.optim, cls_name)(params, **_adam(args), **fixed, **parse_optim_args(args.optim_args))
+    return build
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    build: Callable[..., torch.optim.Optimizer]  # (params, args) → optimizer
+    summary: str
+    requires: str | None = None  # a package the optimizer needs
+
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw_torch_fused": Optimizer(_adamw_torch_fused, "torch AdamW, fused kernel (TRL's default)"),
+    "adamw_torch": Optimizer(_adamw_torch, "torch AdamW, for-each kernel"),
+    "adafactor": Optimizer(_adafactor, "transformers' Adafactor with a fixed learning rate"),
+    "sgd": Optimizer(_torch("SGD"), "torch SGD (optim_args: momentum, nesterov, …)"),
+    "adagrad": Optimizer(_torch("Adagrad"), "torch Adagrad"),
+    "rmsprop": Optimizer(_torch("RMSprop"), "torch RMSprop"),
+    "adamw_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", requires="bitsandbytes"),
+    "adamw_bnb_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", requires="bitsandbytes"),
+    "paged_adamw_8bit": Optimizer(_bnb("PagedAdamW8bit"), "bitsandbytes paged 8-bit AdamW", requires="bitsandbytes"),
+    "paged_adamw_32bit": Optimizer(_bnb("PagedAdamW32bit"), "bitsandbytes paged AdamW", requires="bitsandbytes"),
+}
+
+
+def check_available(name: str) -> None:
+    """A ConfigError when the optimizer's package is not installed (checked with the config)."""
+    needed = OPTIMIZERS[name].requires
+    if needed and importlib.util.find_spec(needed) is None:
+        raise ConfigError(f"optim={name!r} needs the {needed} package: `pip install {needed}`, or use "
+                          "optim='adamw_torch_fused'")
+
+
+def build_optimizer(params, args: GRPOConfig) -> torch.optim.Optimizer:
+    try:
+        return OPTIMIZERS[args.optim].build(params, args)
+    except TypeError as e:  # an optim_args key the optimizer does not take
+        raise ConfigError(f"optim={args.optim!r} with optim_args={args.optim_args!r}: {e}") from None
