@@ -86,6 +86,16 @@ def run_outputs(output_dir: str | Path) -> list[Path]:
                   if CHECKPOINT_RE.match(p.name) or p.name in ("metrics.jsonl", "completions.jsonl"))
 
 
+def latest_checkpoint(output_dir: str | Path) -> str:
+    """The checkpoint-N folder with the largest N in output_dir (resume_from_checkpoint=True)."""
+    root = Path(output_dir)
+    found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                   if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
+    if not found:
+        raise CheckpointError(f"resume_from_checkpoint=True: no checkpoint-N folder in output_dir {output_dir}")
+    return str(found[-1][1])
+
+
 def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
     """Before a new (non-resumed) run: refuse an output_dir holding another run's checkpoints or metrics, unless
     overwrite (TRL's overwrite_output_dir), which deletes them."""

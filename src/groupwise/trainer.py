@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import signal
 import threading
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
-from groupwise.checkpoint import CheckpointError, claim_output_dir, load_checkpoint, read_state, save_checkpoint
+from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
+                                  save_checkpoint)
 from groupwise.config import GRPOConfig
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
@@ -39,6 +42,18 @@ from groupwise.update import UpdateContext, optimizer_step, windows
 RESUME_FIELDS = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
                  "dynamic_sampling")
+
+
+class TrainResult(dict):
+    """What train() returns: the last logged metrics (a dict), also readable as transformers' TrainOutput —
+    `.global_step`, `.training_loss` (the mean policy loss of this run's steps) and `.metrics` (with train_runtime
+    and train_loss), so TRL scripts' `train_result.metrics` works."""
+
+    def __init__(self, last: dict[str, float], global_step: int, training_loss: float, runtime: float):
+        super().__init__(last)
+        self.global_step, self.training_loss = global_step, training_loss
+        self.metrics = {"train_runtime": runtime, "train_loss": training_loss, "epoch": last.get("epoch", 0.0),
+                        "global_step": global_step}
 
 
 class TrainingStopped(RuntimeError):
@@ -144,11 +159,12 @@ class GRPOTrainer:
         self.process_sources = load_process_reward_sources(
             process_reward_funcs, trust_remote_code=args.trust_remote_code,
             device=self.dist.device) if process_reward_funcs else []
-        self.model, self.optimizer, self.scheduler = self._build_optimization(policy)
+        self.trained, self.optimizer, self.scheduler = self._build_optimization(policy)
         self.rollout_ctx = self._build_rollout()
-        self.update_ctx = UpdateContext(args, self.dist, self.model, self.optimizer, self.scheduler)
+        self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler)
         self.skipped_steps = 0
         self.consecutive_skipped = 0
+        self._loss_sum, self._loss_steps = 0.0, 0  # this run's policy losses, for TrainResult.training_loss
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
 
     # ---- builders -----------------------------------------------------------------------------------------------
@@ -205,11 +221,21 @@ class GRPOTrainer:
     @property
     def unwrapped(self):
         """The Hugging Face model being trained (no distributed or log-prob wrapper)."""
-        return self.dist.unwrap(self.model).model
+        return self.dist.unwrap(self.trained).model
+
+    @property
+    def model(self):
+        """The Hugging Face model being trained, as `trainer.model` in TRL (the module that trains is `trained`:
+        it wraps this one to return log-probs, inside DDP when several processes run)."""
+        return self.unwrapped
 
     # ---- the loop -----------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
+        """Train to max_steps. `resume_from_checkpoint`: a checkpoint-N/ folder, or True for the newest one in
+        output_dir (transformers' meaning)."""
         resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        if resume is True:
+            resume = latest_checkpoint(self.args.output_dir)
         if not resume:  # a new run never writes over another run's outputs (checked by the main process)
             self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
                 self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
@@ -279,6 +305,8 @@ class GRPOTrainer:
                 "kept. Check the rewards, beta and learning_rate, or raise max_consecutive_skipped_steps")
         if not skipped:
             self.rollout_ctx.generator.update_weights(self.unwrapped)  # the sampler sees the new policy
+        if math.isfinite(metrics["loss/policy"]):
+            self._loss_sum, self._loss_steps = self._loss_sum + metrics["loss/policy"], self._loss_steps + 1
         metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
                                            "train/skipped_steps": self.skipped_steps})
         self._tick = time.perf_counter()
@@ -447,7 +475,7 @@ class GRPOTrainer:
             self.tokenizer.save_pretrained(out)
         self.dist.barrier()
 
-    def _end(self) -> dict[str, float]:
+    def _end(self) -> TrainResult:
         self._event("on_train_end")
         if self.args.push_to_hub:
             self.push_to_hub()
@@ -455,7 +483,33 @@ class GRPOTrainer:
         if self.dist.is_main:
             tqdm.write(f"groupwise: {self.global_step} optimizer steps, {self.skipped_steps} skipped as non-finite; "
                        f"outputs in {self.args.output_dir}")
-        return self._last
+        loss = self._loss_sum / self._loss_steps if self._loss_steps else float("nan")
+        return TrainResult(self._last, self.global_step, loss, time.perf_counter() - self._started)
+
+    # ---- transformers' reporting helpers, as TRL scripts call them after train() ---------------------------------
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """Print `metrics` as a table under `split` (main process), as transformers' Trainer.log_metrics."""
+        if self.dist.is_main:
+            width = max((len(k) for k in metrics), default=0)
+            tqdm.write(f"***** {split} metrics *****\n" + "\n".join(f"  {k:<{width}} = {v}" for k, v in metrics.items()))
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """output_dir/{split}_results.json, and merged into all_results.json (transformers' Trainer.save_metrics)."""
+        if not self.dist.is_main:
+            return
+        out = Path(self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{split}_results.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        if combined:
+            path = out / "all_results.json"
+            merged = json.loads(path.read_text()) if path.exists() else {}
+            path.write_text(json.dumps({**merged, **metrics}, indent=2, sort_keys=True))
+
+    def save_state(self) -> None:
+        """output_dir/trainer_state.json: transformers' TrainerState (global_step, log_history, …)."""
+        if self.dist.is_main:
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
 
     def _elapsed(self) -> dict[str, float]:
         return {"time/elapsed": time.perf_counter() - self._started}  # this process's run

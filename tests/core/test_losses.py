@@ -138,3 +138,126 @@ def test_shape_errors():
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 3))
     with pytest.raises(ValueError, match="importance_sampling_level"):
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), importance_sampling_level="seq")
+
+
+# ---- loss types beyond the clipped surrogate (TRL 1.16's names) ------------------------------------------------------
+def test_cispo_worked_example():
+    # ρ = [0.5, 3.0] (old log-probs 0, so log π = log ρ = [−0.693147, 1.098612]), A = 1, ε_max = epsilon_high = 2:
+    # weights sg[min(ρ, 2)] = [0.5, 2]; ℓ = −w·A·log π = [0.346574, −2.197225]; dapo over 2 tokens: −0.925326.
+    # d/dlog π = −w·A / 2 = [−0.25, −1.0] (the weight is detached: no gradient through ρ)
+    lp = torch.log(torch.tensor([[0.5, 3.0]])).requires_grad_()
+    loss, m = policy_loss(lp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), loss_type="cispo", epsilon_high=2.0)
+    assert loss.item() == pytest.approx(-0.925326, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(lp.grad, torch.tensor([[-0.25, -1.0]]))
+    assert m["clip/high"].item() == pytest.approx(0.5)  # ρ = 3 > ε_max with A > 0
+
+
+def test_sapo_worked_example():
+    # row 0: ρ = 1.5, A = +1, τ_pos = 1:    ℓ = −σ(1·0.5)·4/1·1        = −0.622459·4      = −2.489837
+    # row 1: ρ = 0.5, A = −1, τ_neg = 1.05: ℓ = −σ(1.05·−0.5)·4/1.05·−1 = 0.371684·3.809524 = 1.415939
+    # grpo aggregation (one token each): mean = (−2.489837 + 1.415939)/2 = −0.536949
+    lp = torch.log(torch.tensor([[1.5], [0.5]]))
+    loss, _ = policy_loss(lp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), torch.ones(2, 1), loss_type="sapo")
+    assert loss.item() == pytest.approx(-0.536949, abs=1e-6)
+
+
+def test_sapo_gradient_equals_the_clipped_surrogate_on_policy():
+    # on-policy (ρ = 1) the gate's slope is τ·σ'(0)·4/τ = 1, so SAPO's gradient equals GRPO's there
+    g = torch.Generator().manual_seed(0)
+    lp0 = -torch.rand(3, 4, generator=g, dtype=torch.float64)
+    adv, mask = torch.randn(3, generator=g, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    grads = []
+    for loss_type in ("sapo", "grpo"):
+        lp = lp0.clone().requires_grad_()
+        loss, _ = policy_loss(lp, lp0, adv, mask, loss_type=loss_type)
+        loss.backward()
+        grads.append(lp.grad)
+    assert torch.allclose(grads[0], grads[1])
+
+
+def test_luspo_aggregation_sums_tokens_then_averages_sequences():
+    # per-token [[1, 2, 3], [4, 9, 9]], mask [[1, 1, 1], [1, 0, 0]]: sequence sums 6 and 4 → mean 5
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    assert aggregate(loss, torch.tensor([[1, 1, 1], [1, 0, 0]]), "luspo").item() == pytest.approx(5.0)
+
+
+def test_bias_corrected_kl_has_the_same_value_and_the_extra_gradient():
+    # one token, on-policy (ρ = 1), A = 0, β = 0.1, log π = −1, log π_ref = −2:
+    # k3 = e^{−1} − (−1) − 1 = 0.367879; ∂k3/∂log π = 1 − e^{ref − log π} = 1 − 0.367879 = 0.632121
+    # plain:      β·k3, gradient β·0.632121 = 0.0632121
+    # corrected:  β·ρ·k3, same value at ρ = 1, gradient β·(k3·∂ρ/∂log π + ∂k3) = β·(0.367879 + 0.632121) = 0.1
+    out = {}
+    for corrected in (False, True):
+        lp = torch.tensor([[-1.0]], requires_grad=True)
+        loss, _ = policy_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), beta=0.1,
+                              ref_logps=torch.tensor([[-2.0]]), use_bias_correction_kl=corrected)
+        loss.backward()
+        out[corrected] = (loss.item(), lp.grad.item())
+    assert out[False][0] == pytest.approx(0.0367879, abs=1e-6) and out[True][0] == pytest.approx(0.0367879, abs=1e-6)
+    assert out[False][1] == pytest.approx(0.0632121, abs=1e-6) and out[True][1] == pytest.approx(0.1, abs=1e-6)
+
+
+def _trl_loss(logps, old, adv, mask, *, loss_type, level, beta, ref, bias_kl, eps_low, eps_high, delta,
+              tau_pos, tau_neg, max_len):
+    """TRL 1.16's GRPOTrainer._compute_loss for one micro-batch, one process, no accumulation (transcribed from its
+    formulas; num_items_in_batch = the mask's token count)."""
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    log_ratio = logps - old
+    if level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    if beta != 0.0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if bias_kl:
+            kl = kl * coef_1
+    if loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=eps_high).detach() * adv * logps
+    elif loss_type == "sapo":
+        t = torch.where(adv > 0, tau_pos, tau_neg)
+        per_token = -torch.sigmoid(t * (coef_1 - 1)) * 4 / t * adv
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if beta != 0.0:
+        per_token = per_token + beta * kl
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    if loss_type in ("cispo", "dapo"):
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "luspo":
+        return (per_token * mask).sum(-1).mean()
+    raise AssertionError(loss_type)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("bias_kl", [False, True])
+def test_every_loss_type_matches_trl_value_and_gradient(loss_type, level, bias_kl):
+    g = torch.Generator().manual_seed(7)
+    N, T = 6, 5
+    base = -torch.rand(N, T, generator=g, dtype=torch.float64) * 2
+    old = base + 0.4 * torch.randn(N, T, generator=g, dtype=torch.float64)
+    ref = base + 0.4 * torch.randn(N, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T) < torch.tensor([5, 2, 1, 4, 3, 5])[:, None]).double()
+    kw = dict(eps_low=0.2, eps_high=5.0 if loss_type == "cispo" else 0.28, delta=None if loss_type in ("cispo", "sapo") else 1.5,
+              tau_pos=1.0, tau_neg=1.05, max_len=T)
+    ours_lp, trl_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
+    ours, _ = policy_loss(ours_lp, old, adv, mask, loss_type=loss_type, epsilon_low=kw["eps_low"],
+                          epsilon_high=kw["eps_high"], delta=kw["delta"], importance_sampling_level=level, beta=0.04,
+                          ref_logps=ref, use_bias_correction_kl=bias_kl, max_completion_length=T,
+                          num_items_in_batch=mask.sum())
+    theirs = _trl_loss(trl_lp, old, adv, mask, loss_type=loss_type, level=level, beta=0.04, ref=ref, bias_kl=bias_kl, **kw)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-12)
+    ours.backward()
+    theirs.backward()
+    assert torch.allclose(ours_lp.grad, trl_lp.grad, atol=1e-12)

@@ -1,6 +1,7 @@
 """Reward sources (functions, outcome reward models) and how several are combined."""
 
 from groupwise.rewards.combine import combine_rewards
+from groupwise.rewards.math import accuracy_reward
 from groupwise.rewards.sources import RewardFunctionError, RewardSource, compute_rewards, load_reward_sources
 
-__all__ = ["RewardFunctionError", "RewardSource", "combine_rewards", "compute_rewards", "load_reward_sources"]
+__all__ = ["RewardFunctionError", "accuracy_reward", "RewardSource", "combine_rewards", "compute_rewards", "load_reward_sources"]

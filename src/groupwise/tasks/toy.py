@@ -57,3 +57,35 @@ def letter_reward(completions, letter, **_) -> list[float]:
 
 
 REWARD_FUNCS = [letter_reward]
+
+
+# A chat template in the tokenizer's characters: "user: …\nassistant:" (TRL's conversational prompts render with it)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def build_chat_tokenizer():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_model(folder: str, *, seed: int = 0) -> str:
+    """A tiny chat model and its tokenizer saved to `folder` (from_pretrained-loadable); returns the folder. The
+    TRL examples under examples/trl/ pass it where TRL's pass a hub id."""
+    tokenizer = build_chat_tokenizer()
+    build_model(tokenizer, seed=seed, max_positions=1024).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def math_dataset(n: int = 8, seed: int = 0):
+    """Conversational sums with a `solution` column, the shape of TRL's math datasets (a datasets.Dataset)."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"prompt": [{"role": "user", "content": f"what is {a}+{b}?"}], "solution": str(a + b)})
+    return Dataset.from_list(rows)

@@ -1,0 +1,118 @@
+"""Every TRL 1.16 GRPOConfig field and GRPOTrainer argument is either taken with TRL's meaning or refused with a
+reason that names what to use instead: never "unknown field". The list of TRL's fields is kept in
+tests/trl_1_16_fields.py (TRL is not a dependency); when TRL is installed, the list is checked against it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import warnings
+
+import pytest
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise.config import TRL_NOT_SUPPORTED
+from groupwise.config_base import ConfigError
+from groupwise.trainer import TRAINER_NOT_SUPPORTED
+from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS
+
+OURS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+# TRL defaults that are not valid values here, each for a stated reason (docs/trl_compat.md)
+OWN_DEFAULT = {
+    "output_dir": "None in TRL (then 'trainer_output'); groupwise needs a folder name: 'outputs/groupwise'",
+    "bf16": "None in TRL (then True on GPUs); groupwise takes a boolean, False by default",
+}
+
+
+def _other_value(default):
+    """A value that is not TRL's default, of the same kind."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 7
+    if isinstance(default, str):
+        return default + "-other"
+    if isinstance(default, list):
+        return ["x"]
+    return "something"
+
+
+def test_the_kept_list_matches_trl_when_trl_is_installed():
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (it is not a dependency); the kept list is used as it is")
+    import trl
+
+    if trl.__version__ != "1.16.0":
+        pytest.skip(f"TRL {trl.__version__} is installed; the kept list is TRL 1.16.0's")
+    assert [f.name for f in dataclasses.fields(trl.GRPOConfig)] == list(GRPO_CONFIG_DEFAULTS)
+    assert list(inspect.signature(trl.GRPOTrainer.__init__).parameters)[1:] == list(GRPO_TRAINER_ARGUMENTS)
+
+
+def test_every_trl_field_is_supported_or_refused_with_a_reason():
+    assert len(GRPO_CONFIG_DEFAULTS) == 191
+    for name in GRPO_CONFIG_DEFAULTS:
+        assert (name in OURS) != (name in TRL_NOT_SUPPORTED), name  # exactly one of the two
+    # the not-supported table names only TRL fields: GRPOConfig 1.16's, and two TRL users' configs still carry
+    # (use_peft from TRL's ModelConfig in its scripts, use_liger_loss from GRPOConfig before 1.0)
+    assert set(TRL_NOT_SUPPORTED) - set(GRPO_CONFIG_DEFAULTS) == {"use_peft", "use_liger_loss"}
+
+
+@pytest.mark.parametrize("name", [n for n in GRPO_CONFIG_DEFAULTS if n in TRL_NOT_SUPPORTED])
+def test_a_refused_field_loads_at_trl_default_and_names_the_alternative_otherwise(name):
+    default = GRPO_CONFIG_DEFAULTS[name]
+    entry = TRL_NOT_SUPPORTED[name]
+    assert entry.default == default, f"{name}: TRL's default is {default!r}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = GRPOConfig(**{name: default})  # a dumped TRL config loads
+    assert not hasattr(cfg, name)
+    values = {name: _other_value(default)}
+    if entry.needs is not None and not entry.needs(values):
+        # the field is read only when another TRL field is on (e.g. vllm_* with use_vllm): any value loads while
+        # it is off, and switching that field on is itself refused with its reason
+        GRPOConfig(**values)
+        return
+    with pytest.raises(ConfigError, match=rf"TRL field {name}=.* is not supported by groupwise: .+"):
+        GRPOConfig(**values)
+
+
+@pytest.mark.parametrize("name", [n for n in GRPO_CONFIG_DEFAULTS if n in OURS and n not in OWN_DEFAULT])
+def test_a_supported_field_accepts_trl_default(name):
+    default = GRPO_CONFIG_DEFAULTS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TRL's default of an inert field is our default too: no warning
+        cfg = GRPOConfig(**{name: default})
+    if name not in ("pad_to_multiple_of", "eval_steps", "report_to", "scale_rewards", "warmup_steps"):
+        assert getattr(cfg, name) == default  # the value is kept as given (those five are normalised)
+
+
+def test_inert_fields_warn_with_their_reason():
+    with pytest.warns(UserWarning, match="dataloader_num_workers=4 has no effect in groupwise: prompt rows are read"):
+        GRPOConfig(dataloader_num_workers=4)
+    inert = [n for n, f in OURS.items() if "inert" in f.metadata]
+    assert {"dataloader_num_workers", "use_cache", "log_multimodal"} <= set(inert)
+
+
+def test_gated_fields_are_refused_once_their_gate_is_on():
+    with pytest.raises(ConfigError, match="use_vllm=True is not supported"):
+        GRPOConfig(use_vllm=True, vllm_mode="server")
+    GRPOConfig(vllm_mode="server")  # with use_vllm off, vllm_mode asks for nothing
+    with pytest.raises(ConfigError, match="use_adaptive_entropy=True is not supported"):
+        GRPOConfig(use_adaptive_entropy=True, entropy_target=0.5)
+
+
+def test_every_trl_trainer_argument_is_taken_or_refused(tiny_model, tokenizer):
+    ours = inspect.signature(GRPOTrainer.__init__).parameters
+    for name in GRPO_TRAINER_ARGUMENTS:
+        assert name in ours, name
+    for name, reason in TRAINER_NOT_SUPPORTED.items():
+        with pytest.raises(ConfigError, match=rf"GRPOTrainer\({name}=…\) is not supported by groupwise"):
+            GRPOTrainer(tiny_model, [lambda completions, **_: [0.0] * len(completions)], train_dataset=[{"prompt": "a"}],
+                        processing_class=tokenizer, **{name: object()})
+        assert reason
+
+
+def test_unknown_names_still_get_a_close_match():
+    with pytest.raises(ConfigError, match=r"unknown field 'optim_arg'; did you mean 'optim_args'"):
+        GRPOConfig(optim_arg="x")

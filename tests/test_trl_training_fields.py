@@ -1,0 +1,331 @@
+"""TRL's training fields and GRPOTrainer arguments, each doing what it does in TRL: optim / optimizers, schedules,
+IterableDataset, save / eval / logging strategies, sampled evaluation (pass@k), push_to_hub, save_only_model,
+remove_unused_columns, pad_to_multiple_of, cast_lm_head_to_fp32 and the smaller switches."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise.checkpoint import CheckpointError
+from groupwise.config_base import ConfigError
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(tmp_path, tokenizer, funcs=(_length,), data=None, model=None, optimizers=(None, None), eval_data=None,
+             **kw):
+    kw.setdefault("output_dir", str(tmp_path / "run"))
+    return GRPOTrainer(model or toy.build_model(tokenizer, seed=0, hidden_size=32), list(funcs),
+                       args=small_args(tmp_path, **kw), train_dataset=data if data is not None else toy.dataset(12),
+                       eval_dataset=eval_data, processing_class=tokenizer, optimizers=optimizers)
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+
+
+def _metric_steps(folder: Path, key: str | None = None) -> list[int]:
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [x["step"] for x in lines if key is None or key in x]
+
+
+# ---- optimizers and schedules -------------------------------------------------------------------------------------
+def test_optim_names_build_the_named_optimizer_with_optim_args(tmp_path, tokenizer):
+    sgd = _inner(_trainer(tmp_path, tokenizer, optim="sgd", optim_args="momentum=0.9,nesterov=True").optimizer)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"]
+    fused = _inner(_trainer(tmp_path, tokenizer).optimizer)  # TRL's default, adamw_torch_fused
+    assert isinstance(fused, torch.optim.AdamW) and fused.defaults["fused"]
+    from transformers.optimization import Adafactor
+
+    assert isinstance(_inner(_trainer(tmp_path, tokenizer, optim="adafactor").optimizer), Adafactor)
+    with pytest.raises(ConfigError, match=r"optim='sgd' with optim_args='betas=3'"):
+        _trainer(tmp_path, tokenizer, optim="sgd", optim_args="betas=3")
+
+
+def test_optimizers_argument_is_the_optimizer_and_schedule_that_step(tmp_path, tokenizer):
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    before = [p.detach().clone() for p in model.parameters()]
+    t = _trainer(tmp_path, tokenizer, model=model, optimizers=(opt, sched), max_steps=2)
+    t.train()
+    assert _inner(t.optimizer) is opt and t.scheduler is sched
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.25)  # stepped twice
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="optimizers\\[0\\] holds parameters that are not the model's"):
+        _trainer(tmp_path, tokenizer, optimizers=(torch.optim.SGD(other.parameters(), lr=1.0), None))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_lr_scheduler_kwargs_reach_the_schedule(tmp_path, tokenizer):
+    # cosine: lr = lr0 · ½(1 + cos(2π · num_cycles · step / max_steps)); at step 2 of 4:
+    # num_cycles 0.5 (default) → ½(1 + cos(π/2)) = 0.5;  num_cycles 1.0 → ½(1 + cos(π)) = 0
+    lrs = []
+    for kwargs in (None, {"num_cycles": 1.0}):
+        t = _trainer(tmp_path, tokenizer, max_steps=4, learning_rate=1.0, lr_scheduler_type="cosine",
+                     lr_scheduler_kwargs=kwargs)
+        t.scheduler.step()
+        t.scheduler.step()
+        lrs.append(t.scheduler.get_last_lr()[0])
+    assert lrs == [pytest.approx(0.5), pytest.approx(0.0, abs=1e-12)]
+
+
+# ---- IterableDataset ------------------------------------------------------------------------------------------------
+def _stream(n=12):
+    from datasets import IterableDataset
+
+    rows = toy.dataset(n)
+    return IterableDataset.from_generator(lambda: iter(rows))
+
+
+def test_iterable_dataset_needs_max_steps(tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match="IterableDataset: set max_steps"):
+        _trainer(tmp_path, tokenizer, data=_stream(), max_steps=-1)
+
+
+@pytest.mark.slow
+def test_iterable_dataset_trains_wraps_around_and_resumes_exactly(tmp_path, tokenizer):
+    # 12 rows, 2 prompts per round: 4 steps read 8 rows; 8 steps read 16, so the stream starts again (epoch 2)
+    straight = _trainer(tmp_path, tokenizer, data=_stream(), max_steps=8, save_steps=4, output_dir=str(tmp_path / "a"))
+    straight.train()
+    assert straight.sampler.position == 16 and straight.train_data.length == 12
+    resumed = _trainer(tmp_path, tokenizer, data=_stream(), max_steps=8, save_steps=4, output_dir=str(tmp_path / "b"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    for (name, a), b in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_bad_stream_row_names_its_number(tmp_path, tokenizer):
+    from datasets import IterableDataset
+
+    rows = toy.dataset(3) + [{"prompt": ""}] + toy.dataset(8)
+    t = _trainer(tmp_path, tokenizer, data=IterableDataset.from_generator(lambda: iter(rows)), max_steps=2)
+    with pytest.raises(ConfigError, match="train_dataset row 3 has an empty prompt"):
+        t.train()
+
+
+# ---- strategies -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_save_eval_and_logging_strategies(tmp_path, tokenizer):
+    # 4 prompts, 2 per round: an epoch is 2 optimizer steps
+    t = _trainer(tmp_path, tokenizer, data=toy.dataset(4), eval_data=toy.dataset(2), max_steps=4,
+                 save_strategy="epoch", eval_strategy="epoch", logging_strategy="no", output_dir=str(tmp_path / "e"))
+    t.train()
+    assert sorted(p.name for p in (tmp_path / "e").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert _metric_steps(tmp_path / "e", "eval/reward/mean") == [2, 4]
+    assert _metric_steps(tmp_path / "e", "loss/policy") == [4]  # logging 'no': the last step only
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=4, save_strategy="no", eval_strategy="steps",
+                 eval_steps=1, eval_delay=2, eval_on_start=True, output_dir=str(tmp_path / "s"))
+    t.train()
+    assert not list((tmp_path / "s").glob("checkpoint-*"))
+    assert _metric_steps(tmp_path / "s", "eval/reward/mean") == [0, 3, 4]  # on start, then after the delay
+    with pytest.raises(ConfigError, match="need an eval_dataset"):
+        _trainer(tmp_path, tokenizer, eval_strategy="steps")
+
+
+def test_evaluate_is_on_demand_by_default(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=1, output_dir=str(tmp_path / "d"))
+    t.train()
+    assert _metric_steps(tmp_path / "d", "eval/reward/mean") == []  # eval_strategy 'no', TRL's default
+    assert "eval/_length" in t.evaluate()
+
+
+# ---- evaluation with k samples ---------------------------------------------------------------------------------------
+def test_num_generations_eval_logs_mean_and_pass_at_k(tmp_path, tokenizer):
+    seen: list[tuple[str, float]] = []
+
+    def score(prompts, completions, **_):
+        values = [float(c.count("a") > 0) for c in completions]
+        seen.extend(zip(prompts, values))
+        return values
+
+    t = _trainer(tmp_path, tokenizer, funcs=(score,), eval_data=toy.dataset(5, seed=1), num_generations_eval=3,
+                 per_device_eval_batch_size=2, max_completion_length=12)
+    out = t.evaluate()
+    assert len(seen) == 15  # 5 prompts × k = 3, sampled
+    by_row = [seen[3 * i:3 * i + 3] for i in range(5)]
+    assert all(len({p for p, _ in row}) == 1 for row in by_row)  # the k samples of a prompt are contiguous
+    expected_pass = sum(max(v for _, v in row) for row in by_row) / 5
+    expected_mean = sum(v for _, v in seen) / 15
+    assert out["eval/score/pass@3"] == pytest.approx(expected_pass)
+    assert out["eval/score/mean@3"] == pytest.approx(expected_mean) == out["eval/score"]
+
+
+# ---- hub ------------------------------------------------------------------------------------------------------------
+class _FakeHub:
+    calls: list = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        self.calls.append(("create_repo", repo_id, private))
+        return type("Repo", (), {"repo_id": f"user/{repo_id}" if "/" not in repo_id else repo_id})()
+
+    def create_branch(self, repo, branch, exist_ok=False):
+        self.calls.append(("create_branch", repo, branch))
+
+    def upload_folder(self, repo_id, folder_path, commit_message, revision=None, ignore_patterns=None):
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        self.calls.append(("upload_folder", repo_id, commit_message, revision, files, tuple(ignore_patterns)))
+        return type("Info", (), {"commit_url": f"https://hub/{repo_id}/commit/1"})()
+
+
+@pytest.mark.slow
+def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, tokenizer, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", _FakeHub)
+    _FakeHub.calls = []
+    t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=1, push_to_hub=True, hub_model_id="me/tiny-grpo",
+                 hub_token="hf_test", hub_private_repo=True)
+    t.train()
+    uploads = [c for c in _FakeHub.calls if c[0] == "upload_folder"]
+    assert [c[2] for c in uploads] == ["groupwise: step 1", "groupwise: step 2", "groupwise: end of training"]
+    assert all(c[1] == "me/tiny-grpo" and "model.safetensors" in c[4] and "checkpoint-*" in c[5] for c in uploads)
+    assert ("create_repo", "me/tiny-grpo", True) in _FakeHub.calls
+    assert t.push_to_hub(commit_message="by hand") == "https://hub/me/tiny-grpo/commit/1"
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "hf_test" not in json.dumps(logged)  # the token never reaches the logs
+
+
+def test_push_to_hub_without_credentials_stops_before_training(tmp_path, tokenizer, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(ConfigError, match="push_to_hub needs a hub token: run `huggingface-cli login`"):
+        _trainer(tmp_path, tokenizer, push_to_hub=True)
+
+
+# ---- checkpoints, columns, padding, precision ---------------------------------------------------------------------
+def test_save_only_model_checkpoints_load_but_do_not_resume(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, max_steps=1, save_only_model=True)
+    t.train()
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    names = {p.name for p in ckpt.iterdir()}
+    assert "model.safetensors" in names and not any(n.startswith(("optimizer", "rng_state", "scheduler")) for n in names)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt)
+    with pytest.raises(CheckpointError, match="save_only_model=True: it holds the model only"):
+        _trainer(tmp_path, tokenizer, max_steps=2).train(resume_from_checkpoint=str(ckpt))
+
+
+def test_remove_unused_columns_passes_the_prompt_only(tmp_path, tokenizer):
+    seen = []
+
+    def record(completions, **kwargs):
+        seen.append(set(kwargs) - {"trainer_state", "log_metric", "log_extra"})
+        return [0.0] * len(completions)
+
+    _trainer(tmp_path, tokenizer, funcs=(record,), max_steps=1, output_dir=str(tmp_path / "a")).train()
+    _trainer(tmp_path, tokenizer, funcs=(record,), max_steps=1, output_dir=str(tmp_path / "b"),
+             remove_unused_columns=True).train()
+    assert "letter" in seen[0] and "letter" not in seen[1] and "prompts" in seen[1]
+
+
+@pytest.mark.slow
+def test_pad_to_multiple_of_pads_tensors_and_leaves_training_unchanged(tmp_path, tokenizer):
+    runs = {}
+    for k in (None, 8):
+        # SGD: Adam's g/√v would blow float32 rounding in near-zero gradients up to lr-sized differences
+        t = _trainer(tmp_path, tokenizer, max_steps=2, pad_to_multiple_of=k, output_dir=str(tmp_path / f"p{k}"),
+                     optim="sgd", learning_rate=0.5)
+        rollout = t._collect()
+        runs[k] = (t, rollout)
+    padded = runs[8][1].batch
+    assert padded.completion_mask.size(1) % 8 == 0 and padded.input_ids.size(1) % 8 == 0
+    plain = runs[None][1].batch
+    assert torch.equal(padded.completion_mask.sum(1), plain.completion_mask.sum(1))  # same completions
+    assert torch.allclose(padded.advantages, plain.advantages)
+    for k in (None, 8):
+        t, rollout = runs[k]
+        from groupwise.update import optimizer_step
+
+        for window in t._windows(rollout):
+            optimizer_step(t.update_ctx, window)
+    for (name, a), b in zip(runs[None][0].unwrapped.named_parameters(), runs[8][0].unwrapped.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_pad_to_multiple_of_accepts_trl_spellings():
+    assert GRPOConfig(pad_to_multiple_of="auto").pad_to_multiple_of is None
+    assert GRPOConfig(pad_to_multiple_of="64").pad_to_multiple_of == 64
+    with pytest.raises(ConfigError, match="pad_to_multiple_of='x' must be a positive integer"):
+        GRPOConfig(pad_to_multiple_of="x")
+
+
+def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32).to(torch.bfloat16)
+    t = _trainer(tmp_path, tokenizer, model=model, max_steps=1, cast_lm_head_to_fp32=True)
+    head = t.unwrapped.get_output_embeddings()
+    assert head.weight.dtype == torch.float32 and t.unwrapped.model.embed_tokens.weight.dtype == torch.bfloat16
+    hidden = torch.randn(2, 32, dtype=torch.bfloat16)
+    assert head(hidden).dtype == torch.float32  # the matmul itself runs in float32
+    metrics = t.train()
+    assert math.isfinite(metrics["loss/policy"])
+    tied = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    with pytest.raises(ConfigError, match="cast_lm_head_to_fp32=True needs an output head that is not tied"):
+        _trainer(tmp_path, tokenizer, model=tied, cast_lm_head_to_fp32=True)
+
+
+# ---- smaller switches -----------------------------------------------------------------------------------------------
+def test_logging_nan_inf_filter():
+    from groupwise.trainer import _mean
+
+    assert _mean([1.0, math.inf, 3.0, math.nan], "finite") == 2.0  # filter on: non-finite losses left out
+    assert _mean([1.0, math.inf], "all") == math.inf  # filter off: they show
+    assert _mean([1.0, math.nan, 3.0], "measured") == 2.0  # other metrics: NaN = not measured
+
+
+def test_log_unique_prompts_prints_one_row_per_prompt(tmp_path, tokenizer, capsys):
+    t = _trainer(tmp_path, tokenizer, max_steps=1, log_completions=True, log_unique_prompts=True)
+    t.train()
+    out = capsys.readouterr().out + capsys.readouterr().err
+    assert out.count("prompt: ") == 2  # 2 prompts × G = 4 completions, one row each
+
+
+def test_ddp_fields_reach_accelerate_and_switches_apply(tmp_path, tokenizer, monkeypatch):
+    import transformers
+
+    called = []
+    monkeypatch.setattr("groupwise.trainer._empty_cache", lambda device: called.append(device))
+    t = _trainer(tmp_path, tokenizer, max_steps=4, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=10,
+                 tf32=False, log_level="error", torch_empty_cache_steps=2)
+    handler = t.dist.accelerator.ddp_handler
+    assert handler.find_unused_parameters is True and handler.bucket_cap_mb == 10
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert transformers.logging.get_verbosity() == 40
+    transformers.logging.set_verbosity_warning()
+    t.train()
+    assert len(called) == 2  # steps 2 and 4
+
+
+def test_train_result_and_reporting_helpers_as_trl_scripts_use_them(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=1)
+    result = t.train()
+    assert result.global_step == 2 and result["loss/policy"] == result["loss/policy"]  # still the metrics dict
+    assert result.metrics["train_loss"] == pytest.approx(result.training_loss) and result.metrics["train_runtime"] > 0
+    t.log_metrics("train", result.metrics)
+    t.save_metrics("train", result.metrics)
+    t.save_state()
+    out = tmp_path / "run"
+    assert json.loads((out / "all_results.json").read_text())["global_step"] == 2
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
+    assert t.model is t.unwrapped  # trainer.model is the Hugging Face model, as in TRL
+    again = _trainer(tmp_path, tokenizer, max_steps=3)
+    again.train(resume_from_checkpoint=True)  # the newest checkpoint in output_dir, checkpoint-2
+    assert again.global_step == 3
