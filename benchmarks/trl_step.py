@@ -64,7 +64,7 @@ def run_groupwise(steps: int, out: str) -> list[float]:
     from groupwise.demo import POLICY_DIR
     from groupwise.tasks import arithmetic
 
-    args = GRPOConfig(output_dir=out, max_steps=steps, save_steps=0, max_prompt_length=None, **SETTINGS)
+    args = GRPOConfig(output_dir=out, max_steps=steps, save_strategy="no", max_prompt_length=None, **SETTINGS)
     trainer = GRPOTrainer(AutoModelForCausalLM.from_pretrained(POLICY_DIR), arithmetic.accuracy, args=args,
                           train_dataset=data(), processing_class=AutoTokenizer.from_pretrained(POLICY_DIR))
     trainer.train()

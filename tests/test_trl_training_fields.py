@@ -329,3 +329,10 @@ def test_train_result_and_reporting_helpers_as_trl_scripts_use_them(tmp_path, to
     again = _trainer(tmp_path, tokenizer, max_steps=3)
     again.train(resume_from_checkpoint=True)  # the newest checkpoint in output_dir, checkpoint-2
     assert again.global_step == 3
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_gradient_checkpointing_kwargs_reach_the_model(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    funcs = [m._gradient_checkpointing_func for m in t.unwrapped.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert funcs and all(f.keywords == {"use_reentrant": False} for f in funcs)

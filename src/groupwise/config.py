@@ -67,7 +67,7 @@ class GRPOConfig(StrictConfig):
     hub_private_repo: bool | None = option("Create the hub repository as private (None: the account's default).", default=None)
     hub_strategy: str = option("When push_to_hub uploads: 'every_save' (each checkpoint's model, and the end) or 'end'.", default="every_save", choices=("every_save", "end"))
     hub_revision: str | None = option("Branch of the hub repository to push to.", default=None)
-    hub_always_push: bool = option("Kept for TRL configs: uploads here are synchronous, so a push is never skipped.", default=False)
+    hub_always_push: bool = option("Kept for TRL configs.", default=False, inert="uploads are synchronous, so a push is never skipped")
     data_seed: int | None = option("Seed of the prompt order alone (None: seed), as in TRL / transformers.", default=None)
     seed: int = option("Seed of the data order, sampling and anything random in the run.", default=42)
 
@@ -127,7 +127,7 @@ class GRPOConfig(StrictConfig):
     remove_unused_columns: bool = option("Pass only the prompt column to reward functions (TRL); False passes every dataset column as a keyword.", default=False)
     steps_per_generation: int | None = option("Micro-batches per process that one generation round feeds (default: gradient_accumulation_steps).", default=None, ge=1)
     generation_batch_size: int | None = option("Completions per generation round over all processes (alternative to steps_per_generation).", default=None, ge=1)
-    max_prompt_length: int | None = option("Keep only the last this many prompt tokens (None: no truncation).", default=512, ge=1)
+    max_prompt_length: int | None = option("Keep only the last this many prompt tokens (None, the default: no truncation, as TRL 1.16, which dropped the field).", default=None, ge=1)
     truncate_prompt: str = option("Prompts longer than max_prompt_length: 'left' keeps their last max_prompt_length tokens (TRL's behaviour; counted in a warning when the dataset is checked), 'error' stops before the model loads, naming the first such row.", default="left", choices=("left", "error"))
     pad_to_multiple_of: int | str | None = option("Pad prompt and completion tensors to a multiple of this many tokens ('auto': no padding here, 128 on Neuron in TRL).", default="auto")
     max_completion_length: int = option("Maximum completion tokens; longer completions are truncated (and known as such).", default=512, ge=1)
