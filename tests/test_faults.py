@@ -157,7 +157,7 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path, tokenizer, model_di
 
     t = _trainer(tmp_path, tokenizer, max_steps=10, beta=0.1, save_steps=0, max_consecutive_skipped_steps=3)
     with torch.no_grad():
-        next(t.ref_model.parameters()).fill_(float("nan"))  # a reference model gone bad: every loss is NaN
+        next(t.reference.model.parameters()).fill_(float("nan"))  # a reference model gone bad: every loss is NaN
     weights = {n: p.detach().clone() for n, p in t.unwrapped.named_parameters()}
     with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
         with pytest.raises(TrainingStopped, match=r"3 optimizer steps in a row were skipped .*steps 1–3"):

@@ -67,16 +67,16 @@ def test_variants_train(tmp_path, tokenizer, tiny_model, kw):
     funcs = [toy.letter_reward, lambda completions, **_: [float(len(c)) for c in completions]] \
         if "reward_weights" in kw else [toy.letter_reward]
     t = _trainer(tmp_path, tiny_model, tokenizer, funcs=funcs, **kw)
-    ref_before = None if t.ref_model is None else [p.clone() for p in t.ref_model.parameters()]
+    ref_before = None if t.reference is None else [p.clone() for p in t.reference.model.parameters()]
     metrics = t.train()
     assert t.global_step == 2 and all(v == v for k, v in metrics.items() if k.startswith("loss"))
     if ref_before is not None:  # TR-DPO moved the reference model toward the policy
-        assert any(not torch.equal(a, b) for a, b in zip(ref_before, t.ref_model.parameters()))
+        assert any(not torch.equal(a, b) for a, b in zip(ref_before, t.reference.model.parameters()))
 
 
 def test_old_logps_only_when_needed(tmp_path, tokenizer, tiny_model):
     on_policy = _trainer(tmp_path, tiny_model, tokenizer)
-    assert not on_policy.rollout_ctx.need_old_logps and on_policy.ref_model is None
+    assert not on_policy.rollout_ctx.need_old_logps and on_policy.reference is None
     assert _trainer(tmp_path, tiny_model, tokenizer, num_iterations=2).rollout_ctx.need_old_logps
 
 

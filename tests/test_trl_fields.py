@@ -53,9 +53,9 @@ def test_every_trl_field_is_supported_or_refused_with_a_reason():
     assert len(GRPO_CONFIG_DEFAULTS) == 191
     for name in GRPO_CONFIG_DEFAULTS:
         assert (name in OURS) != (name in TRL_NOT_SUPPORTED), name  # exactly one of the two
-    # the not-supported table names only TRL fields: GRPOConfig 1.16's, and two TRL users' configs still carry
-    # (use_peft from TRL's ModelConfig in its scripts, use_liger_loss from GRPOConfig before 1.0)
-    assert set(TRL_NOT_SUPPORTED) - set(GRPO_CONFIG_DEFAULTS) == {"use_peft", "use_liger_loss"}
+    # the not-supported table names only TRL fields: GRPOConfig 1.16's, and one older TRL configs still carry
+    # (use_liger_loss, GRPOConfig before 1.0)
+    assert set(TRL_NOT_SUPPORTED) - set(GRPO_CONFIG_DEFAULTS) == {"use_liger_loss"}
 
 
 @pytest.mark.parametrize("name", [n for n in GRPO_CONFIG_DEFAULTS if n in TRL_NOT_SUPPORTED])

@@ -2,6 +2,7 @@
 
 checkpoint-N/
   model.safetensors, config.json, tokenizer files   loadable with AutoModelForCausalLM.from_pretrained
+  (LoRA: adapter_model.safetensors + adapter_config.json instead, loadable with PeftModel.from_pretrained)
   optimizer.safetensors + optimizer.json            tensors / the rest of optimizer.state_dict()
   scheduler.json, trainer_state.json                schedule position, step, data cursor, counters
   rng_state_<rank>.safetensors + .json              torch (CPU, CUDA), numpy and python RNG of each process
@@ -252,7 +253,12 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     if not rng_file.exists():
         raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
                                 f"{dist.world_size} processes?")
-    load_model_weights(model, _model_weights(path), folder)
+    from groupwise.adapters import is_peft_model, load_adapter
+
+    if is_peft_model(model):  # a LoRA run: the checkpoint holds the adapter (the base never changes)
+        load_adapter(model, path, folder)
+    else:
+        load_model_weights(model, _model_weights(path), folder)
     optimizer.load_state_dict(_optimizer_from_files(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     if ref_model is not None and (path / "ref_model.safetensors").exists():

@@ -180,10 +180,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def cmd_export(argv: list[str]) -> int:
+    """`groupwise export CHECKPOINT --merge OUT [--base BASE]`: the checkpoint's model, from_pretrained-loadable, in
+    OUT: a LoRA checkpoint is merged into its base model (the one the adapter names, or --base)."""
+    parser = argparse.ArgumentParser(prog="groupwise export")
+    parser.add_argument("checkpoint", help="a checkpoint-N folder")
+    parser.add_argument("--merge", required=True, metavar="OUT", help="folder to write the merged model to")
+    parser.add_argument("--base", default=None, help="base model of a LoRA checkpoint (default: the adapter's)")
+    parser.add_argument("--trust_remote_code", action="store_true")
+    ns = parser.parse_args(argv)
+    from groupwise.adapters import export_merged
+
+    out = export_merged(ns.checkpoint, ns.merge, base=ns.base, trust_remote_code=ns.trust_remote_code)
+    print(f"groupwise: wrote {out}")
+    return 0
+
+
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
-    parser.add_argument("command", choices=["train", "prm", "fields"],
-                        help="train: run GRPO; prm train: train a process reward model; fields: list config fields")
+    parser.add_argument("command", choices=["train", "prm", "export", "fields"],
+                        help="train: run GRPO; prm train: train a process reward model; export CHECKPOINT --merge OUT: "
+                             "a checkpoint as a standalone model (LoRA merged into its base); fields: list config fields")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -194,6 +211,8 @@ def _main(argv: list[str]) -> int:
         if not rest or rest[0] != "train":
             parser.error("usage: groupwise prm train CONFIG.yaml [--field value …]")
         return cmd_prm_train(rest[1:])
+    if command == "export":
+        return cmd_export(rest)
     if command == "fields":
         for k, v in RUN_FIELDS.items():
             print(f"{k:32s} {v}")

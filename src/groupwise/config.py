@@ -122,6 +122,18 @@ class GRPOConfig(StrictConfig):
     logprob_chunk_tokens: int = option("Completion tokens whose logits exist at once when computing log-probs (the output head runs in checkpointed chunks; the (N, T, V) logits never exist).", default=1024, ge=1)
     trust_remote_code: bool = option("Allow model repositories to run their own code. Off unless you ask for it.", default=False)
 
+    # ---- LoRA (TRL's ModelConfig names; groupwise.adapters) ----------------------------------------------------
+    use_peft: bool = option("Train LoRA adapters instead of the full model (TRL's ModelConfig field; GRPOTrainer(peft_config=…) does the same from Python). Needs peft.", default=False)
+    lora_r: int = option("LoRA rank.", default=16, ge=1)
+    lora_alpha: int = option("LoRA α (the update is scaled by α / r).", default=32, ge=1)
+    lora_dropout: float = option("Dropout on the LoRA path (set to 0 by disable_dropout, as every dropout).", default=0.05, ge=0, lt=1)
+    lora_target_modules: list[str] | str | None = option("Modules that get adapters (None: peft's default for the architecture; 'all-linear').", default=None)
+    lora_target_parameters: list[str] | None = option("Parameters (not modules) that get adapters, e.g. MoE experts (peft ≥ 0.17).", default=None)
+    lora_modules_to_save: list[str] | None = option("Modules trained in full and saved with the adapter.", default=None)
+    lora_task_type: str = option("peft task type.", default="CAUSAL_LM")
+    use_rslora: bool = option("Rank-stabilised LoRA (scale α / √r).", default=False)
+    use_dora: bool = option("Weight-decomposed LoRA (DoRA).", default=False)
+
     # ---- generation -------------------------------------------------------------------------------------------
     num_generations: int = option("G: completions sampled per prompt (the group of DeepSeekMath §4.1).", default=8, ge=2)
     remove_unused_columns: bool = option("Pass only the prompt column to reward functions (TRL); False passes every dataset column as a keyword.", default=False)

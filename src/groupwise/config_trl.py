@@ -87,8 +87,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "activation_checkpointing_kwargs": NotSupported(None, "use gradient_checkpointing_kwargs"),
     "save_on_each_node": NotSupported(False, "checkpoints are written by the main process to a folder every node "
                                              "must see (a shared file system)"),
-    # adapters (LoRA is passed as a PEFT-wrapped model for now)
-    "use_peft": NotSupported(False, "pass a PEFT-wrapped model instead (built-in LoRA is not implemented yet)"),
     # objective variants not implemented
     "vespo_k_pos": NotSupported(2.0, "loss_type='vespo' is not implemented", needs=_never),
     "vespo_lambda_pos": NotSupported(3.0, "loss_type='vespo' is not implemented", needs=_never),

@@ -46,6 +46,8 @@ def load_policy(model, args: GRPOConfig):
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         policy.config.use_cache = False
+        if hasattr(policy, "enable_input_require_grads") and hasattr(policy, "peft_config"):
+            policy.enable_input_require_grads()  # a frozen base would leave checkpointed blocks without gradients
     if args.cast_lm_head_to_fp32:
         cast_head_to_fp32(policy)
     policy.train()

@@ -19,7 +19,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:  # (N,
 
 
 def accepts_kwarg(model, name: str) -> bool:
-    """Does model.forward take `name`? (position_ids / logits_to_keep are not universal.)"""
+    """Does model.forward take `name`? (position_ids / logits_to_keep are not universal.) A PEFT wrapper forwards
+    its keyword arguments to the base model, so the base model's signature decides."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     fwd = getattr(model, "forward", model)
     try:
         params = inspect.signature(fwd).parameters

@@ -27,6 +27,7 @@ from groupwise.types import Completions, Round, Rollout, Scores, StepScores, Tra
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from groupwise.adapters import Reference
     from groupwise.config import GRPOConfig
     from groupwise.data import PromptData, PromptSampler
     from groupwise.distributed import Distributed
@@ -48,7 +49,7 @@ class RolloutContext:
     reward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # TRL's trainer_state, log_metric, log_extra
     data: PromptData | None = None  # what `collect` draws prompts from
     sampler: PromptSampler | None = None  # which prompts, round after round
-    ref_model: torch.nn.Module | None = None  # β > 0 only
+    reference: Reference | None = None  # π_ref of the KL term, β > 0 only (groupwise.adapters.Reference)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
     @property
@@ -195,9 +196,10 @@ def build_batch(ctx: RolloutContext, rnd: Round, model) -> TrainBatch:
     if ctx.need_old_logps:  # the policy moves before some micro-batches are used: keep π_θold explicitly
         old = batched_logps(model, input_ids, attention_mask, T, temperature=args.temperature,
                             batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
-    if ctx.ref_model is not None:  # β > 0 only
-        ref = batched_logps(ctx.ref_model, input_ids, attention_mask, T, temperature=args.temperature,
-                            batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
+    if ctx.reference is not None:  # β > 0 only; with LoRA: the policy with its adapters disabled
+        with ctx.reference.context():
+            ref = batched_logps(ctx.reference.model, input_ids, attention_mask, T, temperature=args.temperature,
+                                batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref)
 
 

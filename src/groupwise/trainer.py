@@ -4,7 +4,6 @@ updates grouped into optimizer steps; log, evaluate, checkpoint. TRL's construct
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import signal
@@ -18,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
+from groupwise.adapters import Reference, is_peft_model, peft_config_from_args, wrap
 from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
                                   save_checkpoint)
 from groupwise.config import GRPOConfig
@@ -72,8 +72,6 @@ class TrainingInterrupted(RuntimeError):
 TRAINER_NOT_SUPPORTED = {
     "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
                            "with PEFT (get_peft_model) and pass it as model",
-    "peft_config": "wrap the model yourself (peft.get_peft_model(model, peft_config)) and pass it as model; built-in "
-                   "LoRA is not implemented yet",
     "tools": "multi-turn tool calling is not implemented yet",
     "rollout_func": "custom rollout functions are not supported; rewards see every completion through reward_funcs",
     "environment_factory": "environments are not implemented yet",
@@ -89,8 +87,8 @@ class GRPOTrainer:
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        given = {"quantization_config": quantization_config, "peft_config": peft_config, "tools": tools,
-                 "rollout_func": rollout_func, "environment_factory": environment_factory}
+        given = {"quantization_config": quantization_config, "tools": tools, "rollout_func": rollout_func,
+                 "environment_factory": environment_factory}
         for name, value in given.items():
             if value is not None:
                 raise ConfigError(f"GRPOTrainer({name}=…) is not supported by groupwise: {TRAINER_NOT_SUPPORTED[name]} "
@@ -119,6 +117,13 @@ class GRPOTrainer:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
                                                            as_list(process_reward_funcs))
+        if peft_config is not None and args.use_peft:
+            raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
+                              "Python scripts; use_peft with the lora_* fields in config files)")
+        self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
+        if args.sync_ref_model and (self.peft_config is not None or is_peft_model(model)):
+            raise ConfigError("sync_ref_model=True with LoRA: the reference policy is the base model with the adapters "
+                              "disabled, which TR-DPO cannot move; train without sync_ref_model")
         from transformers import enable_full_determinism, set_seed
 
         # each process samples different completions
@@ -152,7 +157,9 @@ class GRPOTrainer:
                                    max_completion_length=args.max_completion_length, max_positions=max_positions,
                                    truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
         policy = load_policy(model, args)
-        self.ref_model = self._build_reference(policy)
+        if self.peft_config is not None:
+            policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
+        self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
                                                   trust_remote_code=args.trust_remote_code,
                                                   device=self.dist.device) if reward_funcs else []
@@ -168,12 +175,6 @@ class GRPOTrainer:
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
 
     # ---- builders -----------------------------------------------------------------------------------------------
-    def _build_reference(self, policy):
-        """π_ref for the KL term (β > 0 only): a frozen copy of the initial policy."""
-        if self.args.beta == 0.0:
-            return None
-        return copy.deepcopy(policy).eval().requires_grad_(False).to(self.dist.device)
-
     def _build_optimization(self, policy):
         """The optimizer (`optim`, or the one passed in `optimizers`) and the schedule; the policy is trained through
         PolicyForLogps (log-probs without full logits)."""
@@ -204,7 +205,7 @@ class GRPOTrainer:
             generator=build_generator(args, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos),
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
-            ref_model=self.ref_model,
+            reference=self.reference,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
             reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
             # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
@@ -564,7 +565,7 @@ class GRPOTrainer:
         if not args.sync_ref_model or self.global_step % args.ref_model_sync_steps:
             return
         with torch.no_grad():
-            for ref_p, p in zip(self.ref_model.parameters(), self.unwrapped.parameters()):
+            for ref_p, p in zip(self.reference.copy.parameters(), self.unwrapped.parameters()):
                 ref_p.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(ref_p.dtype), alpha=args.ref_model_mixup_alpha)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
@@ -577,7 +578,7 @@ class GRPOTrainer:
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist, model=self.unwrapped,
                                tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=state, pending=pending.tensors() if pending is not None else None,
-                               ref_model=self.ref_model if self.args.sync_ref_model else None,
+                               ref_model=self.reference.copy if self.args.sync_ref_model else None,
                                save_total_limit=self.args.save_total_limit, model_only=self.args.save_only_model)
 
     def _resume(self, path: str):
@@ -597,7 +598,8 @@ class GRPOTrainer:
                 raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
                                       "resume with the same value (the data order and batch layout depend on it)")
         pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
-                                  scheduler=self.scheduler, ref_model=self.ref_model)
+                                  scheduler=self.scheduler,
+                                  ref_model=self.reference.copy if self.reference is not None else None)
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,159 @@
+"""LoRA through PEFT (TRL's peft_config / use_peft): only the adapter trains, every generation backend works, the
+reference policy is the base model with the adapters off (no copy), resume is bitwise exact, the saved adapter
+loads with PeftModel.from_pretrained and `groupwise export --merge` writes a model that generates the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from groupwise import GRPOConfig, GRPOTrainer  # noqa: E402
+from groupwise.adapters import is_peft_model  # noqa: E402
+from groupwise.cli import main  # noqa: E402
+from groupwise.config_base import ConfigError  # noqa: E402
+from groupwise.modeling import batched_logps  # noqa: E402
+from groupwise.tasks import toy  # noqa: E402
+from tests.conftest import small_args  # noqa: E402
+
+
+def _lora(**kw):
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **kw)
+
+
+@pytest.fixture
+def base_dir(tmp_path, tokenizer):
+    path = tmp_path / "base"
+    toy.build_model(tokenizer, seed=0, hidden_size=32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _trainer(tmp_path, base_dir, peft_config="default", out="run", **kw):
+    args = small_args(tmp_path, output_dir=str(tmp_path / out), **kw)
+    return GRPOTrainer(base_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(12),
+                       peft_config=_lora() if peft_config == "default" else peft_config)
+
+
+def _base_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def _adapter_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_only_the_adapter_trains_with_every_backend(tmp_path, base_dir, backend):
+    t = _trainer(tmp_path, base_dir, generation_backend=backend, max_steps=2)
+    assert is_peft_model(t.unwrapped)
+    base, adapter = _base_weights(t.unwrapped), _adapter_weights(t.unwrapped)
+    trainable = {n for n, p in t.unwrapped.named_parameters() if p.requires_grad}
+    assert trainable == set(adapter) and adapter
+    t.train()
+    assert all(torch.equal(base[n], p) for n, p in t.unwrapped.named_parameters() if n in base)
+    assert any(not torch.equal(adapter[n], p) for n, p in t.unwrapped.named_parameters() if n in adapter)
+
+
+def test_reference_is_the_base_model_with_adapters_off_and_no_copy(tmp_path, base_dir):
+    t = _trainer(tmp_path, base_dir, beta=0.1, max_steps=1)
+    assert t.reference is not None and t.reference.copy is None  # no second model
+    t.train()  # the adapter has moved away from zero: policy ≠ reference
+    rollout = t._collect()
+    batch = rollout.batch
+    fresh = AutoModelForCausalLM.from_pretrained(base_dir)  # the untouched base, loaded on its own
+    expected = batched_logps(fresh, batch.input_ids, batch.attention_mask, batch.completion_mask.size(1),
+                             temperature=1.0, batch_size=8)
+    assert torch.allclose(batch.ref_logps, expected, atol=1e-6)
+    policy = batched_logps(t.unwrapped, batch.input_ids, batch.attention_mask, batch.completion_mask.size(1),
+                           temperature=1.0, batch_size=8)
+    assert not torch.allclose(policy, expected, atol=1e-6)  # the adapters were back on afterwards
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_exact_and_the_adapter_loads_with_peft(tmp_path, base_dir):
+    straight = _trainer(tmp_path, base_dir, beta=0.05, max_steps=4, save_steps=2, out="a")
+    straight.train()
+    resumed = _trainer(tmp_path, base_dir, beta=0.05, max_steps=4, save_steps=2, out="b")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    for (name, a), b in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters()):
+        assert torch.equal(a, b), name
+    ckpt = tmp_path / "a" / "checkpoint-4"
+    assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(ckpt))
+    ours = dict(straight.unwrapped.named_parameters())
+    for name, p in loaded.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(p, ours[name]), name
+
+
+@pytest.mark.slow
+def test_export_merge_generates_the_same_greedy_tokens(tmp_path, base_dir, capsys):
+    t = _trainer(tmp_path, base_dir, max_steps=2, learning_rate=5e-2, save_steps=2)
+    t.train()
+    out = tmp_path / "merged"
+    assert main(["export", str(tmp_path / "run" / "checkpoint-2"), "--merge", str(out)]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
+                                        str(tmp_path / "run" / "checkpoint-2"))
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    tok = t.tokenizer
+    enc = tok(["repeat a:", "repeat c:"], return_tensors="pt", padding=True, padding_side="left")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    a, m, b = (model.generate(**enc, **kw) for model in (adapter, merged, base))
+    assert torch.equal(a, m)
+    # the adapter changed something (else the equality above would hold for the untrained base too)
+    assert not torch.equal(
+        adapter(**enc).logits, base(**enc).logits)
+
+
+def test_use_peft_fields_build_trl_lora_config(tmp_path, base_dir):
+    t = _trainer(tmp_path, base_dir, peft_config=None, use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0,
+                 lora_target_modules=["q_proj"], max_steps=1)
+    cfg = t.unwrapped.peft_config["default"]
+    assert (cfg.r, cfg.lora_alpha, set(cfg.target_modules)) == (2, 4, {"q_proj"})
+    t.train()
+
+
+def test_lora_errors_name_the_fix(tmp_path, base_dir, tokenizer):
+    with pytest.raises(ConfigError, match="peft_config and use_peft=True both ask for adapters"):
+        _trainer(tmp_path, base_dir, use_peft=True)
+    with pytest.raises(ConfigError, match="sync_ref_model=True with LoRA"):
+        _trainer(tmp_path, base_dir, beta=0.1, sync_ref_model=True)
+    from peft import get_peft_model
+
+    wrapped = get_peft_model(toy.build_model(tokenizer, hidden_size=32), _lora())
+    with pytest.raises(ConfigError, match="already a PeftModel"):
+        GRPOTrainer(wrapped, [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(4),
+                    processing_class=tokenizer, peft_config=_lora())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_gradient_checkpointing_with_lora_still_trains(tmp_path, base_dir):
+    t = _trainer(tmp_path, base_dir, gradient_checkpointing=True, max_steps=2)
+    adapter = _adapter_weights(t.unwrapped)
+    t.train()
+    assert any(not torch.equal(adapter[n], p) for n, p in t.unwrapped.named_parameters() if n in adapter)
+
+
+def test_a_peft_wrapped_model_passed_in_trains_and_resumes(tmp_path, tokenizer):
+    """TRL users also pass get_peft_model(model, config) directly: same path, no peft_config."""
+    from peft import get_peft_model
+
+    def build():
+        return get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32), _lora())
+
+    args = dict(max_steps=2, save_steps=1)
+    a = GRPOTrainer(build(), [toy.letter_reward], args=small_args(tmp_path, output_dir=str(tmp_path / "a"), **args),
+                    train_dataset=toy.dataset(12), processing_class=tokenizer)
+    a.train()
+    b = GRPOTrainer(build(), [toy.letter_reward], args=small_args(tmp_path, output_dir=str(tmp_path / "b"), **args),
+                    train_dataset=toy.dataset(12), processing_class=tokenizer)
+    b.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    for (name, x), y in zip(a.unwrapped.named_parameters(), b.unwrapped.parameters()):
+        assert torch.equal(x, y), name
+    assert GRPOConfig().use_peft is False
