@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,7 @@ def test_save_eval_and_logging_strategies(tmp_path, tokenizer):
                  eval_steps=1, eval_delay=2, eval_on_start=True, output_dir=str(tmp_path / "s"))
     t.train()
     assert not list((tmp_path / "s").glob("checkpoint-*"))
-    assert _metric_steps(tmp_path / "s", "eval/reward/mean") == [0, 3, 4]  # on start, then after the delay
+    assert _metric_steps(tmp_path / "s", "eval/reward/mean") == [0, 2, 3, 4]  # on start, then from step 2 on
     with pytest.raises(ConfigError, match="need an eval_dataset"):
         _trainer(tmp_path, tokenizer, eval_strategy="steps")
 
@@ -192,7 +193,7 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
                  hub_token="hf_test", hub_private_repo=True)
     t.train()
     uploads = [c for c in _FakeHub.calls if c[0] == "upload_folder"]
-    assert [c[2] for c in uploads] == ["groupwise: step 1", "groupwise: step 2", "groupwise: end of training"]
+    assert [c[2] for c in uploads] == ["groupwise: step 1", "groupwise: step 2"]  # the end is step 2: once
     assert all(c[1] == "me/tiny-grpo" and "model.safetensors" in c[4] and "checkpoint-*" in c[5] for c in uploads)
     assert ("create_repo", "me/tiny-grpo", True) in _FakeHub.calls
     assert t.push_to_hub(commit_message="by hand") == "https://hub/me/tiny-grpo/commit/1"
@@ -336,3 +337,113 @@ def test_gradient_checkpointing_kwargs_reach_the_model(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     funcs = [m._gradient_checkpointing_func for m in t.unwrapped.modules() if hasattr(m, "_gradient_checkpointing_func")]
     assert funcs and all(f.keywords == {"use_reentrant": False} for f in funcs)
+
+
+def test_a_config_dumped_by_trl_loads(tmp_path):
+    """TRL 1.16's GRPOConfig(output_dir='trl-out', bf16=False).to_dict(), as a user would save it (kept in
+    tests/data): it loads, with TRL's meanings, and the token placeholder in it is not taken for a token."""
+    dump = json.loads((Path(__file__).parent / "data" / "trl_1_16_grpo_config_dump.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = GRPOConfig(**dump)
+    assert cfg.output_dir == "trl-out" and cfg.gradient_checkpointing is True and cfg.activation_checkpointing is True
+    assert cfg.layout(1).generation_batch_size == dump["generation_batch_size"]
+    from groupwise.hub import PLACEHOLDERS
+
+    assert cfg.hub_token in PLACEHOLDERS
+
+
+def test_hub_token_never_printed():
+    cfg = GRPOConfig(hub_token="hf_SECRET")
+    assert "hf_SECRET" not in repr(cfg) and "hf_SECRET" not in str(cfg) and cfg.hub_token == "hf_SECRET"
+
+
+def test_activation_checkpointing_is_transformers_5s_name_for_gradient_checkpointing():
+    cfg = GRPOConfig(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False})
+    assert cfg.gradient_checkpointing is True and cfg.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert GRPOConfig(gradient_checkpointing=True).activation_checkpointing is True
+
+
+def test_weight_decay_spares_biases_and_norms_as_transformers_does(tokenizer):
+    from groupwise.optim import param_groups
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all("norm" in names[id(p)] for p in no_decay["params"]) and no_decay["params"]  # Llama: RMSNorm weights
+    assert all("norm" not in names[id(p)] for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_eval_delay_counts_like_transformers(tmp_path, tokenizer):
+    # transformers evaluates once global_step ≥ eval_delay: eval_steps 2, eval_delay 2 → steps 2 and 4
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=4, eval_strategy="steps", eval_steps=2,
+                 eval_delay=2, output_dir=str(tmp_path / "d"))
+    t.train()
+    assert _metric_steps(tmp_path / "d", "eval/reward/mean") == [2, 4]
+
+
+def test_pad_to_multiple_of_with_process_supervision(tmp_path, tokenizer):
+    def steps(prompts, steps, **_):
+        return [[float(len(s)) for s in row] for row in steps]
+
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [],
+                    args=small_args(tmp_path, supervision="process", step_split="delimiter", step_delimiter="a",
+                                    max_completion_length=10, pad_to_multiple_of=8, max_steps=1),
+                    train_dataset=toy.dataset(12), processing_class=tokenizer, process_reward_funcs=[steps])
+    batch = t._collect().batch
+    assert batch.advantages.shape == batch.completion_mask.shape and batch.completion_mask.size(1) % 8 == 0
+    assert torch.all(batch.advantages[:, 10:] == 0)  # the padding columns past max_completion_length
+
+
+@pytest.mark.slow
+def test_sampled_evaluation_keeps_resume_exact(tmp_path, tokenizer):
+    kw = dict(eval_data=toy.dataset(3), max_steps=4, save_steps=2, eval_strategy="steps", eval_steps=2,
+              num_generations_eval=2)
+    straight = _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "a"), **kw)
+    straight.train()
+    resumed = _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "b"), **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    for (name, a), b in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_epoch_end_survives_a_resume_inside_the_round(tmp_path, tokenizer):
+    # 12 prompts, 2 per round, 2 optimizer steps per round: an epoch is 12 steps; checkpoint-5 falls inside a round
+    kw = dict(data=toy.dataset(12), eval_data=toy.dataset(2), max_steps=14, steps_per_generation=2, save_steps=5,
+              eval_strategy="epoch", per_device_train_batch_size=4)
+    _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "a"), **kw).train()
+    resumed = _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "b"), **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-5"))
+    assert _metric_steps(tmp_path / "a", "eval/reward/mean") == [12, 14]
+    assert _metric_steps(tmp_path / "b", "eval/reward/mean") == [12, 14]
+
+
+def test_every_process_reads_a_streamed_round_whole(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, data=_stream(5), max_steps=4)
+    t.sampler.next_round()  # 2 prompts
+    t.sampler.next_round()
+    t.sampler.next_round()  # rows 4, 5 → the stream (5 rows) ended inside this round: its length is known
+    assert t.train_data._next == 6 and t.train_data.length == 5 and t.sampler.progress() == pytest.approx(6 / 5)
+
+
+def test_evaluation_log_metric_stays_out_of_the_training_window(tmp_path, tokenizer):
+    def reward(completions, log_metric, **_):
+        log_metric("probe", 1.0)
+        return [0.0] * len(completions)
+
+    t = _trainer(tmp_path, tokenizer, funcs=(reward,), eval_data=toy.dataset(2), max_steps=1)
+    out = t.evaluate()
+    assert out["eval/probe"] == 1.0 and "probe" not in t._window
+
+
+def test_streamed_rows_get_the_length_checks(tmp_path, tokenizer):
+    rows = toy.dataset(3) + [{"prompt": "repeat a:" * 10}] + toy.dataset(8)
+    from datasets import IterableDataset
+
+    t = _trainer(tmp_path, tokenizer, data=IterableDataset.from_generator(lambda: iter(rows)), max_steps=2,
+                 max_prompt_length=20, truncate_prompt="error")
+    with pytest.raises(ConfigError, match="train_dataset row 3 has 90 prompt tokens > max_prompt_length=20"):
+        t.train()

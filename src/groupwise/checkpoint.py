@@ -17,6 +17,7 @@ ever deletes checkpoints of the same run, and a new run refuses an output_dir th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -146,6 +147,16 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
     py = random.getstate()
     return tensors, {"numpy": [kind, int(pos), int(has_gauss), float(cached)], "python": [py[0], list(py[1]), py[2]]}
+
+
+@contextlib.contextmanager
+def rng_untouched():
+    """Run a block without moving any random stream the checkpoint records (torch CPU / CUDA, numpy, python)."""
+    tensors, rest = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(tensors, rest)
 
 
 def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:

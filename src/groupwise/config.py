@@ -91,7 +91,9 @@ class GRPOConfig(StrictConfig):
     ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time.", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
     gradient_checkpointing: bool = option("Recompute activations in the backward pass to save memory.", default=False)
-    gradient_checkpointing_kwargs: dict | None = option("Arguments of model.gradient_checkpointing_enable (e.g. {'use_reentrant': False}).", default=None)
+    gradient_checkpointing_kwargs: dict | None = option("Arguments of the model's activation checkpointing (transformers': 'use_reentrant', …, and transformers 5's 'every_n_layers', 'offload').", default=None)
+    activation_checkpointing: bool | None = option("transformers 5's name for gradient_checkpointing: when set, it wins (and the two mirror each other).", default=None)
+    activation_checkpointing_kwargs: dict | None = option("transformers 5's name for gradient_checkpointing_kwargs: when set, it wins.", default=None)
     tf32: bool | None = option("Allow TF32 matmuls on Ampere+ GPUs (True/False sets torch's flags; None leaves them).", default=None)
     cast_lm_head_to_fp32: bool = option("Keep the output head in float32 (policy and reference; needs an untied head) (TRL, ScaleRL).", default=False)
     full_determinism: bool = option("Deterministic algorithms everywhere (transformers' enable_full_determinism): slower, bitwise reproducible across runs.", default=False)
@@ -204,6 +206,13 @@ class GRPOConfig(StrictConfig):
     UNSUPPORTED = TRL_NOT_SUPPORTED
 
     def __post_init__(self) -> None:
+        # transformers 5 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs): the new name
+        # wins when set, then both names hold the same value (as TrainingArguments resolves them)
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if getattr(self, new) is not None:
+                setattr(self, old, getattr(self, new))
+            setattr(self, new, getattr(self, old))
         if self.scale_rewards is True:  # TRL's boolean spellings
             self.scale_rewards = "group"
         elif self.scale_rewards is False:
@@ -271,8 +280,6 @@ class GRPOConfig(StrictConfig):
             raise ConfigError("sync_ref_model=True needs beta > 0: with beta = 0 there is no reference model to sync")
         if self.max_steps == 0:
             raise ConfigError("max_steps must be ≥ 1, or -1 to derive it from num_train_epochs")
-        if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            raise ConfigError("set steps_per_generation or generation_batch_size, not both")
         for name in ("reward_weights", "process_reward_weights"):
             weights = getattr(self, name)
             if weights is not None and not all(isinstance(w, (int, float)) and not isinstance(w, bool)
@@ -280,6 +287,9 @@ class GRPOConfig(StrictConfig):
                 raise ConfigError(f"{name} must be a list of finite numbers, got {weights!r}")
         # torchrun / accelerate export WORLD_SIZE; the trainer checks again with the real process count
         self.layout(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+    def __repr__(self) -> str:  # the dataclass repr would print hub_token
+        return f"GRPOConfig({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, as logged (metrics.jsonl, trackers): the hub token is hidden."""
@@ -304,7 +314,15 @@ class GRPOConfig(StrictConfig):
     def layout(self, world_size: int) -> "BatchLayout":
         """Resolve the batch arithmetic for `world_size` processes; raises ConfigError naming the fields."""
         per_round = self.per_device_train_batch_size * world_size
-        if self.generation_batch_size is not None:
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            # TRL's __post_init__ fills in both (a dumped TRL config carries both): fine when they agree
+            if self.generation_batch_size != per_round * self.steps_per_generation:
+                raise ConfigError(
+                    f"steps_per_generation={self.steps_per_generation} and generation_batch_size="
+                    f"{self.generation_batch_size} disagree with per_device_train_batch_size × processes = {per_round}: "
+                    "set one of them")
+            steps = self.steps_per_generation
+        elif self.generation_batch_size is not None:
             if self.generation_batch_size % per_round:
                 raise ConfigError(
                     f"generation_batch_size={self.generation_batch_size} must be divisible by "

@@ -18,13 +18,20 @@ class NotSupported:
     default: Any  # TRL's default: a config may carry this value
     reason: str  # what to do instead
     needs: Callable[[dict], bool] | None = None  # given the config's values: is the field read at all?
+    also: Callable[[Any, dict], bool] | None = None  # other values that ask for nothing (what TRL's to_dict() writes)
 
     def accepts(self, value: Any, values: dict[str, Any]) -> bool:
         """May a config carry this value? Yes at TRL's default, or while the field it depends on is off."""
         if self.needs is not None and not self.needs(values):
             return True
+        if self.also is not None and self.also(value, values):
+            return True
         return value == self.default or (value is None and self.default in (None, False, "", []))
 
+
+# TrainingArguments.accelerator_config as TRL 1.16's to_dict() writes it when left alone
+ACCELERATOR_CONFIG_DEFAULTS = {"dispatch_batches": None, "even_batches": True, "gradient_accumulation_kwargs": None,
+                               "non_blocking": False, "split_batches": False, "use_seedable_sampler": True}
 
 _VLLM = "vLLM generation is not implemented yet; generation uses generation_backend ('fast' or 'transformers')"
 _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluate()); there is no prediction loop or "
@@ -81,10 +88,9 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "ds3_gather_for_generation": NotSupported(True, "DeepSpeed ZeRO-3 is not supported"),
     "fsdp": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
     "fsdp_config": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
-    "accelerator_config": NotSupported(None, "configure accelerate with `accelerate launch --config_file …`"),
+    "accelerator_config": NotSupported(None, "configure accelerate with `accelerate launch --config_file …`",
+                                       also=lambda value, values: value == ACCELERATOR_CONFIG_DEFAULTS),
     "parallelism_config": NotSupported(None, "context / tensor parallelism is not supported; use data parallelism"),
-    "activation_checkpointing": NotSupported(None, "use gradient_checkpointing=True"),
-    "activation_checkpointing_kwargs": NotSupported(None, "use gradient_checkpointing_kwargs"),
     "save_on_each_node": NotSupported(False, "checkpoints are written by the main process to a folder every node "
                                              "must see (a shared file system)"),
     # objective variants not implemented
@@ -127,7 +133,7 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "restore_callback_states_from_checkpoint": NotSupported(False, "callback states are not saved in checkpoints"),
     "enable_jit_checkpoint": NotSupported(False, "groupwise checkpoints on SIGTERM / SIGINT already "
                                                  "(save_on_interrupt, on by default)"),
-    "debug": NotSupported("", "transformers' debug modes are not supported"),
+    "debug": NotSupported("", "transformers' debug modes are not supported", also=lambda value, values: value == []),
     "project": NotSupported("huggingface", _NO_TRACKIO),
     "trackio_space_id": NotSupported(None, _NO_TRACKIO),
     "trackio_bucket_id": NotSupported(None, _NO_TRACKIO),

@@ -169,6 +169,8 @@ class StreamData:
         self._next = 0  # run row number of the next row the iterator yields
         self._epoch_start = 0
         self._rows: dict[int, dict[str, Any]] = {}
+        self._lengths: dict[str, Any] | None = None  # check_lengths' arguments: each row is checked as it is read
+        self._warned = False
 
     def _pull(self) -> dict[str, Any]:
         if self._iter is None:
@@ -180,6 +182,8 @@ class StreamData:
                 raise ConfigError(f"{self.name} is empty: give a dataset with at least one row") from None
             self.length = self._next - self._epoch_start
             self._epoch_start = self._next
+            if hasattr(self.data, "set_epoch"):  # a shuffled IterableDataset reshuffles per epoch
+                self.data.set_epoch(self._next // self.length)
             self._iter = iter(self.data)
             row = next(self._iter)
         if not isinstance(row, dict) or "prompt" not in row:
@@ -189,7 +193,32 @@ class StreamData:
         if why is not None:
             raise ConfigError(f"{self.name} row {self._next} has {why} (each prompt must be a non-empty string or a "
                               "list of {'role', 'content'} messages)")
+        if self._lengths is not None:
+            self._check_length(self._next, row["prompt"], **self._lengths)
         return dict(row)
+
+    def check_lengths(self, tokenizer, **limits) -> None:
+        """PromptData.check_lengths' rules, applied to each row when it is read (a stream cannot be read ahead)."""
+        self._lengths = {"tokenizer": tokenizer, **limits}
+
+    def _check_length(self, i: int, prompt, *, tokenizer, max_prompt_length, max_completion_length, truncate_prompt,
+                      max_positions, chat_template_kwargs=None) -> None:
+        n = len(tokenizer(prompt_text(prompt, tokenizer, chat_template_kwargs), add_special_tokens=False)["input_ids"])
+        if n == 0:
+            raise ConfigError(f"{self.name} row {i} encodes to zero tokens: {prompt!r:.80}")
+        if max_prompt_length is not None and n > max_prompt_length:
+            if truncate_prompt == "error":
+                raise ConfigError(f"{self.name} row {i} has {n} prompt tokens > max_prompt_length={max_prompt_length}; "
+                                  "raise max_prompt_length, shorten the prompts, or set truncate_prompt='left'")
+            if not self._warned:
+                warnings.warn(f"{self.name}: prompts longer than max_prompt_length={max_prompt_length} tokens are cut "
+                              f"from the left (first: row {i}, {n} tokens)", stacklevel=2)
+                self._warned = True
+            n = max_prompt_length
+        if max_positions is not None and n + max_completion_length > max_positions:
+            raise ConfigError(f"{self.name} row {i}: {n} prompt tokens + max_completion_length={max_completion_length} "
+                              f"exceed the model's {max_positions} positions; lower max_completion_length or "
+                              "max_prompt_length")
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         i = int(i)
@@ -218,6 +247,7 @@ class StreamSampler:
     def next_round(self) -> list[int]:
         out = list(range(self.position, self.position + self.per_round))
         self.position += self.per_round
+        self.data[out[-1]]  # every process reads the whole round, so all learn where the stream ends at once
         return out
 
     def progress(self) -> float:

@@ -11,6 +11,9 @@ from groupwise.config_base import ConfigError
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
 
+# what a dumped config holds in place of a token: TRL's to_dict() writes "<HUB_TOKEN>", groupwise's "<hidden>"
+PLACEHOLDERS = ("<HUB_TOKEN>", "<hidden>")
+
 # what a push leaves out of output_dir: checkpoints (pushed as the model they hold, not as resume state), logs
 IGNORE = ["checkpoint-*", "checkpoint-*/**", ".tmp-*", ".tmp-*/**", "runs/**", "*.jsonl", "checksums.json"]
 
@@ -19,7 +22,8 @@ def hub_token(args: GRPOConfig) -> str:
     """hub_token, else HF_TOKEN or the cached `huggingface-cli login`; a ConfigError saying how to log in if none."""
     from huggingface_hub import get_token
 
-    token = args.hub_token or os.environ.get("HF_TOKEN") or get_token()
+    given = args.hub_token if args.hub_token not in PLACEHOLDERS else None
+    token = given or os.environ.get("HF_TOKEN") or get_token()
     if not token:
         raise ConfigError("push_to_hub needs a hub token: run `huggingface-cli login`, set HF_TOKEN, or set hub_token")
     return token

@@ -44,7 +44,7 @@ def load_policy(model, args: GRPOConfig):
     if args.disable_dropout:
         disable_dropout(policy)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        enable_activation_checkpointing(policy, args.gradient_checkpointing_kwargs)
         policy.config.use_cache = False
         if hasattr(policy, "enable_input_require_grads") and hasattr(policy, "peft_config"):
             policy.enable_input_require_grads()  # a frozen base would leave checkpointed blocks without gradients
@@ -52,6 +52,17 @@ def load_policy(model, args: GRPOConfig):
         cast_head_to_fp32(policy)
     policy.train()
     return policy
+
+
+def enable_activation_checkpointing(model, kwargs: dict | None) -> None:
+    """transformers 5's activation_checkpointing_enable (every_n_layers, offload, torch checkpoint kwargs), or
+    gradient_checkpointing_enable on older transformers (torch checkpoint kwargs only)."""
+    kwargs = dict(kwargs or {})
+    if hasattr(model, "activation_checkpointing_enable"):
+        extra = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **extra)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
 
 
 def cast_head_to_fp32(model) -> None:

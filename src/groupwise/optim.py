@@ -1,7 +1,8 @@
 """Optimizers by transformers' `optim` names (GRPOConfig.optim), each built from the run's config.
 
-Every entry takes the trainable parameters and the config, and reads `learning_rate`, `weight_decay`, the Adam
-fields where they apply, and `optim_args` ("key=value,key=value", transformers' format) for anything else.
+Every entry takes parameter groups and the config, and reads `learning_rate`, the Adam fields where they apply, and
+`optim_args` ("key=value,key=value", transformers' format) for anything else. `weight_decay` applies as in
+transformers' Trainer: to every trainable parameter except biases and normalisation weights (`param_groups`).
 bitsandbytes' optimizers are offered under transformers' names and need `pip install bitsandbytes`; the config
 checks that before any model loads.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -103,8 +105,27 @@ def check_available(name: str) -> None:
                           "optim='adamw_torch_fused'")
 
 
-def build_optimizer(params, args: GRPOConfig) -> torch.optim.Optimizer:
+# transformers' Trainer.get_decay_parameter_names: parameters whose name matches one of these get no weight decay
+NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in transformers' two groups: with weight decay, and without (biases, norms, and
+    anything inside a torch LayerNorm)."""
+    in_layernorm = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exempt = id(p) in in_layernorm or any(pattern.search(name.lower()) for pattern in NO_DECAY_PATTERNS)
+        (no_decay if exempt else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
+    """The `optim` optimizer over `model`'s trainable parameters, in transformers' weight-decay groups."""
     try:
-        return OPTIMIZERS[args.optim].build(params, args)
+        return OPTIMIZERS[args.optim].build(param_groups(model, args.weight_decay), args)
     except TypeError as e:  # an optim_args key the optimizer does not take
         raise ConfigError(f"optim={args.optim!r} with optim_args={args.optim_args!r}: {e}") from None

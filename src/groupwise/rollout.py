@@ -166,7 +166,10 @@ def advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
         outcome = ctx.dist.shard(outcome_advantages(scores.rewards, **options).flatten())  # (N,)
     if step_scores is not None:
         adv = process_advantages(step_scores.rewards, step_scores.ends, args.max_completion_length, **options)
-        process = ctx.dist.shard(adv.flatten(0, 1))[:, :T]  # (N, T)
+        process = ctx.dist.shard(adv.flatten(0, 1))  # (N, max_completion_length)
+        if process.size(1) < T:  # pad_to_multiple_of widened the batch past max_completion_length
+            process = torch.nn.functional.pad(process, (0, T - process.size(1)))
+        process = process[:, :T]  # (N, T)
     adv = token_advantages(args.supervision, outcome, process, outcome_weight=args.outcome_advantage_weight,
                            process_weight=args.process_advantage_weight)
     return adv.to(comp.completion_ids.device)

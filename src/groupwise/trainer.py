@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, is_peft_model, peft_config_from_args, wrap
 from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
-                                  save_checkpoint)
+                                  rng_untouched, save_checkpoint)
 from groupwise.config import GRPOConfig
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
@@ -110,8 +110,8 @@ class GRPOTrainer:
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
             raise ConfigError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} need an "
                               "eval_dataset")
-        if args.push_to_hub:
-            hub_token(args)  # no credentials: stop now, not after training
+        if args.push_to_hub:  # no credentials: stop now, not after training (only the main process uploads)
+            self.dist.run_together(lambda: self.dist.is_main and hub_token(args), "checking the hub token")
         self.optimizers = tuple(optimizers) if optimizers is not None else (None, None)
         if len(self.optimizers) != 2:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
@@ -152,7 +152,7 @@ class GRPOTrainer:
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, max_positions = load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
-            if isinstance(data, PromptData):
+            if data is not None:  # a stream checks each row as it is read
                 data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
                                    max_completion_length=args.max_completion_length, max_positions=max_positions,
                                    truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
@@ -172,6 +172,7 @@ class GRPOTrainer:
         self.skipped_steps = 0
         self.consecutive_skipped = 0
         self._loss_sum, self._loss_steps = 0.0, 0  # this run's policy losses, for TrainResult.training_loss
+        self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
 
     # ---- builders -----------------------------------------------------------------------------------------------
@@ -182,9 +183,8 @@ class GRPOTrainer:
         from transformers import get_scheduler
 
         optimizer, scheduler = self.optimizers
-        trainable = [p for p in policy.parameters() if p.requires_grad]
         if optimizer is None:
-            optimizer = build_optimizer(trainable, args)
+            optimizer = build_optimizer(policy, args)
         else:  # TRL's optimizers=(opt, sched): built by the user over the model's parameters
             given = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not given <= {id(p) for p in policy.parameters()}:
@@ -268,7 +268,6 @@ class GRPOTrainer:
         shows = self.dist.is_main or (args.log_on_each_node and self.dist.is_local_main)
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
                          disable=bool(args.disable_tqdm) or not shows)
-        self._epochs_done = int(self.sampler.progress())
         self._started = self._tick = time.perf_counter()
         self._window.clear()
         self._last: dict[str, float] = {}
@@ -335,7 +334,7 @@ class GRPOTrainer:
                  or control.should_save)
         if saved:
             self._save_round(rollout, done)
-        delayed = (self._epochs_done if args.eval_strategy == "epoch" else step) <= args.eval_delay and args.eval_delay
+        delayed = (self._epochs_done if args.eval_strategy == "epoch" else step) < args.eval_delay  # transformers
         if self.eval_data is not None and (control.should_evaluate or (
                 not delayed and (due[args.eval_strategy](args.eval_steps) or (last_step and args.eval_strategy != "no")))):
             self._evaluate_and_log()
@@ -462,11 +461,11 @@ class GRPOTrainer:
         if kwargs:
             raise TypeError(f"push_to_hub() got unexpected arguments {sorted(kwargs)}")
         self.save_model(self.args.output_dir)
-        url = None
-        if self.dist.is_main:
-            url = push_folder(self.args, self.args.output_dir, commit_message)
-        self.dist.barrier()
-        return url
+        self._pushed_at = self.global_step
+        # the main process uploads; a failure there stops every process instead of leaving them in a barrier
+        return self.dist.run_together(
+            lambda: push_folder(self.args, self.args.output_dir, commit_message) if self.dist.is_main else None,
+            "push_to_hub")
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
@@ -478,7 +477,7 @@ class GRPOTrainer:
 
     def _end(self) -> TrainResult:
         self._event("on_train_end")
-        if self.args.push_to_hub:
+        if self.args.push_to_hub and getattr(self, "_pushed_at", None) != self.global_step:  # not pushed at this step
             self.push_to_hub()
         self.dist.barrier()
         if self.dist.is_main:
@@ -528,6 +527,9 @@ class GRPOTrainer:
         k = args.num_generations_eval or 1
         mine = list(range(dist.rank, len(data), dist.world_size))
         bs = args.per_device_eval_batch_size
+        logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the evaluation's reward calls
+        kwargs = {"trainer_state": self.state, "log_metric": lambda name, value: logged[name].append(float(value)),
+                  "log_extra": lambda column, values: None}  # evaluation writes no completions.jsonl rows
 
         def local():  # this process's share; no collective inside, so it runs under run_together
             per_func, lengths = [], []
@@ -536,14 +538,16 @@ class GRPOTrainer:
                 comp = R.generate(ctx, self.unwrapped, rows, greedy=args.num_generations_eval is None)
                 rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
                                              comp.columns, on_error=args.on_reward_error,
-                                             timeout=args.reward_timeout, extra=ctx.reward_kwargs)
+                                             timeout=args.reward_timeout, extra=kwargs)
                 per_func += rewards.tolist()
                 lengths += comp.lengths.tolist()
             return per_func, lengths
 
-        per_func, lengths = dist.run_together(local, "evaluation")
+        with rng_untouched():  # sampled evaluation must not move the training's random streams (exact resume)
+            per_func, lengths = dist.run_together(local, "evaluation")
         lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
         out = {"eval/mean_length": float(lengths.mean())}
+        out.update({f"eval/{name}": _mean(values, "measured") for name, values in logged.items()})  # this process's
         if not self.reward_sources:
             return out
         per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
@@ -571,6 +575,7 @@ class GRPOTrainer:
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
         state = {"global_step": self.global_step, "max_steps": self.max_steps, "sampler": self.sampler.state_dict(),
+                 "epochs_done": self._epochs_done,
                  "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "round_step": round_step if pending is not None else 0,
@@ -603,6 +608,7 @@ class GRPOTrainer:
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
+        self._epochs_done = state.get("epochs_done", int(self.sampler.progress()))
         if pending is None:
             return None
         return Rollout(TrainBatch.from_tensors(pending), state["round_metrics"]), state["round_step"]
