@@ -113,10 +113,41 @@ def fault(out: Path, kind: str) -> None:
                 processing_class=tok).train()
 
 
+def run(out: Path) -> None:
+    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume" and "crash_after"); rank 0 writes
+    the final weights (full, unsharded) to weights.safetensors."""
+    import os
+
+    from groupwise import GRPOTrainer
+
+    spec = json.loads(os.environ["RUN_SPEC"])
+    resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
+    tok = toy.build_tokenizer()
+    args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+                      learning_rate=1e-2, logging_steps=1, lr_scheduler_type="constant", **spec)
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfter:  # a process dying right after checkpoint `crash_after` was written
+        def on_save(self, args, state, control, **kw):
+            if crash_after is not None and state.global_step == crash_after:
+                raise Crash
+
+    t = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                    train_dataset=toy.dataset(16), processing_class=tok, callbacks=[CrashAfter()])
+    try:
+        t.train(resume_from_checkpoint=resume)
+    except Crash:
+        return
+    if t.dist.is_main:
+        save_file({k: v.contiguous() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     if mode.startswith("fault_"):
         fault(out, mode.removeprefix("fault_"))
     else:
-        {"same": same, "train": train}[mode](out)
+        {"same": same, "train": train, "run": run}[mode](out)

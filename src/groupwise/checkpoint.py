@@ -8,6 +8,9 @@ checkpoint-N/
   rng_state_<rank>.safetensors + .json              torch (CPU, CUDA), numpy and python RNG of each process
   rollout_<rank>.safetensors                        the generation batch, when N falls inside a round
   ref_model.safetensors                             the reference model, when TR-DPO moves it
+  model_shard_<rank>.safetensors, optimizer_<rank>.*  each process's shards, when the run is sharded (FSDP2); the
+                                                    optimizer.* files are then absent and model.safetensors is the
+                                                    consolidated model
   checksums.json                                    sha256 of every other file, written last
 The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
 checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
@@ -117,7 +120,7 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2))
 
 
-def _optimizer_to_files(opt_state: dict, folder: Path) -> None:
+def _optimizer_to_files(opt_state: dict, folder: Path, suffix: str = "") -> None:
     tensors, rest = {}, {"param_groups": opt_state["param_groups"], "state": {}}
     for idx, st in opt_state["state"].items():
         rest["state"][str(idx)] = {}
@@ -126,14 +129,14 @@ def _optimizer_to_files(opt_state: dict, folder: Path) -> None:
                 tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
             else:
                 rest["state"][str(idx)][key] = value
-    save_file(tensors, str(folder / "optimizer.safetensors"))
-    _write_json(folder / "optimizer.json", rest)
+    save_file(tensors, str(folder / f"optimizer{suffix}.safetensors"))
+    _write_json(folder / f"optimizer{suffix}.json", rest)
 
 
-def _optimizer_from_files(folder: Path) -> dict:
-    rest = json.loads((folder / "optimizer.json").read_text())
+def _optimizer_from_files(folder: Path, suffix: str = "") -> dict:
+    rest = json.loads((folder / f"optimizer{suffix}.json").read_text())
     state: dict[int, dict] = {int(i): dict(v) for i, v in rest["state"].items()}
-    for name, tensor in load_file(str(folder / "optimizer.safetensors")).items():
+    for name, tensor in load_file(str(folder / f"optimizer{suffix}.safetensors")).items():
         _, idx, key = name.split(".", 2)
         state.setdefault(int(idx), {})[key] = tensor
     return {"state": state, "param_groups": rest["param_groups"]}
@@ -171,11 +174,13 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
 
 def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optimizer, scheduler, state: dict,
                     pending: dict[str, torch.Tensor] | None = None, ref_model=None,
-                    save_total_limit: int | None = None, model_only: bool = False) -> Path:
+                    save_total_limit: int | None = None, model_only: bool = False,
+                    sharded_model: torch.nn.Module | None = None) -> Path:
     """checkpoint-<step>/: the model (safetensors, from_pretrained-loadable), tokenizer, optimizer, scheduler, each
     process's RNG state, the trainer state and an unfinished round; written to a temporary folder, checksummed,
     then renamed. `model_only` (save_only_model) writes the model, tokenizer and trainer state only: such a
-    checkpoint cannot be resumed."""
+    checkpoint cannot be resumed. `sharded_model` (FSDP2): every process also writes its shards of the weights and
+    of the optimizer state; `model` is then the consolidated (unsharded) copy written for from_pretrained."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
     if dist.is_main:
@@ -191,13 +196,19 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
                       str(tmp / f"rollout_{dist.rank}.safetensors"))
     # every process builds the optimizer state dict (collective under some backends); the main one writes
     opt_state = None if model_only else optimizer.state_dict()
+    if sharded_model is not None and not model_only:
+        from groupwise.sharding import local_tensors, optimizer_local
+
+        save_file(local_tensors(sharded_model.state_dict()), str(tmp / f"model_shard_{dist.rank}.safetensors"))
+        _optimizer_to_files(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
     if dist.is_main:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         _write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})
         if not model_only:
-            _optimizer_to_files(opt_state, tmp)
+            if sharded_model is None:  # sharded runs wrote optimizer_<rank>.* above
+                _optimizer_to_files(opt_state, tmp)
             _write_json(tmp / "scheduler.json", scheduler.state_dict())
         if ref_model is not None and not model_only:
             save_file({k: v.detach().cpu().contiguous() for k, v in ref_model.state_dict().items()},
@@ -255,8 +266,8 @@ def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
                               f"unexpected {unexpected[:5]}): resume with the model it was saved from")
 
 
-def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None
-                    ) -> dict[str, torch.Tensor] | None:
+def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None,
+                    sharded_model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
     """Restore everything saved by save_checkpoint into the given objects (call `read_state` first: it verifies
     the files); returns the pending rollout tensors, or None."""
     path = Path(folder)
@@ -266,11 +277,21 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
                                 f"{dist.world_size} processes?")
     from groupwise.adapters import is_peft_model, load_adapter
 
-    if is_peft_model(model):  # a LoRA run: the checkpoint holds the adapter (the base never changes)
+    if sharded_model is not None:  # FSDP2: this process's shards, exactly (the consolidated copy is for users)
+        from groupwise.sharding import load_local, optimizer_from_local
+
+        shard_file = path / f"model_shard_{dist.rank}.safetensors"
+        if not shard_file.exists():
+            raise CheckpointError(f"{folder} holds no shards for process {dist.rank}: it was not saved by a sharded "
+                                  f"run of {dist.world_size} processes (fsdp); resume it the way it was saved")
+        load_local(sharded_model, load_file(str(shard_file)), folder)
+        optimizer.load_state_dict(optimizer_from_local(optimizer, _optimizer_from_files(path, f"_{dist.rank}")))
+    elif is_peft_model(model):  # a LoRA run: the checkpoint holds the adapter (the base never changes)
         load_adapter(model, path, folder)
+        optimizer.load_state_dict(_optimizer_from_files(path))
     else:
         load_model_weights(model, _model_weights(path), folder)
-    optimizer.load_state_dict(_optimizer_from_files(path))
+        optimizer.load_state_dict(_optimizer_from_files(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     if ref_model is not None and (path / "ref_model.safetensors").exists():
         ref_model.load_state_dict(load_file(str(path / "ref_model.safetensors")))

@@ -25,6 +25,7 @@ from groupwise.optim import OPTIMIZERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE, MULTI_OBJECTIVE_OPTIONS
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
+from groupwise.sharding import resolve as resolve_sharding
 
 __all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "load_yaml"]
 
@@ -88,6 +89,7 @@ class GRPOConfig(StrictConfig):
     num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=3.0, gt=0)
     per_device_train_batch_size: int = option("Completions (not prompts) per micro-batch on each process (TRL meaning).", default=8, ge=1)
     gradient_accumulation_steps: int = option("Micro-batches accumulated into one optimizer step.", default=1, ge=1)
+    fsdp: str | None = option("Shard the policy with FSDP2 over all processes: 'full_shard' (weights gathered per layer for each forward, then freed) or 'shard_grad_op' (kept until the backward) (transformers' names; groupwise.sharding). An accelerate launch with an FSDP2 config does the same.", default=None)
     ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time.", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
     gradient_checkpointing: bool = option("Recompute activations in the backward pass to save memory.", default=False)
@@ -247,6 +249,7 @@ class GRPOConfig(StrictConfig):
                               "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
                               "per-process token mean")
         check_available(self.optim)
+        resolve_sharding(self.fsdp)  # a bad fsdp string fails here, before anything loads
         parse_optim_args(self.optim_args)
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.strip().lower()

@@ -84,9 +84,9 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "fp16_full_eval": NotSupported(False, "evaluation runs in the training precision; set bf16=True"),
     "use_cpu": NotSupported(False, "set ACCELERATE_USE_CPU=1 or CUDA_VISIBLE_DEVICES='' instead"),
     # sharding and launchers
-    "deepspeed": NotSupported(None, "DeepSpeed is not supported: launch with accelerate and an FSDP config instead"),
+    "deepspeed": NotSupported(None, "DeepSpeed is not supported: shard with FSDP2 instead (fsdp: full_shard, or "
+                                    "accelerate launch --config_file examples/accelerate/fsdp2.yaml)"),
     "ds3_gather_for_generation": NotSupported(True, "DeepSpeed ZeRO-3 is not supported"),
-    "fsdp": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
     "fsdp_config": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
     "accelerator_config": NotSupported(None, "configure accelerate with `accelerate launch --config_file …`",
                                        also=lambda value, values: value == ACCELERATOR_CONFIG_DEFAULTS),

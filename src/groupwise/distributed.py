@@ -24,7 +24,7 @@ class ProcessFailed(RuntimeError):
 
 class Distributed:
     def __init__(self, bf16: bool = False, timeout: float = 1800.0, backend: str | None = None,
-                 ddp_kwargs: dict | None = None):
+                 ddp_kwargs: dict | None = None, sharding=None):
         """`backend`: torch.distributed's (None: nccl on GPUs, gloo on CPU); `ddp_kwargs`: DistributedDataParallel
         arguments (find_unused_parameters, bucket_cap_mb, broadcast_buffers, static_graph), None values left out."""
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -35,6 +35,9 @@ class Distributed:
         if ddp:
             handlers.append(DistributedDataParallelKwargs(**ddp))
         self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", kwargs_handlers=handlers)
+        self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
+        if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
+            self.sharding = None  # one process: nothing to shard (the run is the same without it)
         atexit.register(self.teardown)
 
     @property
@@ -61,6 +64,12 @@ class Distributed:
     def prepare(self, *objs):
         return self.accelerator.prepare(*objs)
 
+    def fully_shard(self, root: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over all processes (groupwise.sharding): `model`'s decoder layers, then `root`."""
+        from groupwise.sharding import shard
+
+        return shard(root, model, self.sharding, self.device, bf16=self.accelerator.mixed_precision == "bf16")
+
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
 
@@ -68,10 +77,18 @@ class Distributed:
         self.accelerator.backward(loss)
 
     def no_sync(self, model, skip_sync: bool):
-        """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation window."""
+        """Skip the gradient all-reduce (reduce-scatter when sharded) on micro-batches that are not the last of an
+        accumulation window."""
+        if self.sharding is not None:
+            model.set_requires_gradient_sync(not skip_sync)
+            return contextlib.nullcontext()
         return self.accelerator.no_sync(model) if skip_sync and self.world_size > 1 else contextlib.nullcontext()
 
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
+        if self.sharding is not None:
+            from groupwise.sharding import total_grad_norm
+
+            return total_grad_norm(params, max_norm)
         if max_norm and max_norm > 0:
             return self.accelerator.clip_grad_norm_(params, max_norm)
         grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]

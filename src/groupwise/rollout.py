@@ -50,6 +50,7 @@ class RolloutContext:
     data: PromptData | None = None  # what `collect` draws prompts from
     sampler: PromptSampler | None = None  # which prompts, round after round
     reference: Reference | None = None  # π_ref of the KL term, β > 0 only (groupwise.adapters.Reference)
+    policy_logps: torch.nn.Module | None = None  # with fsdp: the sharded PolicyForLogps that π_θold must run through
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
     @property
@@ -197,7 +198,7 @@ def build_batch(ctx: RolloutContext, rnd: Round, model) -> TrainBatch:
     T = comp.completion_ids.size(1)
     old = ref = None
     if ctx.need_old_logps:  # the policy moves before some micro-batches are used: keep π_θold explicitly
-        old = batched_logps(model, input_ids, attention_mask, T, temperature=args.temperature,
+        old = batched_logps(ctx.policy_logps or model, input_ids, attention_mask, T, temperature=args.temperature,
                             batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     if ctx.reference is not None:  # β > 0 only; with LoRA: the policy with its adapters disabled
         with ctx.reference.context():

@@ -4,6 +4,7 @@ updates grouped into optimizer steps; log, evaluate, checkpoint. TRL's construct
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import signal
@@ -30,6 +31,8 @@ from groupwise.loading import as_list, check_inputs, eos_token_ids, load_policy,
 from groupwise.logging import MetricsLogger, print_completions, set_log_level
 from groupwise.modeling import PolicyForLogps
 from groupwise.optim import build_optimizer
+from groupwise.sharding import full_state_dict
+from groupwise.sharding import resolve as resolve_sharding
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.process import load_process_reward_sources
@@ -95,7 +98,8 @@ class GRPOTrainer:
                                   "(docs/trl_compat.md)")
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
-            "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph})
+            "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph},
+            sharding=resolve_sharding(args.fsdp))
         set_log_level(args.log_level if self.dist.is_main else args.log_level_replica)
         self.layout = args.layout(self.dist.world_size)
         stream = is_stream(train_dataset)
@@ -121,6 +125,12 @@ class GRPOTrainer:
             raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
                               "Python scripts; use_peft with the lora_* fields in config files)")
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
+        if self.dist.sharding is not None and (self.peft_config is not None or is_peft_model(model)):
+            raise ConfigError("fsdp with LoRA is not supported yet: train the adapters with DDP (drop fsdp), or shard "
+                              "a full fine-tune")
+        if self.dist.sharding is not None and any(o is not None for o in self.optimizers):
+            raise ConfigError("fsdp with optimizers=(…): the optimizer must be built over the sharded parameters; "
+                              "choose it with optim / optim_args instead")
         if args.sync_ref_model and (self.peft_config is not None or is_peft_model(model)):
             raise ConfigError("sync_ref_model=True with LoRA: the reference policy is the base model with the adapters "
                               "disabled, which TR-DPO cannot move; train without sync_ref_model")
@@ -183,6 +193,15 @@ class GRPOTrainer:
         from transformers import get_scheduler
 
         optimizer, scheduler = self.optimizers
+        self._replica = None
+        if self.dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
+            self._replica = copy.deepcopy(policy).eval().requires_grad_(False)  # what generation samples from
+            trained = self.dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
+            optimizer = build_optimizer(policy, args)
+            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
+                                      num_training_steps=self.max_steps,
+                                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+            return trained, optimizer, scheduler
         if optimizer is None:
             optimizer = build_optimizer(policy, args)
         else:  # TRL's optimizers=(opt, sched): built by the user over the model's parameters
@@ -206,6 +225,7 @@ class GRPOTrainer:
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             reference=self.reference,
+            policy_logps=self.trained if self._replica is not None else None,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
             reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
             # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
@@ -223,6 +243,17 @@ class GRPOTrainer:
     def unwrapped(self):
         """The Hugging Face model being trained (no distributed or log-prob wrapper)."""
         return self.dist.unwrap(self.trained).model
+
+    @property
+    def sampling_model(self):
+        """What generation runs on: the policy, or with fsdp its unsharded replica (groupwise.sharding)."""
+        return self._replica if self._replica is not None else self.unwrapped
+
+    def _weights_changed(self) -> None:
+        """After an optimizer step (or a resume): the replica and the sampler see the new weights."""
+        if self._replica is not None:
+            self._replica.load_state_dict(full_state_dict(self.unwrapped))
+        self.rollout_ctx.generator.update_weights(self.sampling_model)
 
     @property
     def model(self):
@@ -274,7 +305,7 @@ class GRPOTrainer:
         self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
         self._event("on_train_begin")
         if self.global_step:  # resumed: the sampler must see the restored weights
-            self.rollout_ctx.generator.update_weights(self.unwrapped)
+            self._weights_changed()
         if args.eval_on_start and self.global_step == 0:
             self._evaluate_and_log()
 
@@ -282,7 +313,7 @@ class GRPOTrainer:
         """A fresh generation batch (groupwise.rollout.collect), timed."""
         self._tick = time.perf_counter()
         self._extra.clear()
-        rollout = R.collect(self.rollout_ctx, self.unwrapped)
+        rollout = R.collect(self.rollout_ctx, self.sampling_model)
         rollout.metrics["time/generation"] = time.perf_counter() - self._tick
         return rollout
 
@@ -304,7 +335,7 @@ class GRPOTrainer:
                 "metrics.jsonl); stopping with the weights of the last good step untouched and the last checkpoint "
                 "kept. Check the rewards, beta and learning_rate, or raise max_consecutive_skipped_steps")
         if not skipped:
-            self.rollout_ctx.generator.update_weights(self.unwrapped)  # the sampler sees the new policy
+            self._weights_changed()  # the sampler sees the new policy
         if math.isfinite(metrics["loss/policy"]):
             self._loss_sum, self._loss_steps = self._loss_sum + metrics["loss/policy"], self._loss_steps + 1
         metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
@@ -471,7 +502,7 @@ class GRPOTrainer:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
         out = output_dir or self.args.output_dir
         if self.dist.is_main:
-            self.unwrapped.save_pretrained(out, safe_serialization=True)
+            self.sampling_model.save_pretrained(out, safe_serialization=True)  # with fsdp: the consolidated replica
             self.tokenizer.save_pretrained(out)
         self.dist.barrier()
 
@@ -535,7 +566,7 @@ class GRPOTrainer:
             per_func, lengths = [], []
             for start in range(0, len(mine), bs):
                 rows = [data[i] for i in mine[start:start + bs] for _ in range(k)]
-                comp = R.generate(ctx, self.unwrapped, rows, greedy=args.num_generations_eval is None)
+                comp = R.generate(ctx, self.sampling_model, rows, greedy=args.num_generations_eval is None)
                 rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
                                              comp.columns, on_error=args.on_reward_error,
                                              timeout=args.reward_timeout, extra=kwargs)
@@ -569,7 +600,7 @@ class GRPOTrainer:
         if not args.sync_ref_model or self.global_step % args.ref_model_sync_steps:
             return
         with torch.no_grad():
-            for ref_p, p in zip(self.reference.copy.parameters(), self.unwrapped.parameters()):
+            for ref_p, p in zip(self.reference.copy.parameters(), self.sampling_model.parameters()):
                 ref_p.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(ref_p.dtype), alpha=args.ref_model_mixup_alpha)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
@@ -580,7 +611,9 @@ class GRPOTrainer:
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "round_step": round_step if pending is not None else 0,
                  "round_metrics": round_metrics if pending is not None else None}
-        return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist, model=self.unwrapped,
+        sharded = self._replica is not None
+        return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist, model=self.sampling_model,
+                               sharded_model=self.unwrapped if sharded else None,
                                tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=state, pending=pending.tensors() if pending is not None else None,
                                ref_model=self.reference.copy if self.args.sync_ref_model else None,
@@ -603,6 +636,7 @@ class GRPOTrainer:
                 raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
                                       "resume with the same value (the data order and batch layout depend on it)")
         pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
+                                  sharded_model=self.unwrapped if self._replica is not None else None,
                                   scheduler=self.scheduler,
                                   ref_model=self.reference.copy if self.reference is not None else None)
         self.run_id = state.get("run_id", self.run_id)

@@ -106,4 +106,5 @@ def logps_from_hidden(
             lp, ent = _chunk(h, weight, bias, t, *args)
         logps.append(lp)
         entropies.append(ent)
-    return torch.cat(logps).view(N, T), torch.cat(entropies).view(N, T) if compute_entropy else None
+    # copies, not views of the concatenation: FSDP2 hooks the outputs of a sharded module for its backward
+    return torch.cat(logps).view(N, T).clone(), torch.cat(entropies).view(N, T).clone() if compute_entropy else None

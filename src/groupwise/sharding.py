@@ -1,0 +1,143 @@
+"""FSDP2 sharding (torch's `fully_shard`): the one place groupwise shards a model.
+
+Asked for by the config (`fsdp: full_shard`, TRL / transformers' field) or by `accelerate launch --config_file`
+with an FSDP2 config (accelerate exports ACCELERATE_USE_FSDP / FSDP_VERSION=2 / FSDP_RESHARD_AFTER_FORWARD). groupwise
+applies `fully_shard` itself, the same way on GPUs and on CPU (gloo), where accelerate would fall back to DDP:
+
+- every decoder layer (the model's `_no_split_modules` classes) is one FSDP unit; the root unit is the log-prob
+  wrapper (`PolicyForLogps`), so the embeddings, final norm and output head are gathered around every forward that
+  computes log-probs: training, π_θold and π_ref all go through it;
+- generation runs on a full, unsharded replica of the policy on each process, refreshed from the shards after every
+  optimizer step (one all-gather of the weights per step): sampling then needs no collective, and processes may
+  finish their rows at different times. Memory: the replica costs one full copy of the weights per process, while
+  gradients and optimizer state stay sharded (TRL's `ds3_gather_for_generation=True` trade-off);
+- checkpoints hold each process's shards of the weights and of the optimizer state as safetensors
+  (`model_shard_<rank>.safetensors`, `optimizer_<rank>.*`; resume needs the same number of processes, as it does
+  for the RNG streams), plus the consolidated model (`model.safetensors`, loadable with `from_pretrained`).
+  torch.distributed.checkpoint's own format pickles its metadata, which groupwise checkpoints never do.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from groupwise.config_base import ConfigError
+
+# transformers' `fsdp` strings groupwise takes (the FSDP1 option names, mapped onto FSDP2)
+FSDP_OPTIONS = {"full_shard": True, "shard_grad_op": False, "auto_wrap": None}
+
+
+@dataclass(frozen=True)
+class Sharding:
+    reshard_after_forward: bool  # full_shard: free gathered weights after each forward; shard_grad_op: keep them
+
+
+def resolve(fsdp: str | None) -> Sharding | None:
+    """The sharding asked for by the `fsdp` field or by an accelerate FSDP launch, or None (replicas / DDP)."""
+    if fsdp:
+        words = fsdp.replace(",", " ").split()
+        unknown = [w for w in words if w not in FSDP_OPTIONS]
+        if unknown:
+            raise ConfigError(f"fsdp={fsdp!r}: {unknown} not supported; use 'full_shard' or 'shard_grad_op' "
+                              "(optionally with 'auto_wrap': decoder layers are always the units)")
+        reshard = [FSDP_OPTIONS[w] for w in words if FSDP_OPTIONS[w] is not None]
+        if not reshard:
+            raise ConfigError(f"fsdp={fsdp!r} names no sharding strategy: add 'full_shard' or 'shard_grad_op'")
+        return Sharding(reshard_after_forward=reshard[0])
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        version = os.environ.get("FSDP_VERSION", "1")
+        if version != "2":
+            raise ConfigError(f"the accelerate config asks for FSDP version {version}: groupwise shards with FSDP2; "
+                              "set fsdp_version: 2 in the accelerate config file")
+        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in ("1", "true", "full_shard")
+        return Sharding(reshard_after_forward=reshard)
+    return None
+
+
+def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, device: torch.device,
+          bf16: bool = False) -> torch.nn.Module:
+    """fully_shard every decoder layer of `model`, then `root` (the module whose forward runs: PolicyForLogps).
+    bf16: FSDP2's mixed precision (float32 sharded master weights, gathered and computed in bfloat16, gradients
+    reduced in float32), as accelerate sets it up for an FSDP2 bf16 launch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules): "
+                          "it cannot be sharded layer by layer")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=policy)
+    fully_shard(root, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=policy)
+    return root
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict on every process (an all-gather of every shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def local_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """This process's shard of each tensor of a (model) state dict."""
+    return {k: (v.to_local() if _is_dtensor(v) else v).detach().cpu().contiguous() for k, v in state.items()}
+
+
+def load_local(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy this process's saved shards back into the sharded parameters and buffers, exactly."""
+    from groupwise.checkpoint import CheckpointError
+
+    state = model.state_dict()
+    if set(state) != set(tensors):
+        missing, unexpected = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
+        raise CheckpointError(f"{source}: the model shards do not match the model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]})")
+    with torch.no_grad():
+        for name, value in state.items():
+            local = value.to_local() if _is_dtensor(value) else value
+            if local.shape != tensors[name].shape:
+                raise CheckpointError(f"{source}: shard {name} has shape {tuple(tensors[name].shape)}, the model's "
+                                      f"{tuple(local.shape)}: resume with the same model and number of processes")
+            local.copy_(tensors[name])
+
+
+def optimizer_local(opt_state: dict) -> dict:
+    """An optimizer state dict whose DTensor states are replaced by this process's shards."""
+    return {"param_groups": opt_state["param_groups"],
+            "state": {i: {k: (v.to_local() if _is_dtensor(v) else v) for k, v in st.items()}
+                      for i, st in opt_state["state"].items()}}
+
+
+def optimizer_from_local(optimizer: torch.optim.Optimizer, local: dict) -> dict:
+    """The inverse of optimizer_local: shards become DTensors laid out like their parameters."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for idx, st in local["state"].items():
+        p = params[int(idx)]
+        state[idx] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                             stride=p.stride())
+                          if _is_dtensor(p) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                      for k, v in st.items()}
+    return {"param_groups": local["param_groups"], "state": state}
+
+
+def total_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip (max_norm > 0) and return the global gradient norm of sharded parameters (a plain scalar tensor)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm and max_norm > 0 else float("inf"))
+    return norm.full_tensor() if _is_dtensor(norm) else norm
