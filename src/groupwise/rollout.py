@@ -9,7 +9,9 @@ from further rounds (`refill`), which needs whole groups on each process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,23 +68,55 @@ class RolloutContext:
 def collect(ctx: RolloutContext, model) -> Rollout:
     """One generation batch: sample a round, measure it, (dynamic sampling) refill groups without signal, then the
     log-probs the update needs (π_θold when the policy moves within the round, π_ref when β > 0)."""
-    first = sample_round(ctx, model)
+    clock = PhaseClock(ctx.dist.device)
+    first = sample_round(ctx, model, clock)
     metrics = round_metrics(ctx, first)
     chosen = first
     if ctx.args.dynamic_sampling:
-        chosen, dynamic = refill(ctx, model, first)
+        chosen, dynamic = refill(ctx, model, first, clock)
         metrics.update(dynamic)
-    return Rollout(build_batch(ctx, chosen, model), metrics, chosen)
+    with clock("logprobs"):
+        batch = build_batch(ctx, chosen, model)
+    metrics.update(clock.metrics())  # time/generate, time/rewards, time/logprobs
+    return Rollout(batch, metrics, chosen)
 
 
-def sample_round(ctx: RolloutContext, model) -> Round:
+class PhaseClock:
+    """Seconds spent per rollout phase (time/<phase> metrics); waits for the accelerator at each boundary so the
+    time lands in the phase that queued the work."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+def sample_round(ctx: RolloutContext, model, clock: PhaseClock | None = None) -> Round:
     """The next B prompts × G completions: generate this process's rows, score them, advantages."""
+    clock = clock or PhaseClock(ctx.dist.device)
     G = ctx.args.num_generations
     prompt_idx = ctx.sampler.next_round()  # B prompts of the whole round, same on every process
     rows = ctx.dist.shard([i for i in prompt_idx for _ in range(G)])  # group rows contiguous
-    comp = generate(ctx, model, [ctx.data[i] for i in rows])
-    scores = score(ctx, comp) if ctx.reward_sources else None  # outcome rewards (B, G)
-    step_scores = score_steps(ctx, comp) if ctx.process_sources else None  # step rewards [B][G][K]
+    with clock("generate"):
+        comp = generate(ctx, model, [ctx.data[i] for i in rows])
+    with clock("rewards"):
+        scores = score(ctx, comp) if ctx.reward_sources else None  # outcome rewards (B, G)
+        step_scores = score_steps(ctx, comp) if ctx.process_sources else None  # step rewards [B][G][K]
     n = len(rows)
     rewards = torch.full((n,), float("nan")) if scores is None else ctx.dist.shard(scores.rewards.flatten())
     per_func = None if scores is None else ctx.dist.shard(scores.per_func.flatten(0, 1))  # (N, F)
@@ -208,7 +242,8 @@ def build_batch(ctx: RolloutContext, rnd: Round, model) -> TrainBatch:
 
 
 # ---- dynamic sampling (DAPO, Yu et al. 2025) ------------------------------------------------------------------------
-def refill(ctx: RolloutContext, model, first: Round) -> tuple[Round, dict[str, float]]:
+def refill(ctx: RolloutContext, model, first: Round, clock: PhaseClock | None = None
+           ) -> tuple[Round, dict[str, float]]:
     """Keep the groups with a learning signal, sample further rounds (at most max_dynamic_sampling_rounds) until
     this process has as many as it started with, then fill any gap with dropped groups. Every process loops until
     all are full, so collectives stay matched."""
@@ -223,7 +258,7 @@ def refill(ctx: RolloutContext, model, first: Round) -> tuple[Round, dict[str, f
         spare += [(r, g) for g in range(need) if not rnd.signal[g]]
         if extra >= ctx.args.max_dynamic_sampling_rounds or not dist.any(len(kept) < need):
             break
-        rounds.append(sample_round(ctx, model))
+        rounds.append(sample_round(ctx, model, clock))
         extra += 1
     unfilled = max(0, need - len(kept))
     chosen = select_groups(rounds, kept[:need] + spare[:unfilled], G, ctx.tokenizer.pad_token_id)

@@ -314,7 +314,7 @@ class GRPOTrainer:
         self._tick = time.perf_counter()
         self._extra.clear()
         rollout = R.collect(self.rollout_ctx, self.sampling_model)
-        rollout.metrics["time/generation"] = time.perf_counter() - self._tick
+        rollout.metrics["time/rollout"] = time.perf_counter() - self._tick  # generate + rewards + logprobs
         return rollout
 
     def _windows(self, rollout: Rollout) -> list[list[TrainBatch]]:
