@@ -78,6 +78,9 @@ def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(mon
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="set fsdp_version: 2"):
         resolve(None)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="asks for DeepSpeed.*shard with FSDP2"):
+        resolve(None)
 
 
 def test_bad_fsdp_value_fails_before_anything_loads():

@@ -447,3 +447,25 @@ def test_streamed_rows_get_the_length_checks(tmp_path, tokenizer):
                  max_prompt_length=20, truncate_prompt="error")
     with pytest.raises(ConfigError, match="train_dataset row 3 has 90 prompt tokens > max_prompt_length=20"):
         t.train()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampling_in_another_dtype_is_importance_corrected(tmp_path, tokenizer, dtype):
+    """generation_dtype: the sampler is a cast copy of the policy. float32 = the trainer's numerics: every weight is 1
+    (up to the float32 rounding of an incremental KV-cache decode against a full forward); bfloat16: the weights
+    stay near 1 and TRL's sampling/* metrics are logged."""
+    t = _trainer(tmp_path, tokenizer, generation_dtype=dtype, max_steps=2, max_completion_length=12)
+    assert next(t.sampling_model.parameters()).dtype == getattr(torch, dtype)
+    metrics = t.train()
+    ratio = [metrics[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
+    if dtype == "float32":
+        assert ratio == [pytest.approx(1.0, abs=1e-5)] * 3 and metrics["sampling/sampling_logp_difference/max"] < 1e-5
+    else:
+        assert 0.95 < ratio[0] <= ratio[1] <= ratio[2] < 1.05 and ratio[0] < ratio[2]
+        assert 0 < metrics["sampling/sampling_logp_difference/mean"] < 0.05
+    # the sampler follows the policy: after training, the copy holds the policy's weights (cast)
+    for a, b in zip(t.unwrapped.parameters(), t.sampling_model.parameters()):
+        assert torch.equal(a.detach().to(b.dtype), b)
+    off = _trainer(tmp_path, tokenizer, generation_dtype=dtype, vllm_importance_sampling_correction=False,
+                   max_steps=1, output_dir=str(tmp_path / "off"))
+    assert "sampling/importance_sampling_ratio/mean" not in off.train()

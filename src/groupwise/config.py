@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+
+import torch
 from dataclasses import dataclass
 from typing import Any
 
 from groupwise.config_base import HUB_ID, ConfigError, StrictConfig, load_yaml, option
 from groupwise.config_trl import TRL_NOT_SUPPORTED
 from groupwise.core.advantages import ESTIMATORS, SCALES, STDS
+from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS
@@ -28,6 +31,9 @@ from groupwise.rewards.steps import SPLIT_MODES
 from groupwise.sharding import resolve as resolve_sharding
 
 __all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "load_yaml"]
+
+# generation_dtype values
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # GRPOConfig fields a loss objective may read, by the objective's option name (groupwise.core.losses.OBJECTIVES)
 OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg")
@@ -153,6 +159,12 @@ class GRPOConfig(StrictConfig):
     min_p: float | None = option("Drop tokens below min_p × the top probability (None: off).", default=None, ge=0, le=1)
     repetition_penalty: float = option("transformers' repetition penalty (1.0: off).", default=1.0, gt=0)
     generation_kwargs: dict | None = option("Extra transformers GenerationConfig fields (transformers backend only).", default=None)
+    generation_dtype: str | None = option("Sample from a copy of the policy in this dtype ('bfloat16', 'float16', 'float32'), refreshed after every optimizer step (None: sample from the policy itself). The sampler's numerics then differ from the trainer's, so the loss is importance-corrected (vllm_importance_sampling_*).", default=None, choices=(None, *GENERATION_DTYPES))
+    vllm_importance_sampling_correction: bool = option("Correct the loss for a sampler whose numerics differ from the trainer's (TRL's name and default; it applies when the sampler differs: generation_dtype set). groupwise.core.importance.", default=True)
+    vllm_importance_sampling_mode: str = option("'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask' (TRL): weights per token or per completion, clipped (truncate) or zeroed (mask) outside [clip_min, clip_max].", default="sequence_mask", choices=IS_MODES)
+    vllm_importance_sampling_clip_max: float | None = option("Upper bound C of the importance weight (TRL).", default=3.0, gt=0)
+    vllm_importance_sampling_clip_min: float | None = option("Lower bound of the importance weight (None: none) (TRL).", default=None, ge=0)
+    vllm_importance_sampling_cap: float | None = option("TRL's deprecated name for vllm_importance_sampling_clip_max; when set, it wins.", default=None, gt=0)
     generation_backend: str = option("Generation backend (groupwise.generation); 'fast' prefills each prompt once per group and drops finished rows, with generate()'s processors.", default="fast", choices=BACKENDS)
     chat_template_kwargs: dict | None = option("Extra kwargs for tokenizer.apply_chat_template on conversational prompts.", default=None)
 
@@ -248,6 +260,8 @@ class GRPOConfig(StrictConfig):
             raise ConfigError("average_tokens_across_devices=False is not supported: loss types that count tokens "
                               "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
                               "per-process token mean")
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         check_available(self.optim)
         resolve_sharding(self.fsdp)  # a bad fsdp string fails here, before anything loads
         parse_optim_args(self.optim_args)
@@ -300,6 +314,11 @@ class GRPOConfig(StrictConfig):
         if values.get("hub_token"):
             values["hub_token"] = "<hidden>"
         return values
+
+    @property
+    def corrects_sampling(self) -> bool:
+        """Is the loss importance-corrected for the sampler? When asked for and the sampler's numerics differ."""
+        return self.vllm_importance_sampling_correction and self.generation_dtype is not None
 
     def warmup(self, max_steps: int) -> int:
         """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""

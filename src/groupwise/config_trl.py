@@ -58,10 +58,8 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
         "vllm_mode": "colocate", "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False,
         "vllm_structured_outputs_regex": None, "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0",
         "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
-        "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": None, "vllm_tensor_parallel_size": 1,
-        "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
-        "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": None,
-        "vllm_importance_sampling_cap": None}.items()},
+        "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": None,
+        "vllm_tensor_parallel_size": 1}.items()},
     "use_transformers_paged": NotSupported(False, "use generation_backend='fast' (prefill shared per group)"),
     "use_transformers_continuous_batching": NotSupported(False, "use generation_backend='fast' (prefill shared per "
                                                                 "group, finished rows leave the batch)"),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from groupwise.core.advantages import masked_mean_std, outcome_advantages, pack_steps, process_advantages
+from groupwise.core.importance import sampling_weights
 from groupwise.core.supervision import SUPERVISIONS, token_advantages
 from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
@@ -52,7 +53,8 @@ class RolloutContext:
     data: PromptData | None = None  # what `collect` draws prompts from
     sampler: PromptSampler | None = None  # which prompts, round after round
     reference: Reference | None = None  # π_ref of the KL term, β > 0 only (groupwise.adapters.Reference)
-    policy_logps: torch.nn.Module | None = None  # with fsdp: the sharded PolicyForLogps that π_θold must run through
+    policy_logps: torch.nn.Module | None = None  # the trainer's PolicyForLogps (sharded with fsdp): π_θold runs on it
+    correct_sampling: bool = False  # importance-correct for a sampler with other numerics (generation_dtype)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
     @property
@@ -76,7 +78,7 @@ def collect(ctx: RolloutContext, model) -> Rollout:
         chosen, dynamic = refill(ctx, model, first, clock)
         metrics.update(dynamic)
     with clock("logprobs"):
-        batch = build_batch(ctx, chosen, model)
+        batch = build_batch(ctx, chosen, model, metrics)
     metrics.update(clock.metrics())  # time/generate, time/rewards, time/logprobs
     return Rollout(batch, metrics, chosen)
 
@@ -138,7 +140,9 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
     device = ctx.dist.device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    completion_ids = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy).completion_ids  # (N, T)
+    want = ctx.correct_sampling and not greedy  # the sampler's own log-probs, for the importance correction
+    out = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy, logprobs=want)
+    completion_ids = out.completion_ids  # (N, T)
     mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
     texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
@@ -148,10 +152,15 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     # pad_to_multiple_of: the training tensors' widths (generation saw the prompts unpadded)
     multiple, pad = args.pad_to_multiple_of, tok.pad_token_id
     prompt_ids, prompt_mask = pad_to_multiple(prompt_ids, prompt_mask, multiple, pad, side="left")
+    sampling_logps = None
+    if want:
+        sampling_logps = out.logprobs[:, :completion_ids.size(1)].float()
+        sampling_logps, _ = pad_to_multiple(sampling_logps, mask, multiple, 0, side="right")
     completion_ids, mask = pad_to_multiple(completion_ids, mask, multiple, pad, side="right")
     # dataset columns reach reward functions as keywords, unless remove_unused_columns (TRL: the prompt only)
     columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    return Completions(prompt_ids, prompt_mask, completion_ids, mask, truncated, prompts, completions, columns)
+    return Completions(prompt_ids, prompt_mask, completion_ids, mask, truncated, prompts, completions, columns,
+                       sampling_logps)
 
 
 def score(ctx: RolloutContext, comp: Completions) -> Scores:
@@ -222,7 +231,9 @@ def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepSc
     return signal
 
 
-def build_batch(ctx: RolloutContext, rnd: Round, model) -> TrainBatch:
+def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float] | None = None) -> TrainBatch:
+    """The update's tensors for a round: ids and masks, advantages, π_θold when needed, π_ref when β > 0, and the
+    importance weights when the sampler's numerics differ from the trainer's (their statistics go to `metrics`)."""
     args, comp = ctx.args, rnd.completions
     loss_mask = comp.completion_mask
     if args.mask_truncated_completions:
@@ -230,15 +241,35 @@ def build_batch(ctx: RolloutContext, rnd: Round, model) -> TrainBatch:
     input_ids = torch.cat([comp.prompt_ids, comp.completion_ids], dim=1)
     attention_mask = torch.cat([comp.prompt_mask, comp.completion_mask], dim=1)
     T = comp.completion_ids.size(1)
-    old = ref = None
-    if ctx.need_old_logps:  # the policy moves before some micro-batches are used: keep π_θold explicitly
+    old = ref = weights = None
+    # π_θold in the trainer's numerics: when the policy moves within the round, and for the importance correction
+    if ctx.need_old_logps or ctx.correct_sampling:
         old = batched_logps(ctx.policy_logps or model, input_ids, attention_mask, T, temperature=args.temperature,
                             batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
+    if ctx.correct_sampling:
+        weights, stats = sampling_weights(old, comp.sampling_logps.to(old.device), comp.completion_mask,
+                                          mode=args.vllm_importance_sampling_mode,
+                                          clip_min=args.vllm_importance_sampling_clip_min,
+                                          clip_max=args.vllm_importance_sampling_clip_max)
+        if metrics is not None:
+            metrics.update(_sampling_metrics(ctx, stats))
     if ctx.reference is not None:  # β > 0 only; with LoRA: the policy with its adapters disabled
         with ctx.reference.context():
             ref = batched_logps(ctx.reference.model, input_ids, attention_mask, T, temperature=args.temperature,
                                 batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
-    return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref)
+    return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref, weights)
+
+
+def _sampling_metrics(ctx: RolloutContext, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """TRL's sampling/* metrics over all processes: min of minima, max of maxima, mean of the rest."""
+    keys = sorted(stats)
+    every = ctx.dist.gather(torch.stack([stats[k].float() for k in keys]).unsqueeze(0).to(ctx.dist.device)).cpu()
+    out = {}
+    for j, k in enumerate(keys):
+        column = every[:, j]
+        out[f"sampling/{k}"] = float(column.min() if k.endswith("/min") else column.max() if k.endswith("/max")
+                                     else column.mean())
+    return out
 
 
 # ---- dynamic sampling (DAPO, Yu et al. 2025) ------------------------------------------------------------------------
@@ -284,7 +315,8 @@ def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad
         stack(lambda r, i: comps[r].completion_ids[i], T, False, pad_id),
         stack(lambda r, i: comps[r].completion_mask[i], T, False), stack(lambda r, i: comps[r].truncated[i]),
         [comps[r].prompts[i] for r, i in rows], [comps[r].completions[i] for r, i in rows],
-        {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns})
+        {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns},
+        None if comps[0].sampling_logps is None else stack(lambda r, i: comps[r].sampling_logps[i], T, False))
     token_level = rounds[0].advantages.dim() == 2
     adv = stack(lambda r, i: rounds[r].advantages[i], T if token_level else None)
     steps = None if rounds[0].steps is None else [rounds[r].steps[i] for r, i in rows]

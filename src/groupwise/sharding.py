@@ -47,6 +47,9 @@ def resolve(fsdp: str | None) -> Sharding | None:
         if not reshard:
             raise ConfigError(f"fsdp={fsdp!r} names no sharding strategy: add 'full_shard' or 'shard_grad_op'")
         return Sharding(reshard_after_forward=reshard[0])
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        raise ConfigError("the accelerate config asks for DeepSpeed, which groupwise does not support: shard with FSDP2 "
+                          "instead (accelerate launch --config_file examples/accelerate/fsdp2.yaml, or fsdp: full_shard)")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         version = os.environ.get("FSDP_VERSION", "1")
         if version != "2":

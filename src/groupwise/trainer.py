@@ -30,6 +30,7 @@ from groupwise.hub import hub_token, push_folder
 from groupwise.loading import as_list, check_inputs, eos_token_ids, load_policy, load_tokenizer
 from groupwise.logging import MetricsLogger, print_completions, set_log_level
 from groupwise.modeling import PolicyForLogps
+from groupwise.config import GENERATION_DTYPES
 from groupwise.optim import build_optimizer
 from groupwise.sharding import full_state_dict
 from groupwise.sharding import resolve as resolve_sharding
@@ -193,9 +194,12 @@ class GRPOTrainer:
         from transformers import get_scheduler
 
         optimizer, scheduler = self.optimizers
-        self._replica = None
+        self._replica = None  # what generation samples from, when it is not the policy itself
+        if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
+            self._replica = copy.deepcopy(policy).to(GENERATION_DTYPES[args.generation_dtype]).eval().requires_grad_(False)
         if self.dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
-            self._replica = copy.deepcopy(policy).eval().requires_grad_(False)  # what generation samples from
+            if self._replica is None:
+                self._replica = copy.deepcopy(policy).eval().requires_grad_(False)
             trained = self.dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
             optimizer = build_optimizer(policy, args)
             scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
@@ -225,7 +229,8 @@ class GRPOTrainer:
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             reference=self.reference,
-            policy_logps=self.trained if self._replica is not None else None,
+            policy_logps=self.trained if self.dist.sharding is not None else self.dist.unwrap(self.trained),
+            correct_sampling=args.corrects_sampling,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
             reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
             # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
@@ -251,8 +256,9 @@ class GRPOTrainer:
 
     def _weights_changed(self) -> None:
         """After an optimizer step (or a resume): the replica and the sampler see the new weights."""
-        if self._replica is not None:
-            self._replica.load_state_dict(full_state_dict(self.unwrapped))
+        if self._replica is not None:  # load_state_dict casts to the replica's dtype
+            state = full_state_dict(self.unwrapped) if self.dist.sharding is not None else self.unwrapped.state_dict()
+            self._replica.load_state_dict(state)
         self.rollout_ctx.generator.update_weights(self.sampling_model)
 
     @property
@@ -502,7 +508,8 @@ class GRPOTrainer:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
         out = output_dir or self.args.output_dir
         if self.dist.is_main:
-            self.sampling_model.save_pretrained(out, safe_serialization=True)  # with fsdp: the consolidated replica
+            model = self.sampling_model if self.dist.sharding is not None else self.unwrapped  # fsdp: consolidated
+            model.save_pretrained(out, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
         self.dist.barrier()
 
@@ -611,8 +618,9 @@ class GRPOTrainer:
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "round_step": round_step if pending is not None else 0,
                  "round_metrics": round_metrics if pending is not None else None}
-        sharded = self._replica is not None
-        return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist, model=self.sampling_model,
+        sharded = self.dist.sharding is not None  # the replica is then the consolidated model
+        return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
+                               model=self.sampling_model if sharded else self.unwrapped,
                                sharded_model=self.unwrapped if sharded else None,
                                tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=state, pending=pending.tensors() if pending is not None else None,
@@ -636,7 +644,7 @@ class GRPOTrainer:
                 raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
                                       "resume with the same value (the data order and batch layout depend on it)")
         pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
-                                  sharded_model=self.unwrapped if self._replica is not None else None,
+                                  sharded_model=self.unwrapped if self.dist.sharding is not None else None,
                                   scheduler=self.scheduler,
                                   ref_model=self.reference.copy if self.reference is not None else None)
         self.run_id = state.get("run_id", self.run_id)

@@ -26,6 +26,7 @@ class Completions:
     prompts: list[Any]  # (N) the prompt as given: text or chat messages
     completions: list[Any]  # (N) decoded text, or [{"role": "assistant", "content": text}] for chat prompts
     columns: dict[str, list[Any]]  # other dataset columns, one value per row (reward-function kwargs)
+    sampling_logps: torch.Tensor | None = None  # (N, T) log-probs the sampler drew with (importance correction)
 
     @property
     def lengths(self) -> torch.Tensor:  # (N,)
@@ -85,6 +86,7 @@ class TrainBatch:
     advantages: torch.Tensor  # (N,) outcome, or (N, T) token-level (process supervision)
     old_logps: torch.Tensor | None = None  # (N, T) π_θold; None when fully on-policy (then logps.detach())
     ref_logps: torch.Tensor | None = None  # (N, T) π_ref; None when beta = 0
+    is_weights: torch.Tensor | None = None  # (N, T) or (N, 1) importance weights for the sampler's numerics
 
     def rows(self, start: int, stop: int) -> "TrainBatch":
         return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]

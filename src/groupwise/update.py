@@ -66,7 +66,8 @@ def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
         epsilon_high=args.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
         sapo_temperature_neg=args.sapo_temperature_neg, importance_sampling_level=args.importance_sampling_level,
         beta=args.beta, ref_logps=mb.ref_logps, use_bias_correction_kl=args.use_bias_correction_kl,
-        max_completion_length=args.max_completion_length, num_items_in_batch=num_items, loss_mask=loss_mask)
+        max_completion_length=args.max_completion_length, num_items_in_batch=num_items, loss_mask=loss_mask,
+        is_weights=mb.is_weights)
     metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
     mean_entropy = None
     if bonus:  # over the tokens the policy term acts on (the top-entropy ones when top_entropy_quantile < 1), as TRL

@@ -7,7 +7,8 @@ groupwise.core.aggregation). With ρ_t = π_θ(o_t) / π_θold(o_t) per token, o
     cispo  ℓ_t = −sg[min(ρ_t, ε_high)] Â_t log π_θ(o_t)                          (MiniMax-M1; ε_high is ε_max here)
     sapo   ℓ_t = −(4/τ) σ(τ (ρ_t − 1)) Â_t,  τ = τ_pos if Â_t > 0 else τ_neg     (soft gate; d/dρ = 1 at ρ = 1)
 
-and then, for every loss type, the KL penalty β · k3_t (DeepSeekMath eq. 4),
+then, when the sampler's numerics differ from the trainer's, ℓ_t times the importance weight w_t
+(groupwise.core.importance), and, for every loss type, the KL penalty β · k3_t (DeepSeekMath eq. 4),
 k3_t = exp(ref_t − logp_t) − (ref_t − logp_t) − 1, multiplied by ρ_t when `use_bias_correction_kl` (TRL's default:
 the samples come from π_θold, so ρ_t k3_t is the importance-weighted KL; its value at ρ = 1 is unchanged but its
 gradient gains k3_t ∇log π_θ).
@@ -101,6 +102,7 @@ def policy_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,  # (N, T) extra 0/1 mask on the policy term (top-entropy tokens)
+    is_weights: torch.Tensor | None = None,  # (N, T) or (N, 1) sampler correction (groupwise.core.importance)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return (scalar loss, metrics) — metrics: `kl`, `clip/low`, `clip/high`, `clip/region` (detached)."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -132,6 +134,8 @@ def policy_loss(
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     if loss_mask is not None:
         per_token = per_token * loss_mask.to(per_token.dtype)
+    if is_weights is not None:  # the policy term only, as TRL applies it (not the KL)
+        per_token = per_token * is_weights.to(per_token.dtype)
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         kl = k3(logps, ref_logps)  # (N, T)

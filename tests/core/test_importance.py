@@ -1,0 +1,78 @@
+"""Importance-sampling correction for the sampler's numerics (groupwise.core.importance), against hand-worked values
+and TRL 1.16's formulas for every mode."""
+
+import math
+
+import pytest
+import torch
+
+from groupwise.core.importance import IS_MODES, sampling_weights
+from groupwise.core.losses import policy_loss
+
+OLD = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+SAMPLING = torch.tensor([[-1.5, -2.0], [-1.0, -0.5]])
+MASK = torch.tensor([[1, 1], [1, 0]])
+
+
+def test_weights_by_hand():
+    # d = (old − sampling)·mask = [[0.5, 0], [0, 0 (masked)]]
+    # token:    exp(d) = [[1.648721, 1], [1, 1]];  truncate at 1.5 → [[1.5, 1], [1, 1]]
+    # sequence: exp(Σ d) = [1.648721, 1];          mask outside [0, 1.5] → [0, 1], masked fraction 1/2
+    w, m = sampling_weights(OLD, SAMPLING, MASK, mode="token_truncate", clip_max=10.0)
+    assert torch.allclose(w, torch.tensor([[math.exp(0.5), 1.0], [1.0, 1.0]]))
+    w, _ = sampling_weights(OLD, SAMPLING, MASK, mode="token_truncate", clip_max=1.5)
+    assert torch.allclose(w, torch.tensor([[1.5, 1.0], [1.0, 1.0]]))
+    w, m = sampling_weights(OLD, SAMPLING, MASK, mode="sequence_mask", clip_max=1.5)
+    assert torch.allclose(w, torch.tensor([[0.0], [1.0]])) and m["importance_sampling_ratio/masked_fraction"] == 0.5
+    # |d| over the 3 real tokens: [0.5, 0, 0] → mean 1/6, max 0.5 (the masked token's 0.5 is not counted)
+    assert m["sampling_logp_difference/mean"].item() == pytest.approx(0.5 / 3)
+    assert m["sampling_logp_difference/max"].item() == pytest.approx(0.5)
+
+
+def _trl(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16 GRPOTrainer._generate_and_score_completions, the vLLM importance-sampling ratio (transcribed)."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    seq = mode in ["sequence_mask", "sequence_truncate"]
+    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if seq else diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        lo = clip_min if clip_min is not None else -math.inf
+        hi = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), value=0.0)
+    return ratio
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+@pytest.mark.parametrize("clip", [(None, 3.0), (0.5, 2.0), (None, 1.2)])
+def test_every_mode_matches_trl(mode, clip):
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(6, 7, generator=g, dtype=torch.float64) * 3
+    sampling = old + 0.3 * torch.randn(6, 7, generator=g, dtype=torch.float64)
+    sampling[1, 2] = float("nan")  # a token the sampler could not score
+    mask = (torch.arange(7) < torch.tensor([7, 4, 1, 6, 3, 5])[:, None]).double()
+    ours, _ = sampling_weights(old, sampling, mask, mode=mode, clip_min=clip[0], clip_max=clip[1])
+    assert torch.allclose(ours, _trl(old, sampling, mask, mode, *clip))
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_no_op_when_sampler_and_trainer_agree(mode):
+    g = torch.Generator().manual_seed(2)
+    lp = -torch.rand(4, 5, generator=g)
+    mask = torch.ones(4, 5)
+    w, m = sampling_weights(lp, lp.clone(), mask, mode=mode)
+    assert torch.equal(w, torch.ones_like(w)) and m["importance_sampling_ratio/masked_fraction"] == 0.0
+    adv = torch.randn(4, generator=g)
+    old = lp + 0.1
+    plain, _ = policy_loss(lp, old, adv, mask)
+    corrected, _ = policy_loss(lp, old, adv, mask, is_weights=w)
+    assert torch.equal(plain, corrected)
+
+
+def test_weights_scale_the_policy_term_not_the_kl():
+    # one token, on-policy, A = 1: policy term −1; k3(log π −1, ref −2) = e^−1; β = 0.1; weight 2:
+    # loss = 2·(−1) + 0.1·0.367879 = −1.963212
+    lp = torch.tensor([[-1.0]])
+    loss, _ = policy_loss(lp, lp, torch.ones(1), torch.ones(1, 1), beta=0.1, ref_logps=torch.tensor([[-2.0]]),
+                          is_weights=torch.tensor([[2.0]]))
+    assert loss.item() == pytest.approx(-2.0 + 0.1 * math.exp(-1), abs=1e-6)
