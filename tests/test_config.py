@@ -29,8 +29,8 @@ def test_bad_values_name_the_field(kwargs, match):
 def test_unknown_and_unsupported_fields():
     with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
         GRPOConfig(num_generation=4)
-    with pytest.raises(ConfigError, match=r"TRL field use_vllm=True is not supported"):
-        GRPOConfig(use_vllm=True)
+    with pytest.raises(ConfigError, match=r"TRL field vllm_server_port=9000 is not supported.*server mode"):
+        GRPOConfig(use_vllm=True, vllm_server_port=9000)
     assert "use_liger_loss" in TRL_NOT_SUPPORTED
 
 
@@ -85,7 +85,8 @@ def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(adam_beta2=1.0), r"adam_beta2 must be in \[0, 1\), got 1.0"),
     (dict(advantage_estimator="ppo"), r"advantage_estimator='ppo' is not one of \['grpo', 'rloo', 'reinforce_plus_plus_baseline'\]"),
-    (dict(generation_backend="vllm"), r"generation_backend='vllm' is not one of \['fast', 'transformers'\]"),
+    (dict(generation_backend="vllm"), r"generation_backend='vllm' is selected with use_vllm=True"),
+    (dict(generation_backend="sglang"), r"generation_backend='sglang' is not one of \['fast', 'transformers', 'vllm'\]"),
     (dict(step_split="regex"), r"step_split='regex' needs step_pattern"),
     (dict(reward_weights=[1.0, float("nan")]), r"reward_weights must be a list of finite numbers"),
 ])

@@ -159,6 +159,13 @@ class GRPOConfig(StrictConfig):
     min_p: float | None = option("Drop tokens below min_p × the top probability (None: off).", default=None, ge=0, le=1)
     repetition_penalty: float = option("transformers' repetition penalty (1.0: off).", default=1.0, gt=0)
     generation_kwargs: dict | None = option("Extra transformers GenerationConfig fields (transformers backend only).", default=None)
+    use_vllm: bool = option("Generate with vLLM (TRL's name): vllm_mode='colocate' runs an engine in each process (groupwise.generation.vllm; needs `pip install groupwise[vllm]`). Sets generation_backend='vllm'.", default=False)
+    vllm_mode: str = option("'colocate' (an in-process engine sharing the GPU); TRL's 'server' mode is not implemented yet.", default="colocate", choices=("colocate", "server"))
+    vllm_gpu_memory_utilization: float = option("Share of GPU memory the colocated engine may take (TRL).", default=0.3, gt=0, le=1)
+    vllm_tensor_parallel_size: int = option("Tensor-parallel size of the colocated engine (TRL); groupwise supports 1.", default=1, ge=1)
+    vllm_enable_sleep_mode: bool = option("Let the engine sleep (weights and KV cache offloaded) during the optimizer step (TRL).", default=False)
+    vllm_max_model_length: int | None = option("max_model_len of the engine (TRL).", default=None, ge=1)
+    vllm_model_impl: str = option("vLLM's model implementation: 'vllm' or 'transformers' (TRL).", default="vllm", choices=("vllm", "transformers"))
     generation_dtype: str | None = option("Sample from a copy of the policy in this dtype ('bfloat16', 'float16', 'float32'), refreshed after every optimizer step (None: sample from the policy itself). The sampler's numerics then differ from the trainer's, so the loss is importance-corrected (vllm_importance_sampling_*).", default=None, choices=(None, *GENERATION_DTYPES))
     vllm_importance_sampling_correction: bool = option("Correct the loss for a sampler whose numerics differ from the trainer's (TRL's name and default; it applies when the sampler differs: generation_dtype set). groupwise.core.importance.", default=True)
     vllm_importance_sampling_mode: str = option("'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask' (TRL): weights per token or per completion, clipped (truncate) or zeroed (mask) outside [clip_min, clip_max].", default="sequence_mask", choices=IS_MODES)
@@ -260,6 +267,20 @@ class GRPOConfig(StrictConfig):
             raise ConfigError("average_tokens_across_devices=False is not supported: loss types that count tokens "
                               "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
                               "per-process token mean")
+        if self.use_vllm:
+            if self.vllm_mode != "colocate":
+                raise ConfigError("vllm_mode='server' is not implemented yet: use vllm_mode='colocate' (an engine in "
+                                  "each training process)")
+            if self.vllm_tensor_parallel_size != 1:
+                raise ConfigError("vllm_tensor_parallel_size > 1 is not supported yet: use 1 (one engine per process)")
+            if self.generation_backend not in ("fast", "vllm"):
+                raise ConfigError(f"use_vllm=True and generation_backend={self.generation_backend!r} ask for two "
+                                  "samplers: drop one")
+            if self.generation_dtype is not None:
+                raise ConfigError("use_vllm=True samples with vLLM: generation_dtype does not apply")
+            self.generation_backend = "vllm"
+        elif self.generation_backend == "vllm":
+            raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         check_available(self.optim)
@@ -318,7 +339,7 @@ class GRPOConfig(StrictConfig):
     @property
     def corrects_sampling(self) -> bool:
         """Is the loss importance-corrected for the sampler? When asked for and the sampler's numerics differ."""
-        return self.vllm_importance_sampling_correction and self.generation_dtype is not None
+        return self.vllm_importance_sampling_correction and (self.use_vllm or self.generation_dtype is not None)
 
     def warmup(self, max_steps: int) -> int:
         """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""

@@ -33,7 +33,8 @@ class NotSupported:
 ACCELERATOR_CONFIG_DEFAULTS = {"dispatch_batches": None, "even_batches": True, "gradient_accumulation_kwargs": None,
                                "non_blocking": False, "split_batches": False, "use_seedable_sampler": True}
 
-_VLLM = "vLLM generation is not implemented yet; generation uses generation_backend ('fast' or 'transformers')"
+_VLLM = ("vLLM's server mode and structured outputs are not implemented yet; use vllm_mode='colocate' (or "
+         "generation_backend 'fast')")
 _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluate()); there is no prediction loop or "
               "compute_metrics to configure")
 _NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
@@ -53,13 +54,9 @@ def _vllm(default: Any) -> NotSupported:
 
 TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     # generation engines
-    "use_vllm": NotSupported(False, _VLLM),
     **{name: _vllm(default) for name, default in {
-        "vllm_mode": "colocate", "vllm_model_impl": "vllm", "vllm_enable_sleep_mode": False,
         "vllm_structured_outputs_regex": None, "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0",
-        "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
-        "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": None,
-        "vllm_tensor_parallel_size": 1}.items()},
+        "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216}.items()},
     "use_transformers_paged": NotSupported(False, "use generation_backend='fast' (prefill shared per group)"),
     "use_transformers_continuous_batching": NotSupported(False, "use generation_backend='fast' (prefill shared per "
                                                                 "group, finished rows leave the batch)"),

@@ -3,6 +3,8 @@ tokenizer (and the model's positions) before the weights, the policy, its EOS id
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from groupwise.config import GRPOConfig
@@ -115,6 +117,9 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if args.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("use_vllm=True needs vLLM: `pip install groupwise[vllm]` (on a machine with a GPU vLLM "
+                          "supports), or drop use_vllm to sample with generation_backend 'fast'")
     if not isinstance(model, (str, torch.nn.Module)):
         raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
     if isinstance(model, str):

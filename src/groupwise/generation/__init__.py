@@ -49,6 +49,8 @@ BACKENDS: dict[str, Backend] = {
                     summary="groupwise's sampler: prompt prefilled once per group, finished rows leave the batch"),
     "transformers": Backend("groupwise.generation.hf:TransformersGenerator", generation_kwargs=True,
                             summary="model.generate, the reference"),
+    "vllm": Backend("groupwise.generation.vllm:VLLMColocateGenerator", generation_kwargs=True,
+                    summary="vLLM in colocate mode (use_vllm=True); weights loaded after every optimizer step"),
 }
 
 

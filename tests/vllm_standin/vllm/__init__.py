@@ -1,0 +1,137 @@
+"""An in-repo stand-in for the parts of vLLM's Python API that groupwise's colocate backend calls (vLLM itself needs
+a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a transformers model on the CPU:
+
+    LLM(model=path, tensor_parallel_size, gpu_memory_utilization, max_model_len, enable_sleep_mode,
+        distributed_executor_backend, seed, logprobs_mode, model_impl, trust_remote_code)
+    LLM.generate([{"prompt_token_ids": [...]}, ...], sampling_params=SamplingParams(...), use_tqdm=False)
+        -> [RequestOutput(prompt_token_ids, outputs=[CompletionOutput(token_ids, logprobs=[{id: Logprob}])])]
+    LLM.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])
+    LLM.reset_prefix_cache(), LLM.sleep(level), LLM.wake_up(tags)
+
+Sampling: temperature (0 = greedy), top-k, top-p; logprobs of the sampled token under the processed distribution
+(logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`) so tests can
+check that weights reach the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__version__ = "0.0-standin"
+ENGINES: list["LLM"] = []  # every engine built in this process (tests read them)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    logprobs: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int = 1
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    text: str = ""
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class _Runner:
+    def __init__(self, model: torch.nn.Module, engine: "LLM"):
+        self.model = _WeightLoader(model, engine)
+
+
+class _WeightLoader:
+    """vLLM's model_runner.model: `load_weights(iterable of (name, tensor))` copies them into the engine's model."""
+
+    def __init__(self, model: torch.nn.Module, engine: "LLM"):
+        self.hf, self.engine = model, engine
+
+    def load_weights(self, weights):
+        params = dict(self.hf.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in params:
+                    raise KeyError(f"stand-in vLLM: no parameter {name!r} in the engine's model")
+                params[name].copy_(tensor.to(params[name].dtype))
+                self.engine.loads.append(name)
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        self.kwargs = kwargs
+        self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
+        self.loads: list[str] = []
+        self.calls = 0
+        self.sleeping = False
+        self.prefix_cache_resets = 0
+        runner = _Runner(self.hf, self)
+        worker = type("Worker", (), {"model_runner": runner})()
+        executor = type("Executor", (), {"driver_worker": worker})()
+        self.llm_engine = type("Engine", (), {"model_executor": executor})()
+        ENGINES.append(self)
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleeping = False
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
+        p = sampling_params or SamplingParams()
+        eos = self.hf.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        self.calls += 1
+        out = []
+        for prompt in prompts:
+            ids = list(prompt["prompt_token_ids"])
+            completions = []
+            for k in range(p.n):
+                seq, lps = list(ids), []
+                for _ in range(p.max_tokens):
+                    logits = self.hf(torch.tensor([seq])).logits[0, -1].float()
+                    if p.temperature == 0:
+                        probs = torch.softmax(logits, -1)
+                        token = int(logits.argmax())
+                    else:
+                        logits = logits / p.temperature
+                        if p.top_k and p.top_k > 0:
+                            kth = torch.topk(logits, p.top_k).values[-1]
+                            logits = logits.masked_fill(logits < kth, float("-inf"))
+                        probs = torch.softmax(logits, -1)
+                        token = int(torch.multinomial(probs, 1, generator=self.generator))
+                    lps.append({token: Logprob(float(torch.log(probs[token])))})
+                    seq.append(token)
+                    if token in eos:
+                        break
+                completions.append(CompletionOutput(k, seq[len(ids):], lps if p.logprobs is not None else None))
+            out.append(RequestOutput(ids, completions))
+        return out
