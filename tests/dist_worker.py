@@ -122,6 +122,7 @@ def run(out: Path) -> None:
 
     spec = json.loads(os.environ["RUN_SPEC"])
     resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
+    tie = spec.pop("tie", False)
     tok = toy.build_tokenizer()
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
                       learning_rate=1e-2, logging_steps=1, lr_scheduler_type="constant", **spec)
@@ -134,14 +135,18 @@ def run(out: Path) -> None:
             if crash_after is not None and state.global_step == crash_after:
                 raise Crash
 
-    t = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [toy.letter_reward], args=args,
-                    train_dataset=toy.dataset(16), processing_class=tok, callbacks=[CrashAfter()])
+    model = toy.build_model(tok, seed=0, hidden_size=32)
+    if tie:  # embeddings and output head share one tensor (Qwen2.5-0.5B's layout)
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    t = GRPOTrainer(model, [toy.letter_reward], args=args, train_dataset=toy.dataset(16), processing_class=tok,
+                    callbacks=[CrashAfter()])
     try:
         t.train(resume_from_checkpoint=resume)
     except Crash:
         return
     if t.dist.is_main:
-        save_file({k: v.contiguous() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
+        save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
 
 
 if __name__ == "__main__":

@@ -98,3 +98,16 @@ def test_fsdp2_bf16_trains_finite(tmp_path):
     assert all(x["loss/policy"] == x["loss/policy"] and abs(x["grad_norm"]) < float("inf") for x in lines)
     weights = _weights(tmp_path / "bf16")
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.slow
+def test_fsdp2_with_tied_embeddings_checkpoints_and_a_sharded_checkpoint_needs_fsdp(tmp_path):
+    _run(tmp_path / "tied", max_steps=2, save_steps=2, fsdp="full_shard", tie=True)
+    assert (tmp_path / "tied" / "checkpoint-2" / "model_shard_1.safetensors").exists()
+    env_spec = dict(max_steps=3, save_steps=2, tie=True, resume=str(tmp_path / "tied" / "checkpoint-2"))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "RUN_SPEC": json.dumps(env_spec)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run",
+           str(tmp_path / "plain")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "was saved by a sharded run (fsdp): resume it with fsdp and 2 processes" in proc.stderr

@@ -157,3 +157,13 @@ def test_a_peft_wrapped_model_passed_in_trains_and_resumes(tmp_path, tokenizer):
     for (name, x), y in zip(a.unwrapped.named_parameters(), b.unwrapped.parameters()):
         assert torch.equal(x, y), name
     assert GRPOConfig().use_peft is False
+
+
+def test_disable_dropout_reaches_the_adapters(tmp_path, base_dir):
+    t = _trainer(tmp_path, base_dir, peft_config=_lora_with_dropout(), max_steps=1)
+    drops = [m for n, m in t.unwrapped.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
+    assert drops and all(m.p == 0.0 for m in drops)
+
+
+def _lora_with_dropout():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.3)

@@ -211,7 +211,7 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
                 _optimizer_to_files(opt_state, tmp)
             _write_json(tmp / "scheduler.json", scheduler.state_dict())
         if ref_model is not None and not model_only:
-            save_file({k: v.detach().cpu().contiguous() for k, v in ref_model.state_dict().items()},
+            save_file({k: v.detach().cpu().clone() for k, v in ref_model.state_dict().items()},  # tied: copies
                       str(tmp / "ref_model.safetensors"))
     dist.barrier()
     if dist.is_main:
@@ -244,7 +244,8 @@ def _rotate(root: Path, limit: int | None, run_id: str | None, keep: Path) -> No
 
 def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("model*.safetensors")):
+    # model.safetensors or transformers' model-00001-of-0000N.safetensors shards (not model_shard_<rank>: fsdp's)
+    for path in sorted(p for p in folder.glob("model*.safetensors") if not p.name.startswith("model_shard_")):
         weights.update(load_file(str(path)))
     if not weights:
         raise FileNotFoundError(f"{folder}: no model*.safetensors weights")
@@ -290,6 +291,9 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
         load_adapter(model, path, folder)
         optimizer.load_state_dict(_optimizer_from_files(path))
     else:
+        if (path / "model_shard_0.safetensors").exists():
+            raise CheckpointError(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
+                                  f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
         load_model_weights(model, _model_weights(path), folder)
         optimizer.load_state_dict(_optimizer_from_files(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))

@@ -34,7 +34,8 @@ class Distributed:
         ddp = {k: v for k, v in (ddp_kwargs or {}).items() if v is not None}
         if ddp:
             handlers.append(DistributedDataParallelKwargs(**ddp))
-        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", kwargs_handlers=handlers)
+        # bf16 False leaves accelerate's own setting (an `accelerate launch` config's mixed_precision) in charge
+        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else None, kwargs_handlers=handlers)
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
             self.sharding = None  # one process: nothing to shard (the run is the same without it)

@@ -133,14 +133,15 @@ def sample_round(ctx: RolloutContext, model, clock: PhaseClock | None = None) ->
 
 
 # ---- stages ---------------------------------------------------------------------------------------------------------
-def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: bool = False) -> Completions:
+def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: bool = False,
+             evaluation: bool = False) -> Completions:
     """Sample one completion per row (rows already repeated G times, group rows contiguous)."""
     args, tok = ctx.args, ctx.tokenizer
     prompts = [r["prompt"] for r in rows]
     prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
     device = ctx.dist.device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    want = ctx.correct_sampling and not greedy  # the sampler's own log-probs, for the importance correction
+    want = ctx.correct_sampling and not greedy and not evaluation  # the sampler's log-probs, for the correction
     out = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy, logprobs=want)
     completion_ids = out.completion_ids  # (N, T)
     mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
@@ -247,14 +248,14 @@ def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float
         old = batched_logps(ctx.policy_logps or model, input_ids, attention_mask, T, temperature=args.temperature,
                             batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     if ctx.correct_sampling:
-        weights, stats = sampling_weights(old, comp.sampling_logps.to(old.device), comp.completion_mask,
+        weights, stats = sampling_weights(old, comp.sampling_logps.to(old.device), loss_mask,
                                           mode=args.vllm_importance_sampling_mode,
                                           clip_min=args.vllm_importance_sampling_clip_min,
                                           clip_max=args.vllm_importance_sampling_clip_max)
         if metrics is not None:
             metrics.update(_sampling_metrics(ctx, stats))
     if ctx.reference is not None:  # β > 0 only; with LoRA: the policy with its adapters disabled
-        with ctx.reference.context():
+        with ctx.reference.context(), ctx.dist.accelerator.autocast():  # the trainer's precision, as π_θ
             ref = batched_logps(ctx.reference.model, input_ids, attention_mask, T, temperature=args.temperature,
                                 batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref, weights)

@@ -97,7 +97,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def local_tensors(state: dict) -> dict[str, torch.Tensor]:
     """This process's shard of each tensor of a (model) state dict."""
-    return {k: (v.to_local() if _is_dtensor(v) else v).detach().cpu().contiguous() for k, v in state.items()}
+    # clones: tied weights (embeddings = output head) share storage, which safetensors refuses to write twice
+    return {k: (v.to_local() if _is_dtensor(v) else v).detach().cpu().clone() for k, v in state.items()}
 
 
 def load_local(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:

@@ -29,7 +29,7 @@ from groupwise.generation import build_generator
 from groupwise.hub import hub_token, push_folder
 from groupwise.loading import as_list, check_inputs, eos_token_ids, load_policy, load_tokenizer
 from groupwise.logging import MetricsLogger, print_completions, set_log_level
-from groupwise.modeling import PolicyForLogps
+from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.config import GENERATION_DTYPES
 from groupwise.optim import build_optimizer
 from groupwise.sharding import full_state_dict
@@ -129,6 +129,12 @@ class GRPOTrainer:
         if self.dist.sharding is not None and (self.peft_config is not None or is_peft_model(model)):
             raise ConfigError("fsdp with LoRA is not supported yet: train the adapters with DDP (drop fsdp), or shard "
                               "a full fine-tune")
+        if self.dist.sharding is not None and args.generation_dtype is not None:
+            raise ConfigError("fsdp with generation_dtype is not supported yet: with fsdp generation already runs on "
+                              "a full replica in the training dtype; drop generation_dtype")
+        if self.dist.sharding is not None and args.cast_lm_head_to_fp32 and args.bf16:
+            raise ConfigError("cast_lm_head_to_fp32 with fsdp and bf16 is not supported: FSDP2's mixed precision "
+                              "gathers the head in bfloat16; drop one of them")
         if self.dist.sharding is not None and any(o is not None for o in self.optimizers):
             raise ConfigError("fsdp with optimizers=(…): the optimizer must be built over the sharded parameters; "
                               "choose it with optim / optim_args instead")
@@ -170,6 +176,8 @@ class GRPOTrainer:
         policy = load_policy(model, args)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
+            if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)
+                disable_dropout(policy)
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
         self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
                                                   trust_remote_code=args.trust_remote_code,
@@ -196,10 +204,11 @@ class GRPOTrainer:
         optimizer, scheduler = self.optimizers
         self._replica = None  # what generation samples from, when it is not the policy itself
         if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
-            self._replica = copy.deepcopy(policy).to(GENERATION_DTYPES[args.generation_dtype]).eval().requires_grad_(False)
+            self._replica = copy.deepcopy(policy).to(self.dist.device, GENERATION_DTYPES[args.generation_dtype])
+            self._replica.eval().requires_grad_(False)
         if self.dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
             if self._replica is None:
-                self._replica = copy.deepcopy(policy).eval().requires_grad_(False)
+                self._replica = copy.deepcopy(policy).to(self.dist.device).eval().requires_grad_(False)
             trained = self.dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
             optimizer = build_optimizer(policy, args)
             scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
@@ -573,7 +582,8 @@ class GRPOTrainer:
             per_func, lengths = [], []
             for start in range(0, len(mine), bs):
                 rows = [data[i] for i in mine[start:start + bs] for _ in range(k)]
-                comp = R.generate(ctx, self.sampling_model, rows, greedy=args.num_generations_eval is None)
+                comp = R.generate(ctx, self.sampling_model, rows, greedy=args.num_generations_eval is None,
+                                  evaluation=True)
                 rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
                                              comp.columns, on_error=args.on_reward_error,
                                              timeout=args.reward_timeout, extra=kwargs)
@@ -607,7 +617,10 @@ class GRPOTrainer:
         if not args.sync_ref_model or self.global_step % args.ref_model_sync_steps:
             return
         with torch.no_grad():
-            for ref_p, p in zip(self.reference.copy.parameters(), self.sampling_model.parameters()):
+            # the trained weights in full precision: the policy itself, or with fsdp the replica (same dtype, fsdp
+            # with generation_dtype refuses sync_ref_model)
+            source = self.sampling_model if self.dist.sharding is not None else self.unwrapped
+            for ref_p, p in zip(self.reference.copy.parameters(), source.parameters()):
                 ref_p.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(ref_p.dtype), alpha=args.ref_model_mixup_alpha)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
