@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the device machine (GPU): install carried wheels, then run one stage. Used as
+#   bash scripts/gpu_session.sh tests|demo|bench
+# Output lands in $OUT (the device tool brings it back). Wheels travel in .whl/ (see benchmarks/results/gpu.md).
+set -uo pipefail
+stage=${1:-tests}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 - <<'PY' || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/opt/*.whl
+import pyarrow, sys
+sys.exit(0 if int(pyarrow.__version__.split(".")[0]) >= 24 else 1)
+PY
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 - > "$OUT/env.txt" 2>&1 <<'PY'
+import torch, transformers, accelerate, peft, datasets, pyarrow
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())
+print("transformers", transformers.__version__, "accelerate", accelerate.__version__, "peft", peft.__version__,
+      "datasets", datasets.__version__, "pyarrow", pyarrow.__version__)
+PY
+cat "$OUT/env.txt"
+case "$stage" in
+  tests) timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
+  demo)  (time timeout 170 python3 -m groupwise train --output_dir /tmp/demo --bf16 false) 2>&1 | tee "$OUT/demo.log" | tail -25 ;;
+  bench) timeout 560 python3 benchmarks/gpu_step.py --trl --steps 5 2>&1 | tee "$OUT/gpu_step.log" | tail -30
+         cp benchmarks/results/gpu_step.md "$OUT/" 2>/dev/null ;;
+esac
