@@ -24,14 +24,17 @@ def fresh_accelerator_state():
 
 
 def test_bf16_training_runs_finite_with_float32_master_weights_and_logps(tmp_path, tokenizer):
-    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
+    def length(completions, **_):  # varied rewards: every step moves the weights
+        return [float(len(c)) for c in completions]
+
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [length],
                     args=small_args(tmp_path, bf16=True, max_steps=3, beta=0.05), train_dataset=toy.dataset(12),
                     processing_class=tokenizer)
     assert t.dist.accelerator.mixed_precision == "bf16"
     before = [p.detach().clone() for p in t.unwrapped.parameters()]
     metrics = t.train()
     assert all(math.isfinite(metrics[k]) for k in ("loss/policy", "grad_norm", "kl", "entropy"))
-    assert any(not torch.equal(a, b) for a, b in zip(before, t.unwrapped.parameters()))  # it trained
+    assert any(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(before, t.unwrapped.parameters()))  # it trained
     assert all(p.dtype == torch.float32 for p in t.unwrapped.parameters())  # master weights
     state = t.optimizer.state_dict()["state"]
     assert state and all(v.dtype == torch.float32 for st in state.values() for k, v in st.items() if k != "step")

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def _launch(nproc: int, mode: str, out: Path) -> None:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, WORKER, mode, str(out)] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER, mode, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

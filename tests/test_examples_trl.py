@@ -15,7 +15,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "trl"
 
 
 def _run(script: str, cwd: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent.parent / "src"), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent / "src"),
+                                                        os.environ.get("PYTHONPATH", "")]), "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -195,7 +195,7 @@ def test_reward_timeout_scores_the_call_nan_and_goes_on(tmp_path, tokenizer):
 def _run_script(tmp_path, body: str, timeout=120, **popen):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **popen)
 
@@ -376,7 +376,7 @@ def test_a_kill_during_a_save_never_leaves_a_checkpoint_resume_accepts(tmp_path,
 
 # ---- 7. several processes -------------------------------------------------------------------------------------------
 def _torchrun(tmp_path, mode):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist_worker.py"), mode, str(tmp_path / "out")]
     start = time.perf_counter()

@@ -18,7 +18,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def _run(out: Path, **spec) -> None:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "RUN_SPEC": json.dumps(spec)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -105,7 +105,7 @@ def test_fsdp2_with_tied_embeddings_checkpoints_and_a_sharded_checkpoint_needs_f
     _run(tmp_path / "tied", max_steps=2, save_steps=2, fsdp="full_shard", tie=True)
     assert (tmp_path / "tied" / "checkpoint-2" / "model_shard_1.safetensors").exists()
     env_spec = dict(max_steps=3, save_steps=2, tie=True, resume=str(tmp_path / "tied" / "checkpoint-2"))
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "RUN_SPEC": json.dumps(env_spec)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run",
            str(tmp_path / "plain")]

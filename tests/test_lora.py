@@ -32,9 +32,13 @@ def base_dir(tmp_path, tokenizer):
     return str(path)
 
 
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]  # varied rewards: every step moves the adapter
+
+
 def _trainer(tmp_path, base_dir, peft_config="default", out="run", **kw):
     args = small_args(tmp_path, output_dir=str(tmp_path / out), **kw)
-    return GRPOTrainer(base_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(12),
+    return GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12),
                        peft_config=_lora() if peft_config == "default" else peft_config)
 
 
@@ -54,8 +58,8 @@ def test_only_the_adapter_trains_with_every_backend(tmp_path, base_dir, backend)
     trainable = {n for n, p in t.unwrapped.named_parameters() if p.requires_grad}
     assert trainable == set(adapter) and adapter
     t.train()
-    assert all(torch.equal(base[n], p) for n, p in t.unwrapped.named_parameters() if n in base)
-    assert any(not torch.equal(adapter[n], p) for n, p in t.unwrapped.named_parameters() if n in adapter)
+    assert all(torch.equal(base[n].cpu(), p.cpu()) for n, p in t.unwrapped.named_parameters() if n in base)
+    assert any(not torch.equal(adapter[n].cpu(), p.cpu()) for n, p in t.unwrapped.named_parameters() if n in adapter)
 
 
 def test_reference_is_the_base_model_with_adapters_off_and_no_copy(tmp_path, base_dir):
@@ -65,12 +69,13 @@ def test_reference_is_the_base_model_with_adapters_off_and_no_copy(tmp_path, bas
     rollout = t._collect()
     batch = rollout.batch
     fresh = AutoModelForCausalLM.from_pretrained(base_dir)  # the untouched base, loaded on its own
+    fresh = fresh.to(batch.input_ids.device)
     expected = batched_logps(fresh, batch.input_ids, batch.attention_mask, batch.completion_mask.size(1),
                              temperature=1.0, batch_size=8)
-    assert torch.allclose(batch.ref_logps, expected, atol=1e-6)
+    assert torch.allclose(batch.ref_logps.cpu(), expected.cpu(), atol=1e-6)
     policy = batched_logps(t.unwrapped, batch.input_ids, batch.attention_mask, batch.completion_mask.size(1),
                            temperature=1.0, batch_size=8)
-    assert not torch.allclose(policy, expected, atol=1e-6)  # the adapters were back on afterwards
+    assert not torch.allclose(policy.cpu(), expected.cpu(), atol=1e-6)  # the adapters were back on afterwards
 
 
 @pytest.mark.slow
@@ -80,14 +85,14 @@ def test_resume_is_bitwise_exact_and_the_adapter_loads_with_peft(tmp_path, base_
     resumed = _trainer(tmp_path, base_dir, beta=0.05, max_steps=4, save_steps=2, out="b")
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     for (name, a), b in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters()):
-        assert torch.equal(a, b), name
+        assert torch.equal(a.cpu(), b.cpu()), name
     ckpt = tmp_path / "a" / "checkpoint-4"
     assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(ckpt))
     ours = dict(straight.unwrapped.named_parameters())
     for name, p in loaded.named_parameters():
         if "lora_" in name:
-            assert torch.equal(p, ours[name]), name
+            assert torch.equal(p, ours[name].cpu()), name
 
 
 @pytest.mark.slow
@@ -137,7 +142,7 @@ def test_gradient_checkpointing_with_lora_still_trains(tmp_path, base_dir):
     t = _trainer(tmp_path, base_dir, gradient_checkpointing=True, max_steps=2)
     adapter = _adapter_weights(t.unwrapped)
     t.train()
-    assert any(not torch.equal(adapter[n], p) for n, p in t.unwrapped.named_parameters() if n in adapter)
+    assert any(not torch.equal(adapter[n].cpu(), p.cpu()) for n, p in t.unwrapped.named_parameters() if n in adapter)
 
 
 def test_a_peft_wrapped_model_passed_in_trains_and_resumes(tmp_path, tokenizer):
@@ -155,7 +160,7 @@ def test_a_peft_wrapped_model_passed_in_trains_and_resumes(tmp_path, tokenizer):
                     train_dataset=toy.dataset(12), processing_class=tokenizer)
     b.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
     for (name, x), y in zip(a.unwrapped.named_parameters(), b.unwrapped.parameters()):
-        assert torch.equal(x, y), name
+        assert torch.equal(x.cpu(), y.cpu()), name
     assert GRPOConfig().use_peft is False
 
 

@@ -20,7 +20,7 @@ def test_every_parameter_changes_after_one_step(tmp_path, tokenizer, tiny_model)
     rand = lambda completions, **_: torch.rand(len(completions)).tolist()  # noqa: E731
     t = _trainer(tmp_path, tiny_model, tokenizer, funcs=[rand], max_steps=1, learning_rate=0.1)
     t.train()
-    unchanged = [n for n, p in t.unwrapped.named_parameters() if torch.equal(before[n], p.detach())]
+    unchanged = [n for n, p in t.unwrapped.named_parameters() if torch.equal(before[n].cpu(), p.detach().cpu())]
     assert not unchanged, f"parameters not updated: {unchanged}"
 
 
@@ -33,7 +33,7 @@ def test_nothing_changes_when_every_completion_is_masked(tmp_path, tokenizer, ti
                  generation_backend="transformers")
     metrics = t.train()
     assert metrics["gen/clipped_ratio"] == 1.0
-    assert all(torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())
+    assert all(torch.equal(before[n].cpu(), p.detach().cpu()) for n, p in t.unwrapped.named_parameters())
 
 
 def test_outputs_metrics_and_loadable_checkpoint(tmp_path, tokenizer, tiny_model):
@@ -51,7 +51,7 @@ def test_outputs_metrics_and_loadable_checkpoint(tmp_path, tokenizer, tiny_model
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
     loaded = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
     for (n, p), (_, q) in zip(t.unwrapped.named_parameters(), loaded.named_parameters()):
-        assert torch.equal(p.detach(), q.detach()), n
+        assert torch.equal(p.detach().cpu(), q.detach().cpu()), n
 
 
 @pytest.mark.parametrize("kw", [
@@ -152,7 +152,7 @@ def test_process_supervision_trains_with_token_advantages(tmp_path, tokenizer, t
         assert key in metrics
     final = t.train()
     assert "process/step_reward_mean" in final
-    assert any(not torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())
+    assert any(not torch.equal(before[n].cpu(), p.detach().cpu()) for n, p in t.unwrapped.named_parameters())
     assert "step 1:" in capsys.readouterr().out
 
 
@@ -241,7 +241,7 @@ def test_advantage_estimators_train(tmp_path, tokenizer, tiny_model, estimator, 
         s = rnd.step_scores
         expected = process_advantages(s.rewards, s.ends, t.args.max_completion_length, **opts).flatten(0, 1)
         expected = expected[:, :rollout.batch.advantages.size(1)]
-    assert torch.equal(rollout.batch.advantages, expected) and rollout.batch.advantages.abs().sum() > 0
+    assert torch.equal(rollout.batch.advantages.cpu(), expected.cpu()) and rollout.batch.advantages.abs().sum() > 0
     t.train()
     assert t.global_step == 2
     assert any(not torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())

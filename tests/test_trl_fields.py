@@ -15,7 +15,7 @@ from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config import TRL_NOT_SUPPORTED
 from groupwise.config_base import ConfigError
 from groupwise.trainer import TRAINER_NOT_SUPPORTED
-from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS
+from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS, TRANSFORMERS_VERSION
 
 OURS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
 # TRL defaults that are not valid values here, each for a stated reason (docs/trl_compat.md)
@@ -43,8 +43,11 @@ def test_the_kept_list_matches_trl_when_trl_is_installed():
         pytest.skip("TRL is not installed (it is not a dependency); the kept list is used as it is")
     import trl
 
-    if trl.__version__ != "1.16.0":
-        pytest.skip(f"TRL {trl.__version__} is installed; the kept list is TRL 1.16.0's")
+    import transformers
+
+    if trl.__version__ != "1.16.0" or transformers.__version__ != TRANSFORMERS_VERSION:
+        pytest.skip(f"TRL {trl.__version__} / transformers {transformers.__version__} are installed; the kept list is "
+                    f"TRL 1.16.0's on transformers {TRANSFORMERS_VERSION} (GRPOConfig inherits TrainingArguments)")
     assert [f.name for f in dataclasses.fields(trl.GRPOConfig)] == list(GRPO_CONFIG_DEFAULTS)
     assert list(inspect.signature(trl.GRPOTrainer.__init__).parameters)[1:] == list(GRPO_TRAINER_ARGUMENTS)
 

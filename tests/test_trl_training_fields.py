@@ -62,7 +62,7 @@ def test_optimizers_argument_is_the_optimizer_and_schedule_that_step(tmp_path, t
     t.train()
     assert _inner(t.optimizer) is opt and t.scheduler is sched
     assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.25)  # stepped twice
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a.cpu(), b.cpu()) for a, b in zip(before, model.parameters()))
     other = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="optimizers\\[0\\] holds parameters that are not the model's"):
         _trainer(tmp_path, tokenizer, optimizers=(torch.optim.SGD(other.parameters(), lr=1.0), None))
@@ -273,7 +273,7 @@ def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, model=model, max_steps=1, cast_lm_head_to_fp32=True)
     head = t.unwrapped.get_output_embeddings()
     assert head.weight.dtype == torch.float32 and t.unwrapped.model.embed_tokens.weight.dtype == torch.bfloat16
-    hidden = torch.randn(2, 32, dtype=torch.bfloat16)
+    hidden = torch.randn(2, 32, dtype=torch.bfloat16, device=head.weight.device)
     assert head(hidden).dtype == torch.float32  # the matmul itself runs in float32
     metrics = t.train()
     assert math.isfinite(metrics["loss/policy"])
@@ -465,7 +465,7 @@ def test_sampling_in_another_dtype_is_importance_corrected(tmp_path, tokenizer, 
         assert 0 < metrics["sampling/sampling_logp_difference/mean"] < 0.05
     # the sampler follows the policy: after training, the copy holds the policy's weights (cast)
     for a, b in zip(t.unwrapped.parameters(), t.sampling_model.parameters()):
-        assert torch.equal(a.detach().to(b.dtype), b)
+        assert torch.equal(a.detach().to(b.dtype).cpu(), b.cpu())
     off = _trainer(tmp_path, tokenizer, generation_dtype=dtype, vllm_importance_sampling_correction=False,
                    max_steps=1, output_dir=str(tmp_path / "off"))
     assert "sampling/importance_sampling_ratio/mean" not in off.train()

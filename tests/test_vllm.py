@@ -40,7 +40,7 @@ def base_dir(tmp_path, tokenizer):
 
 def _engine_matches(engine, model) -> bool:
     ours = model.state_dict()
-    return all(torch.equal(p, ours[n]) for n, p in engine.hf.named_parameters())
+    return all(torch.equal(p, ours[n].cpu()) for n, p in engine.hf.named_parameters())
 
 
 def _length(completions, **_):
@@ -63,7 +63,7 @@ def test_colocate_trains_and_pushes_weights_every_step(tmp_path, base_dir, vllm)
     assert engine.calls == 2  # one generation per round
     # when the engine starts, then after each optimizer step, it holds the policy's current weights
     assert pushed == [True, True, True]
-    assert any(not torch.equal(before[n], p) for n, p in engine.hf.named_parameters())  # and they did change
+    assert any(not torch.equal(before[n].cpu(), p) for n, p in engine.hf.named_parameters())  # and they did change
     assert engine.prefix_cache_resets >= 2
     # the engine samples with the policy's numerics: the importance weights are 1 up to float32 rounding
     assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
@@ -81,7 +81,7 @@ def test_colocate_with_lora_pushes_merged_weights(tmp_path, base_dir, vllm):
     merged = copy.deepcopy(t.unwrapped).merge_and_unload()
     engine = vllm.ENGINES[0]
     for name, p in engine.hf.named_parameters():
-        assert torch.allclose(p, merged.state_dict()[name], atol=1e-6), name
+        assert torch.allclose(p, merged.state_dict()[name].cpu(), atol=1e-6), name
     assert not any("lora" in n for n in engine.loads)
     base = toy.build_model(t.tokenizer, seed=0, hidden_size=32)  # the adapters moved the engine off the base
     assert any(not torch.equal(p, q) for p, q in zip(engine.hf.parameters(), base.parameters()))

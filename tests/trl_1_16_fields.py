@@ -2,6 +2,7 @@
 kept here so the field walk needs no TRL install; tests/test_trl_fields.py checks it against TRL when TRL is installed."""
 
 TRL_VERSION = "1.16.0"
+TRANSFORMERS_VERSION = "5.23.0"  # GRPOConfig inherits TrainingArguments: its fields depend on this too
 
 GRPO_CONFIG_DEFAULTS = {
     'output_dir': None,

@@ -666,7 +666,9 @@ class GRPOTrainer:
         self._epochs_done = state.get("epochs_done", int(self.sampler.progress()))
         if pending is None:
             return None
-        return Rollout(TrainBatch.from_tensors(pending), state["round_metrics"]), state["round_step"]
+        device = self.dist.device  # the checkpoint's tensors load on the CPU
+        return Rollout(TrainBatch.from_tensors({k: v.to(device) for k, v in pending.items()}),
+                       state["round_metrics"]), state["round_step"]
 
 
 def _mean(values: list[float], mode: str) -> float:
