@@ -99,4 +99,8 @@ def test_entropy_with_gradient_matches_full_logits_autograd():
     hidden.grad = weight.grad = None
     full = entropy_from_logits(hidden @ weight.T)
     full.sum().backward()
-    assert torch.allclose(ent, full) and torch.allclose(got[0], hidden.grad) and torch.allclose(got[1], weight.grad)
+    # both paths upcast the logits to float32 (as in training): float32 tolerances, the head's gradient summing over
+    # every position (the first GPU-machine run, another CPU and torch 2.11, differed from here by float32 rounding)
+    close = dict(rtol=1e-4, atol=1e-5)
+    assert torch.allclose(ent, full, **close) and torch.allclose(got[0], hidden.grad, **close)
+    assert torch.allclose(got[1], weight.grad, **close)

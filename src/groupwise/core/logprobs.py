@@ -101,10 +101,7 @@ def logps_from_hidden(
     for lo in range(0, N * T, chunk_tokens):
         h, t = flat_h[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens]
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            # no early stop: the recompute must rebuild everything the backward of both outputs reads (with a
-            # differentiable entropy, some torch versions stopped before it and dropped part of ∂H/∂weight)
-            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                lp, ent = torch.utils.checkpoint.checkpoint(_chunk, h, weight, bias, t, *args, use_reentrant=False)
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk, h, weight, bias, t, *args, use_reentrant=False)
         else:
             lp, ent = _chunk(h, weight, bias, t, *args)
         logps.append(lp)
