@@ -70,7 +70,7 @@ def main() -> None:
     times = [round(total * f) for f in (0.25, 0.5, 0.75, 1.0)]
     import transformers
 
-    md = [f"# Outcome vs process supervision — arithmetic demo\n",
+    md = ["# Outcome vs process supervision — arithmetic demo\n",
           f"`{' '.join(sys.argv)}` on {platform.machine()} ({os.cpu_count()} CPU cores), torch {torch.__version__}, "
           f"transformers {transformers.__version__}; seeds {args.seeds}; same base policy (46.0% greedy), "
           f"{args.max_steps} optimizer steps of 64 completions (8 prompts × G = 8), lr 5e-5, T = 0.7.\n",

@@ -28,6 +28,17 @@ def model_dir(tmp_path, tokenizer, tiny_model):
     return str(path)
 
 
+@pytest.fixture
+def base_dir(tmp_path, tokenizer):
+    """A small policy (hidden 32) and its tokenizer saved to a folder: for what loads a model from a path."""
+    from groupwise.tasks import toy
+
+    path = tmp_path / "base"
+    toy.build_model(tokenizer, seed=0, hidden_size=32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def small_args(tmp_path, **kw):
     from groupwise import GRPOConfig
 

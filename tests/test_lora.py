@@ -24,14 +24,6 @@ def _lora(**kw):
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **kw)
 
 
-@pytest.fixture
-def base_dir(tmp_path, tokenizer):
-    path = tmp_path / "base"
-    toy.build_model(tokenizer, seed=0, hidden_size=32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def _length(completions, **_):
     return [float(len(c)) for c in completions]  # varied rewards: every step moves the adapter
 

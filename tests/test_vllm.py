@@ -30,14 +30,6 @@ def vllm(monkeypatch):
     sys.modules.pop("vllm", None)
 
 
-@pytest.fixture
-def base_dir(tmp_path, tokenizer):
-    path = tmp_path / "base"
-    toy.build_model(tokenizer, seed=0, hidden_size=32).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def _engine_matches(engine, model) -> bool:
     ours = model.state_dict()
     return all(torch.equal(p, ours[n].cpu()) for n, p in engine.hf.named_parameters())
