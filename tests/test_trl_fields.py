@@ -14,7 +14,7 @@ import pytest
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config import TRL_NOT_SUPPORTED
 from groupwise.config_base import ConfigError
-from groupwise.trainer import TRAINER_NOT_SUPPORTED
+from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS, TRANSFORMERS_VERSION
 
 OURS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

@@ -285,7 +285,7 @@ def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
 
 # ---- smaller switches -----------------------------------------------------------------------------------------------
 def test_logging_nan_inf_filter():
-    from groupwise.trainer import _mean
+    from groupwise.logging import window_mean as _mean
 
     assert _mean([1.0, math.inf, 3.0, math.nan], "finite") == 2.0  # filter on: non-finite losses left out
     assert _mean([1.0, math.inf], "all") == math.inf  # filter off: they show

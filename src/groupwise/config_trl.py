@@ -138,3 +138,11 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
 }
 
 
+# TRL 1.16 GRPOTrainer arguments groupwise does not take yet, with what to do instead
+TRAINER_NOT_SUPPORTED = {
+    "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
+                           "with PEFT (get_peft_model) and pass it as model",
+    "tools": "multi-turn tool calling is not implemented yet",
+    "rollout_func": "custom rollout functions are not supported; rewards see every completion through reward_funcs",
+    "environment_factory": "environments are not implemented yet",
+}

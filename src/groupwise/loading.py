@@ -8,7 +8,9 @@ import importlib.util
 import torch
 
 from groupwise.config import GRPOConfig
+from groupwise.adapters import is_peft_model
 from groupwise.config_base import ConfigError, check_location
+from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.rewards.process import resolve_process_spec
@@ -128,3 +130,34 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
     return ([resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)],
             [resolve_process_spec(s, f"process_reward_funcs[{i}]") for i, s in enumerate(process_reward_funcs)])
+
+
+def refuse_trainer_arguments(**given) -> None:
+    """TRL GRPOTrainer arguments groupwise does not take yet: a ConfigError naming the argument and the alternative."""
+    for name, value in given.items():
+        if value is not None:
+            raise ConfigError(f"GRPOTrainer({name}=…) is not supported by groupwise: {TRAINER_NOT_SUPPORTED[name]} "
+                              "(docs/trl_compat.md)")
+
+
+def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple) -> None:
+    """Combinations of features that do not work together (yet), refused before any model loads."""
+    lora = peft_config is not None or args.use_peft or is_peft_model(model)
+    if peft_config is not None and args.use_peft:
+        raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
+                          "Python scripts; use_peft with the lora_* fields in config files)")
+    if sharded and lora:
+        raise ConfigError("fsdp with LoRA is not supported yet: train the adapters with DDP (drop fsdp), or shard "
+                          "a full fine-tune")
+    if sharded and args.generation_dtype is not None:
+        raise ConfigError("fsdp with generation_dtype is not supported yet: with fsdp generation already runs on "
+                          "a full replica in the training dtype; drop generation_dtype")
+    if sharded and args.cast_lm_head_to_fp32 and args.bf16:
+        raise ConfigError("cast_lm_head_to_fp32 with fsdp and bf16 is not supported: FSDP2's mixed precision "
+                          "gathers the head in bfloat16; drop one of them")
+    if sharded and any(o is not None for o in optimizers):
+        raise ConfigError("fsdp with optimizers=(…): the optimizer must be built over the sharded parameters; "
+                          "choose it with optim / optim_args instead")
+    if args.sync_ref_model and lora:
+        raise ConfigError("sync_ref_model=True with LoRA: the reference policy is the base model with the adapters "
+                          "disabled, which TR-DPO cannot move; train without sync_ref_model")

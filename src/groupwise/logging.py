@@ -6,9 +6,12 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from groupwise.types import Round
 
 
 def _tensorboard(output_dir: str, config: dict):
@@ -152,3 +155,49 @@ def _short(x: Any, n: int = 300) -> str:
         x = " | ".join(f"{m.get('role')}: {m.get('content')}" for m in x if isinstance(m, dict))
     s = str(x).replace("\n", "⏎")
     return s if len(s) <= n else s[:n] + "…"
+
+
+def window_mean(values: list[float], mode: str) -> float:
+    """Mean over the logging window. mode "measured": NaN marks "not measured" (a metric absent from a step) and is
+    left out; "finite": NaN and ±inf left out (logging_nan_inf_filter, for the loss); "all": nothing left out."""
+    def keep(v) -> bool:
+        if v is None:
+            return False
+        if mode == "all" or not isinstance(v, float):
+            return True
+        return not math.isnan(v) and (mode == "measured" or not math.isinf(v))
+    kept = [v for v in values if keep(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
+def print_round(step: int, rnd: Round, limit: int | None, unique_prompts: bool = False) -> None:
+    comp = rnd.completions
+    rows = list(range(len(comp.prompts)))
+    if unique_prompts:  # one row per prompt: its first completion (TRL's log_unique_prompts)
+        first: dict[str, int] = {}
+        for i in rows:
+            first.setdefault(repr(comp.prompts[i]), i)
+        rows = sorted(first.values())
+    advantages = rnd.first_token_advantages()
+    print_completions(step, [comp.prompts[i] for i in rows], [comp.completions[i] for i in rows],
+                      [float(rnd.rewards[i]) for i in rows], [advantages[i] for i in rows], limit,
+                      steps=None if rnd.steps is None else [rnd.steps[i] for i in rows])
+
+
+def completion_rows(rnd: Round, names: list[str], extra: dict[str, list]) -> list[dict]:
+    """This process's rows of a logged round for completions.jsonl: prompt, completion, each reward function's value
+    (`names`), the combined reward, the first token's advantage, step rewards, and the `log_extra` columns that have
+    one value per row."""
+    n = len(rnd.completions.prompts)
+    first_token = rnd.first_token_advantages()
+    extra = {k: v for k, v in extra.items() if len(v) == n}
+    rows = []
+    for i in range(n):
+        row = {"prompt": rnd.completions.prompts[i], "completion": rnd.completions.completions[i],
+               "reward": float(rnd.rewards[i]), "advantage": first_token[i]}
+        if rnd.per_func is not None:
+            row["rewards"] = {name: float(rnd.per_func[i, f]) for f, name in enumerate(names)}
+        if rnd.steps is not None:
+            row["steps"] = [[text, float(r)] for text, r in rnd.steps[i]]
+        rows.append({**row, **{k: v[i] for k, v in extra.items()}})
+    return rows

@@ -3,42 +3,41 @@ updates grouped into optimizer steps; log, evaluate, checkpoint. TRL's construct
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import math
 import signal
-import threading
 import time
 import uuid
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
-from groupwise.adapters import Reference, is_peft_model, peft_config_from_args, wrap
+from groupwise.adapters import Reference, peft_config_from_args, wrap
 from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
-                                  rng_untouched, save_checkpoint)
+                                  save_checkpoint)
 from groupwise.config import GRPOConfig
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
 from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
-from groupwise.hub import hub_token, push_folder
-from groupwise.loading import as_list, check_inputs, eos_token_ids, load_policy, load_tokenizer
-from groupwise.logging import MetricsLogger, print_completions, set_log_level
+from groupwise.hub import hub_token
+from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
+                               refuse_trainer_arguments)
+from groupwise.evaluation import evaluate
+from groupwise.habits import TrainResult, TransformersHabits
+from groupwise.logging import MetricsLogger, completion_rows, print_round, set_log_level, window_mean
+from groupwise.signals import stop_on_signals
 from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.config import GENERATION_DTYPES
 from groupwise.optim import build_optimizer
 from groupwise.sharding import full_state_dict
 from groupwise.sharding import resolve as resolve_sharding
-from groupwise.rewards import compute_rewards, load_reward_sources
-from groupwise.rewards.combine import weighted_nansum
+from groupwise.rewards import load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
-from groupwise.types import Rollout, Round, TrainBatch
+from groupwise.types import Rollout, TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
 
@@ -46,18 +45,6 @@ from groupwise.update import UpdateContext, optimizer_step, windows
 RESUME_FIELDS = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
                  "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
                  "dynamic_sampling")
-
-
-class TrainResult(dict):
-    """What train() returns: the last logged metrics (a dict), also readable as transformers' TrainOutput —
-    `.global_step`, `.training_loss` (the mean policy loss of this run's steps) and `.metrics` (with train_runtime
-    and train_loss), so TRL scripts' `train_result.metrics` works."""
-
-    def __init__(self, last: dict[str, float], global_step: int, training_loss: float, runtime: float):
-        super().__init__(last)
-        self.global_step, self.training_loss = global_step, training_loss
-        self.metrics = {"train_runtime": runtime, "train_loss": training_loss, "epoch": last.get("epoch", 0.0),
-                        "global_step": global_step}
 
 
 class TrainingStopped(RuntimeError):
@@ -72,17 +59,7 @@ class TrainingInterrupted(RuntimeError):
         self.signum = signum
 
 
-# TRL 1.16 GRPOTrainer arguments groupwise does not take yet, with what to do instead
-TRAINER_NOT_SUPPORTED = {
-    "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
-                           "with PEFT (get_peft_model) and pass it as model",
-    "tools": "multi-turn tool calling is not implemented yet",
-    "rollout_func": "custom rollout functions are not supported; rewards see every completion through reward_funcs",
-    "environment_factory": "environments are not implemented yet",
-}
-
-
-class GRPOTrainer:
+class GRPOTrainer(TransformersHabits):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
@@ -91,12 +68,8 @@ class GRPOTrainer:
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        given = {"quantization_config": quantization_config, "tools": tools, "rollout_func": rollout_func,
-                 "environment_factory": environment_factory}
-        for name, value in given.items():
-            if value is not None:
-                raise ConfigError(f"GRPOTrainer({name}=…) is not supported by groupwise: {TRAINER_NOT_SUPPORTED[name]} "
-                                  "(docs/trl_compat.md)")
+        refuse_trainer_arguments(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
+                                 environment_factory=environment_factory)
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph},
@@ -122,25 +95,9 @@ class GRPOTrainer:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
                                                            as_list(process_reward_funcs))
-        if peft_config is not None and args.use_peft:
-            raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
-                              "Python scripts; use_peft with the lora_* fields in config files)")
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
-        if self.dist.sharding is not None and (self.peft_config is not None or is_peft_model(model)):
-            raise ConfigError("fsdp with LoRA is not supported yet: train the adapters with DDP (drop fsdp), or shard "
-                              "a full fine-tune")
-        if self.dist.sharding is not None and args.generation_dtype is not None:
-            raise ConfigError("fsdp with generation_dtype is not supported yet: with fsdp generation already runs on "
-                              "a full replica in the training dtype; drop generation_dtype")
-        if self.dist.sharding is not None and args.cast_lm_head_to_fp32 and args.bf16:
-            raise ConfigError("cast_lm_head_to_fp32 with fsdp and bf16 is not supported: FSDP2's mixed precision "
-                              "gathers the head in bfloat16; drop one of them")
-        if self.dist.sharding is not None and any(o is not None for o in self.optimizers):
-            raise ConfigError("fsdp with optimizers=(…): the optimizer must be built over the sharded parameters; "
-                              "choose it with optim / optim_args instead")
-        if args.sync_ref_model and (self.peft_config is not None or is_peft_model(model)):
-            raise ConfigError("sync_ref_model=True with LoRA: the reference policy is the base model with the adapters "
-                              "disabled, which TR-DPO cannot move; train without sync_ref_model")
+        check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
+                           optimizers=self.optimizers)
         from transformers import enable_full_determinism, set_seed
 
         # each process samples different completions
@@ -287,7 +244,7 @@ class GRPOTrainer:
             self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
                 self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
-        with self._signals_stop_the_run():
+        with stop_on_signals() as self._signals:
             self._begin()
             try:
                 while not self._finished():
@@ -407,39 +364,9 @@ class GRPOTrainer:
         self.state.log_history.append({**metrics, "step": self.global_step})
         self._event("on_evaluate", metrics=metrics)
 
-    @contextlib.contextmanager
-    def _signals_stop_the_run(self):
-        """SIGINT / SIGTERM are recorded and end the run after the current optimizer step (`_after_step`); a second
-        one interrupts at once. Only the main thread can install handlers; elsewhere signals keep their handlers."""
-        self._signals: list[int] = []
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        first: list[float] = []
-
-        def handler(signum, frame):
-            if self._signals:
-                # launchers (torchrun, accelerate) forward the terminal's signal: a copy within 2 s is that, not a
-                # second request; a later one stops at once
-                if time.monotonic() - first[0] > 2.0:
-                    raise KeyboardInterrupt
-                return
-            first.append(time.monotonic())
-            self._signals.append(signum)
-            tqdm.write(f"groupwise: {signal.Signals(signum).name} received: stopping after this optimizer step "
-                       "(again to stop at once)")
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
     def _log(self, rollout: Rollout) -> None:
         loss_mode = "finite" if self.args.logging_nan_inf_filter else "all"
-        last = {k: _mean(v, loss_mode if k.startswith("loss") else "measured") for k, v in self._window.items()}
+        last = {k: window_mean(v, loss_mode if k.startswith("loss") else "measured") for k, v in self._window.items()}
         last["epoch"] = self.sampler.progress()
         last.update(self._elapsed())
         self._logger.log(self.global_step, last)
@@ -449,13 +376,13 @@ class GRPOTrainer:
         self.state.log_history.append({**last, "step": self.global_step})
         self._event("on_log", logs=last)
         if rollout.round is not None:
-            rows = self.dist.gather_object(self._completion_rows(rollout.round))
+            rows = self.dist.gather_object(completion_rows(rollout.round, [src.name for src in self.reward_sources], self._extra))
             self._logger.log_completions(self.global_step, rows)
         self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
                                ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
                                if k in last})
         if self.args.log_completions and rollout.round is not None and self.dist.is_main:
-            _print_round(self.global_step, rollout.round, self.args.num_completions_to_print,
+            print_round(self.global_step, rollout.round, self.args.num_completions_to_print,
                          unique_prompts=self.args.log_unique_prompts)
 
     def _finished(self) -> bool:
@@ -481,47 +408,6 @@ class GRPOTrainer:
         """TRL's `log_extra` reward keyword: a column of completions.jsonl, one value per completion of the call."""
         self._extra[column].extend(values)
 
-    def _completion_rows(self, rnd: Round) -> list[dict]:
-        """This process's rows of the logged round for completions.jsonl: prompt, completion, each reward function's
-        value, the combined reward, the first token's advantage, step rewards, and log_extra columns (kept when they
-        have one value per row)."""
-        n = len(rnd.completions.prompts)
-        names = [s.name for s in self.reward_sources]
-        first_token = rnd.first_token_advantages()
-        extra = {k: v for k, v in self._extra.items() if len(v) == n}
-        rows = []
-        for i in range(n):
-            row = {"prompt": rnd.completions.prompts[i], "completion": rnd.completions.completions[i],
-                   "reward": float(rnd.rewards[i]), "advantage": first_token[i]}
-            if rnd.per_func is not None:
-                row["rewards"] = {name: float(rnd.per_func[i, f]) for f, name in enumerate(names)}
-            if rnd.steps is not None:
-                row["steps"] = [[text, float(r)] for text, r in rnd.steps[i]]
-            rows.append({**row, **{k: v[i] for k, v in extra.items()}})
-        return rows
-
-    def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True, **kwargs) -> str | None:
-        """Save the model to output_dir and upload it (model, tokenizer, config; not the checkpoints or logs) to
-        hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads are
-        synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
-        if kwargs:
-            raise TypeError(f"push_to_hub() got unexpected arguments {sorted(kwargs)}")
-        self.save_model(self.args.output_dir)
-        self._pushed_at = self.global_step
-        # the main process uploads; a failure there stops every process instead of leaving them in a barrier
-        return self.dist.run_together(
-            lambda: push_folder(self.args, self.args.output_dir, commit_message) if self.dist.is_main else None,
-            "push_to_hub")
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
-        out = output_dir or self.args.output_dir
-        if self.dist.is_main:
-            model = self.sampling_model if self.dist.sharding is not None else self.unwrapped  # fsdp: consolidated
-            model.save_pretrained(out, safe_serialization=True)
-            self.tokenizer.save_pretrained(out)
-        self.dist.barrier()
-
     def _end(self) -> TrainResult:
         self._event("on_train_end")
         if self.args.push_to_hub and getattr(self, "_pushed_at", None) != self.global_step:  # not pushed at this step
@@ -533,83 +419,15 @@ class GRPOTrainer:
         loss = self._loss_sum / self._loss_steps if self._loss_steps else float("nan")
         return TrainResult(self._last, self.global_step, loss, time.perf_counter() - self._started)
 
-    # ---- transformers' reporting helpers, as TRL scripts call them after train() ---------------------------------
-    def log_metrics(self, split: str, metrics: dict) -> None:
-        """Print `metrics` as a table under `split` (main process), as transformers' Trainer.log_metrics."""
-        if self.dist.is_main:
-            width = max((len(k) for k in metrics), default=0)
-            tqdm.write(f"***** {split} metrics *****\n" + "\n".join(f"  {k:<{width}} = {v}" for k, v in metrics.items()))
-
-    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
-        """output_dir/{split}_results.json, and merged into all_results.json (transformers' Trainer.save_metrics)."""
-        if not self.dist.is_main:
-            return
-        out = Path(self.args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{split}_results.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        if combined:
-            path = out / "all_results.json"
-            merged = json.loads(path.read_text()) if path.exists() else {}
-            path.write_text(json.dumps({**merged, **metrics}, indent=2, sort_keys=True))
-
-    def save_state(self) -> None:
-        """output_dir/trainer_state.json: transformers' TrainerState (global_step, log_history, …)."""
-        if self.dist.is_main:
-            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
-
     def _elapsed(self) -> dict[str, float]:
         return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
-        or k sampled completions per prompt at the training temperature (num_generations_eval = k). Logs
-        eval/reward/mean (weighted), eval/<func> (the mean over all completions) and, with k samples,
-        eval/<func>/mean@k and eval/<func>/pass@k (the mean over prompts of the best of k: for 0/1 rewards, the
-        share of prompts solved at least once)."""
-        ctx, data, dist, args = self.rollout_ctx, self.eval_data, self.dist, self.args
-        if data is None:
+        """TRL / transformers' trainer.evaluate(): groupwise.evaluation.evaluate on eval_dataset (greedy, or
+        num_generations_eval sampled completions per prompt with mean@k / pass@k)."""
+        if self.eval_data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer)")
-        k = args.num_generations_eval or 1
-        mine = list(range(dist.rank, len(data), dist.world_size))
-        bs = args.per_device_eval_batch_size
-        logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the evaluation's reward calls
-        kwargs = {"trainer_state": self.state, "log_metric": lambda name, value: logged[name].append(float(value)),
-                  "log_extra": lambda column, values: None}  # evaluation writes no completions.jsonl rows
-
-        def local():  # this process's share; no collective inside, so it runs under run_together
-            per_func, lengths = [], []
-            for start in range(0, len(mine), bs):
-                rows = [data[i] for i in mine[start:start + bs] for _ in range(k)]
-                comp = R.generate(ctx, self.sampling_model, rows, greedy=args.num_generations_eval is None,
-                                  evaluation=True)
-                rewards, _ = compute_rewards(self.reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                             comp.columns, on_error=args.on_reward_error,
-                                             timeout=args.reward_timeout, extra=kwargs)
-                per_func += rewards.tolist()
-                lengths += comp.lengths.tolist()
-            return per_func, lengths
-
-        with rng_untouched():  # sampled evaluation must not move the training's random streams (exact resume)
-            per_func, lengths = dist.run_together(local, "evaluation")
-        lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
-        out = {"eval/mean_length": float(lengths.mean())}
-        out.update({f"eval/{name}": _mean(values, "measured") for name, values in logged.items()})  # this process's
-        if not self.reward_sources:
-            return out
-        per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(self.reward_sources))
-        # combined as in training: a row no function scored is left out, not counted as 0
-        out["eval/reward/mean"] = float(torch.nanmean(weighted_nansum(per_func, ctx.reward_weights)))
-        by_prompt = per_func.view(-1, k, len(self.reward_sources))  # (prompts, k, F)
-        for f, src in enumerate(self.reward_sources):
-            out[f"eval/{src.name}"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval/accuracy
-            if args.num_generations_eval is not None:
-                scores = by_prompt[:, :, f]
-                best = torch.where(scores.isnan(), float("-inf"), scores).amax(1)  # unscored samples do not count
-                out[f"eval/{src.name}/mean@{k}"] = out[f"eval/{src.name}"]
-                out[f"eval/{src.name}/pass@{k}"] = float(best[best.isfinite()].mean())
-        return out
+        return evaluate(self.rollout_ctx, self.sampling_model, self.eval_data, self.reward_sources, self.state)
 
     def _maybe_sync_ref(self) -> None:
         """TR-DPO (Gorbatovski et al. 2024): ref ← α·policy + (1−α)·ref every ref_model_sync_steps."""
@@ -671,36 +489,9 @@ class GRPOTrainer:
                        state["round_metrics"]), state["round_step"]
 
 
-def _mean(values: list[float], mode: str) -> float:
-    """Mean over the logging window. mode "measured": NaN marks "not measured" (a metric absent from a step) and is
-    left out; "finite": NaN and ±inf left out (logging_nan_inf_filter, for the loss); "all": nothing left out."""
-    def keep(v) -> bool:
-        if v is None:
-            return False
-        if mode == "all" or not isinstance(v, float):
-            return True
-        return not math.isnan(v) and (mode == "measured" or not math.isinf(v))
-    kept = [v for v in values if keep(v)]
-    return sum(kept) / len(kept) if kept else float("nan")
-
-
 def _empty_cache(device: torch.device) -> None:
     """torch_empty_cache_steps: give cached accelerator memory back (nothing to do on CPU)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     elif device.type == "mps":
         torch.mps.empty_cache()
-
-
-def _print_round(step: int, rnd: Round, limit: int | None, unique_prompts: bool = False) -> None:
-    comp = rnd.completions
-    rows = list(range(len(comp.prompts)))
-    if unique_prompts:  # one row per prompt: its first completion (TRL's log_unique_prompts)
-        first: dict[str, int] = {}
-        for i in rows:
-            first.setdefault(repr(comp.prompts[i]), i)
-        rows = sorted(first.values())
-    advantages = rnd.first_token_advantages()
-    print_completions(step, [comp.prompts[i] for i in rows], [comp.completions[i] for i in rows],
-                      [float(rnd.rewards[i]) for i in rows], [advantages[i] for i in rows], limit,
-                      steps=None if rnd.steps is None else [rnd.steps[i] for i in rows])

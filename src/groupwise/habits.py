@@ -1,0 +1,72 @@
+"""What TRL / transformers users call on a trainer besides train() and evaluate(): save_model, push_to_hub,
+log_metrics, save_metrics, save_state, and the TrainOutput-like value train() returns. A mixin of GRPOTrainer: it
+reads the trainer's args, dist, state, tokenizer and models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from groupwise.hub import push_folder
+
+
+class TrainResult(dict):
+    """What train() returns: the last logged metrics (a dict), also readable as transformers' TrainOutput —
+    `.global_step`, `.training_loss` (the mean policy loss of this run's steps) and `.metrics` (with train_runtime
+    and train_loss), so TRL scripts' `train_result.metrics` works."""
+
+    def __init__(self, last: dict[str, float], global_step: int, training_loss: float, runtime: float):
+        super().__init__(last)
+        self.global_step, self.training_loss = global_step, training_loss
+        self.metrics = {"train_runtime": runtime, "train_loss": training_loss, "epoch": last.get("epoch", 0.0),
+                        "global_step": global_step}
+
+
+class TransformersHabits:
+    def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True, **kwargs) -> str | None:
+        """Save the model to output_dir and upload it (model, tokenizer, config; not the checkpoints or logs) to
+        hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads are
+        synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
+        if kwargs:
+            raise TypeError(f"push_to_hub() got unexpected arguments {sorted(kwargs)}")
+        self.save_model(self.args.output_dir)
+        self._pushed_at = self.global_step
+        # the main process uploads; a failure there stops every process instead of leaving them in a barrier
+        return self.dist.run_together(
+            lambda: push_folder(self.args, self.args.output_dir, commit_message) if self.dist.is_main else None,
+            "push_to_hub")
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
+        out = output_dir or self.args.output_dir
+        if self.dist.is_main:
+            model = self.sampling_model if self.dist.sharding is not None else self.unwrapped  # fsdp: consolidated
+            model.save_pretrained(out, safe_serialization=True)
+            self.tokenizer.save_pretrained(out)
+        self.dist.barrier()
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """Print `metrics` as a table under `split` (main process), as transformers' Trainer.log_metrics."""
+        if self.dist.is_main:
+            width = max((len(k) for k in metrics), default=0)
+            tqdm.write(f"***** {split} metrics *****\n" + "\n".join(f"  {k:<{width}} = {v}" for k, v in metrics.items()))
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """output_dir/{split}_results.json, and merged into all_results.json (transformers' Trainer.save_metrics)."""
+        if not self.dist.is_main:
+            return
+        out = Path(self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{split}_results.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        if combined:
+            path = out / "all_results.json"
+            merged = json.loads(path.read_text()) if path.exists() else {}
+            path.write_text(json.dumps({**merged, **metrics}, indent=2, sort_keys=True))
+
+    def save_state(self) -> None:
+        """output_dir/trainer_state.json: transformers' TrainerState (global_step, log_history, …)."""
+        if self.dist.is_main:
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))

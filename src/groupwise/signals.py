@@ -1,0 +1,40 @@
+"""SIGINT / SIGTERM during training: recorded, and the run ends after the current optimizer step (the trainer
+checks the list after each step, writes a checkpoint and raises TrainingInterrupted); a second signal interrupts at
+once. Launchers (torchrun, accelerate) forward the terminal's signal, so a copy within 2 s is that, not a second
+request. Only the main thread can install handlers; elsewhere signals keep their handlers."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+from tqdm.auto import tqdm
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Yields the list the received signal numbers go into."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    first: list[float] = []
+
+    def handler(signum, frame):
+        if received:
+            if time.monotonic() - first[0] > 2.0:
+                raise KeyboardInterrupt
+            return
+        first.append(time.monotonic())
+        received.append(signum)
+        tqdm.write(f"groupwise: {signal.Signals(signum).name} received: stopping after this optimizer step "
+                   "(again to stop at once)")
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
