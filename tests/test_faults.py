@@ -114,7 +114,7 @@ def test_prompt_lengths_against_max_prompt_length_and_positions(tmp_path, tokeni
                                           r"\(1 of 8 rows\)"):
         GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), _length, processing_class=tokenizer,
                     train_dataset=long, args=small_args(tmp_path, max_prompt_length=12, truncate_prompt="error"))
-    with pytest.warns(UserWarning, match=r"1 of 8 prompts are longer than max_prompt_length=12 tokens and will be cut"):
+    with pytest.warns(UserWarning, match=r"1 of 8 prompts longer than max_prompt_length=12 tokens are cut from the left"):
         GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), _length, processing_class=tokenizer,
                     train_dataset=long, args=small_args(tmp_path, max_prompt_length=12))
     # the toy model has 256 positions: a 250-token completion leaves no room for the prompts

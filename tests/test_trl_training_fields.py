@@ -469,3 +469,30 @@ def test_sampling_in_another_dtype_is_importance_corrected(tmp_path, tokenizer, 
     off = _trainer(tmp_path, tokenizer, generation_dtype=dtype, vllm_importance_sampling_correction=False,
                    max_steps=1, output_dir=str(tmp_path / "off"))
     assert "sampling/importance_sampling_ratio/mean" not in off.train()
+
+
+def test_feature_combinations_that_do_not_work_together_are_refused_by_name(tiny_model):
+    """groupwise.loading.check_combinations runs before any model loads (fsdp needs 2+ processes to be active, so the
+    checks are exercised directly)."""
+    from groupwise.loading import check_combinations
+
+    cases = [
+        (dict(sharded=True, peft_config=object()), {}, "fsdp with LoRA is not supported yet"),
+        (dict(sharded=True), dict(generation_dtype="bfloat16"), "fsdp with generation_dtype is not supported yet"),
+        (dict(sharded=True), dict(cast_lm_head_to_fp32=True, bf16=True), "cast_lm_head_to_fp32 with fsdp and bf16"),
+        (dict(sharded=True, optimizers=(object(), None)), {}, r"fsdp with optimizers=\(…\)"),
+        (dict(peft_config=object()), dict(use_peft=True), "peft_config and use_peft=True both ask for adapters"),
+        (dict(peft_config=object()), dict(beta=0.1, sync_ref_model=True), "sync_ref_model=True with LoRA"),
+    ]
+    for given, fields, message in cases:
+        kw = {"model": tiny_model, "sharded": False, "peft_config": None, "optimizers": (None, None), **given}
+        with pytest.raises(ConfigError, match=message):
+            check_combinations(GRPOConfig(**fields), **kw)
+    check_combinations(GRPOConfig(), model=tiny_model, sharded=True, peft_config=None, optimizers=(None, None))
+
+
+def test_export_names_what_is_wrong(tmp_path, capsys):
+    from groupwise.cli import main
+
+    assert main(["export", str(tmp_path / "nope"), "--merge", str(tmp_path / "out")]) == 2  # a configuration error
+    assert f"export: '{tmp_path / 'nope'}' is not a checkpoint folder" in capsys.readouterr().err

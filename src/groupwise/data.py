@@ -28,6 +28,30 @@ def prompt_problem(prompt: Any) -> str | None:
     return f"a {type(prompt).__name__}, not a string or a list of chat messages"
 
 
+def _tokens_kept(n: int, max_prompt_length: int | None) -> tuple[int, bool]:
+    """Prompt tokens left after truncation, and whether the prompt was over max_prompt_length."""
+    over = max_prompt_length is not None and n > max_prompt_length
+    return (max_prompt_length if over else n), over
+
+
+def _too_long(name: str, i: int, n: int, max_completion_length: int, max_positions: int,
+              how_many: str = "") -> ConfigError:
+    return ConfigError(f"{name} row {i}: {n} prompt tokens + max_completion_length={max_completion_length} exceed "
+                       f"the model's {max_positions} positions{how_many}; lower max_completion_length or "
+                       "max_prompt_length")
+
+
+def _over(name: str, i: int, n: int, max_prompt_length: int, how_many: str = "") -> ConfigError:
+    return ConfigError(f"{name} row {i} has {n} prompt tokens > max_prompt_length={max_prompt_length}{how_many}; "
+                       "raise max_prompt_length, shorten the prompts, or set truncate_prompt='left' to keep their "
+                       "last tokens")
+
+
+def _cut_warning(name: str, first: int, n: int, max_prompt_length: int, how_many: str = "") -> None:
+    warnings.warn(f"{name}: {how_many}prompts longer than max_prompt_length={max_prompt_length} tokens are cut from "
+                  f"the left (first: row {first}, {n} tokens)", stacklevel=3)
+
+
 class PromptData:
     """A `datasets.Dataset` or a list of dicts with a `prompt` column; other columns reach reward functions."""
 
@@ -77,26 +101,19 @@ class PromptData:
                     n = len(ids)
                     if n == 0:
                         raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
-                    if max_prompt_length is not None and n > max_prompt_length:
+                    kept, cut = _tokens_kept(n, max_prompt_length)
+                    if cut:
                         over.append((lo + k, n))
-                        n = max_prompt_length
-                    if max_positions is not None and n + max_completion_length > max_positions:
-                        too_long.append((lo + k, n))
+                    if max_positions is not None and kept + max_completion_length > max_positions:
+                        too_long.append((lo + k, kept))
                 bar.update(len(chunk))
         if too_long:
-            i, n = too_long[0]
-            raise ConfigError(f"{self.name} row {i}: {n} prompt tokens + max_completion_length={max_completion_length} "
-                              f"exceed the model's {max_positions} positions ({len(too_long)} of {total} rows); lower "
-                              "max_completion_length or max_prompt_length")
+            raise _too_long(self.name, *too_long[0], max_completion_length, max_positions,
+                            f" ({len(too_long)} of {total} rows)")
         if over and truncate_prompt == "error":
-            i, n = over[0]
-            raise ConfigError(f"{self.name} row {i} has {n} prompt tokens > max_prompt_length={max_prompt_length} "
-                              f"({len(over)} of {total} rows); raise max_prompt_length, shorten the prompts, or set "
-                              "truncate_prompt='left' to keep their last tokens")
+            raise _over(self.name, *over[0], max_prompt_length, f" ({len(over)} of {total} rows)")
         if over:
-            warnings.warn(f"{self.name}: {len(over)} of {total} prompts are longer than max_prompt_length="
-                          f"{max_prompt_length} tokens and will be cut from the left (first: row {over[0][0]}, "
-                          f"{over[0][1]} tokens)", stacklevel=2)
+            _cut_warning(self.name, *over[0], max_prompt_length, f"{len(over)} of {total} ")
 
     def __len__(self) -> int:
         return len(self.data)
@@ -206,19 +223,14 @@ class StreamData:
         n = len(tokenizer(prompt_text(prompt, tokenizer, chat_template_kwargs), add_special_tokens=False)["input_ids"])
         if n == 0:
             raise ConfigError(f"{self.name} row {i} encodes to zero tokens: {prompt!r:.80}")
-        if max_prompt_length is not None and n > max_prompt_length:
-            if truncate_prompt == "error":
-                raise ConfigError(f"{self.name} row {i} has {n} prompt tokens > max_prompt_length={max_prompt_length}; "
-                                  "raise max_prompt_length, shorten the prompts, or set truncate_prompt='left'")
-            if not self._warned:
-                warnings.warn(f"{self.name}: prompts longer than max_prompt_length={max_prompt_length} tokens are cut "
-                              f"from the left (first: row {i}, {n} tokens)", stacklevel=2)
-                self._warned = True
-            n = max_prompt_length
-        if max_positions is not None and n + max_completion_length > max_positions:
-            raise ConfigError(f"{self.name} row {i}: {n} prompt tokens + max_completion_length={max_completion_length} "
-                              f"exceed the model's {max_positions} positions; lower max_completion_length or "
-                              "max_prompt_length")
+        kept, cut = _tokens_kept(n, max_prompt_length)
+        if cut and truncate_prompt == "error":
+            raise _over(self.name, i, n, max_prompt_length)
+        if cut and not self._warned:
+            _cut_warning(self.name, i, n, max_prompt_length)
+            self._warned = True
+        if max_positions is not None and kept + max_completion_length > max_positions:
+            raise _too_long(self.name, i, kept, max_completion_length, max_positions)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         i = int(i)
