@@ -1,0 +1,1 @@
+"""Multi-turn rollouts with tools and environments."""

@@ -1,0 +1,793 @@
+"""Where model-generated code is executed: `run_python`, always in a separate, contained process tree.
+
+`run_python(code)` writes the code to `main.py` in a fresh temporary directory and runs it there with the
+trainer's own interpreter in a new session (`start_new_session`), with an empty environment (PATH, HOME and
+TMPDIR pointing at that directory, LANG=C.UTF-8, the BLAS/OpenMP thread counts set to 1) and `-I -B -u -X utf8`
+(and `-S` unless `site_packages=True`: only the standard library is importable by default). Nothing of the code runs
+in the trainer's process, and no `preexec_fn` is used (it is unsafe with threads): a small supervisor program
+(`_SUPERVISOR`, run as `python -I -S -c`) sets everything up in the child before the code starts.
+
+Process tree, per call::
+
+    trainer ── supervisor (session and process-group leader; trusted)
+                 └─ reaper (pid 1 of a new pid namespace where allowed; trusted; reaps orphans)
+                      └─ python main.py (the model's code: limits applied, privileges dropped, then exec)
+
+What is contained, and how (each mechanism is reported in `SandboxResult.isolation`; a mechanism the OS refuses is
+reported as missing, never claimed):
+
+* Wall clock (`timeout_s`): the trainer watches the call; at the deadline it SIGKILLs the whole process group, and
+  everything else the call started (below). Measured here: the call returns ~0.05 s after the deadline (bounded
+  by ~timeout_s + 3 s: a grace for the pipes to close, and the kill sweeps).
+* CPU time (`cpu_s`, RLIMIT_CPU per process: SIGXCPU at cpu_s, SIGKILL one second later).
+* Memory (`memory_mb`, RLIMIT_AS per process: allocations beyond it fail, in Python as MemoryError). This is per
+  process, not per sandbox: a program that forks can hold up to max_processes x memory_mb (no cgroup is used).
+* Processes and threads (`max_processes`, RLIMIT_NPROC, counting the program itself; threads count too). RLIMIT_NPROC
+  counts every task of a *user*, and the kernel ignores it for uid 0, so it is made both effective and harmless:
+  - trainer running as root: the code runs under a uid of its own, claimed for this call only (from
+    SANDBOX_UID_BASE on, with a lock file per uid so concurrent calls and processes never share one), so the limit
+    is exact and the trainer's own uid is untouched. Dropping root also means the code cannot write root's files
+    nor signal any process but its own. If that uid cannot read the interpreter (e.g. Python under /root, mode
+    0700), the code keeps CAP_DAC_READ_SEARCH (it can *read* every file, it still cannot write them); reported as
+    "read-all-files". The program also runs with no_new_privs, so set-uid binaries cannot give root back.
+  - other users, with an unprivileged user namespace: the count is per namespace, so the limit is exact too (the
+    code keeps the user's uid, and so the user's file permissions).
+  - other users without one: the limit is set to the user's current task count + max_processes, so the code can
+    add at most max_processes tasks whatever it does and the trainer keeps its own (larger) limit; concurrent
+    sandboxes of one user then share that headroom. Reported as "nproc-relative".
+* Files (`max_file_mb`, RLIMIT_FSIZE per file written; RLIMIT_CORE=0, RLIMIT_NOFILE=256). The number of files is not
+  limited: the code can fill the disk of its temp dir (or /tmp) until the wall clock stops it.
+* Leftover processes: when the program's main process ends (or at the deadline) every process it started is killed,
+  detached ones (setsid, double fork) included: with a pid namespace its pid 1 (the reaper) exits, and the kernel
+  kills the rest; as root, additionally every process of the call's uid is killed; otherwise the reaper is a child
+  subreaper that kills every orphan it inherits. Only in the last case (non-root, no user namespaces) can code that
+  kills the reaper first leave a detached process behind. (Killed processes can stay zombies, dead and holding
+  nothing, until the system's init reaps them.)
+* Network (`network=False`): a new network namespace where allowed (only a loopback device that is down: no
+  connection to anything, localhost included), reported as network="netns". Where unshare is refused, a
+  Python-level block that replaces `socket.socket` for non-Unix families inside the child: this stops ordinary
+  Python code but NOT ctypes, `_socket`, or a subprocess such as curl: reported as network="python-socket-patch".
+* Environment: the trainer's environment variables (tokens, keys) are not passed on.
+* The temporary directory is deleted after the call.
+
+Not contained: filesystem *reads* (the code can read whatever its uid can: for a non-root trainer, everything the
+trainer's user can), writes outside the temp dir to places its uid may write (for a non-root trainer: everything the
+trainer's user can write; as root, only world-writable places such as /tmp), information in /proc, and total
+memory/disk as noted above. Use a container or VM for adversarial isolation.
+
+What works on the machine this was written on (Linux 6.18, running as root, Debian 12, Python 3.11): pid and
+network namespaces (unshare as root), a per-call uid (with read-all-files, because the interpreter lives under
+/root), RLIMIT_NPROC exact for that uid.
+
+`call_with_timeout(fn, kwargs, timeout_s)` is the other half: it runs a *trusted* tool (a Python function the user
+passed) in-process, in a worker thread, with a wall-clock timeout. A timed-out call cannot be stopped (Python threads
+cannot be killed): it is abandoned as a daemon thread and keeps running in the background. Tools that run code
+must therefore go through `run_python`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import inspect
+import json
+import os
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["SandboxResult", "ToolOutcome", "call_with_timeout", "run_python"]
+
+# uids run_python may use when the trainer runs as root: SANDBOX_UID_BASE .. + SANDBOX_UID_COUNT - 1 (uids no
+# account should have; override with GROUPWISE_SANDBOX_UID_BASE when they clash, or to fit a user namespace's map)
+SANDBOX_UID_BASE = int(os.environ.get("GROUPWISE_SANDBOX_UID_BASE", "1900000000"))
+SANDBOX_UID_COUNT = 4096
+
+_CHILD_ENV_BASE = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_MAX_OPEN_FILES = 256
+_USE_NAMESPACES = True  # False: behave as where unshare is refused (tests use it to exercise the fallbacks)
+_GRACE_S = 1.0          # after the deadline / after the supervisor ended: how long to wait for the pipes to close
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What a `run_python` call did.
+
+    returncode: the program's exit status (negative: killed by that signal, as in subprocess), None when it never
+    ran to a status (e.g. the deadline killed the whole tree first). timed_out: the wall-clock deadline was hit.
+    limit_hit: "wall_timeout" or "cpu_time" (from the kernel's verdict), "memory" or "file_size" (inferred from a
+    MemoryError / ENOMEM / EFBIG message at the end of stderr), or None. stdout/stderr: at most max_output_chars
+    each (the first ones), with *_truncated telling whether more was written. isolation: the mechanisms that were
+    actually in force (see the module docstring): always "subprocess", "rlimits", "empty-env", "temp-dir"; then
+    "user-namespace" / "pid-namespace" / "net-namespace" for each namespace obtained; how the process limit is made
+    per-sandbox: "own-uid:<uid>" (root), "nproc-per-namespace" or "nproc-relative"; "read-all-files" (see above);
+    "subreaper-cleanup" when leftovers are killed by the reaper alone; ("not-started",) when the deadline came
+    before the supervisor had set anything up. network: "netns", "python-socket-patch" or "allowed".
+    pid: the supervisor's pid on the host, which is also the session and process-group id of the call.
+    """
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    timed_out: bool
+    limit_hit: str | None
+    duration_s: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    network: str = "allowed"
+    isolation: tuple[str, ...] = ()
+    pid: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The program ran to completion and exited 0."""
+        return self.returncode == 0 and not self.timed_out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The supervisor: runs in the child as `python -I -S -B -X utf8 -c _SUPERVISOR CONFIG_JSON`, single-threaded.
+# It reports on the status pipe (fd cfg["status_fd"]) one JSON line {"event": "setup", ...} once namespaces are
+# decided, and one {"event": "exit", ...} with the program's wait status and CPU time when it ends.
+_SUPERVISOR = r'''
+import ctypes, json, os, resource, signal, sys, time
+cfg = json.loads(sys.argv[1])
+STATUS_FD = cfg["status_fd"]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+libc.unshare.argtypes = [ctypes.c_int]
+PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 8, 36, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH = 47, 2, 2
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+
+def check(ret):
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+def prctl(option, a=0, b=0, c=0, d=0):
+    check(libc.prctl(option, a, b, c, d))
+
+def report(obj):
+    os.write(STATUS_FD, (json.dumps(obj) + "\n").encode())
+
+def tasks_of_uid(uid):
+    n = 0
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open("/proc/%s/status" % p) as f:
+                    st = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
+            except OSError:
+                continue
+            if int(st["Uid"].split()[0]) == uid:
+                n += int(st.get("Threads", "1"))
+    return n
+
+def children_of(pid):
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open("/proc/%s/stat" % p, "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid and fields[0] != b"Z":
+                out.append(int(p))
+    return out
+
+class Stop(Exception):
+    pass
+
+def on_stop(signum, frame):
+    raise Stop()
+
+def run_program():
+    """The model's process: drop privileges, set the limits, exec `python main.py`. Fails closed (exit 126)."""
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        uid = cfg["uid"]
+        if uid is not None:
+            if cfg["read_all_files"]:
+                prctl(PR_SET_KEEPCAPS, 1)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            if cfg["read_all_files"]:
+                class Header(ctypes.Structure):
+                    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+                class Data(ctypes.Structure):
+                    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                                ("inheritable", ctypes.c_uint32)]
+                data = (Data * 2)()
+                data[0].effective = data[0].permitted = data[0].inheritable = 1 << CAP_DAC_READ_SEARCH
+                check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data))
+                prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH)
+            if os.getuid() != uid or os.geteuid() != uid or os.getgid() != uid:
+                raise RuntimeError("privilege drop did not take")
+            try:
+                os.setuid(0)
+            except PermissionError:
+                pass
+            else:
+                raise RuntimeError("privilege drop is reversible")
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        nproc = cfg["max_processes"]
+        if cfg["nproc_mode"] == "userns":
+            nproc += 2                       # the supervisor and the reaper are counted in the namespace too
+        elif cfg["nproc_mode"] == "relative":
+            nproc += tasks_of_uid(os.getuid()) - 1
+        mb = 1024 * 1024
+        limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc),
+                  (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb), (resource.RLIMIT_NOFILE, cfg["max_open_files"]),
+                  (resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)), (resource.RLIMIT_AS, cfg["memory_mb"] * mb)]
+        for which, value in limits:
+            soft, hard = value if isinstance(value, tuple) else (value, value)
+            cur_hard = resource.getrlimit(which)[1]
+            if cur_hard != resource.RLIM_INFINITY:
+                soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+            resource.setrlimit(which, (soft, hard))
+        os.closerange(3, 1 << 16)
+        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+    except BaseException as e:                 # the status pipe is still open here (closerange closes it for exec)
+        report({"event": "setup_failed", "error": "%s: %s" % (type(e).__name__, e)})
+        os._exit(126)
+
+def reap(pidns):
+    """Run the program, reap every orphan until it ends, then see that nothing it started survives."""
+    signal.signal(signal.SIGUSR1, on_stop)
+    program = os.fork()
+    if program == 0:
+        run_program()
+    status = cpu = None
+    try:
+        while True:
+            pid, st, ru = os.wait4(-1, 0)
+            if pid == program:
+                status, cpu = st, ru.ru_utime + ru.ru_stime
+                break
+    except (Stop, ChildProcessError):
+        pass
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if status is None:
+        try:
+            os.kill(program, signal.SIGKILL)
+        except OSError:
+            pass
+    if not pidns:                                  # a subreaper: every orphan of the tree ends up as our child
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            kids = children_of(os.getpid())
+            for k in kids:
+                try:
+                    os.kill(k, signal.SIGKILL)
+                except OSError:
+                    pass
+            while True:
+                try:
+                    pid, st, ru = os.wait4(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if pid == program and status is None:
+                    status, cpu = st, ru.ru_utime + ru.ru_stime
+            if not kids:
+                break
+            time.sleep(0.005)
+    event = {"event": "exit", "status": status, "cpu_s": cpu}
+    if status is not None:
+        if os.WIFSIGNALED(status):
+            event["signal"] = os.WTERMSIG(status)
+        else:
+            event["code"] = os.WEXITSTATUS(status)
+    report(event)
+    os._exit(0)
+
+def main():
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != cfg["host_pid"]:
+        os._exit(125)
+    namespaces, refused = [], {}
+    if not cfg["use_namespaces"]:
+        pass
+    elif os.getuid() != 0:
+        try:
+            uid, gid = os.getuid(), os.getgid()
+            check(libc.unshare(CLONE_NEWUSER))
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                               ("gid_map", "%d %d 1" % (gid, gid))):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+            namespaces.append("user")
+        except OSError as e:
+            refused["user"] = e.strerror
+    wanted = [("pid", CLONE_NEWPID)] + ([] if cfg["network"] else [("net", CLONE_NEWNET)])
+    if not cfg["use_namespaces"]:
+        wanted = []
+    for name, flag in wanted:
+        try:
+            check(libc.unshare(flag))
+            namespaces.append(name)
+        except OSError as e:
+            refused[name] = e.strerror
+    if cfg["uid"] is not None:
+        cfg["nproc_mode"] = "uid"
+    elif "user" in namespaces and "pid" in namespaces:
+        cfg["nproc_mode"] = "userns"
+    else:
+        cfg["nproc_mode"] = "relative"
+    net_blocked = "net" in namespaces
+    if not cfg["network"] and not net_blocked:
+        cfg["argv"] = cfg["argv_socket_patch"]
+    report({"event": "setup", "namespaces": namespaces, "refused": refused, "nproc_mode": cfg["nproc_mode"],
+            "network": "allowed" if cfg["network"] else ("netns" if net_blocked else "python-socket-patch")})
+    if "pid" in namespaces:
+        reaper = os.fork()                         # pid 1 of the new namespace; when it exits the kernel kills the rest
+        if reaper == 0:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            reap(pidns=True)
+        while True:
+            try:
+                os.waitpid(reaper, 0)
+                break
+            except ChildProcessError:
+                break
+        os._exit(0)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    reap(pidns=False)
+
+main()
+'''
+
+# Run instead of `main.py` when the network must be blocked and no network namespace could be had: ordinary Python
+# code gets PermissionError from socket.socket for anything but Unix sockets. Easy to bypass (ctypes, _socket, a
+# subprocess): reported as network="python-socket-patch", never as isolation.
+_SOCKET_PATCH = r'''
+def _block_network():
+    import socket
+    local = (socket.AF_UNIX, getattr(socket, "AF_NETLINK", -2))
+    class socket_without_network(socket.socket):
+        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
+            if fileno is None and family not in local:
+                raise PermissionError(13, "network access is disabled in this sandbox")
+            super().__init__(family, type, proto, fileno)
+    socket.socket = socket_without_network
+_block_network()
+del _block_network
+import sys
+sys.argv = ["main.py"]
+__file__ = "main.py"
+with open("main.py", encoding="utf-8") as _f:
+    _code = compile(_f.read(), "main.py", "exec")
+del _f
+exec(_code)
+'''
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# uids for a root trainer: one per concurrent call, claimed with a lock file (released when the call is over, or when
+# the process dies: flock)
+
+_UID_LOCK = threading.Lock()
+_UIDS_IN_USE: set[int] = set()
+_READ_CAP_NEEDED: dict[bool, bool] = {}
+_NEXT_UID = os.getpid() * 7919
+
+
+def _lock_dir() -> str:
+    for parent in ("/run", tempfile.gettempdir()):
+        if os.access(parent, os.W_OK):
+            path = os.path.join(parent, "groupwise-sandbox-uids")
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise RuntimeError(f"{path} is not a private directory of this user: refusing to use it")
+            return path
+    raise RuntimeError("no writable directory for the sandbox uid locks")
+
+
+def _uid_range_mapped(lo: int, hi: int) -> bool:
+    try:
+        with open("/proc/self/uid_map") as f:
+            rows = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except OSError:
+        return True
+    return any(inside <= lo and hi <= inside + count for inside, _outside, count in rows)
+
+
+class _ClaimedUid:
+    """A uid that no other call (in this process or another) uses until `release`."""
+
+    def __init__(self) -> None:
+        if not _uid_range_mapped(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_COUNT):
+            raise RuntimeError(f"uids {SANDBOX_UID_BASE}..+{SANDBOX_UID_COUNT} are not mapped in this user namespace;"
+                               " set GROUPWISE_SANDBOX_UID_BASE to a free mapped range")
+        global _NEXT_UID
+        directory = _lock_dir()
+        with _UID_LOCK:                        # rotate, so a uid whose zombies the system has not reaped yet rests
+            start, _NEXT_UID = _NEXT_UID, _NEXT_UID + 1
+        for i in range(SANDBOX_UID_COUNT):
+            uid = SANDBOX_UID_BASE + (start + i) % SANDBOX_UID_COUNT
+            with _UID_LOCK:
+                if uid in _UIDS_IN_USE:
+                    continue
+                fd = os.open(os.path.join(directory, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue
+                if _processes_of_uid(uid, zombies=True):   # left over (zombies count for RLIMIT_NPROC), or not ours
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+                    continue
+                _UIDS_IN_USE.add(uid)
+                self.uid, self._fd = uid, fd
+                return
+        raise RuntimeError("all sandbox uids are in use")
+
+    def release(self) -> None:
+        with _UID_LOCK:
+            _UIDS_IN_USE.discard(self.uid)
+            os.close(self._fd)
+
+
+def _proc_status(pid: str) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+    except (OSError, ValueError):
+        return None
+
+
+def _processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
+    """Processes whose real, effective or saved uid is `uid` (live ones only unless `zombies`)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            st = _proc_status(pid)
+            if st and str(uid) in st.get("Uid", "").split()[:3] and (
+                    zombies or not st.get("State", "").strip().startswith("Z")):
+                found.append(int(pid))
+    return found
+
+
+def _kill_uid(uid: int, budget_s: float = 2.0) -> None:
+    """SIGKILL every process of `uid` until none is left (the process limit bounds how many can be forked meanwhile)."""
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:
+        pids = _processes_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.002)
+
+
+def _read_cap_needed(uid: int, site_packages: bool) -> bool:
+    """Can `uid` start this interpreter (and import ctypes) on its own? If not, the program keeps
+    CAP_DAC_READ_SEARCH."""
+    with _UID_LOCK:
+        if site_packages in _READ_CAP_NEEDED:
+            return _READ_CAP_NEEDED[site_packages]
+    argv = [sys.executable, "-I", "-B"] + ([] if site_packages else ["-S"]) + ["-c", "import ctypes, json, decimal"]
+    try:
+        ok = subprocess.run(argv, user=uid, group=uid, extra_groups=[], cwd="/", env=dict(_CHILD_ENV_BASE),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    with _UID_LOCK:
+        _READ_CAP_NEEDED[site_packages] = not ok
+    return not ok
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+class _Capture:
+    """Keeps the first `max_chars` characters of a stream (reading on and dropping the rest) and its last bytes."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.max_bytes = 4 * max_chars + 4
+        self.head = bytearray()
+        self.tail = b""
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.max_bytes - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        self.tail = (self.tail + data)[-4096:]
+
+    def text(self) -> tuple[str, bool]:
+        text = self.head.decode("utf-8", errors="replace")
+        truncated = self.total > len(self.head) or len(text) > self.max_chars
+        return text[:self.max_chars], truncated
+
+
+def _remove_tree(path: str) -> None:
+    def retry(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+    shutil.rmtree(path, onerror=retry)
+    if os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _exited(pid: int) -> bool:
+    """Has the child `pid` exited? (Leaves it unreaped, so its pid and process group id cannot be reused yet.)"""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, max_processes: int = 32,
+               max_output_chars: int = 10_000, max_file_mb: int = 16, network: bool = False,
+               site_packages: bool = False) -> SandboxResult:
+    """Run `code` as a Python program in a contained child process tree and return what it printed and how it ended.
+
+    timeout_s: wall clock for the whole call (default 5 s); at the deadline every process of the call is killed.
+    cpu_s: CPU seconds per process (RLIMIT_CPU, default 5). memory_mb: address space per process (RLIMIT_AS,
+    default 512 MiB). max_processes: processes + threads alive at once, the program included (RLIMIT_NPROC made
+    per-sandbox, default 32). max_output_chars: characters kept of stdout and of stderr each (default 10 000; the
+    rest is read and dropped, so a print loop cannot fill memory). max_file_mb: size of any one file written
+    (RLIMIT_FSIZE, default 16 MiB). network: False (default) cuts it off (see `SandboxResult.network` for how).
+    site_packages: also let the program import the installed packages (default: the standard library only).
+
+    Thread-safe: calls may run concurrently (each has its own directory, pipes, process tree and, as root, uid).
+    The module docstring says what is and is not contained.
+    """
+    if timeout_s <= 0 or cpu_s < 1 or memory_mb < 32 or max_processes < 1 or max_output_chars < 0 or max_file_mb < 0:
+        raise ValueError("run_python: timeout_s > 0, cpu_s >= 1, memory_mb >= 32, max_processes >= 1, "
+                         "max_output_chars >= 0 and max_file_mb >= 0 are required")
+    t0 = time.monotonic()
+    claimed = _ClaimedUid() if os.geteuid() == 0 else None
+    workdir = status_r = proc = None
+    try:
+        read_all = claimed is not None and _read_cap_needed(claimed.uid, site_packages)
+        workdir = tempfile.mkdtemp(prefix="groupwise-sandbox-")
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        if claimed is not None:
+            os.chown(workdir, claimed.uid, claimed.uid)
+        env = dict(_CHILD_ENV_BASE, HOME=workdir, TMPDIR=workdir)
+        flags = [sys.executable, "-I", "-B", "-u", "-X", "utf8"] + ([] if site_packages else ["-S"])
+        status_r, status_w = os.pipe()
+        cfg = {"status_fd": status_w, "host_pid": os.getpid(), "network": network, "use_namespaces": _USE_NAMESPACES,
+               "uid": claimed.uid if claimed else None, "read_all_files": read_all,
+               "cpu_s": int(cpu_s), "memory_mb": int(memory_mb), "max_processes": int(max_processes),
+               "max_file_mb": int(max_file_mb), "max_open_files": _MAX_OPEN_FILES, "env": env,
+               "argv": flags + ["main.py"], "argv_socket_patch": flags + ["-c", _SOCKET_PATCH]}
+        try:
+            supervisor = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _SUPERVISOR, json.dumps(cfg)]
+            proc = subprocess.Popen(supervisor, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=workdir, env=env, start_new_session=True,
+                                    pass_fds=(status_w,))
+        finally:
+            os.close(status_w)
+        return _watch(proc, status_r, claimed.uid if claimed else None, read_all, t0, timeout_s, cpu_s,
+                      max_output_chars)
+    finally:
+        if proc is not None:
+            for stream in (proc.stdout, proc.stderr):
+                stream.close()
+            if proc.returncode is None:        # only on an error in _watch: make sure nothing is left running
+                _killpg(proc.pid)
+                proc.wait()
+        if status_r is not None:
+            os.close(status_r)
+        if claimed is not None:
+            _kill_uid(claimed.uid)
+            claimed.release()
+        if workdir is not None:
+            _remove_tree(workdir)
+
+
+def _watch(proc: subprocess.Popen, status_r: int, uid: int | None, read_all: bool, t0: float, timeout_s: float,
+           cpu_s: int, max_output_chars: int) -> SandboxResult:
+    out, err, status = _Capture(max_output_chars), _Capture(max_output_chars), _Capture(1 << 16)
+    captures = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status}
+    deadline = t0 + timeout_s
+    timed_out = False
+    stop_at = None                   # once the tree is dead (or killed): stop waiting for stragglers' pipes then
+    setup: dict[str, Any] = {}
+    with selectors.DefaultSelector() as sel:
+        for fd in captures:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            now = time.monotonic()
+            if stop_at is None and now >= deadline:
+                timed_out = True
+                setup = _parse_status(status)[0] or setup
+                if setup.get("nproc_mode") == "relative" and "pid" not in setup.get("namespaces", ()):
+                    try:                     # let the supervisor (a subreaper) kill what it adopted, briefly
+                        os.kill(proc.pid, signal.SIGUSR1)
+                        proc_deadline = time.monotonic() + 0.5
+                        while not _exited(proc.pid) and time.monotonic() < proc_deadline:
+                            time.sleep(0.01)
+                    except OSError:
+                        pass
+                _finish(proc.pid, uid)
+                stop_at = time.monotonic() + _GRACE_S
+            elif stop_at is None and _exited(proc.pid):
+                _finish(proc.pid, uid)
+                stop_at = time.monotonic() + _GRACE_S
+            elif stop_at is not None and now >= stop_at:
+                break
+            wait = (stop_at if stop_at is not None else min(deadline, now + 0.2)) - now
+            for key, _ in sel.select(max(wait, 0.0)):
+                try:
+                    data = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if data:
+                    captures[key.fd].feed(data)
+                else:
+                    sel.unregister(key.fd)
+    if stop_at is None:                # every pipe closed: the supervisor has ended (or is ending)
+        _finish(proc.pid, uid)
+    proc.wait()
+    duration = time.monotonic() - t0
+    setup, exit_event = _parse_status(status)
+    stdout, stdout_trunc = out.text()
+    stderr, stderr_trunc = err.text()
+    returncode = None
+    if exit_event and exit_event.get("status") is not None:
+        returncode = -exit_event["signal"] if "signal" in exit_event else exit_event["code"]
+    if b'"setup_failed"' in status.head:     # the program's containment could not be set up: it never ran
+        raise RuntimeError("run_python: the sandbox could not be set up: "
+                           + bytes(status.head).decode(errors="replace"))
+    if not setup and not timed_out:          # the supervisor (trusted code, before any of the program's) failed
+        raise RuntimeError(f"run_python: the sandbox supervisor failed (exit {proc.returncode}): "
+                           f"{err.tail.decode(errors='replace')}")
+    limit = None
+    if timed_out:
+        limit = "wall_timeout"
+    elif exit_event and (exit_event.get("signal") == signal.SIGXCPU or exit_event.get("signal") == signal.SIGKILL
+                         and (exit_event.get("cpu_s") or 0) >= cpu_s - 0.05):
+        limit = "cpu_time"
+    elif returncode not in (0, None):
+        tail = err.tail[-1000:]
+        if b"MemoryError" in tail or b"Cannot allocate memory" in tail:
+            limit = "memory"
+        elif b"File too large" in tail:
+            limit = "file_size"
+    if setup:
+        isolation = ["subprocess", "rlimits", "empty-env", "temp-dir"]
+        isolation += [f"{ns}-namespace" for ns in setup["namespaces"]]
+        mode = setup["nproc_mode"]
+        isolation.append({"uid": f"own-uid:{uid}", "userns": "nproc-per-namespace", "relative": "nproc-relative"}[mode])
+        if read_all:
+            isolation.append("read-all-files")
+        if "pid" not in setup["namespaces"] and mode != "uid":
+            isolation.append("subreaper-cleanup")
+    else:                                    # killed at the deadline before the supervisor had set anything up
+        isolation = ["not-started"]
+    return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out, limit_hit=limit,
+                         duration_s=duration, stdout_truncated=stdout_trunc, stderr_truncated=stderr_trunc,
+                         network=setup.get("network", "allowed"), isolation=tuple(isolation), pid=proc.pid)
+
+
+def _finish(pid: int, uid: int | None) -> None:
+    """Kill whatever of the call is still alive: its process group (the supervisor is not reaped yet, so the id is
+    still ours) and, as root, every process of its uid."""
+    _killpg(pid)
+    if uid is not None:
+        _kill_uid(uid)
+
+
+def _parse_status(capture: _Capture) -> tuple[dict, dict]:
+    setup, exit_event = {}, {}
+    for line in bytes(capture.head).splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "setup":
+            setup = event
+        elif event.get("event") == "exit":
+            exit_event = event
+    return setup, exit_event
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """The result of a tool call. ok: it returned; content: what it returned, as text (str as is, None as "", other
+    JSON-serialisable values as JSON, anything else by str()), or the error's description; error: None, "timeout"
+    or "exception"."""
+
+    ok: bool
+    content: str
+    error: str | None = None
+    duration_s: float = 0.0
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None = None,
+                      timeout_s: float | None = 30.0) -> ToolOutcome:
+    """Call a *trusted* tool `fn(**kwargs)` in this process, in a worker thread, waiting at most `timeout_s` seconds
+    (None: no limit). An `async def` tool (or one returning an awaitable) is run to completion on its own event loop
+    in that thread.
+
+    Timeout: returns ToolOutcome(ok=False, error="timeout") after ~timeout_s. The call itself cannot be stopped: the
+    thread is abandoned (a daemon thread, so it does not keep the process alive) and runs on in the background, with
+    whatever side effects it has. This is for Python functions the user wrote; code written by a model must be run
+    with `run_python`, which can be stopped. Exception (any, SystemExit and KeyboardInterrupt included): returns
+    ok=False, error="exception", content "TypeName: message".
+    """
+    name = getattr(fn, "__name__", type(fn).__name__)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            value = fn(**(kwargs or {}))
+            if inspect.isawaitable(value):
+                value = asyncio.run(_await(value))
+            box["value"] = value
+        except BaseException as e:  # noqa: BLE001 - reported to the caller, never raised in the worker
+            box["error"] = e
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    threading.Thread(target=target, name=f"tool:{name}", daemon=True).start()
+    finished = done.wait(timeout_s)
+    duration = time.monotonic() - t0
+    if not finished:
+        return ToolOutcome(False, f"tool {name!r} timed out after {timeout_s:g} s", "timeout", duration)
+    if "error" in box:
+        e = box["error"]
+        return ToolOutcome(False, f"{type(e).__name__}: {e}", "exception", duration)
+    return ToolOutcome(True, _as_text(box["value"]), None, duration)
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable

@@ -1,0 +1,265 @@
+"""groupwise.agents.sandbox: model code runs in a contained process tree; trusted tools get a wall-clock timeout.
+
+Every containment test checks the effect (the process is gone, the connection never arrived, the file was not
+written), not just a flag. The ones marked with the `mode` fixture run twice: with the namespaces this machine
+allows, and as where unshare is refused (the fallbacks: Python-level socket block, subreaper / uid cleanup).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from groupwise.agents import sandbox
+from groupwise.agents.sandbox import call_with_timeout, run_python
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux (/proc, rlimits)")
+
+
+@pytest.fixture(params=["namespaces", "fallback"])
+def mode(request, monkeypatch):
+    if request.param == "fallback":
+        monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)
+    return request.param
+
+
+def _stat_fields(pid: str) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()     # state, ppid, pgrp, session, ...
+    except (OSError, IndexError):
+        return None
+
+
+def _survivors(result, marker: bytes | None = None) -> list[int]:
+    """Live (non-zombie) processes left by a call: in its session or process group, of its uid (when it had one),
+    or with `marker` on their command line."""
+    own_uid = next((int(tag.split(":")[1]) for tag in result.isolation if tag.startswith("own-uid:")), None)
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fields = _stat_fields(pid)
+        if fields is None or fields[0] == b"Z":
+            continue
+        hit = int(fields[2]) == result.pid or int(fields[3]) == result.pid
+        if own_uid is not None:
+            try:
+                hit |= os.stat(f"/proc/{pid}").st_uid == own_uid
+            except OSError:
+                pass
+        if marker is not None:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    hit |= marker in f.read()
+            except OSError:
+                pass
+        if hit:
+            found.append(int(pid))
+    return found
+
+
+def test_normal_code_returns_stdout_and_zero():
+    r = run_python("import sys\nprint('hello', 6 * 7)\nprint('warn', file=sys.stderr)")
+    assert (r.stdout, r.stderr, r.returncode, r.timed_out, r.limit_hit) == ("hello 42\n", "warn\n", 0, False, None)
+    assert r.ok and r.duration_s < 5 and "subprocess" in r.isolation
+    assert r.pid != os.getpid()
+
+
+def test_exception_and_exit_code_reported():
+    r = run_python("def f():\n    raise ValueError('boom')\nf()")
+    assert r.returncode == 1 and not r.ok
+    assert "ValueError: boom" in r.stderr and 'main.py", line 2' in r.stderr
+    assert run_python("import sys; sys.exit(3)").returncode == 3
+
+
+def test_busy_loop_is_stopped_by_the_cpu_limit():
+    r = run_python("while True:\n    pass", cpu_s=1, timeout_s=15)
+    assert r.limit_hit == "cpu_time" and not r.timed_out and r.returncode in (-24, -9)  # SIGXCPU, or SIGKILL at hard
+    assert r.duration_s < 8
+
+
+def test_sleeping_code_is_stopped_by_the_wall_clock():
+    t0 = time.monotonic()
+    r = run_python("import time\nprint('before', flush=True)\ntime.sleep(100)", timeout_s=1)
+    assert r.timed_out and r.limit_hit == "wall_timeout" and not r.ok
+    assert r.stdout == "before\n"                     # output written before the kill is kept
+    assert 1 <= time.monotonic() - t0 < 4
+    assert _survivors(r) == []
+
+
+def test_process_limit_is_enforced_and_children_are_killed(mode):
+    code = """
+import os, time
+n = 0
+try:
+    while n < 500:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("blocked after", n, e.errno)
+"""
+    r = run_python(code, max_processes=8, timeout_s=10)
+    assert r.returncode == 0, r.stderr
+    words = r.stdout.split()
+    assert words[:2] == ["blocked", "after"] and int(words[3]) == 11      # EAGAIN from fork
+    assert 1 <= int(words[2]) <= 7                                        # 8 processes at most, itself included
+    assert _survivors(r) == []                                            # the sleeping children went with it
+
+
+def test_fork_bomb_is_contained_and_leaves_nothing(mode):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    t0 = time.monotonic()
+    r = run_python(bomb, timeout_s=2, max_processes=16)
+    assert time.monotonic() - t0 < 2 + 3
+    assert r.timed_out and r.limit_hit == "wall_timeout"
+    time.sleep(0.1)
+    assert _survivors(r) == []                        # nothing alive in its session, process group or uid
+    # this process can still fork and spawn
+    assert subprocess.run(["true"]).returncode == 0
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+    assert run_python("print(1)").stdout == "1\n"
+
+
+def test_memory_bomb_fails_without_hurting_the_parent():
+    before = resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_NPROC)
+    r = run_python("x = bytearray(2**34)")
+    assert r.returncode == 1 and "MemoryError" in r.stderr and r.limit_hit == "memory"
+    r = run_python("x = []\nwhile True:\n    x.append(bytearray(10**7))", memory_mb=128, timeout_s=10)
+    assert r.returncode != 0 and r.limit_hit == "memory" and not r.timed_out
+    assert (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_NPROC)) == before
+    big = bytearray(2**28)                            # the parent's own allocations are unaffected
+    assert len(big) == 2**28
+
+
+def test_background_and_detached_children_are_killed_when_the_call_ends(mode):
+    marker = f"{os.getpid() % 1000}.{time.time_ns() % 10**6:06d}"   # a unique `sleep` argument to look for
+    code = f"""
+import os, subprocess
+subprocess.Popen(["sleep", "9{marker}"])
+subprocess.Popen(["sleep", "8{marker}"], start_new_session=True)
+if os.fork() == 0:                                 # double fork + setsid: a classic daemon
+    os.setsid()
+    if os.fork() == 0:
+        os.execvp("sleep", ["sleep", "7{marker}"])
+    os._exit(0)
+print("started")
+"""
+    r = run_python(code, timeout_s=10)
+    assert r.stdout == "started\n" and r.returncode == 0, r.stderr
+    time.sleep(0.1)
+    assert _survivors(r, marker.encode()) == []
+
+
+def test_network_is_refused(mode):
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.3)
+    port = listener.getsockname()[1]
+    code = f"""
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=3)
+    print("connected")
+except OSError as e:
+    print("refused", type(e).__name__)
+"""
+    try:
+        r = run_python(code)
+        assert r.stdout.startswith("refused"), (r.stdout, r.stderr)
+        assert r.network == ("netns" if mode == "namespaces" and "net-namespace" in r.isolation else
+                             "python-socket-patch")
+        if r.network == "netns":                      # a real boundary: the low-level module cannot get out either
+            raw = run_python(f"import _socket\ns = _socket.socket()\ns.settimeout(3)\n"
+                             f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
+                             f"except OSError as e:\n    print('refused', e.errno)")
+            assert raw.stdout.startswith("refused"), raw.stdout
+        with pytest.raises(socket.timeout):           # nothing ever reached the listener
+            listener.accept()
+        allowed = run_python(code, network=True)      # the same code does connect when the network is allowed
+        assert allowed.stdout == "connected\n" and allowed.network == "allowed", allowed.stderr
+        listener.accept()[0].close()
+    finally:
+        listener.close()
+
+
+def test_output_flood_is_truncated():
+    r = run_python("import sys\nfor i in range(2000):\n    sys.stdout.write('x' * 999 + '\\n')", max_output_chars=1000)
+    assert r.ok and len(r.stdout) == 1000 and r.stdout_truncated and not r.stderr_truncated
+    r = run_python("while True:\n    print('y' * 100)", timeout_s=1, max_output_chars=500)
+    assert r.timed_out and len(r.stdout) == 500 and r.stdout_truncated
+    r = run_python("print('é' * 10)", max_output_chars=5)
+    assert r.stdout == "ééééé" and r.stdout_truncated
+
+
+def test_parent_environment_is_not_passed_on(monkeypatch):
+    monkeypatch.setenv("GROUPWISE_SANDBOX_TEST_SECRET", "hunter2-token")
+    r = run_python("import os\nprint(sorted(os.environ.items()))\nprint(os.getcwd() == os.environ['HOME'])")
+    assert r.ok and "hunter2" not in r.stdout and "GROUPWISE_SANDBOX_TEST_SECRET" not in r.stdout
+    assert r.stdout.splitlines()[-1] == "True"
+
+
+def test_working_directory_is_private_and_deleted():
+    r = run_python("import os\nopen('data.txt', 'w').write('ok')\nprint(os.getcwd())\nprint(os.listdir('.'))")
+    cwd, listing = r.stdout.splitlines()
+    assert r.ok and "data.txt" in listing
+    assert os.path.basename(cwd).startswith("groupwise-sandbox-") and not os.path.exists(cwd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writes elsewhere are only prevented when the trainer is root "
+                                              "(the code then runs under a uid of its own)")
+def test_as_root_the_code_cannot_write_the_trainers_files(tmp_path):
+    target = tmp_path / "owned-by-root.txt"
+    os.chmod(tmp_path, 0o755)
+    r = run_python(f"open({str(target)!r}, 'w').write('pwned')")
+    assert r.returncode == 1 and "PermissionError" in r.stderr
+    assert not target.exists()
+    assert any(tag.startswith("own-uid:") for tag in r.isolation)
+
+
+def test_concurrent_calls_from_a_thread_pool():
+    def one(i):
+        return run_python(f"import time\ntime.sleep(0.2)\nprint({i})")
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(8)))
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+    assert all(r.ok for r in results) and len({r.pid for r in results}) == 8
+    assert time.monotonic() - t0 < 8
+
+
+def test_call_with_timeout():
+    t0 = time.monotonic()
+    def slow(seconds):
+        time.sleep(seconds)
+    out = call_with_timeout(slow, {"seconds": 30}, timeout_s=0.3)
+    assert (out.ok, out.error) == (False, "timeout") and "timed out" in out.content
+    assert time.monotonic() - t0 < 1.5
+
+    def boom(x):
+        raise ValueError(f"bad {x}")
+    out = call_with_timeout(boom, {"x": 3}, timeout_s=5)
+    assert (out.ok, out.error, out.content) == (False, "exception", "ValueError: bad 3")
+    out = call_with_timeout(lambda: sys.exit(2), {}, timeout_s=5)
+    assert (out.ok, out.error) == (False, "exception") and out.content.startswith("SystemExit")
+
+    out = call_with_timeout(lambda a, b: a + b, {"a": 2, "b": 3}, 5)
+    assert (out.ok, out.content, out.error) == (True, "5", None)
+    out = call_with_timeout(lambda: {"temp": 21.5, "unit": "C"}, None, 5)
+    assert out.ok and out.error is None and out.content == '{"temp": 21.5, "unit": "C"}'
+    assert call_with_timeout(lambda: "plain text", {}, 5).content == "plain text"
+
+    async def fetch(q):
+        return f"result for {q}"
+    assert call_with_timeout(fetch, {"q": "x"}, 5).content == "result for x"
