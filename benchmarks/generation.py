@@ -1,6 +1,18 @@
-"""Generation throughput: groupwise's fast sampler vs transformers `generate`, at B×G = 8×8 and 32×8.
+"""Generation throughput: groupwise's fast sampler vs transformers `generate`.
 
-    .venv/bin/python benchmarks/generation.py [--repeats 3]
+    .venv/bin/python benchmarks/generation.py [--repeats 3]          # CPU table (results/generation.md)
+    python3 benchmarks/generation.py --gpu                           # GPU table (results/generation_gpu.md)
+
+GPU (--gpu): a randomly initialised model of Qwen2.5-0.5B's shape (Qwen2, hidden 896, 24 layers, 14 heads / 2 KV,
+vocabulary 151 936, tied embeddings) in bf16, prompts of 32 tokens, 256 new tokens for every row (EOS is never
+sampled, so every path does the same work), B×G = 16×8 and 64×8. Paths: generate(); the fast sampler's eager loop
+(generation_compile=False); its static loop compiled with CUDA graphs (generation_compile, the default on CUDA; the
+first call, which compiles, is not timed). Roofline: a decode step must read every weight once and the KV cache of
+every row, so at bandwidth BW a step takes at least (weight bytes + N · layers · 2 · KV heads · head dim · 2 bytes ·
+context length) / BW; the roofline tokens/s sums this over the 256 steps. Targets: fast ≥ 5× generate() and ≥ 30 %
+of the roofline at 64×8.
+
+CPU (default, B×G = 8×8 and 32×8):
 Models: the demo policy on arithmetic prompts (0.8 M parameters, real completion lengths), and a randomly
 initialised 40 M-parameter Llama (vocab 32 000) whose EOS logit is raised so that ~2% of tokens end a completion
 (completion lengths vary as in real rollouts). Same sampling settings for both paths (T = 1, top-p 1).
@@ -11,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import torch
 from common import median_time, write_table
@@ -49,10 +62,118 @@ def workloads():
     yield "Llama 40 M, vocab 32k", llama40m(), 0, [2], 128, None, None
 
 
+# nominal HBM bandwidth by device name (bytes/s); the measured copy bandwidth is reported beside it
+BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
+             "A100": 1.56e12}
+
+
+def nominal_bandwidth(name: str) -> float | None:
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+
+
+def measured_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (the best of 5)."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 2 / best
+
+
+def qwen05b():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      intermediate_size=4864, vocab_size=151936, max_position_embeddings=2048,
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+
+    def no_eos(module, inputs, output):
+        output[..., cfg.eos_token_id] = float("-inf")
+        return output
+
+    model.lm_head.register_forward_hook(no_eos)
+    return model, cfg
+
+
+def roofline_tps(model, cfg, N: int, P: int, T: int, bw: float) -> float:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bytes, bf16
+    seconds = sum((weights + N * kv_per_token * (P + t)) / bw for t in range(T))
+    return N * T / seconds
+
+
+def gpu_main(repeats: int) -> None:
+    model, cfg = qwen05b()
+    name = torch.cuda.get_device_name()
+    nominal, measured = nominal_bandwidth(name), measured_bandwidth()
+    bw = nominal or measured
+    P, T = 32, 256
+    rows = []
+    for B, G in ((16, 8), (64, 8)):
+        N = B * G
+        g = torch.Generator().manual_seed(B)
+        ids = torch.randint(3, cfg.vocab_size, (B, P), generator=g).repeat_interleave(G, 0).cuda()
+        mask = torch.ones_like(ids)
+        gen_cfg = GenerationConfig(do_sample=True, max_new_tokens=T, top_k=0, top_p=1.0, pad_token_id=0,
+                                   eos_token_id=1)
+
+        def timed(fn):
+            def run():
+                out = fn()
+                torch.cuda.synchronize()
+                return out
+            run()  # warm-up (and, for the compiled loop, compilation)
+            return median_time(run, repeats)
+
+        paths = {
+            "generate()": lambda: model.generate(input_ids=ids, attention_mask=mask,
+                                                 generation_config=gen_cfg)[:, P:],
+        }
+        for label, compile_ in (("fast, eager loop", False), ("fast, compiled static loop", True)):
+            fast = FastGenerator(max_completion_length=T, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                                 repetition_penalty=1.0, pad_token_id=0, eos_token_ids=[1], group_size=G,
+                                 compile=compile_)
+            paths[label] = (lambda f: lambda: f(model, ids, mask).completion_ids)(fast)
+        roof = roofline_tps(model, cfg, N, P, T, bw)
+        base = None
+        for label, fn in paths.items():
+            torch.manual_seed(0)
+            seconds, out = timed(fn)
+            assert out.shape == (N, T), out.shape  # every row ran to the limit
+            tps = N * T / seconds
+            base = base or tps
+            rows.append([f"{B}×{G}", label, f"{seconds:.2f}", f"{tps:,.0f}", f"{tps / base:.2f}×",
+                         f"{100 * tps / roof:.1f} %"])
+            print(rows[-1], flush=True)
+        rows.append([f"{B}×{G}", "roofline", f"{N * T / roof:.2f}", f"{roof:,.0f}", "", "100 %"])
+    fast64 = next(r for r in rows if r[0] == "64×8" and r[1].startswith("fast, compiled"))
+    speed, share = float(fast64[4][:-1]), float(fast64[5][:-2])
+    verdict = (f"{speed:.2f}× generate() (target 5×: {'met' if speed >= 5 else 'missed'}), {share:.1f} % of the "
+               f"roofline (target 30 %: {'met' if share >= 30 else 'missed'})")
+    bw_note = (f"Bandwidth used for the roofline: {bw / 1e12:.2f} TB/s "
+               f"({'nominal for ' + name if nominal else 'measured'}); a 2 GiB device copy measured "
+               f"{measured / 1e12:.2f} TB/s.")
+    write_table("generation_gpu", "Generation throughput on a GPU: fast sampler vs transformers generate",
+                ["B×G", "path", "seconds", "tokens/s", "vs generate()", "share of roofline"], rows,
+                [f"Qwen2.5-0.5B shape, bf16, sdpa, 32 prompt tokens, {T} new tokens per row, medians of {repeats} "
+                 f"runs after a warm-up. At 64×8 the compiled fast sampler reaches {verdict}.", "", bw_note])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu", action="store_true", help="the GPU table (needs CUDA)")
     args = ap.parse_args()
+    if args.gpu:
+        return gpu_main(args.repeats)
     rows = []
     for name, model, pad, eos, max_new, prompts_of, tok in workloads():
         for B, G in ((8, 8), (32, 8)):

@@ -87,7 +87,11 @@ def peak_memory(cuda: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
 
 
-def run_groupwise(model_dir: str, steps: int, lora: bool, beta: float, small: bool, out: str) -> dict:
+VARIANTS = {"": {}, "eager": dict(generation_compile=False), "bf16": dict(generation_dtype="bfloat16")}
+
+
+def run_groupwise(model_dir: str, steps: int, lora: bool, beta: float, small: bool, out: str,
+                  variant: str = "") -> dict:
     import torch
 
     from groupwise import GRPOConfig, GRPOTrainer
@@ -95,6 +99,7 @@ def run_groupwise(model_dir: str, steps: int, lora: bool, beta: float, small: bo
     cuda = torch.cuda.is_available()
     kwargs = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules="all-linear") \
         if lora else {}
+    kwargs.update(VARIANTS[variant])
     args = GRPOConfig(output_dir=out, max_steps=steps, save_strategy="no", beta=beta, **kwargs,
                       **settings(small, cuda))
     vocab = SHAPES["small" if small else "qwen2.5-0.5b"]["vocab_size"]
@@ -116,12 +121,14 @@ def _suppress_eos(trainer) -> None:
     import torch
 
     eos = trainer.tokenizer.eos_token_id
-    head = trainer.sampling_model.get_output_embeddings()
-    if head.bias is None:
-        head.bias = torch.nn.Parameter(torch.zeros(head.out_features, device=head.weight.device,
-                                                   dtype=head.weight.dtype), requires_grad=False)
-    with torch.no_grad():
-        head.bias[eos] = -1e4
+    models = {id(m): m for m in (getattr(trainer, "unwrapped", None), trainer.sampling_model) if m is not None}
+    for model in models.values():  # the policy and the replica it refreshes (generation_dtype) alike
+        head = model.get_output_embeddings()
+        if head.bias is None:
+            head.bias = torch.nn.Parameter(torch.zeros(head.out_features, device=head.weight.device,
+                                                       dtype=head.weight.dtype), requires_grad=False)
+        with torch.no_grad():
+            head.bias[eos] = -1e4
 
 
 def run_trl(model_dir: str, steps: int, small: bool, out: str) -> dict:
@@ -165,8 +172,9 @@ def child(args) -> None:
         if args.which == "trl":
             result = run_trl(args.model_dir, args.steps, args.small, out)
         else:
-            lora, beta = args.which.split(":")
-            result = run_groupwise(args.model_dir, args.steps, lora == "lora", float(beta), args.small, out)
+            lora, beta, variant = (args.which + "::").split(":")[:3]
+            result = run_groupwise(args.model_dir, args.steps, lora == "lora", float(beta), args.small, out,
+                                   variant)
     print("RESULT " + json.dumps(result))
 
 
@@ -175,6 +183,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a small model of the same family (runs on CPU)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--trl", action="store_true", help="also run TRL 1.16 on the same configuration")
+    ap.add_argument("--runs", default="full:0,full:0.04,lora:0,lora:0.04",
+                    help="comma-separated kind:β[:variant], kind full|lora, variant eager (generation_compile=False) "
+                         "or bf16 (generation_dtype='bfloat16')")
     ap.add_argument("--which")
     ap.add_argument("--model_dir")
     args = ap.parse_args()
@@ -186,7 +197,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as folder:
         build("small" if args.small else "qwen2.5-0.5b", folder)
-        runs = ["full:0", "full:0.04", "lora:0", "lora:0.04"] + (["trl"] if args.trl else [])
+        runs = args.runs.split(",") + (["trl"] if args.trl else [])
         results = {}
         for which in runs:
             cmd = [sys.executable, __file__, "--which", which, "--model_dir", folder, "--steps", str(args.steps)]
@@ -195,11 +206,16 @@ def main() -> None:
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:
                 print(proc.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{which} failed")
+                print(f"{which} failed", flush=True)
+                continue
             results[which] = json.loads(line[0][7:])
+            print(which, results[which], flush=True)
     rows = []
     for which, r in results.items():
-        name = {"trl": "TRL 1.16 (full, β 0)"}.get(which, f"groupwise {which.replace(':', ', β ')}")
+        kind, _, rest = which.partition(":")
+        beta, _, variant = rest.partition(":")
+        label = {"": "", "eager": ", eager loop", "bf16": ", bf16 sampling"}[variant]
+        name = {"trl": "TRL 1.16 (full, β 0)"}.get(which, f"groupwise {kind}, β {beta}{label}")
         rows.append([name, f"{r['step']:.2f}", *(f"{r[k]:.2f}" if k in r else "—" for k in
                                                  ("generate", "rewards", "logprobs", "update")),
                      f"{r['gen_tokens_per_s']:.0f}" if "gen_tokens_per_s" in r else "—", f"{r['peak_gib']:.2f}"])
@@ -207,6 +223,9 @@ def main() -> None:
     notes = [f"{shape} model (random weights), G = 8, 16 prompts × 8 = 128 completions per step, "
              f"{settings(args.small, cuda)['max_completion_length']} completion tokens (EOS suppressed), "
              f"{'bf16' if cuda else 'float32'}; medians of steps 3–{args.steps}.",
+             "groupwise samples with its fast backend; on CUDA its decode step is compiled (generation_compile, "
+             "the default; 'eager loop' turns it off); 'bf16 sampling' samples from a bf16 copy of the weights "
+             "(generation_dtype, importance-corrected).",
              "β 0.04 with LoRA uses the same model with the adapters disabled as the reference (no copy); the full "
              "fine-tune keeps a frozen copy. Peak memory: " + ("torch.cuda.max_memory_allocated." if cuda else
                                                                "peak RSS of the process (CPU).")]

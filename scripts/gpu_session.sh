@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device machine (GPU): install carried wheels, then run one stage. Used as
-#   bash scripts/gpu_session.sh tests|demo|bench
+#   bash scripts/gpu_session.sh tests|demo|gen|bench
 # Output lands in $OUT (the device tool brings it back). Wheels travel in .whl/ (see benchmarks/results/gpu.md).
 set -uo pipefail
 stage=${1:-tests}
@@ -22,6 +22,9 @@ cat "$OUT/env.txt"
 case "$stage" in
   tests) timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
   demo)  (time timeout 170 python3 -m groupwise train --output_dir /tmp/demo --bf16 false) 2>&1 | tee "$OUT/demo.log" | tail -25 ;;
-  bench) timeout 560 python3 benchmarks/gpu_step.py --trl --steps 5 2>&1 | tee "$OUT/gpu_step.log" | tail -30
+  gen)   timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
+         timeout 400 python3 benchmarks/generation.py --gpu 2>&1 | tee "$OUT/generation.log" | tail -30
+         cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
+  bench) timeout 560 python3 benchmarks/gpu_step.py --trl --steps 5 --runs "${RUNS:-full:0,full:0:bf16,lora:0}" 2>&1 | tee "$OUT/gpu_step.log" | tail -30
          cp benchmarks/results/gpu_step.md "$OUT/" 2>/dev/null ;;
 esac

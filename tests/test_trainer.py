@@ -244,7 +244,7 @@ def test_advantage_estimators_train(tmp_path, tokenizer, tiny_model, estimator, 
     assert torch.equal(rollout.batch.advantages.cpu(), expected.cpu()) and rollout.batch.advantages.abs().sum() > 0
     t.train()
     assert t.global_step == 2
-    assert any(not torch.equal(before[n], p.detach()) for n, p in t.unwrapped.named_parameters())
+    assert any(not torch.equal(before[n].cpu(), p.detach().cpu()) for n, p in t.unwrapped.named_parameters())
 
 
 def test_estimator_options_are_checked_against_the_estimator():

@@ -173,6 +173,7 @@ class GRPOConfig(StrictConfig):
     vllm_importance_sampling_clip_min: float | None = option("Lower bound of the importance weight (None: none) (TRL).", default=None, ge=0)
     vllm_importance_sampling_cap: float | None = option("TRL's deprecated name for vllm_importance_sampling_clip_max; when set, it wins.", default=None, gt=0)
     generation_backend: str = option("Generation backend (groupwise.generation); 'fast' prefills each prompt once per group and drops finished rows, with generate()'s processors.", default="fast", choices=BACKENDS)
+    generation_compile: bool | None = option("The fast backend's static decode loop: a preallocated KV cache and a decode step compiled with torch.compile (CUDA graphs on a GPU); finished rows stay in the batch. None: on when generating on CUDA. Each new (rows, prompt width rounded to 64) shape compiles once (seconds to a minute).", default=None)
     chat_template_kwargs: dict | None = option("Extra kwargs for tokenizer.apply_chat_template on conversational prompts.", default=None)
 
     # ---- GRPO objective ---------------------------------------------------------------------------------------
@@ -305,6 +306,9 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
                               "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
                               "repetition_penalty)")
+        if self.generation_compile and self.generation_backend != "fast":
+            raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
+                              f"{self.generation_backend!r}: drop generation_compile or use the fast backend")
         SPLIT_MODES[self.step_split].check(step_delimiter=self.step_delimiter, step_pattern=self.step_pattern,
                                            step_tag=self.step_tag)
         if not self.output_dir or "\x00" in self.output_dir:

@@ -5,8 +5,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from groupwise.generation.fast import FastGenerator
-from groupwise.text import encode_prompts
-from groupwise.generation.fast import GrowingLayer
+from groupwise.modeling import position_ids_from_mask
+from groupwise.text import completion_masks, encode_prompts
+from groupwise.generation.fast import GrowingLayer, StaticLayer, _fused_pick, grouped_decode_attention
 from groupwise.tasks import toy
 
 
@@ -82,3 +83,200 @@ def test_growing_layer_appends_in_place():
     assert layer._k is buf and keys.shape[-2] == 8  # capacity 16: no reallocation, no concatenation
     layer.batch_select_indices(torch.tensor([1]))
     assert layer.keys.shape[0] == 1 and layer.get_seq_length() == 8
+
+
+# ---- the static decode loop (generation_compile; on by default on CUDA) ---------------------------------------------
+# compile_mode "eager" runs the fixed-shape loop as is; {"backend": "aot_eager", "fullgraph": True} traces the decode
+# step with torch.compile (as on a GPU, without inductor's code generation) and fails on any graph break.
+STATIC_MODES = ["eager", {"backend": "aot_eager", "fullgraph": True}]
+
+
+def _eos_biased_model(tok, seed=1, boost=0.3):
+    model = toy.build_model(tok, seed=seed, hidden_size=32).eval()
+    with torch.no_grad():  # rows finish at different steps
+        model.lm_head.weight[tok.eos_token_id] += boost * model.lm_head.weight.mean(0)
+    return model
+
+
+@pytest.mark.parametrize("mode", STATIC_MODES)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("pad_is_eos,repetition_penalty", [(False, 1.0), (True, 1.3)])
+def test_static_loop_greedy_equals_generate(mode, attn, pad_is_eos, repetition_penalty):
+    tok = toy.build_tokenizer(pad_is_eos=pad_is_eos)
+    model = _eos_biased_model(tok)
+    model.config._attn_implementation = attn  # boolean 4-D mask for sdpa, additive for eager attention
+    prompts = [p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)]
+    ids, mask = encode_prompts(prompts, tok, None)
+    gen = _fast(tok, group_size=4, repetition_penalty=repetition_penalty, compile=True, compile_mode=mode)
+    ref = _generate(model, tok, ids, mask, repetition_penalty=repetition_penalty)
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, ref)
+    # a second batch with other prompt lengths reuses the buffers (same rows, same rounded width)
+    ids2, mask2 = encode_prompts([p for p in ["a b c d e f", "q", "12 +"] for _ in range(4)], tok, None)
+    ref2 = _generate(model, tok, ids2, mask2, repetition_penalty=repetition_penalty)
+    (state,) = gen._static.values()
+    assert torch.equal(gen(model, ids2, mask2, greedy=True).completion_ids, ref2)
+    assert list(gen._static.values()) == [state]
+
+
+def test_static_loop_stops_early_when_every_row_has_finished(tokenizer):
+    """With a strong EOS bias every row ends within a few tokens: the output has as many columns as generate()'s
+    (the loop checks every 8 steps, but columns after the last active step are cut)."""
+    model = toy.build_model(tokenizer, seed=1, hidden_size=32).eval()
+    eos = torch.tensor([tokenizer.eos_token_id])
+    model.lm_head.register_forward_hook(lambda m, i, out: out.index_add_(-1, eos, torch.full((*out.shape[:-1], 1), 0.3)))
+    ids, mask = encode_prompts(["a", "bc", "d e f"], tokenizer, None)
+    ref = _generate(model, tokenizer, ids, mask, max_new=40)
+    assert 1 < ref.size(1) < 8  # the case under test: rows end at different steps, long before the limit
+    out = _fast(tokenizer, max_completion_length=40, compile=True, compile_mode="eager")(model, ids, mask,
+                                                                                          greedy=True)
+    assert torch.equal(out.completion_ids, ref)
+
+
+@pytest.mark.parametrize("mode", STATIC_MODES)
+def test_static_loop_samples_the_tokens_and_logprobs_of_the_eager_loop(tokenizer, mode):
+    """Same seed, same processors: the static loop draws exactly the tokens of the eager loop (with row dropping off,
+    both draw from N rows at every step), so it samples the distribution the eager loop's frequency test checks;
+    and the sampler's log-probs agree."""
+    model = _eos_biased_model(tokenizer, seed=4)
+    ids, mask = encode_prompts([p for p in ["repeat a:", "xyz 12"] for _ in range(3)], tokenizer, None)
+    kw = dict(max_completion_length=16, temperature=0.8, top_k=30, top_p=0.95, group_size=3)
+    torch.manual_seed(7)
+    eager = _fast(tokenizer, compact_fraction=2.0, compile=False, **kw)(model, ids, mask, logprobs=True)
+    torch.manual_seed(7)
+    static = _fast(tokenizer, compile=True, compile_mode=mode, **kw)(model, ids, mask, logprobs=True)
+    assert torch.equal(static.completion_ids, eager.completion_ids)
+    torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-5, rtol=1e-5)
+    assert (eager.logprobs < 0).any()
+
+
+def test_static_loop_refuses_attention_it_cannot_mask(tokenizer):
+    model = _eos_biased_model(tokenizer)
+    model.config._attn_implementation = "flash_attention_2"
+    ids, mask = encode_prompts(["a"], tokenizer, None)
+    with pytest.raises(ValueError, match="generation_compile=False"):
+        _fast(tokenizer, compile=True, compile_mode="eager")(model, ids, mask, greedy=True)
+
+
+def test_static_layer_writes_at_the_shared_position():
+    pos = torch.tensor([2])
+    keys, values = torch.zeros(2, 1, 5, 3), torch.zeros(2, 1, 5, 3)
+    layer = StaticLayer(keys, values, pos)
+    k = torch.randn(2, 1, 1, 3)
+    out_k, out_v = layer.update(k, -k)
+    assert out_k is keys and torch.equal(keys[:, :, 2:3], k) and torch.equal(values[:, :, 2:3], -k)
+    assert keys[:, :, [0, 1, 3, 4]].abs().sum() == 0  # nothing else written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_cuda_graph_loop_equals_generate_and_the_eager_loop(tokenizer):
+    """On CUDA the default: the decode step compiled by inductor and replayed as a CUDA graph."""
+    model = _eos_biased_model(tokenizer).cuda()
+    ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)], tokenizer, None)
+    ids, mask = ids.cuda(), mask.cuda()
+    gen = _fast(tokenizer, group_size=4)  # compile=None: static and compiled on CUDA
+    assert gen._use_static(ids.device)
+    for _ in range(2):  # the second call replays the captured graph
+        assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
+    kw = dict(max_completion_length=16, temperature=0.8, top_k=30, group_size=4)  # top-k: the logits path
+    torch.manual_seed(3)
+    eager = _fast(tokenizer, compact_fraction=2.0, compile=False, **kw)(model, ids, mask, logprobs=True)
+    torch.manual_seed(3)
+    static = _fast(tokenizer, **kw)(model, ids, mask, logprobs=True)
+    assert torch.equal(static.completion_ids, eager.completion_ids)
+    torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-4, rtol=1e-4)
+    _check_fused_logprobs(model, tokenizer, ids, mask, _fast(tokenizer, max_completion_length=16, temperature=0.8,
+                                                             group_size=4))
+
+
+def _check_fused_logprobs(model, tok, ids, mask, gen):
+    """Temperature only: the fused step samples (its own random stream); its log-probs are the model's own."""
+    out = gen(model, ids, mask, logprobs=True)
+    m, _ = completion_masks(out.completion_ids, [tok.eos_token_id], gen.max_new)  # up to the first EOS (the model
+    m = m.bool()  # may sample the pad token before it: the sampler attended to it, so the reference does too)
+    full, full_mask = torch.cat([ids, out.completion_ids], 1), torch.cat([mask, m.long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=full_mask,
+                       position_ids=position_ids_from_mask(full_mask)).logits.float()
+    ref = torch.log_softmax(logits / gen.temperature, -1)[:, ids.size(1) - 1:-1]
+    ref = ref.gather(-1, out.completion_ids[..., None])[..., 0]
+    assert m.sum() > 20
+    torch.testing.assert_close(out.logprobs[m], ref[m], atol=1e-4, rtol=1e-4)
+
+
+def test_fused_step_logprobs_are_the_models(tokenizer):
+    model = _eos_biased_model(tokenizer)
+    ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)], tokenizer, None)
+    gen = _fast(tokenizer, max_completion_length=16, temperature=0.8, group_size=4, compile=True,
+                compile_mode="eager")
+    _check_fused_logprobs(model, tokenizer, ids, mask, gen)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_fused_pick_samples_the_tempered_softmax(device):
+    """The exponential race against its formula: 20 000 draws from one row of logits over 12 tokens; every
+    frequency within 4.5 standard errors, sqrt(p(1−p)/n), of softmax(logits / T) (a false alarm has probability
+    < 1e-4 over the vocabulary). Greedy is argmax; the log-probs are log softmax(logits / T) at the picks."""
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(12, generator=g) * 2
+    n, T = 20000, 0.7
+    logits = row.expand(n, 12).contiguous().to(device)
+    torch.manual_seed(1)
+    pick = torch.compile(_fused_pick) if device == "cuda" else _fused_pick
+    nxt, logp = pick(logits, T, False)
+    p = torch.softmax(row.double() / T, -1)
+    freq = torch.bincount(nxt.cpu(), minlength=12).double() / n
+    assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / n)).all(), (freq - p).abs().max()
+    expected = torch.log_softmax(row / T, -1)
+    torch.testing.assert_close(logp.cpu(), expected[nxt.cpu()])
+    top, top_logp = _fused_pick(logits[:2], T, True)
+    assert top.tolist() == [int(row.argmax())] * 2
+    torch.testing.assert_close(top_logp.cpu(), expected[[int(row.argmax())] * 2])
+
+
+def test_static_loop_samples_the_second_token_from_the_model(tokenizer):
+    """End to end through the fused step: 4000 rows share one prompt; for every first token drawn by ≥ 400 rows, the
+    second tokens' frequencies are within 4.5 standard errors of softmax(logits / T) of the model after
+    prompt + that first token."""
+    model = toy.build_model(tokenizer, seed=5, hidden_size=32).eval()
+    with torch.no_grad():
+        model.lm_head.weight *= 12  # a peaked distribution, so that some first tokens are drawn often
+    n, T = 4000, 0.9
+    ids, mask = encode_prompts(["repeat a:"] * n, tokenizer, None)
+    gen = _fast(tokenizer, max_completion_length=2, temperature=T, group_size=n, compile=True, compile_mode="eager")
+    torch.manual_seed(2)
+    out = gen(model, ids, mask).completion_ids
+    assert out.shape == (n, 2)
+    checked = 0
+    for first, count in zip(*torch.unique(out[:, 0], return_counts=True)):
+        if count < 400 or first == tokenizer.eos_token_id:
+            continue
+        rows = out[:, 0] == first
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([ids[:1], first.view(1, 1)], 1)).logits[0, -1].float()
+        p = torch.softmax(logits.double() / T, -1)
+        freq = torch.bincount(out[rows, 1], minlength=p.numel()).double() / int(count)
+        assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / int(count)) + 1e-12).all()
+        checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.parametrize("boolean", [True, False])
+def test_grouped_decode_attention_equals_sdpa_with_repeated_kv(boolean):
+    """Against transformers' own sdpa path (which repeats each KV head for its query heads): 6 query heads over 2
+    KV heads, one query token, a mask hiding some slots (boolean, or additive with the dtype's minimum)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    N, Hq, Hkv, L, D = 3, 6, 2, 9, 8
+    q, k, v = (torch.randn(N, H, S, D, generator=g) for H, S in ((Hq, 1), (Hkv, L), (Hkv, L)))
+    keep = torch.rand(N, 1, 1, L, generator=g) > 0.3
+    keep[..., 0] = True
+    mask = keep if boolean else torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, is_causal = Hq // Hkv, False
+
+    ours, _ = grouped_decode_attention(Module(), q, k, v, mask, scaling=0.3)
+    ref, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.3)
+    assert ours.shape == (N, 1, Hq, D)
+    torch.testing.assert_close(ours, ref)
