@@ -40,8 +40,9 @@ def test_configuration_errors_exit_2_and_name_the_field(tmp_path, model_dir, cap
     cfg = _config(tmp_path, model_dir)
     assert main(["train", cfg, "--num_generations", "3"]) == 2
     assert "divisible by num_generations=3" in capsys.readouterr().err
-    assert main(["train", cfg, "--use_vllm", "true", "--vllm_mode", "server"]) == 2
-    assert "vllm_mode='server' is not implemented yet" in capsys.readouterr().err
+    assert main(["train", cfg, "--use_vllm", "true", "--vllm_mode", "server",
+                 "--vllm_server_base_url", "gen:8000"]) == 2
+    assert "vllm_server_base_url='gen:8000' must be an http(s) URL" in capsys.readouterr().err
     assert main(["train", cfg, "--datset_name", "x"]) == 2
     assert "did you mean 'dataset_name'" in capsys.readouterr().err
 

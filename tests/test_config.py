@@ -29,8 +29,9 @@ def test_bad_values_name_the_field(kwargs, match):
 def test_unknown_and_unsupported_fields():
     with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
         GRPOConfig(num_generation=4)
-    with pytest.raises(ConfigError, match=r"TRL field vllm_server_port=9000 is not supported.*server mode"):
-        GRPOConfig(use_vllm=True, vllm_server_port=9000)
+    with pytest.raises(ConfigError, match=r"TRL field vllm_structured_outputs_regex='a\+' is not supported.*"
+                                          r"structured outputs"):
+        GRPOConfig(use_vllm=True, vllm_structured_outputs_regex="a+")
     assert "use_liger_loss" in TRL_NOT_SUPPORTED
 
 

@@ -52,3 +52,15 @@ def test_trainer_state_reward(tmp_path):
     # log_metric: progress = global_step / max_steps when the step's rewards were computed (steps 0, 1, 2 of 3)
     assert [round(x["curriculum/progress"], 4) for x in lines] == [0.0, 0.3333, 0.6667]
     assert all("exact" in r for r in _lines(tmp_path / "curriculum" / "completions.jsonl"))
+
+
+@pytest.mark.slow
+def test_tools(tmp_path):
+    _run("tools.py", tmp_path)
+    lines = _lines(tmp_path / "tools" / "metrics.jsonl")
+    assert [x["step"] for x in lines] == [1, 2]
+    # tools/* are logged (TRL's names) and only model tokens count in the lengths
+    assert all("tools/call_frequency" in x and "tools/failure_frequency" in x for x in lines)
+    assert all(x["reward/correctness_reward/errors"] == 0.0 for x in lines)
+    rows = _lines(tmp_path / "tools" / "completions.jsonl")
+    assert rows and all(isinstance(r["completion"], list) and r["completion"][0]["role"] == "assistant" for r in rows)

@@ -100,9 +100,9 @@ def test_inert_fields_warn_with_their_reason():
 
 
 def test_gated_fields_are_refused_once_their_gate_is_on():
-    with pytest.raises(ConfigError, match="vllm_server_host='10.0.0.1' is not supported"):
-        GRPOConfig(use_vllm=True, vllm_server_host="10.0.0.1")
-    GRPOConfig(vllm_server_host="10.0.0.1")  # with use_vllm off, the server fields ask for nothing
+    with pytest.raises(ConfigError, match="vllm_structured_outputs_regex='a' is not supported"):
+        GRPOConfig(use_vllm=True, vllm_structured_outputs_regex="a")
+    GRPOConfig(vllm_structured_outputs_regex="a")  # with use_vllm off, the vLLM fields ask for nothing
     with pytest.raises(ConfigError, match="use_adaptive_entropy=True is not supported"):
         GRPOConfig(use_adaptive_entropy=True, entropy_target=0.5)
 

@@ -91,7 +91,6 @@ def test_use_vllm_without_vllm_says_what_to_install(tmp_path, base_dir, monkeypa
 
 def test_trl_vllm_configs_are_accepted_or_refused_with_the_reason():
     GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True)
-    with pytest.raises(ConfigError, match="vllm_mode='server' is not implemented yet"):
-        GRPOConfig(use_vllm=True, vllm_mode="server")
+    GRPOConfig(use_vllm=True, vllm_mode="server")  # tests/test_vllm_server.py
     with pytest.raises(ConfigError, match="vllm_tensor_parallel_size > 1 is not supported yet"):
         GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import urllib.parse
+import warnings
 
 import torch
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any
 
 from groupwise.config_base import HUB_ID, ConfigError, StrictConfig, load_yaml, option
 from groupwise.config_trl import TRL_NOT_SUPPORTED
-from groupwise.core.advantages import ESTIMATORS, SCALES, STDS
+from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
@@ -37,6 +39,15 @@ GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "floa
 
 # GRPOConfig fields a loss objective may read, by the objective's option name (groupwise.core.losses.OBJECTIVES)
 OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg")
+
+# fields of the colocated vLLM engine, and where a vLLM server takes the same setting (vllm_mode='server')
+VLLM_COLOCATE_ONLY = {
+    "vllm_gpu_memory_utilization": "start the server with `vllm serve --gpu-memory-utilization`",
+    "vllm_tensor_parallel_size": "start the server with `vllm serve --tensor-parallel-size`",
+    "vllm_enable_sleep_mode": "the server's memory is its own",
+    "vllm_max_model_length": "start the server with `vllm serve --max-model-len`",
+    "vllm_model_impl": "start the server with `vllm serve --model-impl`",
+}
 
 # GRPOConfig fields an advantage estimator may take, by the estimator's option name (groupwise.core.advantages)
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
@@ -96,7 +107,7 @@ class GRPOConfig(StrictConfig):
     per_device_train_batch_size: int = option("Completions (not prompts) per micro-batch on each process (TRL meaning).", default=8, ge=1)
     gradient_accumulation_steps: int = option("Micro-batches accumulated into one optimizer step.", default=1, ge=1)
     fsdp: str | None = option("Shard the policy with FSDP2 over all processes: 'full_shard' (weights gathered per layer for each forward, then freed) or 'shard_grad_op' (kept until the backward) (transformers' names; groupwise.sharding). An accelerate launch with an FSDP2 config does the same.", default=None)
-    ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time.", default=1800.0, gt=0)
+    ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time. Also bounds each request to a vLLM server (vllm_mode='server').", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
     gradient_checkpointing: bool = option("Recompute activations in the backward pass to save memory.", default=False)
     gradient_checkpointing_kwargs: dict | None = option("Arguments of the model's activation checkpointing (transformers': 'use_reentrant', …, and transformers 5's 'every_n_layers', 'offload').", default=None)
@@ -159,8 +170,13 @@ class GRPOConfig(StrictConfig):
     min_p: float | None = option("Drop tokens below min_p × the top probability (None: off).", default=None, ge=0, le=1)
     repetition_penalty: float = option("transformers' repetition penalty (1.0: off).", default=1.0, gt=0)
     generation_kwargs: dict | None = option("Extra transformers GenerationConfig fields (transformers backend only).", default=None)
-    use_vllm: bool = option("Generate with vLLM (TRL's name): vllm_mode='colocate' runs an engine in each process (groupwise.generation.vllm; needs `pip install groupwise[vllm]`). Sets generation_backend='vllm'.", default=False)
-    vllm_mode: str = option("'colocate' (an in-process engine sharing the GPU); TRL's 'server' mode is not implemented yet.", default="colocate", choices=("colocate", "server"))
+    use_vllm: bool = option("Generate with vLLM (TRL's name): vllm_mode='colocate' runs an engine in each process (groupwise.generation.vllm), 'server' asks a separate vLLM server (groupwise.generation.vllm_server); needs `pip install groupwise[vllm]`. Sets generation_backend='vllm'.", default=False)
+    vllm_mode: str = option("'colocate' (an in-process engine sharing the GPU) or 'server' (a vLLM server started apart, e.g. on other GPUs, with `vllm serve` / `trl vllm-serve`: docs/vllm.md; one training process).", default="colocate", choices=("colocate", "server"))
+    vllm_server_base_url: str | None = option("vllm_mode='server': base URL of the vLLM server, e.g. 'http://localhost:8000' (TRL); when set, vllm_server_host and vllm_server_port are not read.", default=None)
+    vllm_server_host: str = option("vllm_mode='server': host of the vLLM server, when vllm_server_base_url is not set (TRL).", default="0.0.0.0")
+    vllm_server_port: int = option("vllm_mode='server': port of the vLLM server, when vllm_server_base_url is not set (TRL).", default=8000, ge=1, le=65535)
+    vllm_server_timeout: float = option("vllm_mode='server': seconds to wait for the server to answer GET /health before stopping with an error that names its URL (TRL).", default=240.0, ge=0)
+    vllm_group_port: int = option("vllm_mode='server': port this process opens for the weight-transfer group the server joins to receive the weights (TRL); change it only when it is taken.", default=51216, ge=1, le=65535)
     vllm_gpu_memory_utilization: float = option("Share of GPU memory the colocated engine may take (TRL).", default=0.3, gt=0, le=1)
     vllm_tensor_parallel_size: int = option("Tensor-parallel size of the colocated engine (TRL); groupwise supports 1.", default=1, ge=1)
     vllm_enable_sleep_mode: bool = option("Let the engine sleep (weights and KV cache offloaded) during the optimizer step (TRL).", default=False)
@@ -175,6 +191,10 @@ class GRPOConfig(StrictConfig):
     generation_backend: str = option("Generation backend (groupwise.generation); 'fast' prefills each prompt once per group and drops finished rows, with generate()'s processors.", default="fast", choices=BACKENDS)
     generation_compile: bool | None = option("The fast backend's static decode loop: a preallocated KV cache and a decode step compiled with torch.compile (CUDA graphs on a GPU); finished rows stay in the batch. None: on when generating on CUDA. Each new (rows, prompt width rounded to 64) shape compiles once (seconds to a minute).", default=None)
     chat_template_kwargs: dict | None = option("Extra kwargs for tokenizer.apply_chat_template on conversational prompts.", default=None)
+
+    # ---- tools and environments (GRPOTrainer(tools=…, environment_factory=…); groupwise.agents, docs/agents.md) ---
+    max_tool_calling_iterations: int | None = option("Maximum number of tool-calling turns when training an agent. If `None`, there is no limit and generation stops when the model generates a response turn with no tool calls or when the total response length reaches `max_model_length` (TRL; max_completion_length bounds the whole multi-turn completion, tool tokens included).", default=None, ge=0)
+    tool_timeout: float | None = option("Seconds one tool call may take (groupwise's addition; None: no limit). An overrun becomes the tool message {'error': \"tool 'name' timed out after T s\"}, counted in tools/failure_frequency and tools/timeout_frequency; the call is abandoned in a daemon thread (tools are trusted code; model-generated code must go through groupwise.agents.sandbox.run_python).", default=30.0, gt=0)
 
     # ---- GRPO objective ---------------------------------------------------------------------------------------
     beta: float = option("β: weight of the k3 KL penalty to the reference model (DeepSeekMath eq. 3–4). 0: no reference model.", default=0.0, ge=0)
@@ -204,7 +224,8 @@ class GRPOConfig(StrictConfig):
 
     # ---- process supervision (DeepSeekMath §4.1.3) ------------------------------------------------------------
     supervision: str = option("'outcome' (§4.1.2, one advantage per completion), 'process' (§4.1.3, token t gets the sum of the normalised rewards of the steps ending at or after t) or 'both' (w_o·outcome + w_p·process) (groupwise.core.supervision).", default="outcome", choices=SUPERVISIONS)
-    step_split: str = option("How completions split into steps: 'delimiter' (step_delimiter), 'regex' (each step_pattern match ends a step) or 'tag' (step_tag after each step).", default="delimiter", choices=SPLIT_MODES)
+    step_split: str = option("How completions split into steps: 'delimiter' (step_delimiter), 'regex' (each step_pattern match ends a step), 'tag' (step_tag after each step) or 'turn' (each assistant turn of a multi-turn rollout with tools is a step; step rewards from process_reward_funcs or the environment's get_step_rewards()).", default="delimiter", choices=SPLIT_MODES)
+    step_advantage: str = option("How step rewards become token advantages: 'suffix_sum' (DeepSeekMath §4.1.3: sum of the group-normalised rewards of this and later steps) or 'step_return' (the return-to-go from each step, normalised among the group's completions at the same step index: no baseline that grows with the completion's own number of steps, for turns or steps whose number the model chooses; groupwise.core.advantages._step_return).", default="suffix_sum", choices=STEP_ADVANTAGES)
     step_delimiter: str = option("Text that ends a step when step_split='delimiter'.", default="\n")
     step_pattern: str | None = option("Regex whose matches end steps when step_split='regex'.", default=None)
     step_tag: str | None = option("Step tag after each step when step_split='tag' (Math-Shepherd 'ки', Qwen2.5-Math-PRM '<extra_0>').", default=None)
@@ -244,6 +265,22 @@ class GRPOConfig(StrictConfig):
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
         self.report_to = [r for r in self.report_to if r != "none"]
 
+    def _check_vllm_server(self) -> None:
+        """vllm_mode='server': where the server is, and the colocated engine's settings (the server has its own)."""
+        if self.vllm_server_base_url is not None:
+            url = urllib.parse.urlparse(self.vllm_server_base_url)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ConfigError(f"vllm_server_base_url={self.vllm_server_base_url!r} must be an http(s) URL such "
+                                  "as 'http://localhost:8000'")
+            for name in ("vllm_server_host", "vllm_server_port"):
+                if getattr(self, name) != _default(name):
+                    raise ConfigError(f"vllm_server_base_url and {name}={getattr(self, name)!r} both say where the "
+                                      f"server is (TRL reads vllm_server_base_url and ignores {name}): give one")
+        for name, flag in VLLM_COLOCATE_ONLY.items():
+            if getattr(self, name) != _default(name):
+                warnings.warn(f"{name}={getattr(self, name)!r} has no effect with vllm_mode='server' (the colocated "
+                              f"engine's setting, as in TRL): {flag}", stacklevel=7)
+
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""
         if self.scale_rewards not in SCALES:
@@ -269,10 +306,9 @@ class GRPOConfig(StrictConfig):
                               "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
                               "per-process token mean")
         if self.use_vllm:
-            if self.vllm_mode != "colocate":
-                raise ConfigError("vllm_mode='server' is not implemented yet: use vllm_mode='colocate' (an engine in "
-                                  "each training process)")
-            if self.vllm_tensor_parallel_size != 1:
+            if self.vllm_mode == "server":
+                self._check_vllm_server()
+            elif self.vllm_tensor_parallel_size != 1:
                 raise ConfigError("vllm_tensor_parallel_size > 1 is not supported yet: use 1 (one engine per process)")
             if self.generation_backend not in ("fast", "vllm"):
                 raise ConfigError(f"use_vllm=True and generation_backend={self.generation_backend!r} ask for two "

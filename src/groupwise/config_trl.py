@@ -1,7 +1,7 @@
 """TRL 1.16 GRPOConfig / TrainingArguments fields that groupwise does not implement, each with what to do instead.
 
 A config may still carry such a field at TRL's default, or at any value while the field it depends on is off
-(`vllm_mode` with `use_vllm: false`): a TRL config dumped whole loads, since it asks for nothing groupwise lacks.
+(`vllm_structured_outputs_regex` with `use_vllm: false`): a TRL config dumped whole loads, since it asks for nothing groupwise lacks.
 Any other value is a ConfigError naming the field and the alternative. Every other TRL field is a GRPOConfig field
 (docs/trl_compat.md lists the ones accepted without effect and why).
 """
@@ -33,8 +33,7 @@ class NotSupported:
 ACCELERATOR_CONFIG_DEFAULTS = {"dispatch_batches": None, "even_batches": True, "gradient_accumulation_kwargs": None,
                                "non_blocking": False, "split_batches": False, "use_seedable_sampler": True}
 
-_VLLM = ("vLLM's server mode and structured outputs are not implemented yet; use vllm_mode='colocate' (or "
-         "generation_backend 'fast')")
+_VLLM = "vLLM's structured outputs are not implemented yet; constrain the format with a reward function instead"
 _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluate()); there is no prediction loop or "
               "compute_metrics to configure")
 _NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
@@ -54,16 +53,13 @@ def _vllm(default: Any) -> NotSupported:
 
 TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     # generation engines
-    **{name: _vllm(default) for name, default in {
-        "vllm_structured_outputs_regex": None, "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0",
-        "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216}.items()},
+    "vllm_structured_outputs_regex": _vllm(None),
     "use_transformers_paged": NotSupported(False, "use generation_backend='fast' (prefill shared per group)"),
     "use_transformers_continuous_batching": NotSupported(False, "use generation_backend='fast' (prefill shared per "
                                                                 "group, finished rows leave the batch)"),
     "transformers_continuous_batching_config": NotSupported(None, "continuous batching is not implemented; use "
                                                                   "generation_backend='fast'"),
     "cache_implementation": NotSupported(None, "generation uses the model's default KV cache"),
-    "max_tool_calling_iterations": NotSupported(None, "tool calling is not implemented yet"),
     # kernels and compilation
     "use_liger_loss": NotSupported(None, "log-probs never build the full logits: the output head runs in "
                                          "checkpointed chunks (logprob_chunk_tokens)"),
@@ -142,7 +138,5 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
 TRAINER_NOT_SUPPORTED = {
     "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
                            "with PEFT (get_peft_model) and pass it as model",
-    "tools": "multi-turn tool calling is not implemented yet",
     "rollout_func": "custom rollout functions are not supported; rewards see every completion through reward_funcs",
-    "environment_factory": "environments are not implemented yet",
 }

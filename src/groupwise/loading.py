@@ -14,6 +14,7 @@ from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.rewards.process import resolve_process_spec
+from groupwise.rewards.steps import SPLIT_MODES
 from groupwise.rewards.sources import resolve_spec
 from groupwise.text import ensure_pad_token
 
@@ -105,10 +106,18 @@ def as_list(funcs) -> list:
     return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
 
 
-def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list) -> tuple[list, list]:
+def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list,
+                 toolbox=None) -> tuple[list, list]:
     """What can be checked before a model loads: the model argument (a local path must exist), reward specs
-    (imported or located), counts against weights and against what the supervision variant reads. Returns the
-    reward and step-reward specs with 'module:function' strings imported."""
+    (imported or located), counts against weights and against what the supervision variant reads (the toolbox's
+    environments' get_reward are outcome rewards not counted by reward_weights, as in TRL; their get_step_rewards
+    step rewards not counted by process_reward_weights), and step_split="turn" against the toolbox (tools or
+    environments given). Returns the reward and step-reward specs with 'module:function' strings imported."""
+    env_rewards = len(toolbox.reward_sources) if toolbox is not None else 0
+    env_step_rewards = len(toolbox.process_sources) if toolbox is not None else 0
+    if SPLIT_MODES[args.step_split].turns and toolbox is None:
+        raise ConfigError("step_split='turn' makes each assistant turn a step: it needs multi-turn rollouts, so pass "
+                          "tools= or environment_factory= to GRPOTrainer (or choose another step_split)")
     if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
         raise ConfigError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward "
                           "functions")
@@ -116,7 +125,8 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         raise ConfigError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
                           f"{len(process_reward_funcs)} process reward functions")
     try:
-        SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs), len(process_reward_funcs))
+        SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs) + env_rewards,
+                                                     len(process_reward_funcs) + env_step_rewards)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.use_vllm and importlib.util.find_spec("vllm") is None:
@@ -140,9 +150,14 @@ def refuse_trainer_arguments(**given) -> None:
                               "(docs/trl_compat.md)")
 
 
-def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple) -> None:
+def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,
+                       world_size: int = 1) -> None:
     """Combinations of features that do not work together (yet), refused before any model loads."""
     lora = peft_config is not None or args.use_peft or is_peft_model(model)
+    if args.use_vllm and args.vllm_mode == "server" and world_size > 1:
+        raise ConfigError(f"vllm_mode='server' with {world_size} training processes is not supported yet (TRL "
+                          "gathers every process's prompts to the main process, which alone talks to the server; "
+                          "groupwise implements one process): train in one process, or use vllm_mode='colocate'")
     if peft_config is not None and args.use_peft:
         raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
                           "Python scripts; use_peft with the lora_* fields in config files)")

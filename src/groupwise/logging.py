@@ -150,9 +150,16 @@ def print_completions(step: int, prompts: list[Any], completions: list[Any], rew
     tqdm.write("\n".join(lines))
 
 
+def _message(m: dict) -> str:
+    """A chat message on one line; an assistant's tool calls as name(arguments)."""
+    calls = [c.get("function", c) for c in m.get("tool_calls") or [] if isinstance(c, dict)]
+    shown = "".join(f" [{c.get('name')}({c.get('arguments')})]" for c in calls if isinstance(c, dict))
+    return f"{m.get('role')}: {m.get('content')}{shown}"
+
+
 def _short(x: Any, n: int = 300) -> str:
     if isinstance(x, list):
-        x = " | ".join(f"{m.get('role')}: {m.get('content')}" for m in x if isinstance(m, dict))
+        x = " | ".join(_message(m) for m in x if isinstance(m, dict))
     s = str(x).replace("\n", "⏎")
     return s if len(s) <= n else s[:n] + "…"
 

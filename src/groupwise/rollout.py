@@ -24,13 +24,15 @@ from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.process import compute_step_rewards
 from groupwise.rewards.steps import StepSplitter
-from groupwise.text import completion_masks, encode_prompts, is_conversational, pad_to_multiple, trim_to_mask
+from groupwise.text import (completion_masks, encode_prompts, is_conversational, pad_rows, pad_to_multiple,
+                            trim_to_mask)
 from groupwise.types import Completions, Round, Rollout, Scores, StepScores, TrainBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from groupwise.adapters import Reference
+    from groupwise.agents import Agent, Turns
     from groupwise.config import GRPOConfig
     from groupwise.data import PromptData, PromptSampler
     from groupwise.distributed import Distributed
@@ -55,15 +57,20 @@ class RolloutContext:
     reference: Reference | None = None  # π_ref of the KL term, β > 0 only (groupwise.adapters.Reference)
     policy_logps: torch.nn.Module | None = None  # the trainer's PolicyForLogps (sharded with fsdp): π_θold runs on it
     correct_sampling: bool = False  # importance-correct for a sampler with other numerics (generation_dtype)
+    agent: Agent | None = None  # tools / environments: multi-turn rollouts (groupwise.agents)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
     @property
     def reward_weights(self) -> torch.Tensor:  # (F,)
-        return torch.tensor(self.args.reward_weights or [1.0] * len(self.reward_sources), dtype=torch.float)
+        weights = list(self.args.reward_weights or [])
+        # reward_weights covers reward_funcs; the rest (an environment's get_reward, appended last) weighs 1 (TRL)
+        return torch.tensor(weights + [1.0] * (len(self.reward_sources) - len(weights)), dtype=torch.float)
 
     @property
     def process_weights(self) -> torch.Tensor:  # (F_p,)
-        return torch.tensor(self.args.process_reward_weights or [1.0] * len(self.process_sources), dtype=torch.float)
+        weights = list(self.args.process_reward_weights or [])
+        # process_reward_weights covers process_reward_funcs; an environment's get_step_rewards (appended last) weighs 1
+        return torch.tensor(weights + [1.0] * (len(self.process_sources) - len(weights)), dtype=torch.float)
 
 
 # ---- the one call ---------------------------------------------------------------------------------------------------
@@ -135,33 +142,63 @@ def sample_round(ctx: RolloutContext, model, clock: PhaseClock | None = None) ->
 # ---- stages ---------------------------------------------------------------------------------------------------------
 def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: bool = False,
              evaluation: bool = False) -> Completions:
-    """Sample one completion per row (rows already repeated G times, group rows contiguous)."""
-    args, tok = ctx.args, ctx.tokenizer
-    prompts = [r["prompt"] for r in rows]
-    prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
-    device = ctx.dist.device
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    """Sample one completion per row (rows already repeated G times, group rows contiguous); with tools or an
+    environment (ctx.agent), one multi-turn conversation per row (groupwise.agents.turns)."""
+    args, tok, device = ctx.args, ctx.tokenizer, ctx.dist.device
     want = ctx.correct_sampling and not greedy and not evaluation  # the sampler's log-probs, for the correction
-    out = ctx.generator(model, prompt_ids, prompt_mask, greedy=greedy, logprobs=want)
-    completion_ids = out.completion_ids  # (N, T)
-    mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
-    completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
-    texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
-    completions: list[Any] = texts
-    if is_conversational(prompts[0]):
-        completions = [[{"role": "assistant", "content": t}] for t in texts]
+
+    def sample(prompt_ids, prompt_mask):  # left-padded prompts → Generated
+        return ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want)
+
+    if ctx.agent is not None:
+        comp = _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))
+    else:
+        prompts = [r["prompt"] for r in rows]
+        prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
+        out = sample(prompt_ids, prompt_mask)
+        completion_ids = out.completion_ids  # (N, T)
+        mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
+        completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
+        texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
+        completions: list[Any] = texts
+        if is_conversational(prompts[0]):
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        sampling_logps = out.logprobs[:, :completion_ids.size(1)].float() if want else None
+        comp = Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids, mask, truncated, prompts,
+                           completions, {}, sampling_logps)
     # pad_to_multiple_of: the training tensors' widths (generation saw the prompts unpadded)
     multiple, pad = args.pad_to_multiple_of, tok.pad_token_id
-    prompt_ids, prompt_mask = pad_to_multiple(prompt_ids, prompt_mask, multiple, pad, side="left")
-    sampling_logps = None
-    if want:
-        sampling_logps = out.logprobs[:, :completion_ids.size(1)].float()
-        sampling_logps, _ = pad_to_multiple(sampling_logps, mask, multiple, 0, side="right")
-    completion_ids, mask = pad_to_multiple(completion_ids, mask, multiple, pad, side="right")
+    prompt_ids, prompt_mask = pad_to_multiple(comp.prompt_ids, comp.prompt_mask, multiple, pad, side="left")
+    completion_ids, mask = pad_to_multiple(comp.completion_ids, comp.completion_mask, multiple, pad, side="right")
+    widen = {}
+    for name in ("sampling_logps", "tool_mask"):  # 0 on the added columns
+        if getattr(comp, name) is not None:
+            widen[name] = pad_to_multiple(getattr(comp, name), comp.completion_mask, multiple, 0, side="right")[0]
     # dataset columns reach reward functions as keywords, unless remove_unused_columns (TRL: the prompt only)
     columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    return Completions(prompt_ids, prompt_mask, completion_ids, mask, truncated, prompts, completions, columns,
-                       sampling_logps)
+    columns.update(comp.columns)  # `environments` (TRL: also with remove_unused_columns)
+    return dataclasses.replace(comp, prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                               completion_mask=mask, columns=columns, **widen)
+
+
+def _from_turns(ctx: RolloutContext, turns: Turns) -> Completions:
+    """groupwise.agents.Turns (ragged lists) as a Completions record: prompts left-padded, completions, tool_mask and
+    log-probs right-padded (tool_mask and log-probs 0 on padding)."""
+    pad, device = ctx.tokenizer.pad_token_id, ctx.dist.device
+    prompt_ids, prompt_mask = pad_rows(turns.prompt_ids, pad, side="left")
+    completion_ids, mask = pad_rows(turns.completion_ids, pad, side="right")
+    tool_mask, _ = pad_rows(turns.tool_mask, 0, side="right")  # same widths as completion_ids
+    sampling_logps = None
+    if turns.logprobs is not None:
+        sampling_logps = torch.zeros(mask.shape)
+        for i, row in enumerate(turns.logprobs):
+            sampling_logps[i, :len(row)] = torch.tensor(row, dtype=torch.float)
+        sampling_logps = sampling_logps.to(device)
+    columns = {} if turns.environments is None else {"environments": list(turns.environments)}
+    return Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), mask.to(device),
+                       torch.tensor(turns.truncated, device=device), turns.prompts, turns.completions, columns,
+                       sampling_logps, tool_mask.to(device), turns.turn_ends, torch.tensor(turns.tool_calls),
+                       torch.tensor(turns.tool_failures), torch.tensor(turns.tool_timeouts))
 
 
 def score(ctx: RolloutContext, comp: Completions) -> Scores:
@@ -182,8 +219,16 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     """Split this process's completions into steps, score them, gather the round."""
     args, G, tok = ctx.args, ctx.args.num_generations, ctx.tokenizer
     steps = []
-    for ids, cut in zip(comp.token_lists(), comp.truncated.tolist()):
-        s = ctx.splitter.split(ids, tok, ends_with_eos=not cut, truncated=cut)
+    turns = ctx.splitter.turns  # step_split="turn": the assistant turns are the steps
+    if turns and comp.turn_ends is None:
+        raise ValueError("step_split='turn' needs multi-turn rollouts: pass tools= or environment_factory= to "
+                         "GRPOTrainer, or choose another step_split")
+    tool_masks = comp.tool_mask.tolist() if turns else None
+    for i, (ids, cut) in enumerate(zip(comp.token_lists(), comp.truncated.tolist())):
+        if turns:
+            s = ctx.splitter.split_turns(ids, tool_masks[i], comp.turn_ends[i], tok, truncated=cut)
+        else:
+            s = ctx.splitter.split(ids, tok, ends_with_eos=not cut, truncated=cut)
         if s.truncated_last and not args.score_truncated_step:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
         steps.append(s)
@@ -210,7 +255,8 @@ def advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
     if scores is not None:
         outcome = ctx.dist.shard(outcome_advantages(scores.rewards, **options).flatten())  # (N,)
     if step_scores is not None:
-        adv = process_advantages(step_scores.rewards, step_scores.ends, args.max_completion_length, **options)
+        adv = process_advantages(step_scores.rewards, step_scores.ends, args.max_completion_length,
+                                 form=args.step_advantage, **options)
         process = ctx.dist.shard(adv.flatten(0, 1))  # (N, max_completion_length)
         if process.size(1) < T:  # pad_to_multiple_of widened the batch past max_completion_length
             process = torch.nn.functional.pad(process, (0, T - process.size(1)))
@@ -236,7 +282,10 @@ def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float
     """The update's tensors for a round: ids and masks, advantages, π_θold when needed, π_ref when β > 0, and the
     importance weights when the sampler's numerics differ from the trainer's (their statistics go to `metrics`)."""
     args, comp = ctx.args, rnd.completions
-    loss_mask = comp.completion_mask
+    # the one place the loss mask is made: model-generated tokens only (tool / environment tokens are context, seen
+    # through attention_mask, never trained on); loss, entropy, KL, clip statistics, importance weights and the dapo
+    # token count (num_items_in_batch) all read TrainBatch.completion_mask
+    loss_mask = comp.loss_mask
     if args.mask_truncated_completions:
         loss_mask = loss_mask * (~comp.truncated).unsqueeze(-1).long()
     input_ids = torch.cat([comp.prompt_ids, comp.completion_ids], dim=1)
@@ -311,13 +360,20 @@ def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad
     def stack(get, width=None, left=False, value=0):
         return torch.stack([get(r, i) if width is None else pad(get(r, i), width, left, value) for r, i in rows])
 
+    def optional(name, width=None):  # a per-row tensor field that may be None (the same in every round)
+        if getattr(comps[0], name) is None:
+            return None
+        return stack(lambda r, i: getattr(comps[r], name)[i], width, False)
+
     comp = Completions(
         stack(lambda r, i: comps[r].prompt_ids[i], P, True, pad_id), stack(lambda r, i: comps[r].prompt_mask[i], P, True),
         stack(lambda r, i: comps[r].completion_ids[i], T, False, pad_id),
         stack(lambda r, i: comps[r].completion_mask[i], T, False), stack(lambda r, i: comps[r].truncated[i]),
         [comps[r].prompts[i] for r, i in rows], [comps[r].completions[i] for r, i in rows],
         {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns},
-        None if comps[0].sampling_logps is None else stack(lambda r, i: comps[r].sampling_logps[i], T, False))
+        optional("sampling_logps", T), optional("tool_mask", T),
+        None if comps[0].turn_ends is None else [comps[r].turn_ends[i] for r, i in rows],
+        optional("tool_calls"), optional("tool_failures"), optional("tool_timeouts"))
     token_level = rounds[0].advantages.dim() == 2
     adv = stack(lambda r, i: rounds[r].advantages[i], T if token_level else None)
     steps = None if rounds[0].steps is None else [rounds[r].steps[i] for r, i in rows]
@@ -339,6 +395,8 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     }
     if rnd.step_scores is not None:
         m.update(_process_metrics(rnd.step_scores))
+    if ctx.agent is not None and ctx.agent.toolbox.has_tools:
+        m.update(_tool_metrics(ctx, comp))
     if scores is None:
         return m
     m["reward/mean"] = float(torch.nanmean(scores.rewards))
@@ -363,6 +421,17 @@ def _process_metrics(s: StepScores) -> dict[str, float]:
     for f, name in enumerate(s.names):
         m[f"process/{name}/errors"] = float(s.errors[f])
     return m
+
+
+def _tool_metrics(ctx: RolloutContext, comp: Completions) -> dict[str, float]:
+    """TRL's tools/call_frequency (tool calls per rollout) and tools/failure_frequency (failed calls per call, 0
+    without calls), and groupwise's tools/timeout_frequency (calls that overran tool_timeout, per call): summed over
+    processes."""
+    local = [comp.tool_calls.sum(), comp.tool_failures.sum(), comp.tool_timeouts.sum(), len(comp.tool_calls)]
+    calls, failures, timeouts, rollouts = ctx.dist.sum(torch.tensor(local, dtype=torch.float,
+                                                                     device=ctx.dist.device)).tolist()
+    return {"tools/call_frequency": calls / rollouts, "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/timeout_frequency": timeouts / calls if calls else 0.0}
 
 
 def _spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,) population std of each group

@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 
 from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
+from groupwise.agents import Toolbox, build_agent, default_train_dataset
 from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
                                   save_checkpoint)
-from groupwise.config import GRPOConfig
+from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
 from groupwise.distributed import Distributed
@@ -30,10 +31,8 @@ from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, completion_rows, print_round, set_log_level, window_mean
 from groupwise.signals import stop_on_signals
 from groupwise.modeling import PolicyForLogps, disable_dropout
-from groupwise.config import GENERATION_DTYPES
 from groupwise.optim import build_optimizer
-from groupwise.sharding import full_state_dict
-from groupwise.sharding import resolve as resolve_sharding
+from groupwise.sharding import full_state_dict, resolve as resolve_sharding
 from groupwise.rewards import load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
@@ -68,14 +67,15 @@ class GRPOTrainer(TransformersHabits):
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        refuse_trainer_arguments(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
-                                 environment_factory=environment_factory)
+        refuse_trainer_arguments(quantization_config=quantization_config, rollout_func=rollout_func)
+        self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None  # envs probed
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph},
             sharding=resolve_sharding(args.fsdp))
         set_log_level(args.log_level if self.dist.is_main else args.log_level_replica)
         self.layout = args.layout(self.dist.world_size)
+        train_dataset = default_train_dataset(train_dataset, self.toolbox, args, self.layout.prompts_per_generation)
         stream = is_stream(train_dataset)
         if stream and args.max_steps <= 0:
             raise ConfigError("train_dataset is an IterableDataset: set max_steps (its length is unknown, so "
@@ -94,10 +94,10 @@ class GRPOTrainer(TransformersHabits):
         if len(self.optimizers) != 2:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
-                                                           as_list(process_reward_funcs))
+                                                           as_list(process_reward_funcs), self.toolbox)
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
-                           optimizers=self.optimizers)
+                           optimizers=self.optimizers, world_size=self.dist.world_size)
         from transformers import enable_full_determinism, set_seed
 
         # each process samples different completions
@@ -130,18 +130,19 @@ class GRPOTrainer(TransformersHabits):
                 data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
                                    max_completion_length=args.max_completion_length, max_positions=max_positions,
                                    truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
+        self.agent = build_agent(self.toolbox, self.tokenizer, args, (self.train_data, self.eval_data))  # tools
         policy = load_policy(model, args)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
             if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)
                 disable_dropout(policy)
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
-        self.reward_sources = load_reward_sources(reward_funcs, reward_processing_classes,
-                                                  trust_remote_code=args.trust_remote_code,
-                                                  device=self.dist.device) if reward_funcs else []
-        self.process_sources = load_process_reward_sources(
-            process_reward_funcs, trust_remote_code=args.trust_remote_code,
-            device=self.dist.device) if process_reward_funcs else []
+        # environments' get_reward (TRL) and get_step_rewards (groupwise) are reward and step-reward sources too
+        env_rewards, env_steps = (self.toolbox.reward_sources, self.toolbox.process_sources) if self.toolbox else ([], [])
+        self.reward_sources = (load_reward_sources(reward_funcs, reward_processing_classes, device=self.dist.device,
+                                                   trust_remote_code=args.trust_remote_code) if reward_funcs else []) + env_rewards
+        self.process_sources = (load_process_reward_sources(process_reward_funcs, device=self.dist.device,
+                                trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
         self.trained, self.optimizer, self.scheduler = self._build_optimization(policy)
         self.rollout_ctx = self._build_rollout()
         self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler)
@@ -194,7 +195,7 @@ class GRPOTrainer(TransformersHabits):
             generator=build_generator(args, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos),
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
-            reference=self.reference,
+            reference=self.reference, agent=self.agent,
             policy_logps=self.trained if self.dist.sharding is not None else self.dist.unwrap(self.trained),
             correct_sampling=args.corrects_sampling,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out

@@ -25,12 +25,25 @@ class Completions:
     truncated: torch.Tensor  # (N,) bool: no EOS within max_completion_length
     prompts: list[Any]  # (N) the prompt as given: text or chat messages
     completions: list[Any]  # (N) decoded text, or [{"role": "assistant", "content": text}] for chat prompts
-    columns: dict[str, list[Any]]  # other dataset columns, one value per row (reward-function kwargs)
+    columns: dict[str, list[Any]]  # reward-function kwargs, one value per row: the other dataset columns, and
+    #                                `environments` (the rollouts' instances) with an environment_factory (TRL)
     sampling_logps: torch.Tensor | None = None  # (N, T) log-probs the sampler drew with (importance correction)
+    # multi-turn rollouts with tools (groupwise.agents); None without tools. completion_ids then interleave model
+    # turns and tool tokens (model turn 1 + tool results + next assistant header + model turn 2 + …), completion_mask
+    # covers all of them (attention), and the loss sees completion_mask * tool_mask (rollout.build_batch)
+    tool_mask: torch.Tensor | None = None  # (N, T) 1 on model-generated tokens, 0 on tool / env tokens and padding
+    turn_ends: list[list[int]] | None = None  # (N)[K_i] index in completion_ids of each model turn's last token
+    tool_calls: torch.Tensor | None = None  # (N,) tool calls each rollout made
+    tool_failures: torch.Tensor | None = None  # (N,) of which failed: exception, unknown tool, timeout
+    tool_timeouts: torch.Tensor | None = None  # (N,) of which overran tool_timeout
 
     @property
-    def lengths(self) -> torch.Tensor:  # (N,)
-        return self.completion_mask.sum(-1)
+    def lengths(self) -> torch.Tensor:  # (N,) generated tokens: tool / environment tokens are not counted (TRL)
+        return self.loss_mask.sum(-1)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:  # (N, T) the tokens the model generated: what the loss and its statistics see
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
     def token_lists(self) -> list[list[int]]:  # (N)[length] completion tokens, EOS included, no padding
         return trim_to_mask(self.completion_ids, self.completion_mask)
@@ -82,7 +95,8 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # (N, P + T) prompt then completion
     attention_mask: torch.Tensor  # (N, P + T)
-    completion_mask: torch.Tensor  # (N, T) rows/tokens that enter the loss
+    completion_mask: torch.Tensor  # (N, T) tokens that enter the loss and its statistics: model-generated tokens
+    #                                 (Completions.loss_mask: tool tokens 0), 0 for rows mask_truncated_completions drops
     advantages: torch.Tensor  # (N,) outcome, or (N, T) token-level (process supervision)
     old_logps: torch.Tensor | None = None  # (N, T) π_θold; None when fully on-policy (then logps.detach())
     ref_logps: torch.Tensor | None = None  # (N, T) π_ref; None when beta = 0

@@ -254,3 +254,114 @@ def test_masked_mean_std_by_hand():
     assert mean.view(-1).tolist() == [2.0, 0.0] and sd.view(-1).tolist() == [1.0, 0.0] and n.view(-1).tolist() == [2, 0]
     _, bessel, _ = masked_mean_std(torch.nan_to_num(x), valid, -1, std="unbiased")
     assert bessel[0].item() == pytest.approx(1.41421, abs=1e-5)
+
+
+# ---- step_advantage="step_return": returns-to-go normalised per step index ------------------------------------------
+def test_step_return_worked_example():
+    """One prompt, G = 3, T = 5. Step rewards [[1], [0, 0.5], [0, 1]], step ends [[2], [1, 3], [0, 4]].
+    Returns-to-go: row 0 [1]; row 1 [0.5, 0.5]; row 2 [1, 1].
+    Step index 0, rows {0, 1, 2}: values {1, 0.5, 1}, mean 5/6, population std sqrt(((1/6)² + (1/3)² + (1/6)²)/3)
+      = sqrt(1/18) = 0.23570: row 0 (1/6)/0.23570 = 0.70711, row 1 (−1/3)/0.23570 = −1.41421, row 2 0.70711.
+    Step index 1, rows {1, 2}: values {0.5, 1}, mean 0.75, std 0.25: row 1 −1, row 2 +1.
+    Tokens: row 0 t0–2 → 0.70711, t3–4 → 0; row 1 t0–1 → −1.41421, t2–3 → −1, t4 → 0; row 2 t0 → 0.70711, t1–4 → 1.
+    (The paper's suffix sum on the same input, for contrast: all five rewards {1, 0, 0.5, 0, 1}, mean 0.5, std
+    sqrt(0.2) = 0.44721, so r̃ = ±1.11803 or 0, and row 1 gets −1.11803 + 0 at t0–1 and 0 at t2–3.)"""
+    rewards, ends = [[[1.0], [0.0, 0.5], [0.0, 1.0]]], [[[2], [1, 3], [0, 4]]]
+    a, b = 1 / (6 * math.sqrt(1 / 18)), 1 / (3 * math.sqrt(1 / 18))
+    expected = torch.tensor([[[a, a, a, 0, 0], [-b, -b, -1, -1, 0], [a, 1, 1, 1, 1]]])
+    got = process_advantages(rewards, ends, 5, form="step_return", eps=0.0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    paper = process_advantages(rewards, ends, 5, eps=0.0)
+    c = 0.5 / math.sqrt(0.2)
+    torch.testing.assert_close(paper[0, 1], torch.tensor([-c, -c, 0, 0, 0]), atol=1e-5, rtol=1e-5)
+
+
+def _step_return_loop(rewards, ends, T, estimator="grpo", eps=1e-4):
+    """The formula written out: for each prompt b and step index j, the returns-to-go G_{i,j} of the completions that
+    have a step j, normalised (grpo: population z-score; rloo: minus the others' mean); every token of step j gets
+    its value, tokens after the last step 0. Unscored (None) rewards count 0 in the returns."""
+    B, G = len(rewards), len(rewards[0])
+    out = torch.zeros(B, G, T, dtype=torch.float64)
+    for b in range(B):
+        ret = [[sum(0.0 if v is None else v for v in rewards[b][g][j:]) for j in range(len(rewards[b][g]))]
+               for g in range(G)]
+        K = max(len(r) for r in ret)
+        for j in range(K):
+            have = [g for g in range(G) if len(ret[g]) > j]
+            vals = [ret[g][j] for g in have]
+            mean = sum(vals) / len(vals)
+            sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+            for g in have:
+                if estimator == "grpo":
+                    v = (ret[g][j] - mean) / (sd + eps)
+                else:  # rloo
+                    others = [ret[h][j] for h in have if h != g]
+                    v = ret[g][j] - sum(others) / len(others) if others else 0.0
+                start = ends[b][g][j - 1] + 1 if j else 0
+                for t in range(start, ends[b][g][j] + 1):
+                    out[b, g, t] = v
+    return out.float()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_step_return_matches_loop_on_ragged_input(estimator):
+    rng = random.Random(3)
+    T, B, G = 12, 3, 4
+    rewards, ends = [], []
+    for _ in range(B):
+        rg, eg = [], []
+        for _ in range(G):
+            k = rng.randint(0, 5)
+            e = sorted(rng.sample(range(T), k))
+            rg.append([None if rng.random() < 0.1 else rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in e])
+            eg.append(e)
+        rewards.append(rg)
+        ends.append(eg)
+    opts = {"eps": 1e-4} if estimator == "grpo" else {}
+    got = process_advantages(rewards, ends, T, estimator=estimator, form="step_return", **opts)
+    torch.testing.assert_close(got, _step_return_loop(rewards, ends, T, estimator), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("second_step", [0.5, 0.6])
+def test_step_return_is_unbiased_when_length_does_not_matter(second_step):
+    """The property the variant exists for. One decision: after step 1 the model stops (one step, reward 1.0) or
+    continues with probability p (two steps, rewards [s, s]); the decision is among step 1's tokens, so the score
+    function of a completion's step 1 is ∂log π/∂θ = 1 − p (continue) or −p (stop), for p = sigmoid(θ).
+    True gradient of the expected return: J = (1 − p)·1 + p·2s, dJ/dθ = (2s − 1)·p(1 − p): 0 for s = 0.5 (length
+    does not matter), > 0 for s = 0.6 (continuing is better).
+    The expectation of the estimator E[(1/G) Σ_i A_i(step 1) · score_i] is computed exactly by enumerating all 2^G
+    stop/continue patterns of a group (G = 4, p = 0.3), with rloo (leave-one-out, the exactly unbiased baseline).
+    step_return: 0 for s = 0.5, positive for s = 0.6. The paper's suffix sum: clearly negative for s = 0.5 (its
+    baseline (K_i − j)·μ grows with the number of steps, so it pushes toward stopping)."""
+    import itertools
+
+    G, p = 4, 0.3
+
+    def expected_gradient(form):
+        total = 0.0
+        for pattern in itertools.product([0, 1], repeat=G):  # 1 = continue
+            prob = math.prod(p if c else 1 - p for c in pattern)
+            rewards = [[[second_step, second_step] if c else [1.0] for c in pattern]]
+            ends = [[[0, 1] if c else [0] for c in pattern]]
+            adv = process_advantages(rewards, ends, 2, estimator="rloo", form=form)[0, :, 0].double()
+            score = torch.tensor([(1 - p) if c else -p for c in pattern], dtype=torch.float64)
+            total += prob * float((adv * score).mean())
+        return total
+
+    ours, paper = expected_gradient("step_return"), expected_gradient("suffix_sum")
+    if second_step == 0.5:
+        assert abs(ours) < 1e-7
+        assert paper < -0.01  # biased toward stopping
+    else:
+        assert ours > 0.01  # the true gradient's sign
+
+
+def test_step_return_equals_outcome_grpo_for_one_step():
+    """With one step per completion the return is the step reward, normalised over the group: outcome GRPO on it,
+    given to every token up to the step's end."""
+    r = torch.tensor([[0.2, 1.0, 0.0, 0.7]])
+    got = process_advantages([[[v] for v in r[0].tolist()]], [[[3]] * 4], 5, form="step_return")
+    torch.testing.assert_close(got[0, :, :4], outcome_advantages(r)[0][:, None].expand(4, 4))
+    assert (got[0, :, 4] == 0).all()
+    with pytest.raises(ValueError, match="step_advantage='paper' is not one of"):
+        process_advantages([[[1.0]]], [[[0]]], 1, form="paper")

@@ -280,3 +280,21 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_kv(boolean):
     ref, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.3)
     assert ours.shape == (N, 1, Hq, D)
     torch.testing.assert_close(ours, ref)
+
+
+def test_ungrouped_batches_of_changing_shapes_share_one_dynamic_graph(tokenizer):
+    """The later turns of a tool loop: rows are their own groups and their number and widths change every call. Their
+    step compiles once with dynamic shapes (one graph for four shapes), and greedy still equals generate()."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = toy.build_model(tokenizer, seed=1, hidden_size=32).eval()
+    gen = _fast(tokenizer, max_completion_length=10, compile=True,
+                compile_mode={"backend": "eager", "dynamic": False})  # dynamic: the ungrouped rule's job
+    gen.keep_shapes = 8
+    for prompts in (["a", "bb", "c c"], ["x"] * 5, ["long prompt " * 10, "q"], ["z y", "w"] * 3):
+        ids, mask = encode_prompts(prompts, tokenizer, None)
+        assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids,
+                           _generate(model, tokenizer, ids, mask, max_new=10))
+    assert counters["stats"]["unique_graphs"] == 1 and len(gen._static) == 4

@@ -9,6 +9,7 @@ completions. NaN rewards (could not be scored) are left out of every statistic a
 Then, whichever the estimator:
     outcome supervision (§4.1.2)  Â_{i,t} = r̃_i                              outcome_advantages → (B, G)
     process supervision (§4.1.3)  Â_{i,t} = Σ_{index(j) ≥ t} r̃_i^{index(j)}   process_advantages → (B, G, T)
+        (or, GRPOConfig.step_advantage="step_return", the return-to-go normalised per step index: _step_return)
 
 The estimators (`ESTIMATORS`, chosen by GRPOConfig.advantage_estimator):
     grpo    r̃ = (r − mean(R_b)) / (std(R_b) + eps)             DeepSeekMath §4.1.2/§4.1.3 (scale="group")
@@ -147,21 +148,77 @@ def outcome_advantages(
     return normalize_rewards(rewards.unsqueeze(-1), estimator, **options).squeeze(-1)
 
 
+def _suffix_sum(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **options) -> torch.Tensor:
+    """DeepSeekMath §4.1.3: every step reward of the group normalised together, r̃_{i,j}; step j's value is the
+    suffix sum Σ_{j' ≥ j} r̃_{i,j'}. (B, G, K) → (B, G, K)."""
+    normalized = normalize_rewards(rewards, estimator, **options)  # 0 on padding and NaN
+    return normalized.flip(-1).cumsum(-1).flip(-1)
+
+
+def _step_return(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **options) -> torch.Tensor:
+    """Returns-to-go normalised per step index. G_{i,j} = Σ_{j' ≥ j} r_{i,j'} (raw step rewards; an unscored step
+    counts 0), and the estimator normalises G_{·,j} over the completions of the group that have a step j (grpo:
+    (G_{i,j} − mean_j) / (std_j + eps); rloo: minus the mean of the *other* completions with a step j).
+
+    Why: the paper's value of step j, Σ_{j' ≥ j} (r_{i,j'} − μ)/σ = (G_{i,j} − (K_i − j)·μ)/σ, subtracts a baseline
+    (K_i − j)·μ that grows with the number of steps K_i the completion goes on to take. When the model chooses how
+    many steps or turns it takes, K_i depends on its own actions from step j on, so that baseline is correlated
+    with the actions it scores and the policy gradient is biased: with μ > 0 it pushes toward fewer steps, with
+    μ < 0 toward more, even where the return does not depend on length (test_step_return_is_unbiased_when_length_
+    does_not_matter: stopping after one step with reward 1, or continuing for two steps of 0.5, has the same
+    return; the paper's form still prefers stopping). Here the baseline of step j is a statistic of the group's
+    returns at the same step index, so it does not grow with the completion's own length: with rloo it uses only
+    the other completions, independent samples, and E[∇log π · b] = 0 exactly; with grpo the completion's own
+    return is one of the n values averaged, the same O(1/n) coupling GRPO's outcome baseline has. The scale
+    (std_j) is a per-index positive factor; a step index reached by one completion only has no comparison and gets
+    0. For a fixed number of steps equal across the group, this is outcome GRPO on each suffix's return."""
+    returns = torch.where(exists, torch.nan_to_num(rewards, nan=0.0).flip(-1).cumsum(-1).flip(-1),
+                          torch.full_like(rewards, float("nan")))
+    B, G, K = returns.shape
+    per_index = returns.permute(0, 2, 1).reshape(B * K, G, 1)  # one group per (prompt, step index)
+    normalized = normalize_rewards(per_index, estimator, **options)  # 0 where the completion has no such step
+    return normalized.view(B, K, G).permute(0, 2, 1)
+
+
+@dataclass(frozen=True)
+class StepAdvantage:
+    """How step rewards become a value per step (GRPOConfig.step_advantage): `value(rewards (B, G, K) float64 with
+    NaN = unscored or padding, exists (B, G, K) bool, estimator, **options) → (B, G, K)`; the tokens of step j get
+    step j's value."""
+
+    value: Callable[..., torch.Tensor]
+    summary: str
+
+
+STEP_ADVANTAGES: dict[str, StepAdvantage] = {
+    "suffix_sum": StepAdvantage(_suffix_sum, "DeepSeekMath §4.1.3: Σ of the group-normalised step rewards of this "
+                                             "and later steps"),
+    "step_return": StepAdvantage(_step_return, "return-to-go normalised per step index: no baseline that grows "
+                                               "with the completion's own number of steps"),
+}
+
+
 def process_advantages(
     step_rewards: Sequence[Sequence[Sequence[float | None]]],  # [B][G][K_i]
     step_ends: Sequence[Sequence[Sequence[int]]],  # [B][G][K_i], token index within the completion, ascending
     num_tokens: int,  # T
     *,
     estimator: str = "grpo",
+    form: str = "suffix_sum",
     **options,
 ) -> torch.Tensor:  # (B, G, T)
     """Process-supervision advantages (DeepSeekMath §4.1.3).
 
-    The step rewards of group b (all completions, all steps) are normalised together by the estimator (grpo:
-    r̃ = (r − mean(R_b)) / (std(R_b) + eps)); A[b, g, t] = Σ_{j : end_j ≥ t} r̃_{b,g,j}. Tokens after a
-    completion's last step get 0; a completion with no steps gets 0 everywhere. None/NaN step rewards are left
-    out of the statistics and contribute 0.
+    form="suffix_sum" (the paper): the step rewards of group b (all completions, all steps) are normalised
+    together by the estimator (grpo: r̃ = (r − mean(R_b)) / (std(R_b) + eps)); A[b, g, t] = Σ_{j : end_j ≥ t}
+    r̃_{b,g,j}. form="step_return": step j's value is the return-to-go normalised among the group's completions
+    that have a step j (_step_return, for completions whose number of steps is the model's choice). Either way
+    the tokens of step j (after step j − 1's end, up to end_j) get step j's value; tokens after a completion's
+    last step get 0; a completion with no steps gets 0 everywhere. None/NaN step rewards are left out of the
+    statistics and contribute 0.
     """
+    if form not in STEP_ADVANTAGES:
+        raise ValueError(f"step_advantage={form!r} is not one of {sorted(STEP_ADVANTAGES)}")
     B = len(step_rewards)
     if len(step_ends) != B:
         raise ValueError(f"step_rewards has {B} prompts but step_ends has {len(step_ends)}")
@@ -182,7 +239,10 @@ def process_advantages(
     if rewards.numel() == 0:
         return torch.zeros(B, G, num_tokens)
     ends = pack_steps(step_ends, fill=num_tokens, dtype=torch.long)  # padding lands in a spare column T
-    normalized = normalize_rewards(rewards, estimator, **options)  # (B, G, K), 0 on padding and NaN
-    # Put each r̃ at its step's last token, then a reverse cumulative sum over t gives Σ_{end ≥ t}.
-    out = torch.zeros(B, G, num_tokens + 1).scatter_add_(-1, ends, normalized)[..., :num_tokens]
+    exists = ends < num_tokens  # (B, G, K): completion g has a step j
+    value = STEP_ADVANTAGES[form].value(rewards, exists, estimator, **options).float()  # (B, G, K), 0 past K_i
+    # step j's value minus step j+1's at step j's last token; a reverse cumulative sum over t then gives every
+    # token of step j the value of step j (and 0 after the last step)
+    jump = value - torch.nn.functional.pad(value[..., 1:], (0, 1))
+    out = torch.zeros(B, G, num_tokens + 1).scatter_add_(-1, ends, jump)[..., :num_tokens]
     return out.flip(-1).cumsum(-1).flip(-1)

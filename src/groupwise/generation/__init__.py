@@ -50,7 +50,9 @@ BACKENDS: dict[str, Backend] = {
     "transformers": Backend("groupwise.generation.hf:TransformersGenerator", generation_kwargs=True,
                             summary="model.generate, the reference"),
     "vllm": Backend("groupwise.generation.vllm:VLLMColocateGenerator", generation_kwargs=True,
-                    summary="vLLM in colocate mode (use_vllm=True); weights loaded after every optimizer step"),
+                    summary="vLLM (use_vllm=True): an engine in each process (vllm_mode 'colocate') or a vLLM "
+                            "server's client ('server', generation/vllm_server.py); weights pushed after every "
+                            "optimizer step"),
 }
 
 

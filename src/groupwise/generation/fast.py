@@ -21,7 +21,9 @@ Two decode loops share the prefill and the sampling code:
   compiled with torch.compile(mode="reduce-overhead"), which on CUDA captures it in a CUDA graph: a step is one
   graph replay instead of hundreds of kernel launches from Python. Finished rows stay in the batch (they emit pad);
   the loop checks every 8 steps whether all rows have finished. L is the prompt width rounded up to a multiple of
-  64, plus max_completion_length, so batches of similar prompt lengths reuse one compiled graph.
+  64, plus max_completion_length, so batches of similar prompt lengths reuse one compiled graph. Batches whose rows
+  are not groups of one prompt (the later turns of a tool loop, evaluation) change shape from call to call: their
+  step is compiled once with dynamic shapes.
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ class FastGenerator:
         # returns N tokens instead of N × V logits
         fused = len(processors) == 0 or (len(processors) == 1 and isinstance(processors[0], TemperatureLogitsWarper))
         width = -(-P // 64) * 64  # the prompt region, rounded up so that similar batches share a compiled graph
-        st = self._static_state(model, prefill, N, width + self.max_new, device)
+        st = self._static_state(model, prefill, N, width + self.max_new, device, grouped=G > 1)
         # the prompt's keys/values, right-aligned in the prompt region; the rest of the buffers is masked
         for layer, src in zip(st.cache.layers, prefill.layers):
             for buf, x in ((layer.keys, src.keys), (layer.values, src.values)):
@@ -298,11 +300,11 @@ class FastGenerator:
         steps = int(ran.sum())  # as generate(): as many columns as decoding steps
         return Generated(tokens[:, :steps], None if logps is None else logps[:, :steps])
 
-    def _static_state(self, model, prefill, N: int, L: int, device) -> "_StaticState":
+    def _static_state(self, model, prefill, N: int, L: int, device, grouped: bool = True) -> "_StaticState":
         """The buffers and compiled step for (model, N, L), kept between calls (the two most recent shapes): a CUDA
         graph replays on the same addresses, so the buffers live as long as the shape is in use."""
         first = prefill.layers[0] if prefill.layers else None
-        key = (id(model), N, L, str(device), None if first is None else first.keys.dtype)
+        key = (id(model), N, L, str(device), None if first is None else first.keys.dtype, grouped)
         if key in self._static:
             self._static[key] = self._static.pop(key)  # most recently used last
             return self._static[key]
@@ -311,8 +313,12 @@ class FastGenerator:
         if not all(type(layer) is GrowingLayer for layer in prefill.layers):
             raise ValueError(f"{type(model).__name__} has cache layers other than full attention (sliding window "
                              "or recurrent): set generation_compile=False for this model")
-        self._static[key] = _StaticState(key, model, prefill, N, L, device, model.config._attn_implementation,
-                                         self.compile_mode)
+        mode = self.compile_mode
+        if mode is not None and not grouped:
+            # rows that are not groups of one prompt (the later turns of a tool loop, evaluation): their number
+            # and widths change from call to call, so their step is compiled once with dynamic shapes
+            mode = {**mode, "dynamic": True}
+        self._static[key] = _StaticState(key, model, prefill, N, L, device, model.config._attn_implementation, mode)
         return self._static[key]
 
 

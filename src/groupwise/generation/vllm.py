@@ -10,7 +10,8 @@ max_tokens, logprobs=0)`, and after each optimizer step the policy's weights are
 `llm.reset_prefix_cache()` (a LoRA policy's adapters are merged for the copy, then unmerged). With
 `vllm_enable_sleep_mode` the engine sleeps (level 2) between generations and wakes for weights and KV cache.
 
-vLLM is optional (`pip install groupwise[vllm]`); nothing imports it until this backend is built. CI and the
+vLLM is optional (`pip install groupwise[vllm]`); nothing imports it until this backend is built. With
+`vllm_mode="server"` the backend is groupwise.generation.vllm_server's client of a separate vLLM server. CI and the
 development machines have no vLLM: the backend is tested against the in-repo stand-in (tests/vllm_standin).
 """
 
@@ -36,9 +37,14 @@ def _vllm():
 
 class VLLMColocateGenerator:
     @classmethod
-    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> VLLMColocateGenerator:
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]):
+        """The engine vllm_mode names: this class for 'colocate', a vLLM server's client for 'server'."""
+        if args.vllm_mode == "server":
+            from groupwise.generation.vllm_server import VLLMServerGenerator
+
+            return VLLMServerGenerator.from_config(args, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
         if args.vllm_mode != "colocate":
-            raise ConfigError(f"vllm_mode={args.vllm_mode!r} is not implemented yet: use vllm_mode='colocate'")
+            raise ConfigError(f"vllm_mode={args.vllm_mode!r} is not one of 'colocate', 'server'")
         return cls(args, pad_token_id=pad_token_id)
 
     def __init__(self, args, *, pad_token_id: int):

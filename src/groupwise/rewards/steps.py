@@ -33,15 +33,19 @@ class Steps:
 
 @dataclass(frozen=True)
 class SplitMode:
-    """A way to find step boundaries (GRPOConfig.step_split): the option it reads and how it becomes a regex."""
+    """A way to find step boundaries (GRPOConfig.step_split): the option it reads and how it becomes a regex, or
+    (turns=True) the assistant turns of a multi-turn rollout, which need tools or an environment."""
 
     name: str
-    reads: str  # the GRPOConfig field the mode needs
-    to_regex: Callable[[str], "re.Pattern[str]"]
+    reads: str | None  # the GRPOConfig field the mode needs
+    to_regex: Callable[[str], "re.Pattern[str]"] | None
+    turns: bool = False
 
-    def check(self, **options) -> "re.Pattern[str]":
+    def check(self, **options) -> "re.Pattern[str] | None":
         """The boundary regex from the GRPOConfig fields given as keywords; a ConfigError naming the field when it
-        is missing or invalid."""
+        is missing or invalid. None for the turn mode (no regex)."""
+        if self.turns:
+            return None
         value = options.get(self.reads)
         if not value:
             raise ConfigError(f"step_split={self.name!r} needs {self.reads} (a non-empty string)")
@@ -55,11 +59,13 @@ SPLIT_MODES: dict[str, SplitMode] = {
     "delimiter": SplitMode("delimiter", "step_delimiter", lambda d: re.compile(re.escape(d))),  # default "\n"
     "regex": SplitMode("regex", "step_pattern", re.compile),  # each match of step_pattern ends a step
     "tag": SplitMode("tag", "step_tag", lambda t: re.compile(re.escape(t))),  # a step tag after each step
+    "turn": SplitMode("turn", None, None, turns=True),  # each assistant turn (multi-turn rollouts with tools)
 }
 
 
 class StepSplitter:
-    """mode "delimiter" (default "\\n"), "regex" (each match ends a step) or "tag" (a step tag after each step)."""
+    """mode "delimiter" (default "\\n"), "regex" (each match ends a step), "tag" (a step tag after each step), or
+    "turn" (each assistant turn is a step: split_turns)."""
 
     def __init__(self, mode: str = "delimiter", *, delimiter: str = "\n", pattern: str | None = None,
                  step_tag: str | None = None):
@@ -83,6 +89,25 @@ class StepSplitter:
             start = m.end()
         out.append((text[start:], -1))
         return [(t, e) for t, e in out if t.strip()]
+
+    @property
+    def turns(self) -> bool:
+        return SPLIT_MODES[self.mode].turns
+
+    def split_turns(self, token_ids: list[int], tool_mask: list[int], turn_ends: list[int], tokenizer, *,
+                    truncated: bool) -> Steps:
+        """Steps of one multi-turn completion: step k is assistant turn k, its text the turn's own tokens decoded
+        (from the first model token after turn k − 1's end to turn_ends[k]; tool / environment tokens in between
+        belong to no step), ending at turn_ends[k]. When the rollout was cut by max_completion_length, the last
+        turn is marked truncated_last."""
+        texts, start = [], 0
+        for end in turn_ends:
+            while start < end and not tool_mask[start]:  # skip the tool suffix before this turn
+                start += 1
+            texts.append(tokenizer.decode(token_ids[start:end + 1], skip_special_tokens=True,
+                                          clean_up_tokenization_spaces=False).strip())
+            start = end + 1
+        return Steps(tuple(texts), tuple(turn_ends), truncated_last=truncated and bool(turn_ends))
 
     def split(self, token_ids: list[int], tokenizer, *, ends_with_eos: bool, truncated: bool) -> Steps:
         """Steps of one completion. `token_ids` excludes padding; its last token is the EOS when ends_with_eos."""

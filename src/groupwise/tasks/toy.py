@@ -89,3 +89,58 @@ def math_dataset(n: int = 8, seed: int = 0):
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         rows.append({"prompt": [{"role": "user", "content": f"what is {a}+{b}?"}], "solution": str(a + b)})
     return Dataset.from_list(rows)
+
+
+# ---- a tool-capable tokenizer (multi-turn rollouts with tools: groupwise.agents, docs/agents.md) -------------------
+# A minimal chat template that lists tools, renders assistant tool calls as `<tool_call>{json}</tool_call>` (Qwen's
+# format without the newlines) and tool results as their own turn; every turn ends with <|im_end|>, the EOS. It is
+# prefix-preserving, and TOOL_RESPONSE_TEMPLATE (transformers' response-template format) parses the model's turns.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for tc in m.tool_calls or [] %}<tool_call>{{ {'name': tc.function.name, 'arguments': tc.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+
+def build_tool_tokenizer():
+    """A byte-level tokenizer (one token per byte, no merges: any text encodes; 259 tokens) with <|im_end|> (EOS, the
+    end of every turn), <|endoftext|> (pad) and <|im_start|>, TOOL_CHAT_TEMPLATE and TOOL_RESPONSE_TEMPLATE: what
+    tool calling needs of a tokenizer (TRL's contract), nothing downloaded. save_pretrained keeps all of it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk)
+    tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                                  "additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def save_tiny_tool_model(folder: str, *, seed: int = 0) -> str:
+    """A tiny model with the tool-capable tokenizer saved to `folder` (from_pretrained-loadable); returns the folder.
+    examples/trl/tools.py passes it where TRL's example passes a hub id."""
+    tokenizer = build_tool_tokenizer()
+    build_model(tokenizer, seed=seed, max_positions=2048).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

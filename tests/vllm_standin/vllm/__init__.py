@@ -1,4 +1,4 @@
-"""An in-repo stand-in for the parts of vLLM's Python API that groupwise's colocate backend calls (vLLM itself needs
+"""An in-repo stand-in for the parts of vLLM's Python API that groupwise's vLLM backends call (vLLM itself needs
 a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a transformers model on the CPU:
 
     LLM(model=path, tensor_parallel_size, gpu_memory_utilization, max_model_len, enable_sleep_mode,
@@ -10,7 +10,13 @@ a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a t
 
 Sampling: temperature (0 = greedy), top-k, top-p; logprobs of the sampled token under the processed distribution
 (logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`) so tests can
-check that weights reach the engine."""
+check that weights reach the engine.
+
+Server mode (tests/vllm_standin/serve.py serves this engine over HTTP) also uses, on the trainer's side:
+    vllm.utils.network_utils.get_ip()
+    vllm.distributed.weight_transfer.nccl_common.trainer_init / packed_tensor.packed_nccl_broadcast_producer (≥ 0.28)
+    vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferEngine (before 0.28)
+with a gloo group on the CPU where vLLM has NCCL. `__version__` is the newest vLLM TRL 1.16 supports."""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__version__ = "0.0-standin"
+__version__ = "0.31.0+standin"
 ENGINES: list["LLM"] = []  # every engine built in this process (tests read them)
 
 

@@ -1,0 +1,210 @@
+"""Tools and environments as TRL 1.16 discovers them (`GRPOTrainer(tools=…, environment_factory=…)`).
+
+- `tools`: plain functions (sync or `async def`) with type hints and a Google-style docstring; the model sees their
+  JSON schema (transformers' `get_json_schema`, called here once per tool so a missing hint or docstring is an error
+  at init, naming the tool).
+- `environment_factory`: a callable returning an environment (one instance per rollout), or a dict {name: factory}
+  whose dataset rows pick theirs by an `environment` column. An environment has `reset(**row) -> str | None` (the row
+  of the rollout, `prompt` included; a returned string is appended to the last user message), optionally
+  `get_reward() -> float` (then a reward source named after its class, weight 1), optionally
+  `get_step_rewards() -> list[float]`, one reward per assistant turn in order (a groupwise addition: then a process
+  reward source named `<class>.get_step_rewards`, weight 1, read with step_split="turn"), and every other public method
+  (plain functions on the class, sorted by name; `_`-prefixed ones skipped) is a tool bound to that rollout's
+  instance. Each factory is called once at init (the probe: checks `reset`, lists the methods, seeds the pool);
+  instances are pooled and reset, not re-created, from one generation batch to the next.
+
+A row's tools: the standalone tools first, then its environment's methods (TRL's order; the prompt lists their
+schemas in that order; by name, the last of two tools sharing a name wins).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from groupwise.config_base import ConfigError
+from groupwise.rewards.sources import RewardSource
+
+RESERVED = ("reset", "get_reward", "get_step_rewards")
+
+
+def tool_schema(fn: Callable, where: str) -> dict:
+    """The JSON schema the chat template shows the model (transformers.utils.get_json_schema); a ConfigError naming
+    the tool when it cannot be described."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # DocstringParsingException, TypeHintParsingException, …
+        raise ConfigError(f"{where}: cannot be described to the model ({type(e).__name__}: {e}); give it a type hint "
+                          "on every argument and a Google-style docstring with a description and an Args: section "
+                          "(transformers.utils.get_json_schema)") from None
+
+
+def env_methods(env: Any) -> list[Callable]:
+    """The environment's tools: public plain functions of its class, sorted by name, bound to `env` (TRL: listed on
+    the class, so properties are not evaluated; reset and get_reward are reserved)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if name not in RESERVED and not name.startswith("_")]
+
+
+def _env_reward(env_type: type, asynchronous: bool) -> Callable:
+    """TRL's reward function for an environment class: `get_reward()` of each rollout whose environment is exactly
+    that class, None (unscored) for the others."""
+    if asynchronous:
+        async def get_reward(environments, **_):
+            return [await e.get_reward() if type(e) is env_type else None for e in environments]
+    else:
+        def get_reward(environments, **_):
+            return [e.get_reward() if type(e) is env_type else None for e in environments]
+    get_reward.__name__ = env_type.__name__
+    return get_reward
+
+
+def _env_step_rewards(env_type: type) -> Callable:
+    """A process reward function for an environment class (step_split="turn"): `get_step_rewards()` of each rollout
+    whose environment is exactly that class — one reward per assistant turn; when the last turn was cut by the
+    length budget and is not scored (score_truncated_step=False), its reward is left out — and None per step for
+    the others."""
+    def get_step_rewards(environments, steps, **_):
+        out = []
+        for env, row_steps in zip(environments, steps):
+            if type(env) is not env_type:
+                out.append([None] * len(row_steps))
+                continue
+            values = list(env.get_step_rewards())
+            if len(values) == len(row_steps) + 1:  # the truncated last turn, dropped from the steps
+                values = values[:-1]
+            out.append(values)
+        return out
+    get_step_rewards.__name__ = f"{env_type.__name__}.get_step_rewards"
+    return get_step_rewards
+
+
+class Toolbox:
+    """The run's standalone tools and environments (see the module docstring). `names` are the environment names:
+    [None] for a single factory, the dict's keys for several, [] without environments."""
+
+    def __init__(self, tools: list[Callable] | None = None, environment_factory=None):
+        tools = list(tools or [])
+        for i, fn in enumerate(tools):
+            if not callable(fn):
+                raise ConfigError(f"tools[{i}] is a {type(fn).__name__}, not a function")
+        self.standalone = tools
+        standalone_schemas = [tool_schema(fn, f"tools[{i}] ({getattr(fn, '__name__', fn)!r})")
+                              for i, fn in enumerate(tools)]
+        self.multi = isinstance(environment_factory, dict)
+        if environment_factory is None:
+            factories = {}
+        elif self.multi:
+            if not environment_factory:
+                raise ConfigError("environment_factory is an empty dict: map at least one name to a factory")
+            factories = dict(environment_factory)
+        else:
+            factories = {None: environment_factory}
+        self.factories: dict[str | None, Callable] = {}
+        self.schemas: dict[str | None, list[dict]] = {None: standalone_schemas} if not factories else {}
+        self.pool: dict[str | None, list[Any]] = {}
+        self.reward_sources: list[RewardSource] = []
+        self.process_sources: list[RewardSource] = []  # get_step_rewards (groupwise), for step_split="turn"
+        reward_types: list[type] = []
+        for name, factory in factories.items():
+            where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+            if not callable(factory):
+                raise ConfigError(f"{where} must be a callable returning an environment (a class, or a function)")
+            env = factory()  # the probe: checked, listed, then the pool's first instance
+            if not callable(getattr(env, "reset", None)):
+                raise ConfigError(f"{where}: the environment {type(env).__name__} has no reset() method; define "
+                                  "reset(self, **row) returning None or a string appended to the prompt")
+            methods = env_methods(env)
+            self.schemas[name] = standalone_schemas + [tool_schema(m, f"{where}: {type(env).__name__}.{m.__name__}")
+                                                      for m in methods]
+            self.factories[name], self.pool[name] = factory, [env]
+            if callable(getattr(env, "get_reward", None)) and type(env) not in reward_types:
+                reward_types.append(type(env))
+                fn = _env_reward(type(env), inspect.iscoroutinefunction(env.get_reward))
+                self.reward_sources.append(RewardSource(name=type(env).__name__, fn=fn))
+            if callable(getattr(env, "get_step_rewards", None)) and all(
+                    s.name != f"{type(env).__name__}.get_step_rewards" for s in self.process_sources):
+                fn = _env_step_rewards(type(env))
+                self.process_sources.append(RewardSource(name=fn.__name__, fn=fn))
+
+    @property
+    def has_environments(self) -> bool:
+        return bool(self.factories)
+
+    @property
+    def has_tools(self) -> bool:
+        """Is there any tool at all (standalone, or a method of some environment)? Without one there is no tool loop
+        and no tools/* metric (TRL)."""
+        return any(self.schemas.values())
+
+    def environment_of(self, row: dict[str, Any], i: int) -> str | None:
+        """The environment name a dataset row uses (its `environment` column with several factories)."""
+        if not self.multi:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            raise ConfigError(f"row {i} has environment={name!r}, which is not among the environments passed to "
+                              f"environment_factory; expected one of {list(self.factories)}")
+        return name
+
+    def start(self, rows: list[dict[str, Any]]) -> tuple[list[Any] | None, list[str | None], list[Any]]:
+        """One environment instance per row (pooled: reused across batches, new ones made only when a batch needs
+        more at once), each reset with its row. Returns (instances, or None without environments; each row's
+        environment name; what each reset() returned)."""
+        names = [self.environment_of(r, i) for i, r in enumerate(rows)] if self.factories else [None] * len(rows)
+        if not self.factories:
+            return None, names, [None] * len(rows)
+        taken: dict[str | None, int] = {}
+        envs = []
+        for name in names:
+            k = taken.get(name, 0)
+            while len(self.pool[name]) <= k:
+                self.pool[name].append(self.factories[name]())
+            envs.append(self.pool[name][k])
+            taken[name] = k + 1
+        observations = []
+        for env, row in zip(envs, rows):
+            kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else row
+            observations.append(env.reset(**kwargs))
+        return envs, names, observations
+
+    def tools_of(self, env: Any) -> dict[str, Callable]:
+        """A rollout's tools by name: the standalone ones, then its environment's methods bound to its instance."""
+        return {getattr(fn, "__name__", repr(fn)): fn for fn in self.standalone + (env_methods(env) if env is not None
+                                                                                    else [])}
+
+    def placeholder_dataset(self, args, prompts_per_generation: int) -> list[dict[str, Any]]:
+        """TRL: without a train_dataset an environment owns the data (its reset() returns the prompt): one
+        generation round of empty user prompts, and max_steps says how long to train."""
+        if not self.factories:
+            raise ConfigError("train_dataset is required unless an environment_factory is given")
+        if self.multi:
+            raise ConfigError("a dict environment_factory (several environments) needs a train_dataset with an "
+                              "'environment' column to route each row; provide one, or pass a single factory")
+        if args.max_steps <= 0:
+            raise ConfigError("without a train_dataset (the environment's reset() returns the prompt) set max_steps "
+                              "to say how long to train")
+        return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(prompts_per_generation)]
+
+
+def with_observation(prompt: list[dict], observation: Any) -> list[dict]:
+    """TRL: a string (or list of content blocks) from reset() is appended to the last message's content, as is."""
+    if observation is None:
+        return prompt
+    last = prompt[-1]
+    content = last["content"]
+    if isinstance(content, list) and isinstance(observation, str):
+        observation = [{"type": "text", "text": observation}]
+    elif isinstance(content, str) and isinstance(observation, list):
+        content = [{"type": "text", "text": content}]
+    return prompt[:-1] + [{**last, "content": content + observation}]
+
+
+def default_train_dataset(train_dataset, toolbox: Toolbox | None, args, prompts_per_generation: int):
+    """train_dataset as given, or, when it is None and an environment owns the data, TRL's placeholder."""
+    if train_dataset is not None or toolbox is None or not toolbox.has_environments:
+        return train_dataset
+    return toolbox.placeholder_dataset(args, prompts_per_generation)

@@ -1,0 +1,391 @@
+"""Generation with a vLLM server (TRL's `use_vllm=True, vllm_mode="server"`): a separate `vllm serve` process
+samples; the trainer sends it prompts over HTTP and pushes the policy's weights to it.
+
+It makes the calls TRL 1.16's client makes (trl/generation/vllm_client.py, VLLMClient, as GRPOTrainer drives it
+through trl/generation/vllm_generation.py), with the standard library's HTTP client in place of requests:
+
+connect    GET /health, retried every 2 s until vllm_server_timeout has passed (then a ConnectionError naming the URL
+           and how to start the server); GET /v1/models: the served model's id, sent back with every request.
+generate   POST /v1/completions {"model", "prompt": [[token id, …], …] (each prompt of a group once),
+           "n": completions per prompt, "return_token_ids": true, "return_tokens_as_token_ids": true,
+           "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens": max_completion_length,
+           "logprobs": 0, **generation_kwargs} -> "choices", prompt-major: choice i·n + k is prompt i's k-th
+           completion, with "token_ids" and "logprobs": {"token_logprobs": [log-prob of each sampled token]}.
+weights    once, before the first push: GET /server_info?config_format=json (its vllm_config must have a
+           weight_transfer_config), GET /get_world_size (W workers), then POST /init_weight_transfer_engine
+           {"init_info": {"master_address": vllm's get_ip(), "master_port": vllm_group_port, "rank_offset": 1,
+           "world_size": W + 1} (+ "packed": true from vLLM 0.28)} while this process joins the same group as rank 0
+           (vLLM's trainer end of its NCCL weight-transfer engine). Each push: POST /start_weight_update {};
+           POST /update_weights {"update_info": {"names", "dtype_names", "shapes"} (+ "packed": true before vLLM
+           0.28)} while the tensors are broadcast packed over the group; POST /finish_weight_update {};
+           POST /reset_prefix_cache. At exit the group is closed (its store and socket dropped, as TRL does).
+
+The weights pushed are the policy's parameters under the names vLLM loads (TRL's `_iter_named_params` for an
+unsharded model: a LoRA policy is merged for the push and unmerged after, adapters and `modules_to_save` copies
+left out), before the first generation and after every optimizer step. One training process only: TRL gathers the
+prompts of every process to the main one, which alone talks to the server; groupwise refuses vllm_mode='server'
+with several processes (groupwise.loading.check_combinations).
+
+vLLM must be installed in the training process too (the weight-transfer group is vLLM's). Nothing imports this
+module until the backend is built. It is tested against the in-repo stand-in (tests/vllm_standin: serve.py serves
+the stand-in engine over HTTP, its weight transfer runs a gloo group on the CPU), never against a real vLLM server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.metadata
+import json
+import math
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from groupwise.config_base import ConfigError
+from groupwise.generation import Generated
+
+START_SERVER = ("""VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}' """
+                "--logprobs-mode processed_logprobs --max-logprobs -1")
+
+
+def server_url(args) -> str:
+    """TRL's rule: vllm_server_base_url when given, else http://{vllm_server_host}:{vllm_server_port}."""
+    if args.vllm_server_base_url is not None:
+        url = urllib.parse.urlparse(args.vllm_server_base_url)
+        return f"{url.scheme or 'http'}://{url.netloc}{url.path}".rstrip("/")
+    host = args.vllm_server_host
+    return f"http://{f'[{host}]' if ':' in host else host}:{args.vllm_server_port}"
+
+
+# ---- the weight-transfer group: vLLM's trainer end, the one place it is reached ---------------------------------
+@dataclass(frozen=True)
+class WeightTransfer:
+    open: Callable[[dict], Any]  # init_info -> the communicator (rank 0 of the group)
+    send: Callable[[Any, Iterator[tuple[str, torch.Tensor]]], None]  # communicator, (name, tensor)… -> broadcast
+    packed_in_init: bool  # vLLM ≥ 0.28 reads "packed" from the init info, older versions from each update's info
+    cpu: bool  # the transport runs on the CPU (the in-repo stand-in's gloo group); vLLM's NCCL needs CUDA
+
+
+def _vllm_version(vllm) -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(vllm, "__version__", "0")
+
+
+def weight_transfer() -> WeightTransfer:
+    """The trainer's end of vLLM's NCCL weight-transfer engine, reached as TRL 1.16 reaches it: from vLLM 0.28 (which
+    replaced the engine's static trainer methods by a stateful engine) the rendezvous `nccl_common.trainer_init` and
+    `packed_tensor.packed_nccl_broadcast_producer`; before, `NCCLWeightTransferEngine.trainer_init` and
+    `.trainer_send_weights(packed=True)`. Both build a StatelessProcessGroup hosted by this process (rank 0) and a
+    PyNcclCommunicator over it."""
+    from packaging.version import InvalidVersion, Version
+
+    from groupwise.generation.vllm import _vllm
+
+    vllm = _vllm()
+    try:
+        stateful = Version(_vllm_version(vllm)) >= Version("0.28.0")
+    except InvalidVersion:
+        stateful = True
+    if stateful:
+        from vllm.distributed.weight_transfer import nccl_common
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        def send(group, named):
+            packed_nccl_broadcast_producer(iterator=named, group=group, src=0, post_iter_func=lambda item: item[1])
+
+        return WeightTransfer(nccl_common.trainer_init, send, packed_in_init=True,
+                              cpu=getattr(nccl_common, "CPU_WEIGHT_TRANSFER", False))
+    from vllm.distributed.weight_transfer import nccl_engine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+
+    def send_static(group, named):
+        NCCLWeightTransferEngine.trainer_send_weights(
+            iterator=named, trainer_args=NCCLTrainerSendWeightsArgs(group=group, packed=True))
+
+    return WeightTransfer(NCCLWeightTransferEngine.trainer_init, send_static, packed_in_init=False,
+                          cpu=getattr(nccl_engine, "CPU_WEIGHT_TRANSFER", False))
+
+
+# ---- the client ---------------------------------------------------------------------------------------------------
+class VLLMServerError(RuntimeError):
+    """The server answered a request with an error status."""
+
+
+class VLLMServerClient:
+    """TRL 1.16's VLLMClient calls, over urllib. `request_timeout`: seconds any one request may wait for its answer
+    (generation and weight pushes included); None waits as long as the server takes."""
+
+    def __init__(self, base_url: str, *, group_port: int = 51216, connection_timeout: float = 0.0,
+                 request_timeout: float | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.group_port = group_port
+        self.request_timeout = request_timeout
+        self.communicator = None
+        self.transfer: WeightTransfer | None = None
+        self.check_server(connection_timeout)
+        self.model = self._get("/v1/models")["data"][0]["id"]
+
+    # -- HTTP
+    def _request(self, method: str, path: str, payload: dict | None = None, *, timeout: float | None = None) -> dict:
+        url = self.base_url + path
+        data = None if payload is None else json.dumps(payload).encode()
+        if method == "POST" and data is None:
+            data = b""
+        request = urllib.request.Request(url, data=data, method=method,
+                                         headers={"Content-Type": "application/json"} if payload is not None else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout if timeout is not None else self.request_timeout) \
+                    as response:
+                body = response.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            raise VLLMServerError(f"vLLM server: {method} {url} failed: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConnectionError(f"vLLM server: {method} {url} failed: {reason}") from e
+        return json.loads(body) if body.strip() else {}
+
+    def _get(self, path: str, **kw) -> dict:
+        return self._request("GET", path, **kw)
+
+    def _post(self, path: str, payload: dict | None = None, **kw) -> dict:
+        return self._request("POST", path, payload, **kw)
+
+    def _post_alongside(self, path: str, payload: dict, work: Callable[[], None]) -> dict:
+        """POST while `work()` runs here: the server blocks in the collective the request starts until this process
+        joins it (TRL sends the request from a thread the same way). The thread is a daemon: a request the server
+        never answers cannot hold the process at exit."""
+        box: dict[str, Any] = {}
+
+        def post():
+            try:
+                box["result"] = self._post(path, payload)
+            except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=post, name=f"groupwise-vllm-server{path}", daemon=True)
+        thread.start()
+        work()
+        thread.join(self.request_timeout)
+        if "error" in box:
+            raise box["error"]
+        if thread.is_alive():
+            raise TimeoutError(f"vLLM server: POST {self.base_url}{path} got no answer in {self.request_timeout} s")
+        return box["result"]
+
+    # -- connection
+    def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0) -> None:
+        """GET /health until it answers 200, for at most `total_timeout` seconds (one try when 0)."""
+        url = f"{self.base_url}/health"
+        deadline = time.monotonic() + total_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                request = urllib.request.Request(url, method="GET")
+                with urllib.request.urlopen(request, timeout=max(1.0, min(remaining, 10.0))) as response:
+                    if response.status == 200:
+                        return
+                    last = f"HTTP {response.status}"
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}"
+            except (urllib.error.URLError, OSError) as e:
+                last = str(getattr(e, "reason", e))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ConnectionError(
+                    f"The vLLM server can't be reached at {self.base_url} after {total_timeout:g} s "
+                    f"(vllm_server_timeout; GET /health: {last}). Start it (on the GPUs that serve generation) with "
+                    f"`{START_SERVER}` (or `trl vllm-serve --model <model>`), point vllm_server_base_url (or "
+                    "vllm_server_host / vllm_server_port) at it, and raise vllm_server_timeout if it needs longer "
+                    "to start.")
+            time.sleep(min(retry_interval, remaining))
+
+    def get_server_info(self) -> dict:
+        try:
+            return self._get("/server_info?config_format=json")["vllm_config"]
+        except VLLMServerError as e:
+            if "HTTP 404" in str(e):
+                raise VLLMServerError(
+                    f"The vLLM server at {self.base_url} does not expose its development endpoints, which weight "
+                    "updates use. Restart it with VLLM_SERVER_DEV_MODE=1 in its environment.") from None
+            raise
+
+    def get_world_size(self) -> int:
+        return int(self._get("/get_world_size")["world_size"])
+
+    # -- generation
+    def generate(self, prompts: list[list[int]], *, n: int = 1, repetition_penalty: float = 1.0,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 max_tokens: int = 16, logprobs: int | None = 0, generation_kwargs: dict | None = None) -> dict:
+        """TRL's VLLMClient.generate for token-id prompts: {"prompt_ids", "completion_ids", "logprobs"} with n
+        completions per prompt, prompt-major; logprobs[i][t] is the log-prob of completion i's t-th token (None
+        when the server gave none)."""
+        payload = {"model": self.model, "prompt": prompts, "return_token_ids": True,
+                   "return_tokens_as_token_ids": True, "n": n, "repetition_penalty": repetition_penalty,
+                   "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                   "max_tokens": max_tokens, "logprobs": logprobs, **(generation_kwargs or {})}
+        choices = self._post("/v1/completions", payload)["choices"]
+        if len(choices) != len(prompts) * n:
+            raise VLLMServerError(f"vLLM server: {len(choices)} completions for {len(prompts)} prompts × n={n}")
+        lps = []
+        for choice in choices:
+            values = (choice.get("logprobs") or {}).get("token_logprobs")
+            lps.append(None if values is None else
+                       [None if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values])
+        return {"prompt_ids": [c.get("prompt_token_ids") for c in choices[::n]],
+                "completion_ids": [list(c["token_ids"]) for c in choices], "logprobs": lps}
+
+    # -- weights
+    def init_communicator(self, device: torch.device | str | int = 0) -> None:
+        """Open the weight-transfer group: the server's workers join it as ranks 1… while this process hosts it."""
+        if self.get_server_info().get("weight_transfer_config") is None:
+            raise VLLMServerError(f"The vLLM server at {self.base_url} has no weight-transfer engine. Restart it "
+                                  """with `--weight-transfer-config '{"backend": "nccl"}'`.""")
+        transfer = weight_transfer()
+        from vllm.utils.network_utils import get_ip
+
+        world_size = self.get_world_size() + 1  # the trainer joins the workers as an extra rank, rank 0
+        init_info = {"master_address": get_ip(), "master_port": self.group_port, "rank_offset": 1,
+                     "world_size": world_size}
+        if transfer.packed_in_init:
+            init_info["packed"] = True
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type == "cuda":
+            if device.index is not None:
+                torch.cuda.set_device(device)  # vLLM builds the trainer's end on the current device
+        elif not transfer.cpu:
+            raise ConfigError(f"vllm_mode='server' pushes the weights over vLLM's NCCL weight-transfer engine, which "
+                              f"needs a CUDA device; this process trains on {device}. Train on a GPU, or use "
+                              "vllm_mode='colocate' / generation_backend 'fast'.")
+        box: dict[str, Any] = {}
+        self._post_alongside("/init_weight_transfer_engine", {"init_info": init_info},
+                             lambda: box.setdefault("communicator", transfer.open(init_info)))
+        self.communicator, self.transfer = box["communicator"], transfer
+        atexit.register(self.close_communicator)
+
+    def update_named_params(self, metadata: list[tuple[str, str, list[int]]],
+                            named_params: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """One weight update: the tensors are announced ((name, dtype, shape), in order), then broadcast."""
+        names, dtype_names, shapes = (list(column) for column in zip(*metadata))
+        update_info: dict[str, Any] = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+        if not self.transfer.packed_in_init:
+            update_info["packed"] = True
+        self._post("/start_weight_update", {})
+        self._post_alongside("/update_weights", {"update_info": update_info},
+                             lambda: self.transfer.send(self.communicator, named_params))
+        self._post("/finish_weight_update", {})
+
+    def update_model_params(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.update_named_params([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named],
+                                 iter(named))
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+    def close_communicator(self) -> None:
+        """Drop the group: it holds a socket the server would keep waiting on (TRL's close_communicator)."""
+        if self.communicator is not None:
+            group = getattr(self.communicator, "group", None)
+            if group is not None:
+                group.store = None
+                group.socket = None
+            self.communicator = None
+
+
+# ---- the backend ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The policy's parameters under the names vLLM loads, as TRL 1.16 walks an unsharded model (tied weights once):
+    a LoRA policy merged while the caller reads them (then unmerged), adapters and `modules_to_save`'s originals
+    left out."""
+    peft = hasattr(model, "merge_adapter")
+    if peft:
+        model.merge_adapter()
+    try:
+        prefix = getattr(model, "prefix", "lora_") if peft else None
+        named = []
+        for name, param in model.named_parameters():
+            if peft:
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                if prefix in name or "original_module" in name:
+                    continue
+                name = name.replace("modules_to_save.default.", "")
+            named.append((name.replace("_checkpoint_wrapped_module.", ""), param.data))
+        yield named
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+def repeats(prompts: list[list[int]], sizes: tuple[int | None, ...] = ()) -> int:
+    """Completions to ask per prompt: the rows come as groups of identical prompts (the G completions of a group, or
+    k per prompt in evaluation), and the server is sent each prompt once with n = the group size, as TRL sends
+    `all_prompts[::num_generations]` with n=num_generations. The first of `sizes` the rows are whole groups of, else
+    the length of the first run of identical rows if they all come in such runs, else 1."""
+    first = 1
+    while first < len(prompts) and prompts[first] == prompts[0]:
+        first += 1
+    for n in (*sizes, first):
+        if n and len(prompts) % n == 0 and all(prompts[i] == prompts[i - i % n] for i in range(len(prompts))):
+            return n
+    return 1
+
+
+class VLLMServerGenerator:
+    @classmethod
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> VLLMServerGenerator:
+        from groupwise.generation.vllm import _vllm
+
+        _vllm()  # the weight-transfer group is vLLM's: it must be installed here as well as on the server
+        client = VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
+                                  connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
+        return cls(args, client, pad_token_id=pad_token_id)
+
+    def __init__(self, args, client: VLLMServerClient, *, pad_token_id: int):
+        self.args, self.client, self.pad_token_id = args, client, pad_token_id
+        self.synced = False  # the server holds the policy's current weights
+
+    def update_weights(self, model) -> None:
+        """Push the policy's current weights to the server (full tensors; a LoRA policy merged)."""
+        with vllm_named_weights(model) as named:
+            if self.client.communicator is None:
+                self.client.init_communicator(named[0][1].device)
+            self.client.update_model_params(named)
+        self.client.reset_prefix_cache()
+        self.synced = True
+
+    def close(self) -> None:
+        self.client.close_communicator()
+
+    @torch.no_grad()
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
+        args = self.args
+        if not self.synced:  # the server loaded the checkpoint; the policy may differ (a resumed run, adapters)
+            self.update_weights(model)
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        n = 1 if greedy else repeats(prompts, (args.num_generations, args.num_generations_eval))
+        out = self.client.generate(
+            prompts[::n], n=n, repetition_penalty=args.repetition_penalty,
+            temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+            top_k=0 if greedy else args.top_k, min_p=0.0 if greedy or args.min_p is None else args.min_p,
+            max_tokens=args.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        rows = out["completion_ids"]
+        T = max(1, max(len(r) for r in rows))
+        ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
+        lps = torch.full((len(rows), T), float("nan"))
+        for i, (row, values) in enumerate(zip(rows, out["logprobs"])):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            if logprobs and values is not None:
+                lps[i, :len(values)] = torch.tensor([float("nan") if v is None else v for v in values])
+        device = prompt_ids.device
+        return Generated(ids.to(device), lps.to(device) if logprobs else None)

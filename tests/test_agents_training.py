@@ -1,0 +1,178 @@
+"""Tools in training: tool tokens are left out of the loss, its gradient, the entropy and the KL (compared with the
+formula on the model tokens alone), and GRPOTrainer trains with tools and with an environment on a real tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise import rollout as R
+from groupwise.core.losses import policy_loss
+from groupwise.distributed import Distributed
+from groupwise.modeling import PolicyForLogps
+from groupwise.tasks import toy
+from groupwise.types import Round
+from groupwise.update import UpdateContext, micro_batch_loss
+from tests.agents_support import TOKENIZER, Opening, call, context, multiply, two_calls, user
+
+
+def _grads(model) -> torch.Tensor:
+    out = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_tool_tokens_are_left_out_of_the_loss_gradient_entropy_and_kl():
+    ctx, _ = context(two_calls, loss_type="dr_grpo", beta=0.1)  # a token sum: every token counts
+    comp = R.generate(ctx, None, [{"prompt": user("What is 3*4+1?")}, {"prompt": user("no tools")}])
+    torch.manual_seed(0)
+    device = comp.completion_ids.device  # the rollout's device (CUDA where there is one)
+    model = toy.build_model(TOKENIZER, seed=0, hidden_size=32, num_layers=1, max_positions=512).to(device)
+    policy = PolicyForLogps(model)
+    update = UpdateContext(ctx.args, Distributed(), policy, None, None)
+    adv = torch.tensor([1.0, -0.5], device=device)
+    T = comp.completion_ids.size(1)
+    ref = (-5.0 + 0.1 * torch.randn(2, T)).to(device)  # some reference log-probs: the KL is not 0
+
+    def loss_of(c):
+        batch = dataclasses.replace(R.build_batch(ctx, Round(c, adv, torch.zeros(2), None, None, None), None),
+                                    ref_logps=ref)
+        loss, _, metrics = micro_batch_loss(update, batch, None)
+        loss.backward()
+        return loss.detach(), _grads(model), metrics
+
+    loss, grads, metrics = loss_of(comp)
+    # by hand: row 0 is 90 model tokens, 22 tool tokens, 71 model, 22 tool, 18 model; row 1 is 14 model tokens
+    hand = comp.completion_mask.clone().float()
+    hand[0, 90:112] = 0
+    hand[0, 183:205] = 0
+    assert hand.sum() == 90 + 71 + 18 + 14
+    input_ids = torch.cat([comp.prompt_ids, comp.completion_ids], 1)
+    attention = torch.cat([comp.prompt_mask, comp.completion_mask], 1)  # tool tokens stay visible as context
+    logps, entropy = policy(input_ids, attention, T, compute_entropy=True)
+    want, want_metrics = policy_loss(logps, logps.detach(), adv, hand, loss_type="dr_grpo", beta=0.1, ref_logps=ref,
+                                     max_completion_length=ctx.args.max_completion_length)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads, _grads(model), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(metrics["kl"], want_metrics["kl"])
+    torch.testing.assert_close(metrics["entropy"], (entropy.detach() * hand).sum() / hand.sum())
+    # the same rollout without its tool mask trains on the tool tokens: a different loss and gradient
+    dropped, dropped_grads, dropped_metrics = loss_of(dataclasses.replace(comp, tool_mask=None))
+    assert abs(float(dropped - loss)) > 0.02 and not torch.allclose(dropped_grads, grads)
+    assert abs(float(dropped_metrics["kl"] - metrics["kl"])) > 1e-4
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=4,
+                max_completion_length=120, max_steps=2, learning_rate=1e-3, logging_steps=1, save_steps=0, seed=0,
+                max_tool_calling_iterations=2, beta=0.04, log_completions=False)
+    return GRPOConfig(**{**base, **kw})
+
+
+def test_grpo_trainer_trains_with_tools_on_a_real_tiny_model(tmp_path):
+    seen = []
+
+    def final_answer(completions, **_):  # TRL's reward on the final answer
+        seen.extend(completions)
+        return [float("12" in c[-1]["content"]) for c in completions]
+
+    model = toy.build_model(TOKENIZER, seed=0, hidden_size=32, max_positions=1024)
+    trainer = GRPOTrainer(model, final_answer, args=_args(tmp_path), processing_class=TOKENIZER,
+                          train_dataset=[{"prompt": user(f"What is 3*4? ({i})")} for i in range(4)], tools=[multiply])
+    gen = Opening(trainer.rollout_ctx.generator, lambda p: call("multiply", a=3, b=4) + "<|im_end|>")
+    trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx, generator=gen)
+    trainer.train()
+    assert gen.calls == [("script", 4), ("model", 4)] * 2  # one call per turn, all rows together
+    logged = [h for h in trainer.state.log_history if "loss/policy" in h]
+    assert len(logged) == 2 and all(h["tools/call_frequency"] == 1.0 for h in logged)
+    assert all(h["tools/failure_frequency"] == 0.0 and torch.isfinite(torch.tensor(h["loss/policy"])) for h in logged)
+    assert all([m["role"] for m in c[:2]] == ["assistant", "tool"] and c[1]["content"] == "12" for c in seen)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert rows[0]["completion"][1] == {"role": "tool", "name": "multiply", "content": "12"}
+    # the batch it trained on: tool tokens masked out of the loss, kept in the attention
+    rollout = trainer._collect()
+    comp = rollout.round.completions
+    assert torch.equal(rollout.batch.completion_mask, comp.completion_mask * comp.tool_mask)
+    assert (comp.tool_mask == 0).logical_and(comp.completion_mask == 1).sum() == 4 * 22
+
+
+class IncrementEnv:  # TRL's documented environment (grpo_trainer.md, "Environments"), verbatim but the comments
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        self.target = random.randint(1, 6)
+        return f"Increment the counter by {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+def test_an_environment_owns_the_data_and_the_reward_without_a_dataset(tmp_path):
+    model = toy.build_model(TOKENIZER, seed=0, hidden_size=32, max_positions=1024)
+    trainer = GRPOTrainer(model, args=_args(tmp_path), processing_class=TOKENIZER, environment_factory=IncrementEnv)
+    assert [s.name for s in trainer.reward_sources] == ["IncrementEnv"]
+    opening = lambda p: call("increment", step=int(p.split("counter by ")[1][0])) + "<|im_end|>"  # noqa: E731
+    trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx,
+                                              generator=Opening(trainer.rollout_ctx.generator, opening))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss/policy" in h]
+    assert [h["reward/IncrementEnv/mean"] for h in logged] == [1.0, 1.0]  # get_reward, weight 1
+    assert all(h["tools/call_frequency"] == 1.0 for h in logged)
+
+
+def test_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
+    def undocumented(a: int) -> int:
+        return a
+
+    from groupwise.config_base import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be described to the model"):
+        GRPOTrainer("does/not/exist", lambda completions, **_: [0.0], args=_args(tmp_path), tools=[undocumented],
+                    train_dataset=[{"prompt": user("x")}])
+    with pytest.raises(ConfigError, match="set max_steps"):
+        GRPOTrainer("does/not/exist", args=_args(tmp_path, max_steps=-1), environment_factory=IncrementEnv)
+    model = toy.build_model(TOKENIZER, seed=0, hidden_size=32)
+    with pytest.raises(ConfigError, match="train_dataset row 0 has 'a string'"):
+        GRPOTrainer(model, lambda completions, **_: [0.0], args=_args(tmp_path), processing_class=TOKENIZER,
+                    tools=[multiply], train_dataset=[{"prompt": "a string"}])
+
+
+@pytest.mark.slow
+def test_two_processes_run_their_own_tool_loops_and_sum_the_tool_metrics(tmp_path):
+    """Rank 0's rows call tools (two rounds), rank 1's do not: rank 1 makes one generator call per round, rank 0
+    three, and nothing waits on a collective; tools/* are over both processes' rollouts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "tests" / "agents_dist_worker.py"), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    calls = [json.loads((tmp_path / f"result_{r}.json").read_text())["calls"] for r in (0, 1)]
+    assert calls == [[2, 2, 2] * 2, [2] * 2]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # 2 rollouts × 2 calls on rank 0, none on rank 1: 4 calls over 4 rollouts, the 2 calls to 'nope' failed
+    assert [(x["tools/call_frequency"], x["tools/failure_frequency"]) for x in lines] == [(1.0, 0.5)] * 2

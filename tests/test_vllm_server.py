@@ -1,0 +1,270 @@
+"""use_vllm=True, vllm_mode="server" against the in-repo stand-in server (tests/vllm_standin/serve.py: the endpoints
+TRL 1.16's client calls, served over real HTTP on localhost by the stand-in engine, with the weight-transfer group on
+gloo instead of NCCL). vLLM itself cannot run here (no GPU): this checks the contract — requests, call sequence,
+weights reaching the server after every optimizer step, errors — not vLLM."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise.config_base import ConfigError
+from groupwise.loading import check_combinations
+from groupwise.tasks import toy
+from groupwise.text import encode_prompts
+from tests.conftest import small_args
+
+STANDIN = str(Path(__file__).with_name("vllm_standin"))
+
+
+def _drop_vllm_modules():
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def vllm(monkeypatch):
+    monkeypatch.syspath_prepend(STANDIN)
+    _drop_vllm_modules()
+    import vllm as standin
+
+    standin.ENGINES.clear()
+    yield standin
+    _drop_vllm_modules()
+
+
+@pytest.fixture
+def server(vllm, base_dir):
+    from tests.vllm_standin.serve import StandinServer
+
+    with StandinServer(base_dir) as s:
+        yield s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_args(tmp_path, url, **kw):
+    return small_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                      vllm_group_port=_free_port(), vllm_server_timeout=5.0, **kw)
+
+
+def _generator(args, tokenizer):
+    from groupwise.generation import build_generator
+
+    return build_generator(args, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id])
+
+
+def _server_holds(server, named: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, named[n].detach().cpu()) for n, p in server.llm.hf.named_parameters())
+
+
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]  # varied: every step moves the weights
+
+
+def test_server_mode_trains_and_pushes_weights_after_every_step(tmp_path, base_dir, server):
+    from groupwise.generation.vllm_server import VLLMServerGenerator
+
+    args = _server_args(tmp_path, server.url, max_steps=2, max_completion_length=8)
+    assert args.generation_backend == "vllm" and args.corrects_sampling
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
+    gen = t.rollout_ctx.generator
+    assert isinstance(gen, VLLMServerGenerator)
+    initial = {n: p.detach().clone() for n, p in server.llm.hf.named_parameters()}
+    pushed = []
+    original = gen.update_weights
+    gen.update_weights = lambda m: (original(m), pushed.append(
+        (_server_holds(server, dict(t.unwrapped.named_parameters())),
+         any(not torch.equal(initial[n], p) for n, p in server.llm.hf.named_parameters()))))
+    try:
+        metrics = t.train()
+    finally:
+        gen.close()
+    # before the first generation, then after each optimizer step, the server holds the policy's current weights;
+    # the first push is the checkpoint the server loaded, after step 1 they have moved
+    assert pushed == [(True, False), (True, True), (True, True)]
+    assert server.updates == 3 and server.packed_in_init is True
+    assert set(server.received) == {n for n, _ in t.unwrapped.named_parameters()}
+    # TRL's sequence: connect, open the group once, then per push start / update / finish / reset the prefix cache
+    paths = server.paths()
+    assert paths[:2] == ["/health", "/v1/models"]
+    push = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    assert paths[2:9] == ["/server_info", "/get_world_size", "/init_weight_transfer_engine", *push]
+    assert paths.count("/init_weight_transfer_engine") == 1 and paths.count("/update_weights") == 3
+    init = next(body for _, p, body in server.requests if p == "/init_weight_transfer_engine")["init_info"]
+    assert init == {"master_address": "127.0.0.1", "master_port": args.vllm_group_port, "rank_offset": 1,
+                    "world_size": 2, "packed": True}
+    # one request per round: each prompt once, n = num_generations, TRL's sampling fields
+    requests = [body for _, p, body in server.requests if p == "/v1/completions"]
+    assert len(requests) == 2
+    for body in requests:
+        assert len(body["prompt"]) == 2 and body["n"] == 4  # 8 rows = 2 prompts × 4 completions
+        assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+                                     "logprobs", "return_token_ids", "return_tokens_as_token_ids")} == dict(
+            temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=8, logprobs=0,
+            return_token_ids=True, return_tokens_as_token_ids=True)
+        assert body["model"] == base_dir
+    # the server samples with the policy's numerics: its log-probs feed the importance weights, which are 1
+    assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(metrics["sampling/sampling_logp_difference/max"]) < 1e-4
+
+
+@pytest.mark.parametrize("version", ["0.31.0+standin", "0.27.0"])
+def test_greedy_completions_from_the_server_equal_the_policy_s(tmp_path, base_dir, server, vllm, monkeypatch,
+                                                               tokenizer, version):
+    """Weights pushed by either generation of vLLM's trainer API (vLLM ≥ 0.28: packed set at init; before: per
+    update); the server then decodes greedily what the policy decodes greedily."""
+    monkeypatch.setattr(vllm, "__version__", version)
+    policy = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    with torch.no_grad():  # away from the checkpoint the server loaded: only a push makes them agree
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    args = _server_args(tmp_path, server.url, max_completion_length=12)
+    gen = _generator(args, tokenizer)
+    try:
+        gen.update_weights(policy)
+        assert _server_holds(server, dict(policy.named_parameters()))
+        update = next(body for _, p, body in server.requests if p == "/update_weights")["update_info"]
+        if version.startswith("0.27"):
+            assert server.packed_in_init is None and update["packed"] is True
+        else:
+            assert server.packed_in_init is True and "packed" not in update
+        assert update["names"] == [n for n, _ in policy.named_parameters()]
+        assert update["dtype_names"] == ["float32"] * len(update["names"])
+        prompts = [f"repeat {c}:" for c in "abcd"]
+        ids, mask = encode_prompts(prompts, tokenizer, None)
+        out = gen(policy, ids, mask, greedy=True)
+    finally:
+        gen.close()
+    body = [b for _, p, b in server.requests if p == "/v1/completions"][-1]
+    assert body["temperature"] == 0.0 and body["n"] == 1 and len(body["prompt"]) == 4
+    eos = tokenizer.eos_token_id
+    for i, prompt in enumerate(ids):
+        ref = policy.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), do_sample=False,
+                              max_new_tokens=12, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+        expected = ref[0, prompt.numel():].tolist()
+        got = out.completion_ids[i].tolist()
+        assert got[:len(expected)] == expected and all(x == tokenizer.pad_token_id for x in got[len(expected):])
+    assert out.logprobs is None
+
+
+def test_lora_policy_pushes_merged_weights_under_vllm_names(tmp_path, base_dir, server, tokenizer):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the merged weights
+    gen = _generator(_server_args(tmp_path, server.url), tokenizer)
+    try:
+        gen.update_weights(policy)
+    finally:
+        gen.close()
+    merged = copy.deepcopy(policy).merge_and_unload()
+    assert _server_holds(server, dict(merged.named_parameters()))
+    assert not any("lora" in n or "base_layer" in n for n in server.received)
+    base = toy.build_model(tokenizer, seed=0, hidden_size=32)  # the adapters moved the server off the checkpoint
+    assert any(not torch.equal(p, q) for p, q in zip(server.llm.hf.parameters(), base.parameters()))
+    assert not any(hasattr(m, "merged") and m.merged for m in policy.modules())  # unmerged after the push
+
+
+def test_unreachable_server_fails_within_the_timeout_naming_url_and_fix(tmp_path, base_dir, vllm):
+    port = _free_port()  # nothing listens there
+    args = small_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
+                      vllm_server_port=port, vllm_server_timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as e:
+        GRPOTrainer(base_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(4))
+    assert time.monotonic() - start < 10  # model load + 1 s of retries, never forever
+    message = str(e.value)
+    assert f"http://127.0.0.1:{port}" in message and "after 1 s" in message
+    assert "vllm serve" in message and "vllm_server_base_url" in message and "vllm_server_timeout" in message
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dev_mode=False), "VLLM_SERVER_DEV_MODE=1"),
+    (dict(weight_transfer=False), "--weight-transfer-config"),
+])
+def test_a_server_that_cannot_take_weights_says_how_to_start_it(tmp_path, base_dir, vllm, tokenizer, kw, match):
+    from tests.vllm_standin.serve import StandinServer
+
+    with StandinServer(base_dir, **kw) as server:
+        gen = _generator(_server_args(tmp_path, server.url), tokenizer)
+        with pytest.raises(RuntimeError, match=match):
+            gen.update_weights(toy.build_model(tokenizer, seed=0, hidden_size=32))
+        assert gen.client.communicator is None
+
+
+def test_server_mode_config_is_checked_before_anything_loads():
+    cfg = GRPOConfig(use_vllm=True, vllm_mode="server")
+    assert cfg.generation_backend == "vllm"
+    assert (cfg.vllm_server_base_url, cfg.vllm_server_host, cfg.vllm_server_port, cfg.vllm_server_timeout,
+            cfg.vllm_group_port) == (None, "0.0.0.0", 8000, 240.0, 51216)  # TRL's defaults
+    from groupwise.generation.vllm_server import server_url
+
+    assert server_url(cfg) == "http://0.0.0.0:8000"
+    assert server_url(GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_host="::1")) == "http://[::1]:8000"
+    assert server_url(GRPOConfig(use_vllm=True, vllm_mode="server",
+                                 vllm_server_base_url="http://gen-node:9000/")) == "http://gen-node:9000"
+    with pytest.raises(ConfigError, match=r"vllm_server_base_url='gen-node:9000' must be an http\(s\) URL"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="gen-node:9000")
+    with pytest.raises(ConfigError, match=r"vllm_server_base_url and vllm_server_port=9000 both say where the "
+                                          r"server is .*: give one"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://a:9000", vllm_server_port=9000)
+    with pytest.raises(ConfigError, match="vllm_server_port"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_port=70000)
+    with pytest.raises(ConfigError, match="vllm_group_port"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_group_port=0)
+    with pytest.raises(ConfigError, match="vllm_server_timeout"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_timeout=-1.0)
+    # the colocated engine's settings have no effect on a server (TRL ignores them): a warning saying where they go
+    with pytest.warns(UserWarning, match=r"vllm_gpu_memory_utilization=0.5 has no effect with vllm_mode='server'"
+                                         r".*--gpu-memory-utilization"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_gpu_memory_utilization=0.5)
+    with pytest.warns(UserWarning, match="vllm_tensor_parallel_size=2 has no effect"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="vllm_tensor_parallel_size > 1 is not supported yet"):
+        GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)  # colocate
+    # the server fields are read in server mode only: any value loads otherwise (TRL's dumps carry them)
+    GRPOConfig(use_vllm=True, vllm_server_port=9000, vllm_server_base_url="http://a:1")
+    GRPOConfig(vllm_mode="server", vllm_server_base_url="not a url")
+    with pytest.raises(ConfigError, match="TRL field vllm_structured_outputs_regex='a' is not supported"):
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a")
+    # one training process: TRL routes every process's prompts through the main one, which groupwise does not
+    with pytest.raises(ConfigError, match=r"vllm_mode='server' with 2 training processes is not supported yet"):
+        check_combinations(cfg, model="m", sharded=False, peft_config=None, optimizers=(None, None), world_size=2)
+    check_combinations(cfg, model="m", sharded=False, peft_config=None, optimizers=(None, None), world_size=1)
+
+
+def test_each_prompt_of_a_group_is_sent_once_with_n_the_group_size():
+    from groupwise.generation.vllm_server import repeats
+
+    a, b = [5, 6], [7]
+    assert repeats([a] * 4 + [b] * 4, (4, None)) == 4  # a training round: B prompts × G
+    assert repeats([a] * 8, (4, None)) == 4  # the same prompt drawn twice in a round: still groups of G
+    assert repeats([a, a, b, b], (4, 2)) == 2  # evaluation with num_generations_eval=2
+    assert repeats([a, a, b, b], (4, None)) == 2  # runs of identical rows
+    assert repeats([a, b, a], (4, None)) == 1 and repeats([a, a, b], (4, None)) == 1  # not groups: one by one
+
+
+def test_import_and_config_never_import_vllm():
+    code = ("import sys, groupwise; from groupwise import GRPOConfig; "
+            "GRPOConfig(use_vllm=True, vllm_mode='server', vllm_server_base_url='http://x:1'); "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'vllm' or m.endswith('vllm_server')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

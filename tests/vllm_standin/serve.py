@@ -1,0 +1,257 @@
+"""A stand-in for the vLLM server TRL 1.16 trains against (`VLLM_SERVER_DEV_MODE=1 vllm serve <model>
+--weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs`, which `trl vllm-serve` starts):
+the endpoints TRL's VLLMClient calls, served over real HTTP by the stand-in engine (tests/vllm_standin/vllm: a
+transformers model on the CPU), with the weight-transfer group on gloo instead of NCCL.
+
+    GET  /health                          200 once the engine is up
+    GET  /v1/models                       {"data": [{"id": <model>}]}
+    GET  /server_info?config_format=json  {"vllm_config": {..., "weight_transfer_config": {"backend": "nccl"} | null}}
+    GET  /get_world_size                  {"world_size": 1}
+    POST /v1/completions                  {"model", "prompt": [[ids]…], "n", sampling fields, "logprobs",
+                                           "return_token_ids", …} -> {"choices": [{"index", "prompt_token_ids",
+                                           "token_ids", "logprobs": {"tokens": ["token_id:<id>"…], "token_logprobs",
+                                           "top_logprobs"}, "finish_reason"}]} (prompt-major)
+    POST /init_weight_transfer_engine     {"init_info": {master_address, master_port, rank_offset, world_size,
+                                           packed?}}: joins the trainer's group as rank rank_offset
+    POST /start_weight_update, /update_weights {"update_info": {names, dtype_names, shapes, packed?}},
+         /finish_weight_update            receive the packed broadcast into the engine's model (load_weights)
+    POST /reset_prefix_cache              {"success": true}
+
+/server_info, /get_world_size and the weight endpoints are vLLM's development endpoints: with `dev_mode=False`
+they answer 404, as vLLM does without VLLM_SERVER_DEV_MODE=1. Every request is recorded in `requests` (method,
+path, JSON body) so tests can check the call sequence. Completions carry no text (groupwise reads token ids).
+
+In a test: `with StandinServer(model_dir) as server: ... server.url ...` (a thread of the test process). As a
+process: `python tests/vllm_standin/serve.py <model> --port 8000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "logprobs", "seed")
+IGNORED = ("model", "prompt", "return_token_ids", "return_tokens_as_token_ids", "stream", "echo")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class StandinServer:
+    def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 0, weight_transfer: bool = True,
+                 dev_mode: bool = True, seed: int = 0):
+        import vllm  # the stand-in engine (tests/vllm_standin on sys.path)
+
+        self.vllm = vllm
+        self.model_name = model
+        self.llm = vllm.LLM(model=model, seed=seed, logprobs_mode="processed_logprobs")
+        self.weight_transfer, self.dev_mode = weight_transfer, dev_mode
+        self.requests: list[tuple[str, str, dict | None]] = []
+        self.lock = threading.Lock()  # the engine: generation and weight loads do not interleave
+        self.communicator = None
+        self.packed_in_init: bool | None = None
+        self.updating = False
+        self.updates = 0  # completed weight updates (start … finish)
+        self.received: list[str] = []  # tensor names received, over all updates
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> StandinServer:
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="vllm-standin-server", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.communicator = None
+
+    def __enter__(self) -> StandinServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def paths(self) -> list[str]:
+        return [path for _, path, _ in self.requests]
+
+    # ---- endpoints ----------------------------------------------------------------------------------------------
+    def route(self, method: str, path: str, query: dict, body: dict | None):
+        dev = {"/server_info", "/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
+               "/update_weights", "/finish_weight_update", "/reset_prefix_cache"}
+        if path in dev and not self.dev_mode:
+            raise HTTPError(404, "Not Found")
+        routes = {
+            ("GET", "/health"): lambda: None,
+            ("GET", "/v1/models"): lambda: {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "owned_by": "vllm", "root": self.model_name}]},
+            ("GET", "/server_info"): lambda: {"vllm_config": {
+                "model_config": {"model": self.model_name, "logprobs_mode": "processed_logprobs"},
+                "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+                "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}},
+            ("GET", "/get_world_size"): lambda: {"world_size": 1},
+            ("POST", "/v1/completions"): lambda: self.completions(body or {}),
+            ("POST", "/init_weight_transfer_engine"): lambda: self.init_weight_transfer(body or {}),
+            ("POST", "/start_weight_update"): lambda: self.start_update(),
+            ("POST", "/update_weights"): lambda: self.update_weights(body or {}),
+            ("POST", "/finish_weight_update"): lambda: self.finish_update(),
+            ("POST", "/reset_prefix_cache"): lambda: {"success": self.llm.reset_prefix_cache()},
+        }
+        if (method, path) not in routes:
+            raise HTTPError(404 if path not in {p for _, p in routes} else 405, f"{method} {path}")
+        return routes[method, path]()
+
+    def completions(self, body: dict) -> dict:
+        prompts = body.get("prompt")
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]
+        if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) for p in prompts)):
+            raise HTTPError(400, "the stand-in server takes prompts as token ids: a list of lists of ints")
+        if body.get("model") != self.model_name:
+            raise HTTPError(404, f"The model `{body.get('model')}` does not exist.")
+        unknown = set(body) - set(SAMPLING) - set(IGNORED)
+        if unknown:
+            raise HTTPError(400, f"the stand-in server does not implement {sorted(unknown)}")
+        params = self.vllm.SamplingParams(**{k: body[k] for k in SAMPLING if body.get(k) is not None})
+        with self.lock:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
+                                        use_tqdm=False)
+        eos = self.llm.hf.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        choices = []
+        for out in outputs:
+            for c in out.outputs:
+                logprobs = None
+                if c.logprobs is not None:
+                    tokens = [f"token_id:{t}" for t in c.token_ids]
+                    values = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
+                    logprobs = {"tokens": tokens, "token_logprobs": values, "text_offset": [0] * len(tokens),
+                                "top_logprobs": [{tok: v} for tok, v in zip(tokens, values)]}
+                finish = "stop" if c.token_ids and c.token_ids[-1] in eos else "length"
+                choices.append({"index": len(choices), "text": "", "logprobs": logprobs, "finish_reason": finish,
+                                "prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(c.token_ids)})
+        return {"id": f"cmpl-standin-{len(self.requests)}", "object": "text_completion", "model": self.model_name,
+                "choices": choices}
+
+    def init_weight_transfer(self, body: dict) -> dict:
+        if not self.weight_transfer:
+            raise HTTPError(400, "no weight-transfer engine: start the server with --weight-transfer-config")
+        info = body["init_info"]
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        # one worker: rank 0 of the server's workers is rank_offset in the trainer's group
+        self.communicator = stateless_init_process_group(info["master_address"], int(info["master_port"]),
+                                                         int(info["rank_offset"]), int(info["world_size"]), "cpu")
+        self.packed_in_init = info.get("packed")
+        return {}
+
+    def start_update(self) -> dict:
+        self.updating = True
+        return {}
+
+    def update_weights(self, body: dict) -> dict:
+        if self.communicator is None:
+            raise HTTPError(400, "call /init_weight_transfer_engine first")
+        if not self.updating:
+            raise HTTPError(400, "call /start_weight_update first")
+        info = body["update_info"]
+        packed = info.get("packed", self.packed_in_init)
+        names, shapes, dtypes = info["names"], info["shapes"], [DTYPES[d] for d in info["dtype_names"]]
+        loader = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+        def load(pairs):
+            with self.lock:
+                loader.load_weights(pairs)
+            self.received.extend(name for name, _ in pairs)
+
+        if packed:
+            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+            packed_nccl_broadcast_consumer(iter(zip(names, zip(shapes, dtypes))), self.communicator, 0, load,
+                                           device="cpu")
+        else:
+            for name, shape, dtype in zip(names, shapes, dtypes):
+                tensor = torch.empty(shape, dtype=dtype)
+                self.communicator.broadcast(tensor, src=0)
+                load([(name, tensor)])
+        return {}
+
+    def finish_update(self) -> dict:
+        if not self.updating:
+            raise HTTPError(400, "call /start_weight_update first")
+        self.updating = False
+        self.updates += 1
+        return {}
+
+    # ---- HTTP -----------------------------------------------------------------------------------------------------
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _serve(self, method: str):
+                parsed = urllib.parse.urlparse(self.path)
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body = json.loads(raw) if raw.strip() else None
+                    server.requests.append((method, parsed.path, body))
+                    result = server.route(method, parsed.path, urllib.parse.parse_qs(parsed.query), body)
+                    status, payload = 200, b"" if result is None else json.dumps(result).encode()
+                except HTTPError as e:
+                    status = e.status
+                    payload = json.dumps({"object": "error", "message": str(e), "code": e.status}).encode()
+                except Exception as e:  # noqa: BLE001 — the server's error answer, as vLLM's
+                    status = 500
+                    payload = json.dumps({"object": "error", "message": f"{type(e).__name__}: {e}",
+                                          "code": 500}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+        return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stand-in `vllm`
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    a = parser.parse_args(argv)
+    server = StandinServer(a.model, host=a.host, port=a.port)
+    print(f"stand-in vLLM server for {a.model} on {server.url}", flush=True)
+    server.httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
