@@ -18,7 +18,8 @@ import time
 import pytest
 
 from groupwise.agents import sandbox
-from groupwise.agents.sandbox import call_with_timeout, run_python
+from groupwise.agents.execution import call_with_timeout
+from groupwise.agents.sandbox import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux (/proc, rlimits)")
 

@@ -1,6 +1,6 @@
 """Running the tool calls of one assistant turn, as TRL 1.16's `_tool_call_loop` does, with a per-call timeout.
 
-Each call runs through `groupwise.agents.sandbox.call_with_timeout`: in this process, in a worker thread, waiting at
+Each call runs through `call_with_timeout` (below): in this process, in a worker thread, waiting at
 most `timeout` seconds (GRPOConfig.tool_timeout; None: no limit). Tools are trusted user code; model-generated code
 is never executed here (a tool that runs code must hand it to `sandbox.run_python`).
 
@@ -14,14 +14,17 @@ and is abandoned (a Python thread cannot be stopped: it runs on, as a daemon thr
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import json
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from groupwise.agents.sandbox import call_with_timeout
-from groupwise.rewards.sources import is_async
+from groupwise.rewards.sources import RewardTimeout, is_async
+from groupwise.rewards.sources import call_with_timeout as timed_call
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,61 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
     messages = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
                 for name, result in done]
     return ToolResults(messages, len(calls), failures, timeouts)
+
+
+# ---- a trusted tool with a timeout ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolOutcome:
+    """The result of a tool call. ok: it returned; content: what it returned, as text (str as is, None as "", other
+    JSON-serialisable values as JSON, anything else by str()), or the error's description; error: None, "timeout"
+    or "exception"."""
+
+    ok: bool
+    content: str
+    error: str | None = None
+    duration_s: float = 0.0
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None = None,
+                      timeout_s: float | None = 30.0) -> ToolOutcome:
+    """Call a *trusted* tool `fn(**kwargs)` in this process, in a worker thread, waiting at most `timeout_s` seconds
+    (None: no limit) — the thread-with-timeout of reward functions (groupwise.rewards.sources.call_with_timeout). An
+    `async def` tool (or one returning an awaitable) is run to completion on its own event loop in that thread.
+
+    Timeout: returns ToolOutcome(ok=False, error="timeout") after ~timeout_s. The call itself cannot be stopped: the
+    thread is abandoned (a daemon thread, so it does not keep the process alive) and runs on in the background, with
+    whatever side effects it has. This is for Python functions the user wrote; code written by a model must be run
+    with `groupwise.agents.sandbox.run_python`, which can be stopped. Exception (SystemExit included): returns
+    ok=False, error="exception", content "TypeName: message".
+    """
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    def call() -> Any:
+        value = fn(**(kwargs or {}))
+        return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
+
+    t0 = time.monotonic()
+    try:
+        value = timed_call(call, timeout_s, f"tool {name!r}")
+    except RewardTimeout:
+        return ToolOutcome(False, f"tool {name!r} timed out after {timeout_s:g} s", "timeout", time.monotonic() - t0)
+    except (Exception, SystemExit) as e:  # reported to the model as the tool's message, never raised
+        return ToolOutcome(False, f"{type(e).__name__}: {e}", "exception", time.monotonic() - t0)
+    return ToolOutcome(True, _as_text(value), None, time.monotonic() - t0)
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable

@@ -59,17 +59,15 @@ What works on the machine this was written on (Linux 6.18, running as root, Debi
 network namespaces (unshare as root), a per-call uid (with read-all-files, because the interpreter lives under
 /root), RLIMIT_NPROC exact for that uid.
 
-`call_with_timeout(fn, kwargs, timeout_s)` is the other half: it runs a *trusted* tool (a Python function the user
-passed) in-process, in a worker thread, with a wall-clock timeout. A timed-out call cannot be stopped (Python threads
+`groupwise.agents.execution.call_with_timeout(fn, kwargs, timeout_s)` is the other half: it runs a *trusted* tool (a
+Python function the user passed) in-process, in a worker thread, with a wall-clock timeout. A timed-out call cannot be stopped (Python threads
 cannot be killed): it is abandoned as a daemon thread and keeps running in the background. Tools that run code
 must therefore go through `run_python`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
-import inspect
 import json
 import os
 import selectors
@@ -82,9 +80,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Any
 
-__all__ = ["SandboxResult", "ToolOutcome", "call_with_timeout", "run_python"]
+__all__ = ["SandboxResult", "run_python"]
 
 # uids run_python may use when the trainer runs as root: SANDBOX_UID_BASE .. + SANDBOX_UID_COUNT - 1 (uids no
 # account should have; override with GROUPWISE_SANDBOX_UID_BASE when they clash, or to fit a user namespace's map)
@@ -137,242 +136,11 @@ class SandboxResult:
 # The supervisor: runs in the child as `python -I -S -B -X utf8 -c _SUPERVISOR CONFIG_JSON`, single-threaded.
 # It reports on the status pipe (fd cfg["status_fd"]) one JSON line {"event": "setup", ...} once namespaces are
 # decided, and one {"event": "exit", ...} with the program's wait status and CPU time when it ends.
-_SUPERVISOR = r'''
-import ctypes, json, os, resource, signal, sys, time
-cfg = json.loads(sys.argv[1])
-STATUS_FD = cfg["status_fd"]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-libc.unshare.argtypes = [ctypes.c_int]
-PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 8, 36, 38
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH = 47, 2, 2
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+# The supervisor program (supervisor.py, run from its text with `python -c`, never imported here).
+_SUPERVISOR = (Path(__file__).parent / "supervisor.py").read_text()
 
-def check(ret):
-    if ret != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-
-def prctl(option, a=0, b=0, c=0, d=0):
-    check(libc.prctl(option, a, b, c, d))
-
-def report(obj):
-    os.write(STATUS_FD, (json.dumps(obj) + "\n").encode())
-
-def tasks_of_uid(uid):
-    n = 0
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open("/proc/%s/status" % p) as f:
-                    st = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
-            except OSError:
-                continue
-            if int(st["Uid"].split()[0]) == uid:
-                n += int(st.get("Threads", "1"))
-    return n
-
-def children_of(pid):
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open("/proc/%s/stat" % p, "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == pid and fields[0] != b"Z":
-                out.append(int(p))
-    return out
-
-class Stop(Exception):
-    pass
-
-def on_stop(signum, frame):
-    raise Stop()
-
-def run_program():
-    """The model's process: drop privileges, set the limits, exec `python main.py`. Fails closed (exit 126)."""
-    try:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        uid = cfg["uid"]
-        if uid is not None:
-            if cfg["read_all_files"]:
-                prctl(PR_SET_KEEPCAPS, 1)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            if cfg["read_all_files"]:
-                class Header(ctypes.Structure):
-                    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-                class Data(ctypes.Structure):
-                    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                                ("inheritable", ctypes.c_uint32)]
-                data = (Data * 2)()
-                data[0].effective = data[0].permitted = data[0].inheritable = 1 << CAP_DAC_READ_SEARCH
-                check(libc.capset(ctypes.byref(Header(0x20080522, 0)), data))
-                prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH)
-            if os.getuid() != uid or os.geteuid() != uid or os.getgid() != uid:
-                raise RuntimeError("privilege drop did not take")
-            try:
-                os.setuid(0)
-            except PermissionError:
-                pass
-            else:
-                raise RuntimeError("privilege drop is reversible")
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
-        nproc = cfg["max_processes"]
-        if cfg["nproc_mode"] == "userns":
-            nproc += 2                       # the supervisor and the reaper are counted in the namespace too
-        elif cfg["nproc_mode"] == "relative":
-            nproc += tasks_of_uid(os.getuid()) - 1
-        mb = 1024 * 1024
-        limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc),
-                  (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb), (resource.RLIMIT_NOFILE, cfg["max_open_files"]),
-                  (resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)), (resource.RLIMIT_AS, cfg["memory_mb"] * mb)]
-        for which, value in limits:
-            soft, hard = value if isinstance(value, tuple) else (value, value)
-            cur_hard = resource.getrlimit(which)[1]
-            if cur_hard != resource.RLIM_INFINITY:
-                soft, hard = min(soft, cur_hard), min(hard, cur_hard)
-            resource.setrlimit(which, (soft, hard))
-        os.closerange(3, 1 << 16)
-        os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
-    except BaseException as e:                 # the status pipe is still open here (closerange closes it for exec)
-        report({"event": "setup_failed", "error": "%s: %s" % (type(e).__name__, e)})
-        os._exit(126)
-
-def reap(pidns):
-    """Run the program, reap every orphan until it ends, then see that nothing it started survives."""
-    signal.signal(signal.SIGUSR1, on_stop)
-    program = os.fork()
-    if program == 0:
-        run_program()
-    status = cpu = None
-    try:
-        while True:
-            pid, st, ru = os.wait4(-1, 0)
-            if pid == program:
-                status, cpu = st, ru.ru_utime + ru.ru_stime
-                break
-    except (Stop, ChildProcessError):
-        pass
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    if status is None:
-        try:
-            os.kill(program, signal.SIGKILL)
-        except OSError:
-            pass
-    if not pidns:                                  # a subreaper: every orphan of the tree ends up as our child
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            kids = children_of(os.getpid())
-            for k in kids:
-                try:
-                    os.kill(k, signal.SIGKILL)
-                except OSError:
-                    pass
-            while True:
-                try:
-                    pid, st, ru = os.wait4(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                if pid == program and status is None:
-                    status, cpu = st, ru.ru_utime + ru.ru_stime
-            if not kids:
-                break
-            time.sleep(0.005)
-    event = {"event": "exit", "status": status, "cpu_s": cpu}
-    if status is not None:
-        if os.WIFSIGNALED(status):
-            event["signal"] = os.WTERMSIG(status)
-        else:
-            event["code"] = os.WEXITSTATUS(status)
-    report(event)
-    os._exit(0)
-
-def main():
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != cfg["host_pid"]:
-        os._exit(125)
-    namespaces, refused = [], {}
-    if not cfg["use_namespaces"]:
-        pass
-    elif os.getuid() != 0:
-        try:
-            uid, gid = os.getuid(), os.getgid()
-            check(libc.unshare(CLONE_NEWUSER))
-            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
-                               ("gid_map", "%d %d 1" % (gid, gid))):
-                with open("/proc/self/" + name, "w") as f:
-                    f.write(text)
-            namespaces.append("user")
-        except OSError as e:
-            refused["user"] = e.strerror
-    wanted = [("pid", CLONE_NEWPID)] + ([] if cfg["network"] else [("net", CLONE_NEWNET)])
-    if not cfg["use_namespaces"]:
-        wanted = []
-    for name, flag in wanted:
-        try:
-            check(libc.unshare(flag))
-            namespaces.append(name)
-        except OSError as e:
-            refused[name] = e.strerror
-    if cfg["uid"] is not None:
-        cfg["nproc_mode"] = "uid"
-    elif "user" in namespaces and "pid" in namespaces:
-        cfg["nproc_mode"] = "userns"
-    else:
-        cfg["nproc_mode"] = "relative"
-    net_blocked = "net" in namespaces
-    if not cfg["network"] and not net_blocked:
-        cfg["argv"] = cfg["argv_socket_patch"]
-    report({"event": "setup", "namespaces": namespaces, "refused": refused, "nproc_mode": cfg["nproc_mode"],
-            "network": "allowed" if cfg["network"] else ("netns" if net_blocked else "python-socket-patch")})
-    if "pid" in namespaces:
-        reaper = os.fork()                         # pid 1 of the new namespace; when it exits the kernel kills the rest
-        if reaper == 0:
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            reap(pidns=True)
-        while True:
-            try:
-                os.waitpid(reaper, 0)
-                break
-            except ChildProcessError:
-                break
-        os._exit(0)
-    prctl(PR_SET_CHILD_SUBREAPER, 1)
-    reap(pidns=False)
-
-main()
-'''
-
-# Run instead of `main.py` when the network must be blocked and no network namespace could be had: ordinary Python
-# code gets PermissionError from socket.socket for anything but Unix sockets. Easy to bypass (ctypes, _socket, a
-# subprocess): reported as network="python-socket-patch", never as isolation.
-_SOCKET_PATCH = r'''
-def _block_network():
-    import socket
-    local = (socket.AF_UNIX, getattr(socket, "AF_NETLINK", -2))
-    class socket_without_network(socket.socket):
-        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
-            if fileno is None and family not in local:
-                raise PermissionError(13, "network access is disabled in this sandbox")
-            super().__init__(family, type, proto, fileno)
-    socket.socket = socket_without_network
-_block_network()
-del _block_network
-import sys
-sys.argv = ["main.py"]
-__file__ = "main.py"
-with open("main.py", encoding="utf-8") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _f
-exec(_code)
-'''
+# The program run instead of main.py when only a Python-level network block is possible (socket_patch.py's text).
+_SOCKET_PATCH = (Path(__file__).parent / "socket_patch.py").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -721,73 +489,3 @@ def _parse_status(capture: _Capture) -> tuple[dict, dict]:
         elif event.get("event") == "exit":
             exit_event = event
     return setup, exit_event
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ToolOutcome:
-    """The result of a tool call. ok: it returned; content: what it returned, as text (str as is, None as "", other
-    JSON-serialisable values as JSON, anything else by str()), or the error's description; error: None, "timeout"
-    or "exception"."""
-
-    ok: bool
-    content: str
-    error: str | None = None
-    duration_s: float = 0.0
-
-
-def _as_text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None = None,
-                      timeout_s: float | None = 30.0) -> ToolOutcome:
-    """Call a *trusted* tool `fn(**kwargs)` in this process, in a worker thread, waiting at most `timeout_s` seconds
-    (None: no limit). An `async def` tool (or one returning an awaitable) is run to completion on its own event loop
-    in that thread.
-
-    Timeout: returns ToolOutcome(ok=False, error="timeout") after ~timeout_s. The call itself cannot be stopped: the
-    thread is abandoned (a daemon thread, so it does not keep the process alive) and runs on in the background, with
-    whatever side effects it has. This is for Python functions the user wrote; code written by a model must be run
-    with `run_python`, which can be stopped. Exception (any, SystemExit and KeyboardInterrupt included): returns
-    ok=False, error="exception", content "TypeName: message".
-    """
-    name = getattr(fn, "__name__", type(fn).__name__)
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            value = fn(**(kwargs or {}))
-            if inspect.isawaitable(value):
-                value = asyncio.run(_await(value))
-            box["value"] = value
-        except BaseException as e:  # noqa: BLE001 - reported to the caller, never raised in the worker
-            box["error"] = e
-        finally:
-            done.set()
-
-    t0 = time.monotonic()
-    threading.Thread(target=target, name=f"tool:{name}", daemon=True).start()
-    finished = done.wait(timeout_s)
-    duration = time.monotonic() - t0
-    if not finished:
-        return ToolOutcome(False, f"tool {name!r} timed out after {timeout_s:g} s", "timeout", duration)
-    if "error" in box:
-        e = box["error"]
-        return ToolOutcome(False, f"{type(e).__name__}: {e}", "exception", duration)
-    return ToolOutcome(True, _as_text(box["value"]), None, duration)
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
