@@ -151,3 +151,14 @@ def test_training_with_per_turn_rewards_from_the_environment(tmp_path):
         assert h["process/steps_per_completion"] >= 1 and 0 <= h["process/step_reward_mean"] <= 1
         assert h["process/Counter.get_step_rewards/errors"] == 0 and "reward/Counter/mean" in h
     assert any(not torch.equal(before[n].cpu(), p.detach().cpu()) for n, p in trainer.unwrapped.named_parameters())
+
+
+def test_an_environment_with_step_rewards_trains_under_outcome_supervision(tmp_path):
+    """get_step_rewards is read only when the supervision variant uses step rewards: with supervision="outcome" the
+    environment is accepted and its step rewards are left out."""
+    model = toy.build_model(TOKENIZER, seed=0, hidden_size=32, max_positions=1024)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=60, max_steps=1, save_steps=0, supervision="outcome")
+    trainer = GRPOTrainer(model, args=args, train_dataset=[{"prompt": user("count to 2"), "target": 2}],
+                          processing_class=TOKENIZER, environment_factory=Counter)
+    assert trainer.process_sources == [] and [s.name for s in trainer.reward_sources] == ["Counter"]

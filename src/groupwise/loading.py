@@ -114,7 +114,8 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     step rewards not counted by process_reward_weights), and step_split="turn" against the toolbox (tools or
     environments given). Returns the reward and step-reward specs with 'module:function' strings imported."""
     env_rewards = len(toolbox.reward_sources) if toolbox is not None else 0
-    env_step_rewards = len(toolbox.process_sources) if toolbox is not None else 0
+    # an environment's get_step_rewards is read only by a supervision variant that uses step rewards
+    env_step_rewards = len(toolbox.process_sources) if toolbox is not None and SUPERVISIONS[args.supervision].process else 0
     if SPLIT_MODES[args.step_split].turns and toolbox is None:
         raise ConfigError("step_split='turn' makes each assistant turn a step: it needs multi-turn rollouts, so pass "
                           "tools= or environment_factory= to GRPOTrainer (or choose another step_split)")

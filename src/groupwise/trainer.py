@@ -19,6 +19,7 @@ from groupwise.agents import Toolbox, build_agent, default_train_dataset
 from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
                                   save_checkpoint)
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
+from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
 from groupwise.distributed import Distributed
@@ -139,6 +140,7 @@ class GRPOTrainer(TransformersHabits):
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
         # environments' get_reward (TRL) and get_step_rewards (groupwise) are reward and step-reward sources too
         env_rewards, env_steps = (self.toolbox.reward_sources, self.toolbox.process_sources) if self.toolbox else ([], [])
+        env_steps = env_steps if SUPERVISIONS[args.supervision].process else []  # outcome only: not read
         self.reward_sources = (load_reward_sources(reward_funcs, reward_processing_classes, device=self.dist.device,
                                                    trust_remote_code=args.trust_remote_code) if reward_funcs else []) + env_rewards
         self.process_sources = (load_process_reward_sources(process_reward_funcs, device=self.dist.device,
