@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/generation.py [--repeats 3]          # CPU table (results/generation.md)
     python3 benchmarks/generation.py --gpu                           # GPU table (results/generation_gpu.md)
+The CPU run copies the last GPU table into generation.md as its own section.
 
 GPU (--gpu): a randomly initialised model of Qwen2.5-0.5B's shape (Qwen2, hidden 896, 24 layers, 14 heads / 2 KV,
 vocabulary 151 936, tied embeddings) in bf16, prompts of 32 tokens, 256 new tokens for every row (EOS is never
@@ -26,7 +27,7 @@ import math
 import time
 
 import torch
-from common import median_time, write_table
+from common import RESULTS, median_time, write_table
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
 from groupwise.demo import POLICY_DIR
@@ -209,7 +210,18 @@ def main() -> None:
     verdict = "met" if min(speed32) >= 4 else f"missed: {min(speed32):.2f}× at worst (target 4×)"
     write_table("generation", "Generation throughput: fast sampler vs transformers generate",
                 ["model", "B×G", "mean completion tokens", "generate tok/s", "fast tok/s", "speedup"], rows,
-                [f"Medians of {args.repeats} runs. Target (fast ≥ 4× generate at 32×8): **{verdict}**.", "", NOTE])
+                [f"Medians of {args.repeats} runs. Target (fast ≥ 4× generate at 32×8): **{verdict}**.", "", NOTE,
+                 *gpu_section()])
+
+
+def gpu_section() -> list[str]:
+    """The last GPU table (results/generation_gpu.md, written by --gpu on a GPU machine), as a section of the CPU
+    file, so generation.md holds both."""
+    gpu = RESULTS / "generation_gpu.md"
+    if not gpu.exists():
+        return ["", "## On a GPU", "", "Not measured yet: run `python3 benchmarks/generation.py --gpu` on a CUDA machine."]
+    lines = gpu.read_text().splitlines()
+    return ["", f"## On a GPU (copied from `{gpu.name}`, written by `--gpu`)", "", *lines[1:]]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Run fields: model_name_or_path, dataset_name (a .jsonl/.json/.csv/.parquet file, a saved dataset folder,
 `builtin:<task>` or a hub name), dataset_split, eval_dataset_name, eval_split, reward_funcs (list of
 `package.module:function` paths or reward-model paths), process_reward_funcs (step-reward functions). With no config and no model, `groupwise train` runs the
-built-in demo.
+built-in demo; `groupwise train builtin:<task> [--field value …]` runs that built-in task's demo
+(groupwise.demo.DEMOS: arithmetic, calculator).
 """
 
 from __future__ import annotations
@@ -67,6 +68,22 @@ def builtin_task(name: str):
     return TASKS[task]
 
 
+def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
+    """`groupwise train builtin:<task> [--field value …]`: the demo of a built-in task (groupwise.demo.DEMOS), with
+    any GRPOConfig field overridden; run fields (model, dataset, rewards) belong to the demo."""
+    from groupwise.demo import DEMOS, run_demo
+
+    task = name.split(":", 1)[1]
+    if task not in DEMOS:
+        raise ConfigError(f"{name!r}: no built-in demo of that name; choose from "
+                          f"{['builtin:' + t for t in sorted(DEMOS)]}, or give a config with dataset_name: {name}")
+    given = sorted(set(values) & set(RUN_FIELDS))
+    if given:
+        raise ConfigError(f"{given[0]} cannot be set for {name!r}, which brings its own policy, data and rewards; "
+                          f"write a config with dataset_name: {name} and model_name_or_path instead")
+    return run_demo(values, task)
+
+
 def load_dataset_spec(name: str, split: str | None):
     task = builtin_task(name)
     if task is not None:
@@ -97,6 +114,8 @@ def build_run(values: dict[str, Any]):
 
 
 def cmd_train(argv: list[str]) -> int:
+    if argv and argv[0].startswith("builtin:"):  # a built-in task's demo: its shipped policy, data and rewards
+        return run_builtin_demo(argv[0], parse_overrides(argv[1:]))
     config_path = argv[0] if argv and not argv[0].startswith("--") else None
     values = load_yaml(config_path) if config_path else {}
     values.update(parse_overrides(argv[1:] if config_path else argv))
@@ -132,12 +151,15 @@ def cmd_train(argv: list[str]) -> int:
     process_funcs = run.get("process_reward_funcs") or None
     if not process_funcs and task is not None and args.supervision != "outcome":
         process_funcs = getattr(task, "PROCESS_REWARD_FUNCS", None)
-    if not reward_funcs and args.supervision != "process":
+    # a task whose environment owns its rewards (get_reward, get_step_rewards) brings it: TRL's environment_factory
+    environment_factory = getattr(task, "ENVIRONMENT_FACTORY", None)
+    if not reward_funcs and args.supervision != "process" and environment_factory is None:
         raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
     from groupwise.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs or [], args=args, train_dataset=train_data,
-                          eval_dataset=eval_data, process_reward_funcs=process_funcs)
+                          eval_dataset=eval_data, process_reward_funcs=process_funcs,
+                          environment_factory=environment_factory)
     trainer.train()
     return 0
 

@@ -4,6 +4,11 @@ multi-step arithmetic task, from the tiny warm-started policy shipped in the pac
 Evaluates held-out greedy accuracy, trains, evaluates again, prints a before/after table and writes
 metrics.jsonl (eval/accuracy at step 0 and at the end), the final checkpoint and reward_accuracy.png.
 Any GRPOConfig field can be overridden: `groupwise train --supervision outcome --max_steps 50`.
+
+`groupwise train builtin:<task>` runs the demo of that built-in task (DEMOS): `builtin:arithmetic` is the default
+run above; `builtin:calculator` trains the shipped calculator policy to solve arithmetic by calling a calculator
+tool (groupwise.tasks.calculator, docs/calculator.md): outcome + per-turn process supervision by default
+(supervision "both", step_split "turn"), `--supervision outcome` or `process` for one of the two.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 from groupwise.config import GRPOConfig
 
 POLICY_DIR = Path(__file__).parent / "tasks" / "data" / "arithmetic_policy"
+CALCULATOR_POLICY_DIR = Path(__file__).parent / "tasks" / "data" / "calculator_policy"
 
 DEMO_DEFAULTS: dict[str, Any] = dict(
     output_dir="outputs/demo", supervision="process", max_steps=200, learning_rate=5e-5, num_generations=8,
@@ -27,19 +33,48 @@ DEMO_DEFAULTS: dict[str, Any] = dict(
 )
 NUM_EVAL_PROBLEMS = 200
 
+# builtin:calculator — multi-turn rollouts with CalculatorEnv; every field can be overridden as above
+CALCULATOR_DEFAULTS: dict[str, Any] = dict(
+    output_dir="outputs/calculator", supervision="both", max_steps=60, learning_rate=5e-5, num_generations=8,
+    per_device_train_batch_size=64, max_completion_length=160, max_prompt_length=None, temperature=0.7,
+    max_tool_calling_iterations=5, logging_steps=5, save_steps=0, eval_strategy="steps", eval_steps=20,
+    eval_on_start=True, beta=0.0, lr_scheduler_type="constant", seed=0, per_device_eval_batch_size=200,
+    loss_type="dapo", generation_compile=False, overwrite_output_dir=True,
+    on_reward_error="nan",  # a rollout whose turns and step rewards cannot be matched is unscored, not fatal
+)
 
-def demo_trainer(overrides: dict[str, Any]):
+
+def _load_policy(folder: Path, script: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not (folder / "model.safetensors").exists():
+        raise FileNotFoundError(f"the demo policy is missing from {folder}; regenerate it with `python {script}`")
+    return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def calculator_trainer(overrides: dict[str, Any]):
+    """builtin:calculator: the shipped calculator policy, CalculatorEnv (its get_reward is the outcome reward, its
+    get_step_rewards one reward per assistant turn), 20,000 training problems, 200 held-out ones (greedy accuracy
+    = eval/CalculatorEnv). supervision process / both default to step_split "turn"."""
+    from groupwise.tasks import calculator
+    from groupwise.trainer import GRPOTrainer
+
+    values = {**CALCULATOR_DEFAULTS, **overrides}
+    if values["supervision"] != "outcome" and "step_split" not in overrides:
+        values["step_split"] = "turn"  # a reward per assistant turn, from CalculatorEnv.get_step_rewards
+    args = GRPOConfig(**values)
+    model, tokenizer = _load_policy(CALCULATOR_POLICY_DIR, "scripts/make_calculator_policy.py")
+    return GRPOTrainer(model, args=args, train_dataset=calculator.dataset(20_000, split="train", seed=args.seed),
+                       eval_dataset=calculator.dataset(NUM_EVAL_PROBLEMS, split="test"), processing_class=tokenizer,
+                       environment_factory=calculator.CalculatorEnv)
+
+
+def demo_trainer(overrides: dict[str, Any]):
     from groupwise.tasks import arithmetic
     from groupwise.trainer import GRPOTrainer
 
     args = GRPOConfig(**{**DEMO_DEFAULTS, **overrides})
-    if not (POLICY_DIR / "model.safetensors").exists():
-        raise FileNotFoundError(f"the demo policy is missing from {POLICY_DIR}; regenerate it with "
-                                "`python scripts/make_demo_policy.py`")
-    model = AutoModelForCausalLM.from_pretrained(POLICY_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(POLICY_DIR)
+    model, tokenizer = _load_policy(POLICY_DIR, "scripts/make_demo_policy.py")
     process = arithmetic.PROCESS_REWARD_FUNCS if args.supervision != "outcome" else None
     return GRPOTrainer(model, arithmetic.REWARD_FUNCS, args=args,
                        train_dataset=arithmetic.dataset(20_000, split="train", seed=args.seed),
@@ -47,18 +82,27 @@ def demo_trainer(overrides: dict[str, Any]):
                        processing_class=tokenizer, process_reward_funcs=process)
 
 
-def run_demo(overrides: dict[str, Any]) -> int:
+# builtin:<task> → (trainer for overrides, the held-out accuracy metric)
+DEMOS: dict[str, tuple[Any, str]] = {
+    "arithmetic": (demo_trainer, "eval/accuracy"),
+    "calculator": (calculator_trainer, "eval/CalculatorEnv"),  # the environment's get_reward, greedy
+}
+
+
+def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     start = time.perf_counter()
-    trainer = demo_trainer(overrides)
+    make_trainer, eval_key = DEMOS[task]
+    trainer = make_trainer(overrides)
     trainer.train()
     if not trainer.dist.is_main:
         return 0
     out = Path(trainer.args.output_dir)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [x for x in lines if "eval/accuracy" in x]
-    before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
-    plot = plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png")
-    print("\n  held-out greedy accuracy (%d problems)\n" % NUM_EVAL_PROBLEMS
+    evals = [x for x in lines if eval_key in x]
+    before, after = evals[0][eval_key], evals[-1][eval_key]
+    plot = plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png", eval_key=eval_key)
+    title = "" if task == "arithmetic" else f"builtin:{task}, "
+    print(f"\n  {title}held-out greedy accuracy ({NUM_EVAL_PROBLEMS} problems)\n"
           + "  ┌──────────┬──────────┬──────────┐\n  │  before  │  after   │  change  │\n"
           + "  ├──────────┼──────────┼──────────┤\n"
           + f"  │  {before:6.1%}  │  {after:6.1%}  │ {100 * (after - before):+5.1f} pt │\n"

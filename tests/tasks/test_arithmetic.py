@@ -1,6 +1,7 @@
 import pytest
 
 from groupwise.tasks import arithmetic as A
+from groupwise.tasks.splits import is_held_out
 
 
 def test_solution_by_hand():
@@ -30,7 +31,7 @@ def test_held_out_split_never_overlaps_training():
     train = A.problems(3000, split="train", seed=0)
     test = A.problems(200, split="test")
     assert not set(train) & set(test)
-    assert all(A.is_held_out(p) for p in test) and not any(A.is_held_out(p) for p in train)
+    assert all(is_held_out(p) for p in test) and not any(is_held_out(p) for p in train)
     assert A.problems(50, seed=3) == A.problems(50, seed=3) != A.problems(50, seed=4)  # seeded
     with pytest.raises(ValueError, match="split"):
         A.problems(1, split="dev")

@@ -10,24 +10,21 @@ correct next line of the solution — "x op y=z" with x the true running total, 
 z the true new total, or the final "A: <answer>" after all operations — else 0. After a wrong line the following
 lines are judged against the true solution, so a slip is located where it happens.
 
-The held-out split is decided by a hash of the problem text, so no held-out problem is ever generated for training.
+The held-out split is decided by a hash of the problem text (groupwise.tasks.splits), so no held-out problem is ever
+generated for training.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 
+from groupwise.tasks.splits import draw_problems
+
 MIN_OPS, MAX_OPS = 2, 3  # operations per problem
 MAX_OPERAND = 30
-HELD_OUT_PERCENT = 10
 _LINE = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*$")
 _ANSWER = re.compile(r"^\s*A:\s*(-?\d+)\s*$")
-
-
-def is_held_out(problem: str) -> bool:
-    return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 100 < HELD_OUT_PERCENT
 
 
 def parse(problem: str) -> tuple[int, list[tuple[str, int]]]:
@@ -64,18 +61,7 @@ def prompt_of(problem: str) -> str:
 
 def problems(n: int, *, split: str = "train", seed: int = 0) -> list[str]:
     """n distinct problems of the split ('train' or 'test'), seeded."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split={split!r} is not 'train' or 'test'")
-    rng = random.Random(f"{split}-{seed}")
-    seen: set[str] = set()
-    out = []
-    while len(out) < n:
-        p = make_problem(rng)
-        if p in seen or is_held_out(p) != (split == "test"):
-            continue
-        seen.add(p)
-        out.append(p)
-    return out
+    return draw_problems(make_problem, n, split=split, seed=seed, stream="")
 
 
 def dataset(n: int = 2000, *, split: str = "train", seed: int = 0) -> list[dict[str, str]]:

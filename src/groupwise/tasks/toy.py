@@ -95,8 +95,7 @@ def math_dataset(n: int = 8, seed: int = 0):
 # A minimal chat template that lists tools, renders assistant tool calls as `<tool_call>{json}</tool_call>` (Qwen's
 # format without the newlines) and tool results as their own turn; every turn ends with <|im_end|>, the EOS. It is
 # prefix-preserving, and TOOL_RESPONSE_TEMPLATE (transformers' response-template format) parses the model's turns.
-TOOL_CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+TOOL_TURNS_TEMPLATE = (  # the conversation after the tool list: every turn, then the generation prompt
     "{% for m in messages %}"
     "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
     "{% for tc in m.tool_calls or [] %}<tool_call>{{ {'name': tc.function.name, 'arguments': tc.function.arguments}"
@@ -106,6 +105,8 @@ TOOL_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TOOL_CHAT_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+                      "<|im_end|>\n{% endif %}" + TOOL_TURNS_TEMPLATE)
 TOOL_RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_start|>assistant\n",
@@ -117,10 +118,11 @@ TOOL_RESPONSE_TEMPLATE = {
 }
 
 
-def build_tool_tokenizer():
+def build_tool_tokenizer(chat_template: str = TOOL_CHAT_TEMPLATE, words: list[str] | tuple[str, ...] = ()):
     """A byte-level tokenizer (one token per byte, no merges: any text encodes; 259 tokens) with <|im_end|> (EOS, the
-    end of every turn), <|endoftext|> (pad) and <|im_start|>, TOOL_CHAT_TEMPLATE and TOOL_RESPONSE_TEMPLATE: what
-    tool calling needs of a tokenizer (TRL's contract), nothing downloaded. save_pretrained keeps all of it."""
+    end of every turn), <|endoftext|> (pad) and <|im_start|>, `words` as single tokens (plain added tokens: matched
+    anywhere, decoded as text), `chat_template` and TOOL_RESPONSE_TEMPLATE: what tool calling needs of a tokenizer
+    (TRL's contract), nothing downloaded. save_pretrained keeps all of it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
@@ -131,7 +133,9 @@ def build_tool_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk)
     tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                                   "additional_special_tokens": ["<|im_start|>"]})
-    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    if words:
+        tokenizer.add_tokens(list(words))
+    tokenizer.chat_template = chat_template
     tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer
