@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from groupwise.cli import main, parse_overrides
+from groupwise.config import ConfigError
 
 
 def test_parse_overrides():
@@ -91,3 +92,30 @@ def test_builtin_task_brings_its_step_rewards(tmp_path):
     line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "process/step_correct/errors" in line and "reward/accuracy/mean" in line
     assert main(["train", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", "builtin:nope"]) == 2
+
+
+def test_builtin_task_splits():
+    """A built-in task's split is its held-out split: eval_dataset_name builtin:arithmetic evaluates on held-out
+    problems (eval_split defaults to 'test'), never on training ones."""
+    from groupwise.cli import load_dataset_spec
+    from groupwise.tasks.splits import is_held_out
+
+    assert all(is_held_out(r["problem"]) for r in load_dataset_spec("builtin:arithmetic", "test"))
+    assert not any(is_held_out(r["problem"]) for r in load_dataset_spec("builtin:calculator", None))
+    with pytest.raises(ConfigError, match="'train' and 'test'"):
+        load_dataset_spec("builtin:calculator", "validation")
+    assert len(load_dataset_spec("builtin:toy", "test")) > 0  # no splits: the same rows
+
+
+def test_config_run_of_the_calculator_task(tmp_path):
+    """`dataset_name: builtin:calculator` from a config: the task brings its environment (CalculatorEnv, whose
+    get_reward is the outcome reward), so no reward_funcs are needed."""
+    from groupwise.demo import CALCULATOR_POLICY_DIR
+
+    out = tmp_path / "run"
+    assert main(["train", "--model_name_or_path", str(CALCULATOR_POLICY_DIR), "--dataset_name", "builtin:calculator",
+                 "--eval_dataset_name", "builtin:calculator", "--max_steps", "1", "--num_generations", "4",
+                 "--per_device_train_batch_size", "8", "--max_completion_length", "160", "--max_prompt_length",
+                 "null", "--max_tool_calling_iterations", "5", "--output_dir", str(out), "--save_steps", "0"]) == 0
+    line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "reward/CalculatorEnv/mean" in line and line["tools/call_frequency"] > 0

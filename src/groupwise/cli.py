@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ RUN_FIELDS = {
     "dataset_name": "Prompts: .jsonl/.json/.csv/.parquet file, a save_to_disk folder, builtin:<task> or a hub name.",
     "dataset_split": "Split of dataset_name (default 'train').",
     "eval_dataset_name": "Evaluation prompts, same forms as dataset_name.",
-    "eval_split": "Split of eval_dataset_name (default 'test' for hub datasets).",
+    "eval_split": "Split of eval_dataset_name (default 'test': the held-out problems of a built-in task).",
     "reward_funcs": "List of 'package.module:function' paths or reward-model paths (builtin tasks bring theirs).",
     "process_reward_funcs": "List of 'package.module:function' step-reward functions (supervision process / both).",
 }
@@ -86,8 +87,12 @@ def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
 
 def load_dataset_spec(name: str, split: str | None):
     task = builtin_task(name)
-    if task is not None:
-        return task.dataset()
+    if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
+        if "split" not in inspect.signature(task.dataset).parameters:
+            return task.dataset()
+        if split not in (None, "train", "test"):
+            raise ConfigError(f"split {split!r} of {name!r}: built-in tasks have the splits 'train' and 'test'")
+        return task.dataset(split=split or "train")
     import datasets
 
     path = Path(name)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,17 +84,25 @@ def demo_trainer(overrides: dict[str, Any]):
                        processing_class=tokenizer, process_reward_funcs=process)
 
 
-# builtin:<task> → (trainer for overrides, the held-out accuracy metric)
-DEMOS: dict[str, tuple[Any, str]] = {
-    "arithmetic": (demo_trainer, "eval/accuracy"),
-    "calculator": (calculator_trainer, "eval/CalculatorEnv"),  # the environment's get_reward, greedy
+@dataclass(frozen=True)
+class Demo:
+    make_trainer: Callable[[dict[str, Any]], Any]  # GRPOConfig overrides -> GRPOTrainer
+    eval_key: str  # the held-out greedy accuracy metric
+    title: str  # printed above the before/after table
+
+
+# builtin:<task> -> its demo
+DEMOS: dict[str, Demo] = {
+    "arithmetic": Demo(demo_trainer, "eval/accuracy", ""),
+    "calculator": Demo(calculator_trainer, "eval/CalculatorEnv", "builtin:calculator, "),  # get_reward, greedy
 }
 
 
 def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     start = time.perf_counter()
-    make_trainer, eval_key = DEMOS[task]
-    trainer = make_trainer(overrides)
+    demo = DEMOS[task]
+    eval_key = demo.eval_key
+    trainer = demo.make_trainer(overrides)
     trainer.train()
     if not trainer.dist.is_main:
         return 0
@@ -101,8 +111,7 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     evals = [x for x in lines if eval_key in x]
     before, after = evals[0][eval_key], evals[-1][eval_key]
     plot = plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png", eval_key=eval_key)
-    title = "" if task == "arithmetic" else f"builtin:{task}, "
-    print(f"\n  {title}held-out greedy accuracy ({NUM_EVAL_PROBLEMS} problems)\n"
+    print(f"\n  {demo.title}held-out greedy accuracy ({NUM_EVAL_PROBLEMS} problems)\n"
           + "  ┌──────────┬──────────┬──────────┐\n  │  before  │  after   │  change  │\n"
           + "  ├──────────┼──────────┼──────────┤\n"
           + f"  │  {before:6.1%}  │  {after:6.1%}  │ {100 * (after - before):+5.1f} pt │\n"
