@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/generation.py [--repeats 3]          # CPU table (results/generation.md)
     python3 benchmarks/generation.py --gpu                           # GPU table (results/generation_gpu.md)
+    python3 benchmarks/generation.py --gpu --profile                 # where the compiled sampler's time goes
 The CPU run copies the last GPU table into generation.md as its own section.
 
 GPU (--gpu): a randomly initialised model of Qwen2.5-0.5B's shape (Qwen2, hidden 896, 24 layers, 14 heads / 2 KV,
@@ -168,11 +169,47 @@ def gpu_main(repeats: int) -> None:
                  f"runs after a warm-up. At 64×8 the compiled fast sampler reaches {verdict}.", "", bw_note])
 
 
+def gpu_profile(B: int = 64, G: int = 8, top: int = 30) -> None:
+    """Where the compiled sampler's time goes at B×G (the 30 % roofline target's gap): one warm call under
+    torch.profiler, the `top` CUDA kernels by total time, written to results/generation_gpu_profile.md."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, cfg = qwen05b()
+    P, T = 32, 256
+    ids = torch.randint(3, cfg.vocab_size, (B, P), generator=torch.Generator().manual_seed(B))
+    ids = ids.repeat_interleave(G, 0).cuda()
+    mask = torch.ones_like(ids)
+    fast = FastGenerator(max_completion_length=T, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                         repetition_penalty=1.0, pad_token_id=0, eos_token_ids=[1], group_size=G, compile=True)
+    for _ in range(2):  # compile, then one warm call
+        fast(model, ids, mask)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fast(model, ids, mask)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    gpu_total = sum(e.self_device_time_total for e in events) / 1e6
+    rows = [[e.key[:90].replace("|", "/"), str(e.count), f"{e.device_time_total / 1e3:.1f}",
+             f"{100 * e.self_device_time_total / 1e6 / wall:.1f} %"] for e in events[:top]]
+    write_table("generation_gpu_profile", f"Compiled sampler profile, {B}×{G}, {T} new tokens",
+                ["kernel / op", "calls", "CUDA ms (incl. children)", "self CUDA share of wall"], rows,
+                [f"Wall {wall:.3f} s for {B * G * T:,} tokens ({B * G * T / wall:,.0f} tok/s); GPU busy "
+                 f"{gpu_total:.3f} s ({100 * gpu_total / wall:.0f} % of wall): the rest is the host between graph "
+                 "replays (launches, the loop's bookkeeping)."])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu", action="store_true", help="the GPU table (needs CUDA)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --gpu: profile the compiled sampler at 64×8 instead (results/generation_gpu_profile.md)")
     args = ap.parse_args()
+    if args.gpu and args.profile:
+        return gpu_profile()
     if args.gpu:
         return gpu_main(args.repeats)
     rows = []
