@@ -19,7 +19,8 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"{cpu}, {os.cpu_count()} cores{gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}; `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`")
+            f"transformers {transformers.__version__}; `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`, "
+            f"{time.strftime('%Y-%m-%d')}")
 
 
 def median_time(fn, repeats: int) -> tuple[float, object]:

@@ -257,8 +257,10 @@ def gpu_section() -> list[str]:
     gpu = RESULTS / "generation_gpu.md"
     if not gpu.exists():
         return ["", "## On a GPU", "", "Not measured yet: run `python3 benchmarks/generation.py --gpu` on a CUDA machine."]
-    lines = gpu.read_text().splitlines()
-    return ["", f"## On a GPU (copied from `{gpu.name}`, written by `--gpu`)", "", *lines[1:]]
+    lines = gpu.read_text().strip().splitlines()[1:]  # without its title
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return ["", f"## On a GPU (copied from `{gpu.name}`, written by `--gpu`)", "", *lines]
 
 
 if __name__ == "__main__":
