@@ -8,7 +8,8 @@ the answer; step_split="turn"). Same base policy, same steps, same batch, severa
                                          [--set step_advantage=step_return …] [--name turns]
 Writes benchmarks/results/turns.md and turns.png (and prints the table); --name changes the file names (e.g. for
 a check run that must not replace the published results). One run (60 steps, evaluations at 0/20/40/60) takes
-125-158 s on 2 idle CPU cores (measured 2026-11-22), so the default 3 variants × 3 seeds take ~20-23 minutes.
+about 2–2.5 minutes on 2 idle CPU cores, so the default 3 variants × 3 seeds take ~21 minutes (the run's seconds
+are in the table).
 """
 
 from __future__ import annotations

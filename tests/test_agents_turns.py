@@ -124,6 +124,11 @@ def test_step_split_turn_needs_tools_and_is_checked_before_the_model_loads(tmp_p
                                           "environment_factory="):
         GRPOTrainer("no/such-model", process_reward_funcs=[lambda steps, **_: [[1.0] * len(s) for s in steps]],
                     args=args, train_dataset=[{"prompt": "x"}])
+    # an environment's per-turn rewards read by process supervision need turns as steps
+    args = dataclasses.replace(args, step_split="delimiter")
+    with pytest.raises(ConfigError, match="Counter.get_step_rewards gives one reward per assistant turn.*set "
+                                          "step_split='turn'"):
+        GRPOTrainer("no/such-model", args=args, train_dataset=[{"prompt": user("x")}], environment_factory=Counter)
     with pytest.raises(ConfigError, match="step_advantage='paper' is not one of"):
         GRPOConfig(step_advantage="paper")
 

@@ -4,6 +4,7 @@ rewards worked by hand, the shipped tool-calling policy, and short training runs
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 
 import pytest
@@ -160,6 +161,41 @@ def test_worked_transcript_renders_and_scores():
             getattr(env, call["function"]["name"])(**call["function"]["arguments"])
     turns = sum(m["role"] == "assistant" for m in messages)
     assert env.get_step_rewards() == [1.0] * turns
+
+
+def test_per_turn_rewards_through_the_tool_loop_stay_with_their_turns():
+    """Scripted turns through groupwise's tool loop (Agent.rollout, which calls start_turn before each turn's calls).
+    Row 1, 7 + 5 * 3 = 22: a call of an unknown tool and a call with a wrong argument name never reach the
+    environment (0, 0); 5 * 3 (1); two calls in one turn, 7 + 15 and answer(22), both right (1); the closing turn
+    gets the outcome (1). Row 2, (7 + 5) * 3 = 36, at most 4 tool rounds: 12 * 3 before 12 exists (0), 7 + 5 (1),
+    12 * 3 (1), 36 - 0 (not an operation of the tree: 0), then an answer call the round limit leaves unexecuted:
+    the last turn, none of whose calls reached the environment, gets the outcome (no answer: 0)."""
+    from groupwise import rollout as R
+    from groupwise.agents import Toolbox
+    from groupwise.rewards.steps import StepSplitter
+    from tests.agents_support import call, context, user
+
+    def calc(expression):
+        return call("calculate", expression=expression)
+
+    first = [call("calc", expression="5 * 3"), call("calculate", expr="5 * 3"), calc("5 * 3"),
+             calc("7 + 15") + call("answer", value=22)]
+    second = [calc("12 * 3"), calc("7 + 5"), calc("12 * 3"), calc("36 - 0"), call("answer", value=36)]
+    def reply(prompt):
+        k = prompt.count("<|im_start|>tool")  # tool messages so far: one per call
+        if "7 + 5 * 3" in prompt:
+            return ({0: first[0], 1: first[1], 2: first[2], 3: first[3]}.get(k, "done")) + "<|im_end|>"
+        return second[k] + "<|im_end|>"
+
+    ctx, _ = context(reply, tools=(), environment_factory=C.CalculatorEnv, supervision="process", step_split="turn",
+                     max_tool_calling_iterations=4, max_completion_length=2000)
+    toolbox = Toolbox([], C.CalculatorEnv)
+    ctx = dataclasses.replace(ctx, process_sources=toolbox.process_sources, splitter=StepSplitter("turn"))
+    rows = [{"prompt": user("What is 7 + 5 * 3?"), "problem": "7 + 5 * 3"},
+            {"prompt": user("What is (7 + 5) * 3?"), "problem": "(7 + 5) * 3"}]
+    comp = R.generate(ctx, None, rows)
+    assert [len(e) for e in comp.turn_ends] == [5, 5]
+    assert R.score_steps(ctx, comp).rewards == [[[0.0, 0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]]]
 
 
 # ---- the shipped policy ----------------------------------------------------------------------------------------------

@@ -101,10 +101,13 @@ def test_builtin_task_splits():
     from groupwise.tasks.splits import is_held_out
 
     assert all(is_held_out(r["problem"]) for r in load_dataset_spec("builtin:arithmetic", "test"))
+    assert all(is_held_out(r["problem"]) for r in load_dataset_spec("builtin:arithmetic", None, default="test"))
     assert not any(is_held_out(r["problem"]) for r in load_dataset_spec("builtin:calculator", None))
     with pytest.raises(ConfigError, match="'train' and 'test'"):
         load_dataset_spec("builtin:calculator", "validation")
-    assert len(load_dataset_spec("builtin:toy", "test")) > 0  # no splits: the same rows
+    assert len(load_dataset_spec("builtin:toy", None)) > 0
+    with pytest.raises(ConfigError, match="builtin:toy.*no train/test split"):
+        load_dataset_spec("builtin:toy", "test")
 
 
 def test_config_run_of_the_calculator_task(tmp_path):
@@ -113,9 +116,20 @@ def test_config_run_of_the_calculator_task(tmp_path):
     from groupwise.demo import CALCULATOR_POLICY_DIR
 
     out = tmp_path / "run"
-    assert main(["train", "--model_name_or_path", str(CALCULATOR_POLICY_DIR), "--dataset_name", "builtin:calculator",
-                 "--eval_dataset_name", "builtin:calculator", "--max_steps", "1", "--num_generations", "4",
-                 "--per_device_train_batch_size", "8", "--max_completion_length", "160", "--max_prompt_length",
-                 "null", "--max_tool_calling_iterations", "5", "--output_dir", str(out), "--save_steps", "0"]) == 0
-    line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "reward/CalculatorEnv/mean" in line and line["tools/call_frequency"] > 0
+    common = ["train", "--model_name_or_path", str(CALCULATOR_POLICY_DIR), "--dataset_name", "builtin:calculator",
+              "--max_steps", "1", "--num_generations", "4", "--per_device_train_batch_size", "8",
+              "--max_completion_length", "160", "--max_prompt_length", "null", "--max_tool_calling_iterations", "5",
+              "--save_steps", "0", "--per_device_eval_batch_size", "8"]
+    assert main([*common, "--eval_dataset_name", "builtin:calculator", "--eval_strategy", "steps", "--eval_steps",
+                 "1", "--output_dir", str(out)]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if "reward/CalculatorEnv/mean" in x]
+    assert train and train[-1]["tools/call_frequency"] > 0
+    assert any("eval/CalculatorEnv" in x for x in lines)  # held-out problems, through the tool loop
+    # process supervision reads the environment's per-turn rewards: with step_split turn it trains ...
+    assert main([*common, "--supervision", "process", "--step_split", "turn", "--output_dir", str(tmp_path / "p")]) == 0
+    line = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["process/CalculatorEnv.get_step_rewards/errors"] == 0 and line["process/steps_per_completion"] > 2
+    # ... and with a text split it is refused before the model loads, naming the fix
+    assert main([*common, "--supervision", "process", "--output_dir", str(tmp_path / "q")]) == 2
+    assert not (tmp_path / "q").exists()

@@ -29,7 +29,7 @@ RUN_FIELDS = {
     "dataset_name": "Prompts: .jsonl/.json/.csv/.parquet file, a save_to_disk folder, builtin:<task> or a hub name.",
     "dataset_split": "Split of dataset_name (default 'train').",
     "eval_dataset_name": "Evaluation prompts, same forms as dataset_name.",
-    "eval_split": "Split of eval_dataset_name (default 'test': the held-out problems of a built-in task).",
+    "eval_split": "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems; builtin:toy has none).",
     "reward_funcs": "List of 'package.module:function' paths or reward-model paths (builtin tasks bring theirs).",
     "process_reward_funcs": "List of 'package.module:function' step-reward functions (supervision process / both).",
 }
@@ -85,20 +85,26 @@ def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
     return run_demo(values, task)
 
 
-def load_dataset_spec(name: str, split: str | None):
+def load_dataset_spec(name: str, split: str | None, *, default: str = "train"):
+    """The rows of dataset_name / eval_dataset_name: `split` as given, or `default` (train for training, test for
+    evaluation) where the dataset has splits."""
     task = builtin_task(name)
     if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
         if "split" not in inspect.signature(task.dataset).parameters:
+            if split is not None:
+                raise ConfigError(f"{name!r} has no train/test split: leave dataset_split / eval_split unset "
+                                  "(its rows are the same either way)")
             return task.dataset()
-        if split not in (None, "train", "test"):
+        split = split or default
+        if split not in ("train", "test"):
             raise ConfigError(f"split {split!r} of {name!r}: built-in tasks have the splits 'train' and 'test'")
-        return task.dataset(split=split or "train")
+        return task.dataset(split=split)
     import datasets
 
     path = Path(name)
     if path.is_dir():
         data = datasets.load_from_disk(str(path))
-        return data[split or "train"] if isinstance(data, datasets.DatasetDict) else data
+        return data[split or default] if isinstance(data, datasets.DatasetDict) else data
     if path.is_file():
         kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
@@ -106,7 +112,7 @@ def load_dataset_spec(name: str, split: str | None):
         if path.stat().st_size == 0:
             raise ConfigError(f"dataset {name!r} is empty: give a file with at least one row")
         return datasets.load_dataset(kind, data_files=str(path), split="train")
-    return datasets.load_dataset(name, split=split or "train")
+    return datasets.load_dataset(name, split=split or default)
 
 
 def build_run(values: dict[str, Any]):
@@ -150,7 +156,7 @@ def cmd_train(argv: list[str]) -> int:
     train_data = load_dataset_spec(dataset_name, run.get("dataset_split"))
     eval_data = None
     if run.get("eval_dataset_name"):
-        eval_data = load_dataset_spec(run["eval_dataset_name"], run.get("eval_split") or "test")
+        eval_data = load_dataset_spec(run["eval_dataset_name"], run.get("eval_split"), default="test")
     task = builtin_task(dataset_name)  # a built-in task brings its reward (and step-reward) functions
     reward_funcs = run.get("reward_funcs") or (task.REWARD_FUNCS if task else None)
     process_funcs = run.get("process_reward_funcs") or None

@@ -42,7 +42,7 @@ CALCULATOR_DEFAULTS: dict[str, Any] = dict(
     max_tool_calling_iterations=5, logging_steps=5, save_steps=0, eval_strategy="steps", eval_steps=20,
     eval_on_start=True, beta=0.0, lr_scheduler_type="constant", seed=0, per_device_eval_batch_size=200,
     loss_type="dapo", generation_compile=False, overwrite_output_dir=True,
-    on_reward_error="nan",  # a rollout whose turns and step rewards cannot be matched is unscored, not fatal
+    on_reward_error="nan",  # a rollout whose rewards fail is left unscored (and counted), not fatal
 )
 
 

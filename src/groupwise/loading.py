@@ -116,6 +116,10 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     env_rewards = len(toolbox.reward_sources) if toolbox is not None else 0
     # an environment's get_step_rewards is read only by a supervision variant that uses step rewards
     env_step_rewards = len(toolbox.process_sources) if toolbox is not None and SUPERVISIONS[args.supervision].process else 0
+    if env_step_rewards and not SPLIT_MODES[args.step_split].turns:
+        raise ConfigError(f"{toolbox.process_sources[0].name} gives one reward per assistant turn, which "
+                          f"supervision={args.supervision!r} reads as step rewards, but step_split="
+                          f"{args.step_split!r} splits the text: set step_split='turn' (or supervision='outcome')")
     if SPLIT_MODES[args.step_split].turns and toolbox is None:
         raise ConfigError("step_split='turn' makes each assistant turn a step: it needs multi-turn rollouts, so pass "
                           "tools= or environment_factory= to GRPOTrainer (or choose another step_split)")

@@ -8,7 +8,10 @@
   of the rollout, `prompt` included; a returned string is appended to the last user message), optionally
   `get_reward() -> float` (then a reward source named after its class, weight 1), optionally
   `get_step_rewards() -> list[float]`, one reward per assistant turn in order (a groupwise addition: then a process
-  reward source named `<class>.get_step_rewards`, weight 1, read with step_split="turn"), and every other public method
+  reward source named `<class>.get_step_rewards`, weight 1, read with step_split="turn"), optionally `start_turn()`
+  (a groupwise addition: called once per assistant turn, in order, before that turn's tool calls run — so an
+  environment knows which turn a call belongs to, and that a turn happened whose calls never reached it), and every
+  other public method
   (plain functions on the class, sorted by name; `_`-prefixed ones skipped) is a tool bound to that rollout's
   instance. Each factory is called once at init (the probe: checks `reset`, lists the methods, seeds the pool);
   instances are pooled and reset, not re-created, from one generation batch to the next.
@@ -26,7 +29,7 @@ from typing import Any
 from groupwise.config_base import ConfigError
 from groupwise.rewards.sources import RewardSource
 
-RESERVED = ("reset", "get_reward", "get_step_rewards")
+RESERVED = ("reset", "get_reward", "get_step_rewards", "start_turn")
 
 
 def tool_schema(fn: Callable, where: str) -> dict:
@@ -44,7 +47,7 @@ def tool_schema(fn: Callable, where: str) -> dict:
 
 def env_methods(env: Any) -> list[Callable]:
     """The environment's tools: public plain functions of its class, sorted by name, bound to `env` (TRL: listed on
-    the class, so properties are not evaluated; reset and get_reward are reserved)."""
+    the class, so properties are not evaluated; reset and get_reward are reserved, and groupwise's RESERVED names)."""
     return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
             if name not in RESERVED and not name.startswith("_")]
 

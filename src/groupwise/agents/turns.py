@@ -20,7 +20,8 @@ The loop ends at a turn without tool calls, at the iteration limit (a tool call 
 or when max_completion_length is used up. Per row it returns: completion_ids = model turn 1 + tool suffix 1 + model
 turn 2 + …; tool_mask = 1 on model tokens, 0 on suffix tokens; the sampler's log-probs (0.0 on suffix tokens); the
 messages (TRL's completions: assistant, tool…, assistant, …); turn_ends (the index of each model turn's last token);
-and the tool-call, failure and timeout counts.
+and the tool-call, failure and timeout counts. An environment's optional `start_turn()` is called once per model turn
+that has a turn end, in order, before that turn's calls run.
 
 Multi-process: each process runs the loop on its own rows. The generator backends run locally (fast / transformers
 sample from an unsharded module — with fsdp its full replica —, vLLM colocate has one engine per process with
@@ -172,6 +173,10 @@ class Agent:
         completions = [[parse_response(tok, ids, prompt_ids[i], schemas[i] or None)]
                        for i, ids in enumerate(completion_ids)]
         turn_ends = [[len(ids) - 1] if ids else [] for ids in completion_ids]
+        starts = [getattr(env, "start_turn", None) for env in envs] if envs is not None else [None] * N
+        for i, ids in enumerate(completion_ids):
+            if ids and callable(starts[i]):
+                starts[i]()  # the environment's turn 1 (a turn that is a step: it has a turn end)
         calls, failures, timeouts = [0] * N, [0] * N, [0] * N
         positions = self._positions(model)
         active = [i for i in range(N) if completions[i][-1].get("tool_calls")] if self.toolbox.has_tools else []
@@ -206,6 +211,8 @@ class Agent:
                     message = parse_response(tok, post, ids, schemas[i] or None)
                     completions[i].append(message)
                     turn_ends[i].append(len(completion_ids[i]) - 1)
+                    if callable(starts[i]):
+                        starts[i]()  # before this turn's calls run, in the next round
                     if message.get("tool_calls"):
                         active.append(i)
             iteration += 1

@@ -19,16 +19,17 @@ The final answer goes through the `answer` tool because an environment only sees
 environment owns the reward ... from its internal state"); its rewards need nothing else:
 
 - `get_reward()` (the outcome): 1.0 when the first `answer` call gave the right value, else 0.0.
-- `get_step_rewards()` (per turn, in order; read only by supervision process/both with step_split="turn"): a turn
-  that called `calculate` gets 1.0 when its expression is a
-  correct next operation — an operation of the solution tree whose operands are available (numbers of the problem,
-  or results of earlier correct calls) and not yet done, operands in order (either order for + and *) — else 0.0
-  (a malformed expression, a wrong operation, one whose operand was never computed, a repeat); a turn that called
-  `answer` gets 1.0 when it is the first answer and the value is right; the last turn, without a call, gets the
-  outcome. So a transcript of n calls has n + 1 turns. (The environment counts turns by calls: one call per turn,
-  as the policy writes them. When the loop ends without a last turn — a rollback at max_completion_length —
-  groupwise drops the extra last value; a turn with two calls would shift the values, never seen in 1,024 sampled
-  rollouts of the shipped policy.)
+- `get_step_rewards()` (one per assistant turn, in order; read by supervision process/both with
+  step_split="turn"): a call of `calculate` is right when its expression is a correct next operation — an
+  operation of the solution tree whose operands are available (numbers of the problem, or results of earlier
+  correct calls) and not yet done, operands in order (either order for + and *) — and wrong otherwise (a malformed
+  expression, a wrong operation, one whose operand was never computed, a repeat); a call of `answer` is right when
+  it is the first answer and the value is right. A turn gets 1.0 when it made calls and all were right, else 0.0;
+  the last turn, when no call of it reached the environment (the closing turn), gets the outcome; an earlier turn
+  whose calls never reached it (an unknown tool, bad arguments) gets 0.0.
+  Turns are known from groupwise's `start_turn()`, called before each assistant turn's calls run, so every value
+  belongs to its turn whatever the turn did. Without it (another trainer) each call counts as a turn, then the
+  closing turn: a transcript of n calls has n + 1 turns.
 
 `ENVIRONMENT_FACTORY` (CalculatorEnv) is what the task passes as `environment_factory`, whatever the supervision.
 
@@ -204,8 +205,8 @@ def parse_expression(expression: Any) -> tuple[int, str, int]:
 class CalculatorEnv:
     """One rollout's calculator (TRL's environment protocol; see the module docstring for the rewards).
 
-    State: the problem's solution tree, which of its operations correct calls have done, the verdict of every call
-    (one per turn, in order) and the answer given.
+    State: the problem's solution tree, which of its operations correct calls have done, the verdicts of the calls
+    of each assistant turn (turns from start_turn, or one per call without it) and the answer given.
     """
 
     def __init__(self) -> None:
@@ -213,7 +214,8 @@ class CalculatorEnv:
         self._tree: Tree = 0
         self._nodes: list[tuple[str, Any, Any]] = []
         self._done: list[bool] = []
-        self.verdicts: list[float] = []  # one per tool call, in order
+        self.turns: list[list[float]] = []  # per assistant turn, the verdict of each call that reached us
+        self.told_turns = False  # does the trainer call start_turn (groupwise)? Otherwise a call is a turn
         self.answered: int | None = None  # the first answer given
         self.target: int | None = None
 
@@ -227,7 +229,17 @@ class CalculatorEnv:
         self._nodes, self._done = [], []
         self._index(self._tree)
         self._done = [False] * len(self._nodes)
-        self.verdicts, self.answered = [], None
+        self.turns, self.told_turns, self.answered = [], False, None
+
+    def start_turn(self) -> None:
+        """groupwise calls this once per assistant turn, before the turn's tool calls run."""
+        self.told_turns = True
+        self.turns.append([])
+
+    def _record(self, verdict: float) -> None:
+        if not self.told_turns:
+            self.turns.append([])  # no start_turn: each call is its own turn
+        self.turns[-1].append(verdict)
 
     def _index(self, tree: Tree) -> tuple[str, int]:
         """A reference to `tree`: ("leaf", number) or ("node", index into _nodes, post-order)."""
@@ -279,9 +291,9 @@ class CalculatorEnv:
         try:
             a, op, b = parse_expression(expression)
         except ValueError:
-            self.verdicts.append(0.0)
+            self._record(0.0)
             raise
-        self.verdicts.append(self._judge(a, op, b))
+        self._record(self._judge(a, op, b))
         return str(apply(a, op, b))
 
     def answer(self, value: int) -> str:
@@ -295,13 +307,13 @@ class CalculatorEnv:
             A confirmation.
         """
         if type(value) is not int:  # noqa: E721 — bool is not an answer
-            self.verdicts.append(0.0)
+            self._record(0.0)
             raise ValueError("value must be an integer")
         if self.answered is not None:
-            self.verdicts.append(0.0)
+            self._record(0.0)
             raise ValueError("already answered")
         self.answered = value
-        self.verdicts.append(float(value == self.target))
+        self._record(float(value == self.target))
         return ANSWER_RECEIVED
 
     def get_reward(self) -> float:
@@ -309,9 +321,14 @@ class CalculatorEnv:
         return float(self.answered is not None and self.answered == self.target)
 
     def get_step_rewards(self) -> list[float]:
-        """One reward per assistant turn, in order: each call's verdict, then the closing turn (no call) gets the
-        outcome. (groupwise reserves the name: it is not a tool.)"""
-        return [*self.verdicts, self.get_reward()]
+        """One reward per assistant turn, in order (see the module docstring); groupwise reserves the name, so it is
+        not a tool."""
+        rewards = [float(bool(calls) and all(v == 1.0 for v in calls)) for calls in self.turns]
+        if not self.told_turns:
+            return [*rewards, self.get_reward()]  # each call was a turn; then the closing turn
+        if self.turns and not self.turns[-1]:
+            rewards[-1] = self.get_reward()  # the closing turn
+        return rewards
 
 
 REWARD_FUNCS: list = []  # the environment owns the rewards (CalculatorEnv.get_reward, get_step_rewards)
