@@ -5,7 +5,9 @@ step_return form) to the tokens of that turn only."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_environment_step_rewards_score_each_turn_and_reach_only_that_turns_toke
     assert s.names == ("Counter.get_step_rewards",)
     assert s.rewards == [[[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]]
     assert s.ends == [[comp.turn_ends[0], comp.turn_ends[1]]] and len(comp.turn_ends[0]) == 3
-    adv = R.advantages(ctx, comp, None, s)
+    adv = R.advantages(ctx, comp, None, s).cpu()  # on the run's device (CUDA when there is one)
     want = process_advantages(s.rewards, s.ends, ctx.args.max_completion_length, form=form,
                               **ctx.args.estimator_options())[0][:, :adv.size(1)]
     torch.testing.assert_close(adv, want)
@@ -146,7 +148,14 @@ def test_training_with_per_turn_rewards_from_the_environment(tmp_path):
     trainer = GRPOTrainer(model, args=args, train_dataset=data, processing_class=TOKENIZER,
                           environment_factory=Counter)
     assert [s.name for s in trainer.process_sources] == ["Counter.get_step_rewards"]
-    opening = lambda p: call("increment", step=2) + "<|im_end|>"  # noqa: E731
+    # the two rollouts of a group open differently: one hits the target (turn reward 1), one overshoots (0), so every
+    # group has step-reward spread (nonzero advantages) whatever the model's own random turns do
+    rows_seen = itertools.count()
+
+    def opening(prompt):
+        target = int(re.search(r"count to (\d+)", prompt).group(1))
+        return call("increment", step=target + next(rows_seen) % 2) + "<|im_end|>"
+
     trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx,
                                               generator=Opening(trainer.rollout_ctx.generator, opening))
     trainer.train()
