@@ -26,16 +26,6 @@ DEFAULT_OUT = Path(__file__).parents[1] / "src" / "groupwise" / "tasks" / "data"
 _SUFFIXES: dict[str, list[int]] = {}
 
 
-def agent_for(tokenizer):
-    from groupwise.agents import Agent, Toolbox
-    from groupwise.agents.parsing import prepare_tokenizer
-
-    toolbox = Toolbox(environment_factory=C.CalculatorEnv)
-    return toolbox, Agent(toolbox, tokenizer, max_completion_length=160,
-                          max_tool_calling_iterations=C.MAX_TOOL_CALLING_ITERATIONS,
-                          chat_template=prepare_tokenizer(tokenizer))
-
-
 def encode(tokenizer, toolbox, agent, problem: str) -> Example:
     """(ids, loss mask): prompt, then each assistant turn (mask 1) and the tool tokens after it (mask 0)."""
     ids = agent.render_prompt(C.prompt_of(problem), toolbox.schemas[None])
@@ -70,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     tok = C.build_tokenizer()
-    toolbox, agent = agent_for(tok)
+    toolbox, agent = C.tool_loop(tok)
     model = tiny_llama(tok, seed=args.seed, max_positions=512)
     train = [encode(tok, toolbox, agent, p) for p in C.problems(args.num_train, split="train", seed=10_000 + args.seed)]
     test = C.problems(200, split="test")

@@ -183,7 +183,11 @@ def prompt_of(problem: str) -> list[dict[str, str]]:
 
 def dataset(n: int = 2000, *, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
     """Conversational rows: `prompt` (one user message) and `problem` (what CalculatorEnv.reset reads)."""
-    return [{"prompt": prompt_of(p), "problem": p} for p in problems(n, split=split, seed=seed)]
+    return rows_of(problems(n, split=split, seed=seed))
+
+
+def rows_of(problems_: list[str]) -> list[dict[str, Any]]:
+    return [{"prompt": prompt_of(p), "problem": p} for p in problems_]
 
 
 # ---- the tool -------------------------------------------------------------------------------------------------
@@ -388,6 +392,17 @@ def transcript(problem: str, order: list[int] | None = None) -> list[dict]:
 
 
 # ---- evaluation: held-out greedy accuracy through groupwise's tool loop ---------------------------------------------
+def tool_loop(tokenizer, max_completion_length: int = 160):
+    """(Toolbox, Agent): groupwise's tool loop with CalculatorEnv, as the trainer builds it for this task."""
+    from groupwise.agents import Agent, Toolbox
+    from groupwise.agents.parsing import prepare_tokenizer
+
+    toolbox = Toolbox(environment_factory=CalculatorEnv)
+    return toolbox, Agent(toolbox, tokenizer, max_completion_length=max_completion_length,
+                          max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS,
+                          chat_template=prepare_tokenizer(tokenizer))
+
+
 def evaluate_policy(model, tokenizer, problems_: list[str], *, batch_size: int = 200,
                     max_completion_length: int = 160) -> dict[str, float]:
     """Greedy rollouts of the policy with CalculatorEnv (groupwise.agents' tool loop, model.generate as the
@@ -395,14 +410,10 @@ def evaluate_policy(model, tokenizer, problems_: list[str], *, batch_size: int =
     failed calls, mean per-turn reward."""
     import torch
 
-    from groupwise.agents import Agent, Toolbox
-    from groupwise.agents.parsing import prepare_tokenizer
     from groupwise.generation import Generated
     from groupwise.modeling import eval_mode
 
-    toolbox = Toolbox(environment_factory=CalculatorEnv)
-    agent = Agent(toolbox, tokenizer, max_completion_length=max_completion_length,
-                  max_tool_calling_iterations=MAX_TOOL_CALLING_ITERATIONS, chat_template=prepare_tokenizer(tokenizer))
+    _, agent = tool_loop(tokenizer, max_completion_length)
 
     def sample(ids, mask):
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_completion_length,
@@ -413,7 +424,7 @@ def evaluate_policy(model, tokenizer, problems_: list[str], *, batch_size: int =
     turn_means = []
     with torch.no_grad(), eval_mode(model):
         for lo in range(0, len(problems_), batch_size):
-            rows = dataset_rows(problems_[lo:lo + batch_size])
+            rows = rows_of(problems_[lo:lo + batch_size])
             turns = agent.rollout(model, rows, sample, [tokenizer.eos_token_id])
             for env, n_calls, n_failed in zip(turns.environments, turns.tool_calls, turns.tool_failures):
                 right += env.get_reward()
@@ -425,7 +436,3 @@ def evaluate_policy(model, tokenizer, problems_: list[str], *, batch_size: int =
     n = len(problems_)
     return {"accuracy": right / n, "calls_per_rollout": calls / n, "rollouts_with_call": with_call / n,
             "failure_frequency": failures / calls if calls else 0.0, "turn_reward_mean": sum(turn_means) / n}
-
-
-def dataset_rows(problems_: list[str]) -> list[dict[str, Any]]:
-    return [{"prompt": prompt_of(p), "problem": p} for p in problems_]
