@@ -32,6 +32,7 @@ from common import RESULTS, median_time, write_table
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
 from groupwise.demo import POLICY_DIR
+from groupwise.generation import static as static_module
 from groupwise.generation.fast import FastGenerator
 from groupwise.text import completion_masks, encode_prompts
 from groupwise.tasks import arithmetic
@@ -112,7 +113,18 @@ def roofline_tps(model, cfg, N: int, P: int, T: int, bw: float) -> float:
     return N * T / seconds
 
 
-def gpu_main(repeats: int) -> None:
+def with_chunk(chunk, fn):
+    """Run fn with static.SAMPLE_CHUNK set to `chunk` (None: unchanged)."""
+    if chunk is None:
+        return fn()
+    before, static_module.SAMPLE_CHUNK = static_module.SAMPLE_CHUNK, chunk
+    try:
+        return fn()
+    finally:
+        static_module.SAMPLE_CHUNK = before
+
+
+def gpu_main(repeats: int, ablate: bool = False) -> None:
     model, cfg = qwen05b()
     name = torch.cuda.get_device_name()
     nominal, measured = nominal_bandwidth(name), measured_bandwidth()
@@ -139,11 +151,15 @@ def gpu_main(repeats: int) -> None:
             "generate()": lambda: model.generate(input_ids=ids, attention_mask=mask,
                                                  generation_config=gen_cfg)[:, P:],
         }
-        for label, compile_ in (("fast, eager loop", False), ("fast, compiled static loop", True)):
+        variants = [("fast, eager loop", dict(compile=False)), ("fast, compiled static loop", dict(compile=True))]
+        if ablate and B == 64:  # what each part of the compiled loop buys
+            variants += [("compiled, sdpa attention (no decode kernel)", dict(compile=True, attention_kernel=False)),
+                         ("compiled, one-level race (chunk = vocabulary)", dict(compile=True, chunk=cfg.vocab_size))]
+        for label, kw in variants:
+            chunk = kw.pop("chunk", None)
             fast = FastGenerator(max_completion_length=T, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                                 repetition_penalty=1.0, pad_token_id=0, eos_token_ids=[1], group_size=G,
-                                 compile=compile_)
-            paths[label] = (lambda f: lambda: f(model, ids, mask).completion_ids)(fast)
+                                 repetition_penalty=1.0, pad_token_id=0, eos_token_ids=[1], group_size=G, **kw)
+            paths[label] = (lambda f, c: lambda: with_chunk(c, lambda: f(model, ids, mask).completion_ids))(fast, chunk)
         roof = roofline_tps(model, cfg, N, P, T, bw)
         base = None
         for label, fn in paths.items():
@@ -197,24 +213,31 @@ def gpu_profile(B: int = 64, G: int = 8, top: int = 30) -> None:
     gpu_total = sum(e.self_device_time_total for e in kernels) / 1e6
     rows = [[e.key[:90].replace("|", "/"), str(e.count), f"{e.device_time_total / 1e3:.1f}",
              f"{100 * e.self_device_time_total / 1e6 / wall:.1f} %"] for e in events[:top]]
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)[:15]
+    host_rows = [[e.key[:90].replace("|", "/"), str(e.count), f"{e.self_cpu_time_total / 1e3:.1f}"] for e in host]
     write_table("generation_gpu_profile", f"Compiled sampler profile, {B}×{G}, {T} new tokens",
                 ["kernel / op", "calls", "CUDA ms (incl. children)", "self CUDA share of wall"], rows,
                 [f"Wall {wall:.3f} s for {B * G * T:,} tokens ({B * G * T / wall:,.0f} tok/s); GPU busy "
                  f"{gpu_total:.3f} s ({100 * gpu_total / wall:.0f} % of wall): the rest is the host between graph "
-                 "replays (launches, the loop's bookkeeping)."])
+                 "replays (launches, the loop's bookkeeping).", "", "Host side, the 15 ops of largest self CPU time "
+                 "(ms; under the profiler, which slows the host):", "", "| op | calls | self CPU ms |",
+                 "|---|---|---|", *("| " + " | ".join(r) + " |" for r in host_rows)])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu", action="store_true", help="the GPU table (needs CUDA)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="with --gpu: also the compiled loop without the decode kernel and with a one-level race")
     ap.add_argument("--profile", action="store_true",
                     help="with --gpu: profile the compiled sampler at 64×8 instead (results/generation_gpu_profile.md)")
     args = ap.parse_args()
     if args.gpu and args.profile:
         return gpu_profile()
     if args.gpu:
-        return gpu_main(args.repeats)
+        return gpu_main(args.repeats, args.ablate)
     rows = []
     for name, model, pad, eos, max_new, prompts_of, tok in workloads():
         for B, G in ((8, 8), (32, 8)):

@@ -22,8 +22,8 @@ cat "$OUT/env.txt"
 case "$stage" in
   tests) timeout 400 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
   demo)  (time timeout 170 python3 -m groupwise train --output_dir /tmp/demo --bf16 false) 2>&1 | tee "$OUT/demo.log" | tail -25 ;;
-  gen)   timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
-         timeout 400 python3 benchmarks/generation.py --gpu 2>&1 | tee "$OUT/generation.log" | tail -30
+  gen)   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
+         timeout ${GEN_TIMEOUT:-400} python3 benchmarks/generation.py --gpu ${GEN_ARGS:-} 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
   profile) timeout 300 python3 benchmarks/generation.py --gpu --profile 2>&1 | tee "$OUT/profile.log" | tail -45
          cp benchmarks/results/generation_gpu_profile.md "$OUT/" 2>/dev/null ;;

@@ -7,7 +7,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 from groupwise.generation.fast import FastGenerator
 from groupwise.modeling import position_ids_from_mask
 from groupwise.text import completion_masks, encode_prompts
-from groupwise.generation.fast import GrowingLayer, StaticLayer, _fused_pick, grouped_decode_attention
+from groupwise.generation.fast import GrowingLayer
+from groupwise.generation.static import StaticLayer, fused_pick, grouped_decode_attention
 from groupwise.tasks import toy
 
 
@@ -149,6 +150,14 @@ def test_static_loop_samples_the_tokens_and_logprobs_of_the_eager_loop(tokenizer
     assert (eager.logprobs < 0).any()
 
 
+def test_attention_kernel_is_refused_where_it_cannot_run(tokenizer):
+    model = _eos_biased_model(tokenizer)
+    ids, mask = encode_prompts(["a", "b"], tokenizer, None)
+    gen = _fast(tokenizer, compile=True, compile_mode="eager", attention_kernel=True)
+    with pytest.raises(ValueError, match="attention_kernel=True needs a CUDA device"):
+        gen(model, ids, mask, greedy=True)
+
+
 def test_static_loop_refuses_attention_it_cannot_mask(tokenizer):
     model = _eos_biased_model(tokenizer)
     model.config._attn_implementation = "flash_attention_2"
@@ -177,6 +186,7 @@ def test_compiled_cuda_graph_loop_equals_generate_and_the_eager_loop(tokenizer):
     assert gen._use_static(ids.device)
     for _ in range(2):  # the second call replays the captured graph
         assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
+    assert [state.kernel for state in gen._static.values()] == [True]  # attention by the Triton decode kernel
     kw = dict(max_completion_length=16, temperature=0.8, top_k=30, group_size=4)  # top-k: the logits path
     torch.manual_seed(3)
     eager = _fast(tokenizer, compact_fraction=2.0, compile=False, **kw)(model, ids, mask, logprobs=True)
@@ -186,6 +196,13 @@ def test_compiled_cuda_graph_loop_equals_generate_and_the_eager_loop(tokenizer):
     torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-4, rtol=1e-4)
     _check_fused_logprobs(model, tokenizer, ids, mask, _fast(tokenizer, max_completion_length=16, temperature=0.8,
                                                              group_size=4))
+    # rows that are not groups (a dynamic-shape graph) of changing number and width, through the Triton kernel
+    ungrouped = _fast(tokenizer, max_completion_length=10)
+    for prompts in (["a", "bb", "c c"], ["long prompt " * 10, "q"] * 3):
+        ids, mask = (x.cuda() for x in encode_prompts(prompts, tokenizer, None))
+        assert torch.equal(ungrouped(model, ids, mask, greedy=True).completion_ids,
+                           _generate(model, tokenizer, ids, mask, max_new=10))
+    assert all(state.kernel for state in ungrouped._static.values())
 
 
 def _check_fused_logprobs(model, tok, ids, mask, gen):
@@ -212,25 +229,44 @@ def test_fused_step_logprobs_are_the_models(tokenizer):
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_fused_pick_samples_the_tempered_softmax(device):
-    """The exponential race against its formula: 20 000 draws from one row of logits over 12 tokens; every
+@pytest.mark.parametrize("chunk", [512, 5])
+def testfused_pick_samples_the_tempered_softmax(device, chunk):
+    """The two-level exponential race against its formula: 20 000 draws from one row of logits over 12 tokens, two
+    of them impossible (−inf); chunk 5 makes 3 chunks, the last padded with 3 entries (one chunk: 512). Every
     frequency within 4.5 standard errors, sqrt(p(1−p)/n), of softmax(logits / T) (a false alarm has probability
-    < 1e-4 over the vocabulary). Greedy is argmax; the log-probs are log softmax(logits / T) at the picks."""
+    < 1e-4 over the vocabulary), the impossible tokens never drawn. Greedy is argmax; the log-probs are
+    log softmax(logits / T) at the picks."""
     g = torch.Generator().manual_seed(0)
     row = torch.randn(12, generator=g) * 2
+    row[[4, 11]] = float("-inf")
     n, T = 20000, 0.7
     logits = row.expand(n, 12).contiguous().to(device)
     torch.manual_seed(1)
-    pick = torch.compile(_fused_pick) if device == "cuda" else _fused_pick
-    nxt, logp = pick(logits, T, False)
+    pick = torch.compile(fused_pick) if device == "cuda" else fused_pick
+    nxt, logp = pick(logits, T, False, chunk)
     p = torch.softmax(row.double() / T, -1)
     freq = torch.bincount(nxt.cpu(), minlength=12).double() / n
+    assert freq[4] == 0 and freq[11] == 0
     assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / n)).all(), (freq - p).abs().max()
     expected = torch.log_softmax(row / T, -1)
     torch.testing.assert_close(logp.cpu(), expected[nxt.cpu()])
-    top, top_logp = _fused_pick(logits[:2], T, True)
+    top, top_logp = fused_pick(logits[:2], T, True, chunk)
     assert top.tolist() == [int(row.argmax())] * 2
     torch.testing.assert_close(top_logp.cpu(), expected[[int(row.argmax())] * 2])
+
+
+def testfused_pick_races_chunks_by_their_mass(monkeypatch):
+    """The race's first level weighs chunk c by its mass s_c = Σ_{v∈c} e^(x_v − m), not by its largest entry: with
+    every draw E = 1 (−log E = 0) the winner is the chunk of largest mass, found here by a plain loop. Logits over 7
+    entries, chunk 3, m = 2: masses 3·e^(−0.1) = 2.715, e^0 + 2·e^(−7) = 1.002, e^(−2) (+ 2 pads) = 0.135; chunk 0
+    wins, then its first largest entry, token 0, although token 3 has the largest logit."""
+    logits = torch.tensor([[1.9, 1.9, 1.9, 2.0, -5.0, -5.0, 0.0]])
+    masses = [sum(torch.exp(logits[0, i:i + 3] - 2.0).tolist()) for i in range(0, 7, 3)]
+    assert max(range(3), key=masses.__getitem__) == 0 and abs(masses[0] - 2.715) < 1e-3
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.fill_(1.0))
+    nxt, logp = fused_pick(logits, 1.0, False, 3)
+    assert nxt.tolist() == [0]
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[:, 0])
 
 
 def test_static_loop_samples_the_second_token_from_the_model(tokenizer):

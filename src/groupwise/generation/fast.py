@@ -19,16 +19,19 @@ Two decode loops share the prefill and the sampling code:
   per layer written at a position held in a tensor, the attention mask is a preallocated 4-D mask with one column
   opened per step, and the inputs are buffers updated in place. The decode step (one forward of N tokens) is then
   compiled with torch.compile(mode="reduce-overhead"), which on CUDA captures it in a CUDA graph: a step is one
-  graph replay instead of hundreds of kernel launches from Python. Finished rows stay in the batch (they emit pad);
-  the loop checks every 8 steps whether all rows have finished. L is the prompt width rounded up to a multiple of
-  64, plus max_completion_length, so batches of similar prompt lengths reuse one compiled graph. Batches whose rows
-  are not groups of one prompt (the later turns of a tool loop, evaluation) change shape from call to call: their
-  step is compiled once with dynamic shapes.
+  graph replay instead of hundreds of kernel launches from Python. When only a temperature shapes the sampling, the
+  whole step runs in the graph (fused_step: forward, a two-level exponential race that draws V / 512 + 512 random
+  numbers per row instead of V, the token and log-prob written into the output buffers, the finished flags), and
+  the host only checks every 8 steps whether all rows have finished; with top-k / top-p / min-p / a repetition
+  penalty the step returns logits and transformers' processors run outside the graph. On CUDA, sdpa models attend
+  with decode_attention's Triton kernel, which reads each row's keys and values only over its filled slots and
+  computes the query heads of a KV head together. Finished rows stay in the batch (they emit pad). L is the prompt
+  width rounded up to a multiple of 64, plus max_completion_length, so batches of similar prompt lengths reuse one
+  compiled graph. Batches whose rows are not groups of one prompt (the later turns of a tool loop, evaluation)
+  change shape from call to call: their step is compiled once with dynamic shapes.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from transformers import DynamicCache
@@ -38,6 +41,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from groupwise.generation import Generated
+from groupwise.generation.static import StaticState, as_mask, fused_pick
 from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
 
 
@@ -79,23 +83,6 @@ class GrowingLayer(DynamicLayer):
             self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
 
 
-class StaticLayer(DynamicLayer):
-    """Keys/values in a buffer of fixed shape (N, H, L, D): a decode step writes its one token at `pos` (a 1-element
-    tensor shared by every layer, advanced in place) and attention reads the whole buffer under a mask that hides
-    the slots not written yet. Fixed shapes and addresses are what a compiled, graph-captured step needs."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
-        super().__init__()
-        self.keys, self.values, self.pos = keys, values, pos
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.pos, key_states)
-        self.values.index_copy_(2, self.pos, value_states)
-        return self.keys, self.values
-
-
 def _growing_cache(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     if not cache.layers:  # a config without layer types: one layer per decoder layer
@@ -120,16 +107,18 @@ class FastGenerator:
     def __init__(self, *, max_completion_length: int, temperature: float, top_p: float, top_k: int,
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
                  group_size: int = 1, compact_fraction: float = 0.1, compile: bool | None = None,
-                 compile_mode: dict | None = None):
+                 compile_mode: dict | None = None, attention_kernel: bool | None = None):
         """compile: decode with the static loop (None: on CUDA only); compile_mode: torch.compile's arguments for
         its step (default mode="reduce-overhead", which captures CUDA graphs; {} would be plain inductor), or the
-        string "eager" to run the static loop without compiling (tests)."""
+        string "eager" to run the static loop without compiling (tests); attention_kernel: the static loop's
+        attention by decode_attention's Triton kernel (None: wherever it can run, CUDA with sdpa models; False: by
+        sdpa, static.grouped_decode_attention)."""
         self.max_new = max_completion_length
-        self.compile = compile
+        self.compile, self.attention_kernel = compile, attention_kernel
         self.compile_mode = (dict(mode="reduce-overhead", dynamic=False) if compile_mode is None else
                              None if compile_mode == "eager" else compile_mode)
         # static-loop buffers by shape, least recently used first; two shapes: training's and evaluation's batch
-        self._static: dict[tuple, _StaticState] = {}
+        self._static: dict[tuple, StaticState] = {}
         self.keep_shapes = 2
         self.pad_token_id, self.eos = pad_token_id, torch.tensor(eos_token_ids)
         self.group_size, self.compact_fraction = group_size, compact_fraction
@@ -251,7 +240,7 @@ class FastGenerator:
         N, P = prompt_ids.shape
         eos = self.eos.to(device)
         processors = self.greedy_processors if greedy else self.sample_processors
-        # with no processor beyond the temperature, sampling runs inside the compiled step (_fused_pick): the step
+        # with no processor beyond the temperature, sampling runs inside the compiled step (fused_pick): the step
         # returns N tokens instead of N × V logits
         fused = len(processors) == 0 or (len(processors) == 1 and isinstance(processors[0], TemperatureLogitsWarper))
         width = -(-P // 64) * 64  # the prompt region, rounded up so that similar batches share a compiled graph
@@ -266,21 +255,17 @@ class FastGenerator:
         st.pos.fill_(width)
         st.pos_ids.copy_(position_ids_from_mask(prompt_mask)[:, -1:] + 1)
         del prefill
+        if fused:
+            return self._decode_fused(model, st, prompt_ids, logits, greedy, want_logprobs)
         tokens, logps = self._outputs(N, device, want_logprobs)
         seq = prompt_ids.clone() if len(self.greedy_processors) else prompt_ids[:, :0]
         rows = torch.arange(N, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         ran = torch.zeros(self.max_new, dtype=torch.bool, device=device)  # did step t have an unfinished row
-        pick = None  # (tokens, log-probs) of the fused step
         with st.attention(model):
             for t in range(self.max_new):
                 ran[t] = ~finished.all()
-                if pick is None:
-                    nxt = self._sample(processors, seq, logits, finished, greedy, logps, rows, t)
-                else:
-                    nxt = torch.where(finished, torch.full_like(pick[0], self.pad_token_id), pick[0])
-                    if logps is not None:
-                        logps[:, t] = pick[1]
+                nxt = self._sample(processors, seq, logits, finished, greedy, logps, rows, t)
                 tokens[:, t] = nxt
                 finished = finished | torch.isin(nxt, eos)
                 if t == self.max_new - 1 or (t % 8 == 7 and bool(finished.all())):
@@ -289,18 +274,37 @@ class FastGenerator:
                     seq = torch.cat([seq, nxt[:, None]], dim=1)
                 st.ids.copy_(nxt[:, None])
                 st.open.index_fill_(1, st.pos, True)
-                st.mask.copy_(st.open_as_mask())
-                if fused:
-                    pick = tuple(x.clone() for x in st.step(model, st.cache, st.ids, st.pos_ids, st.mask,
-                                                           temperature=self.temperature, greedy=greedy))
-                else:
-                    logits = st.step(model, st.cache, st.ids, st.pos_ids, st.mask).clone()
+                st.mask.copy_(as_mask(st.open, st.mask.dtype))
+                logits = st.step(model)
                 st.pos.add_(1)
                 st.pos_ids.add_(1)
         steps = int(ran.sum())  # as generate(): as many columns as decoding steps
         return Generated(tokens[:, :steps], None if logps is None else logps[:, :steps])
 
-    def _static_state(self, model, prefill, N: int, L: int, device, grouped: bool = True) -> "_StaticState":
+    def _decode_fused(self, model, st, prompt_ids, logits, greedy, want_logprobs):
+        """The static loop when sampling needs no processor beyond the temperature: the whole step (open the slot,
+        forward, pick, record the token and its log-prob, update `finished`) runs inside the compiled graph on
+        st's buffers, so a step is one graph replay and the host only checks every 8 steps whether all rows have
+        finished. The first token comes from the prefill's logits, picked the same way."""
+        b = st.b
+        nxt, logp = fused_pick(logits, self.temperature, greedy)
+        b.tokens.fill_(self.pad_token_id)
+        b.logps.zero_()
+        b.tokens[:, 0], b.logps[:, 0] = nxt, logp
+        b.finished.copy_(torch.isin(nxt, b.eos))
+        b.ran.zero_()
+        b.ran[0] = True
+        b.t.fill_(1)
+        st.ids.copy_(nxt[:, None])
+        with st.attention(model):
+            for t in range(1, self.max_new):
+                st.fused_step(model, self.temperature, greedy, self.pad_token_id)
+                if t % 8 == 7 and bool(b.finished.all()):
+                    break
+        steps = int(b.ran.sum())  # as generate(): as many columns as decoding steps
+        return Generated(b.tokens[:, :steps].clone(), b.logps[:, :steps].clone() if want_logprobs else None)
+
+    def _static_state(self, model, prefill, N: int, L: int, device, grouped: bool = True) -> "StaticState":
         """The buffers and compiled step for (model, N, L), kept between calls (the two most recent shapes): a CUDA
         graph replays on the same addresses, so the buffers live as long as the shape is in use."""
         first = prefill.layers[0] if prefill.layers else None
@@ -318,115 +322,6 @@ class FastGenerator:
             # rows that are not groups of one prompt (the later turns of a tool loop, evaluation): their number
             # and widths change from call to call, so their step is compiled once with dynamic shapes
             mode = {**mode, "dynamic": True}
-        self._static[key] = _StaticState(key, model, prefill, N, L, device, model.config._attn_implementation, mode)
+        self._static[key] = StaticState(key, model, prefill, N, L, self.max_new, self.eos, device,
+                                         model.config._attn_implementation, mode, self.attention_kernel)
         return self._static[key]
-
-
-class _StaticState:
-    """Fixed-shape buffers of the static decode loop and its (compiled) step."""
-
-    def __init__(self, key, model, prefill, N, L, device, impl, compile_mode):
-        self.key = key
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        layers = []
-        for src in prefill.layers:
-            k, v = src.keys, src.values
-            keys = k.new_zeros((N, k.shape[1], L, k.shape[3]))
-            values = v.new_zeros((N, v.shape[1], L, v.shape[3]))
-            layers.append(StaticLayer(keys, values, self.pos))
-        self.cache = DynamicCache(config=model.config)
-        self.cache.layers = layers
-        self.ids = torch.zeros(N, 1, dtype=torch.long, device=device)
-        self.pos_ids = torch.zeros(N, 1, dtype=torch.long, device=device)
-        self.open = torch.zeros(N, L, dtype=torch.bool, device=device)
-        dtype = prefill.layers[0].keys.dtype
-        # the 4-D mask attention reads: boolean for sdpa (True: attend), additive for eager attention
-        self.bool_mask = impl == "sdpa"
-        self.mask = torch.zeros(N, 1, 1, L, dtype=torch.bool if self.bool_mask else dtype, device=device)
-        self.min = torch.finfo(dtype).min
-        step = _decode_step
-        if compile_mode is not None:
-            for t in (self.pos, self.ids, self.pos_ids, self.mask, *(x for layer in layers
-                                                                      for x in (layer.keys, layer.values))):
-                torch._dynamo.mark_static_address(t)
-            step = torch.compile(_decode_step, **compile_mode)
-        self._step, self._graphs = step, device.type == "cuda" and compile_mode is not None
-        text = model.config.get_text_config(decoder=True)
-        self.grouped = (impl == "sdpa" and getattr(text, "attn_logit_softcapping", None) is None
-                        and _register_grouped_attention())
-
-    @contextlib.contextmanager
-    def attention(self, model):
-        """During the decode loop, sdpa models attend with grouped_decode_attention (each KV head read once for its
-        query heads, where transformers' sdpa path copies the KV cache per query head whenever a mask is given)."""
-        config = model.config
-        before = config._attn_implementation
-        swap = self.grouped and before == "sdpa"
-        if swap:
-            config._attn_implementation = GROUPED_ATTENTION
-        try:
-            yield
-        finally:
-            if swap:
-                config._attn_implementation = before
-
-    def open_as_mask(self) -> torch.Tensor:
-        m = self.open[:, None, None, :]
-        return m if self.bool_mask else torch.where(m, 0.0, self.min).to(self.mask.dtype)
-
-    def step(self, *args, **kwargs):
-        if self._graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        return self._step(*args, **kwargs)
-
-
-def _decode_step(model, cache, ids, pos_ids, mask, temperature=None, greedy=False):
-    """One decode step of N rows: the forward whose shapes never change (what torch.compile captures). Returns the
-    logits (N, V) in float32, or with `temperature` given the picked tokens and their log-probs (_fused_pick)."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos_ids, past_key_values=cache, use_cache=True)
-    logits = out.logits[:, -1, :].float()
-    return logits if temperature is None else _fused_pick(logits, temperature, greedy)
-
-
-def _fused_pick(logits: torch.Tensor, temperature: float, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens (N,) and log softmax(logits / T) at them (N,). Sampling uses the exponential race: with
-    E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p (P(v wins) = p_v / Σ p = p_v), so
-    argmax_v (log p_v − log E_v) samples softmax(logits / T) exactly — the Gumbel-max trick, −log E being Gumbel —
-    without torch.multinomial's cumulative sum over the vocabulary; greedy takes argmax of the logits."""
-    scaled = logits / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    if greedy:
-        nxt = logits.argmax(-1)
-    else:
-        race = torch.empty_like(logp).exponential_()
-        nxt = (logp - race.log()).argmax(-1)
-    return nxt, logp.gather(-1, nxt[:, None]).squeeze(1)
-
-
-GROUPED_ATTENTION = "groupwise_grouped_decode"
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention for a decode step over a static cache, in transformers' attention-function signature: query
-    (N, Hq, S, D), key/value (N, Hkv, L, D), attention_mask (N, 1, S, L) boolean (True: attend) or additive.
-    Query heads h·r … h·r + r − 1 share KV head h (r = Hq / Hkv, transformers' repeat_kv order), so the queries are
-    viewed as (N, Hkv, r·S, D) and attend to the KV cache as stored: one read of each KV head instead of r copies.
-    Only for S = 1 (one new token per row), where the mask is the same for the r·S query rows."""
-    N, Hq, S, D = query.shape
-    Hkv = key.shape[1]
-    if S != 1 or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError("grouped_decode_attention serves single-token decode steps without softcap or sliding "
-                         "window only: set generation_compile=False for this model")
-    q = query.reshape(N, Hkv, (Hq // Hkv) * S, D)
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(N, Hq, S, D).transpose(1, 2).contiguous(), None
-
-
-def _register_grouped_attention() -> bool:
-    """Make grouped_decode_attention known to transformers (AttentionInterface); False where that API is missing."""
-    try:
-        from transformers import AttentionInterface
-    except ImportError:
-        return False
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
-    return True

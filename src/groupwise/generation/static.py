@@ -1,0 +1,225 @@
+"""The static decode loop's pieces (used by FastGenerator's static loop, see groupwise.generation.fast): the KV
+cache layer of fixed shape, the loop's buffers and compiled steps, the fused two-level sampler, and the decode
+attentions (grouped sdpa; the Triton kernel of decode_attention on CUDA)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from groupwise.generation import decode_attention
+
+
+class StaticLayer(DynamicLayer):
+    """Keys/values in a buffer of fixed shape (N, H, L, D): a decode step writes its one token at `pos` (a 1-element
+    tensor shared by every layer, advanced in place) and attention reads the whole buffer under a mask that hides
+    the slots not written yet. Fixed shapes and addresses are what a compiled, graph-captured step needs."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.pos = keys, values, pos
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.pos, key_states)
+        self.values.index_copy_(2, self.pos, value_states)
+        return self.keys, self.values
+
+
+class LoopBuffers(NamedTuple):
+    """The static loop's state, in buffers of fixed shape and address (what a captured graph reads and writes)."""
+    ids: torch.Tensor  # (N, 1) the token fed at this step
+    pos: torch.Tensor  # (1,) its slot in the cache buffers (shared by all rows and layers)
+    pos_ids: torch.Tensor  # (N, 1) its position id
+    open: torch.Tensor  # (N, L) bool: slots that may be attended to
+    mask: torch.Tensor  # (N, 1, 1, L) the 4-D mask attention reads: boolean (sdpa) or additive (eager)
+    tokens: torch.Tensor  # (N, max_new) the completions (fused loop)
+    logps: torch.Tensor  # (N, max_new) their log-probs (fused loop)
+    finished: torch.Tensor  # (N,) bool: the row has emitted EOS
+    ran: torch.Tensor  # (max_new,) bool: column t had a row still running
+    t: torch.Tensor  # (1,) the column being picked
+    eos: torch.Tensor  # (k,) the EOS ids
+
+
+class StaticState:
+    """Fixed-shape buffers of the static decode loop and its (compiled) steps."""
+
+    def __init__(self, key, model, prefill, N, L, max_new, eos, device, impl, compile_mode, attention_kernel=None):
+        self.key = key
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        layers = []
+        for src in prefill.layers:
+            k, v = src.keys, src.values
+            keys = k.new_zeros((N, k.shape[1], L, k.shape[3]))
+            values = v.new_zeros((N, v.shape[1], L, v.shape[3]))
+            layers.append(StaticLayer(keys, values, self.pos))
+        self.cache = DynamicCache(config=model.config)
+        self.cache.layers = layers
+        dtype = prefill.layers[0].keys.dtype
+        mask_dtype = torch.bool if impl == "sdpa" else dtype  # boolean for sdpa, additive for eager attention
+        zeros = functools.partial(torch.zeros, device=device)
+        self.b = LoopBuffers(
+            ids=zeros(N, 1, dtype=torch.long), pos=self.pos, pos_ids=zeros(N, 1, dtype=torch.long),
+            open=zeros(N, L, dtype=torch.bool), mask=zeros(N, 1, 1, L, dtype=mask_dtype),
+            tokens=zeros(N, max_new, dtype=torch.long), logps=zeros(N, max_new), finished=zeros(N, dtype=torch.bool),
+            ran=zeros(max_new, dtype=torch.bool), t=zeros(1, dtype=torch.long), eos=eos.to(device))
+        self.ids, self.pos_ids, self.open, self.mask = self.b.ids, self.b.pos_ids, self.b.open, self.b.mask
+        self._step, self._fused = decode_step, fused_step
+        if compile_mode is not None:
+            for t in (*self.b, *(x for layer in layers for x in (layer.keys, layer.values))):
+                torch._dynamo.mark_static_address(t)
+            self._step = torch.compile(decode_step, **compile_mode)
+            self._fused = torch.compile(fused_step, **compile_mode)
+        self._graphs = device.type == "cuda" and compile_mode is not None
+        text = model.config.get_text_config(decoder=True)
+        self.grouped = (impl == "sdpa" and getattr(text, "attn_logit_softcapping", None) is None
+                        and _register_grouped_attention())
+        # the Triton decode kernel (boolean mask: sdpa models) where it can run, unless turned off
+        self.kernel = self.grouped and attention_kernel is not False and decode_attention.prepare(device)
+        if attention_kernel and not self.kernel:
+            raise ValueError("attention_kernel=True needs a CUDA device, Triton and an sdpa model without softcap: "
+                             "leave attention_kernel unset to use it where it can run")
+
+    @contextlib.contextmanager
+    def attention(self, model):
+        """During the decode loop, sdpa models attend with grouped_decode_attention (each KV head read once for its
+        query heads, where transformers' sdpa path copies the KV cache per query head whenever a mask is given)."""
+        config = model.config
+        before = config._attn_implementation
+        swap = self.grouped and before == "sdpa"
+        if swap:
+            config._attn_implementation = KERNEL_ATTENTION if self.kernel else GROUPED_ATTENTION
+        try:
+            yield
+        finally:
+            if swap:
+                config._attn_implementation = before
+
+    def step(self, model) -> torch.Tensor:
+        """One step of the logits loop: the logits (N, V) of the token in `ids` (a copy: the graph's output buffer
+        is reused by the next replay)."""
+        if self._graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._step(model, self.cache, self.ids, self.pos_ids, self.mask).clone()
+
+    def fused_step(self, model, temperature: float, greedy: bool, pad: int) -> None:
+        """One step of the fused loop (fused_step), on the buffers."""
+        if self._graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        self._fused(model, self.cache, self.b, temperature, greedy, pad)
+
+
+def decode_step(model, cache, ids, pos_ids, mask):
+    """One decode step of N rows: the forward whose shapes never change (what torch.compile captures). Returns the
+    logits (N, V) in float32."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos_ids, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1, :].float()
+
+
+def fused_step(model, cache, b: LoopBuffers, temperature, greedy, pad):
+    """One step of the fused loop, all of it on the buffers: feed b.ids at slot b.pos (opened in the mask), pick
+    token t = b.t (fused_pick), write it (pad for rows already finished) and its log-prob at column t, note whether
+    any row was still running (b.ran[t]), mark rows that emitted EOS finished, advance pos, position ids and t."""
+    b.open.index_fill_(1, b.pos, True)
+    b.mask.copy_(as_mask(b.open, b.mask.dtype))
+    out = model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.pos_ids, past_key_values=cache,
+                use_cache=True)
+    nxt, logp = fused_pick(out.logits[:, -1, :], temperature, greedy)
+    b.ran.index_copy_(0, b.t, (~b.finished.all())[None])
+    nxt = torch.where(b.finished, torch.full_like(nxt, pad), nxt)
+    b.tokens.index_copy_(1, b.t, nxt[:, None])
+    b.logps.index_copy_(1, b.t, logp[:, None])
+    b.finished.logical_or_(torch.isin(nxt, b.eos))
+    b.ids.copy_(nxt[:, None])
+    b.pos.add_(1)
+    b.pos_ids.add_(1)
+    b.t.add_(1)
+
+
+def as_mask(open_: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, L) open slots as the 4-D mask attention reads: boolean (True: attend) or additive (0 / dtype's min)."""
+    m = open_[:, None, None, :]
+    return m if dtype == torch.bool else torch.where(m, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+SAMPLE_CHUNK = 512  # vocabulary entries per chunk of fused_pick's two-level race
+
+
+def fused_pick(logits: torch.Tensor, temperature: float, greedy: bool,
+                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens (N,) and log softmax(logits / T) at them (N,); greedy takes argmax of the logits.
+
+    Sampling is an exponential race in two levels. With E_i ~ Exp(1) independent and masses w_i ≥ 0,
+    argmax_i w_i / E_i is i with probability w_i / Σ w (the Gumbel-max trick: −log E is Gumbel). Level 1 races the
+    vocabulary's chunks of `chunk` entries with masses s_c = Σ_{v∈c} e^(x_v − m) (x = logits / T, m = max x), so chunk
+    c wins with probability s_c / Z, Z = Σ_c s_c; level 2 races the entries of the winning chunk with masses
+    e^(x_v − m), so v wins with probability e^(x_v − m) / s_c. Together P(v) = s_c / Z · e^(x_v − m) / s_c =
+    softmax(x)_v exactly, from V / chunk + chunk random numbers per row instead of V (a race over the whole
+    vocabulary); tokens of probability 0 never win. log p_v = x_v − m − log Z."""
+    chunk = chunk or SAMPLE_CHUNK
+    x = logits.float() / temperature
+    N, V = x.shape
+    m = x.amax(-1, keepdim=True)
+    if greedy:
+        nxt = logits.argmax(-1)
+        z = torch.exp(x - m).sum(-1)
+    else:
+        n_chunks = -(-V // chunk)
+        xc = torch.nn.functional.pad(x, (0, n_chunks * chunk - V), value=float("-inf")).view(N, n_chunks, chunk)
+        mass = torch.exp(xc - m[..., None]).sum(-1)  # (N, chunks)
+        z = mass.sum(-1)
+        tiny = torch.finfo(torch.float32).tiny  # an Exp(1) draw of exactly 0 would let any entry win
+        c = (mass.log() - torch.empty_like(mass).exponential_().clamp_min(tiny).log()).argmax(-1)
+        xw = xc.gather(1, c[:, None, None].expand(N, 1, chunk)).squeeze(1)  # (N, chunk): the winning chunk
+        v = (xw - torch.empty_like(xw).exponential_().clamp_min(tiny).log()).argmax(-1)
+        nxt = c * chunk + v
+    return nxt, x.gather(-1, nxt[:, None]).squeeze(1) - m.squeeze(1) - z.log()
+
+
+GROUPED_ATTENTION = "groupwise_grouped_decode"
+KERNEL_ATTENTION = "groupwise_decode_kernel"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for a decode step over a static cache, in transformers' attention-function signature: query
+    (N, Hq, S, D), key/value (N, Hkv, L, D), attention_mask (N, 1, S, L) boolean (True: attend) or additive.
+    Query heads h·r … h·r + r − 1 share KV head h (r = Hq / Hkv, transformers' repeat_kv order), so the queries are
+    viewed as (N, Hkv, r·S, D) and attend to the KV cache as stored: one read of each KV head instead of r copies.
+    Only for S = 1 (one new token per row), where the mask is the same for the r·S query rows."""
+    N, Hq, S, D = _check_decode(query, kwargs)
+    Hkv = key.shape[1]
+    q = query.reshape(N, Hkv, (Hq // Hkv) * S, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(N, Hq, S, D).transpose(1, 2).contiguous(), None
+
+
+def kernel_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """grouped_decode_attention's contract on CUDA with a boolean mask, computed by decode_attention's Triton kernel:
+    it reads each row's keys and values only over its open slots (the filled part of the static buffer)."""
+    N, Hq, S, D = _check_decode(query, kwargs)
+    scale = scaling if scaling is not None else D ** -0.5
+    return decode_attention.decode_attention(query, key, value, attention_mask[:, 0, 0, :], scale), None
+
+
+def _check_decode(query, kwargs):
+    if query.shape[2] != 1 or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError("the static decode loop's attention serves single-token decode steps without softcap or "
+                         "sliding window only: set generation_compile=False for this model")
+    return query.shape
+
+
+def _register_grouped_attention() -> bool:
+    """Make the decode attentions known to transformers (AttentionInterface); False where that API is missing."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
+    AttentionInterface.register(KERNEL_ATTENTION, kernel_decode_attention)
+    return True

@@ -1,0 +1,78 @@
+"""The Triton decode-attention kernel against a plain loop over rows and heads: on CUDA when a GPU is present, and
+through Triton's interpreter on CPU when Triton is installed (neither on a CPU-only CI machine, where the static
+loop attends with sdpa)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from groupwise.generation import decode_attention as da
+
+
+def _reference(q, k, v, keep, scale):
+    """softmax(q·k_j · scale over the open slots j) · v, one (row, query head) at a time, in float64."""
+    N, Hq, _, D = q.shape
+    r = Hq // k.shape[1]
+    out = torch.zeros(N, 1, Hq, D, dtype=torch.float64)
+    for n in range(N):
+        slots = keep[n].nonzero().squeeze(1).cpu()
+        for h in range(Hq):
+            kh, vh = k[n, h // r].double().cpu()[slots], v[n, h // r].double().cpu()[slots]
+            w = torch.softmax(kh @ q[n, h, 0].double().cpu() * scale, 0)
+            out[n, 0, h] = w @ vh
+    return out
+
+
+def _inputs(N, Hq, Hkv, L, D, dtype, device, seed=0):
+    """Rows whose open slots start after a left padding and have holes (every fifth slot closed), as a tool loop's
+    left-padded prompts do; one row opens a single slot."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(N, H, S, D, generator=g).to(dtype) for H, S in ((Hq, 1), (Hkv, L), (Hkv, L)))
+    keep = torch.zeros(N, L, dtype=torch.bool)
+    for n in range(N):
+        a = int(torch.randint(0, L // 2, (1,), generator=g))
+        b = int(torch.randint(a + 1, L + 1, (1,), generator=g))
+        keep[n, a:b] = True
+        keep[n, a + 1:b:5] = False
+    keep[0] = False
+    keep[0, L - 1] = True
+    return q.to(device), k.to(device), v.to(device), keep.to(device)
+
+
+SHAPES = [(3, 6, 2, 70, 8), (2, 14, 2, 200, 64), (4, 4, 4, 130, 16)]  # (N, Hq, Hkv, L, D); 7 queries per KV head
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_kernel_equals_a_plain_loop_on_cuda(dtype, shape, splits):
+    assert da.prepare(torch.device("cuda"))
+    q, k, v, keep = _inputs(*shape, dtype, "cuda")
+    ours = da.decode_attention(q, k, v, keep, 0.3, splits=splits)
+    assert ours.shape == (shape[0], 1, shape[1], shape[4]) and ours.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the probabilities are rounded before the value product
+    torch.testing.assert_close(ours.double().cpu(), _reference(q, k, v, keep, 0.3), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_kernel_equals_a_plain_loop_in_the_interpreter(monkeypatch, shape, splits):
+    """float32 only: the interpreter computes bfloat16 products wrongly (numpy has no bfloat16)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = da._kernel.__wrapped__()  # a fresh, interpreted kernel (not the cached compiled one)
+    q, k, v, keep = _inputs(*shape, torch.float32, "cpu", seed=1)
+    ours = da._run(kernel, q, k, v, keep.view(torch.uint8), 0.3, splits)
+    torch.testing.assert_close(ours.double(), _reference(q, k, v, keep, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_splits_fill_the_gpu_but_not_beyond_the_slots(monkeypatch):
+    """4 programs per SM (132 SMs: 528): 1024 programs need no split; 24 programs over 76 slots take 2 (one per 64
+    slots at most); 256 over 320 slots take ceil(528 / 256) = 3; symbolic sizes take 1."""
+    monkeypatch.setattr(da, "_SMS", 132)
+    assert da._splits(1024, 320) == 1
+    assert da._splits(24, 76) == 2
+    assert da._splits(256, 320) == 3
+    assert da._splits(object(), 320) == 1  # stands in for a torch.SymInt
