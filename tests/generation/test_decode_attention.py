@@ -24,11 +24,18 @@ def _reference(q, k, v, keep, scale):
     return out
 
 
-def _inputs(N, Hq, Hkv, L, D, dtype, device, seed=0):
+def _inputs(N, Hq, Hkv, L, D, dtype, device, seed=0, strided=False):
     """Rows whose open slots start after a left padding and have holes (every fifth slot closed), as a tool loop's
-    left-padded prompts do; one row opens a single slot."""
+    left-padded prompts do; one row opens a single slot, and with L > 600 one row opens two slots far apart with a
+    long hole between them (its open range spans several blocks of the mask scan, BLOCK_M = 512) and one opens
+    none (its output is 0). strided: q, k, v and keep are views into larger tensors, as in the model (the query a
+    transposed projection, the mask a slice of the 4-D mask)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(N, H, S, D, generator=g).to(dtype) for H, S in ((Hq, 1), (Hkv, L), (Hkv, L)))
+    if strided:
+        q = torch.randn(N, 1, Hq, D + 3, generator=g)[..., :D].transpose(1, 2)
+        k, v = (torch.randn(N, L, Hkv, D, generator=g).transpose(1, 2) for _ in range(2))
+    else:
+        q, k, v = (torch.randn(N, H, S, D, generator=g) for H, S in ((Hq, 1), (Hkv, L), (Hkv, L)))
     keep = torch.zeros(N, L, dtype=torch.bool)
     for n in range(N):
         a = int(torch.randint(0, L // 2, (1,), generator=g))
@@ -37,42 +44,55 @@ def _inputs(N, Hq, Hkv, L, D, dtype, device, seed=0):
         keep[n, a + 1:b:5] = False
     keep[0] = False
     keep[0, L - 1] = True
-    return q.to(device), k.to(device), v.to(device), keep.to(device)
+    if L > 600:
+        keep[1] = False
+        keep[1, [3, L - 4]] = True
+        keep[2] = False
+    if strided:
+        keep = torch.cat([keep, keep], 1)[:, :L]
+    return (x.to(dtype).to(device) if x.dtype != torch.bool else x.to(device) for x in (q, k, v, keep))
 
 
-SHAPES = [(3, 6, 2, 70, 8), (2, 14, 2, 200, 64), (4, 4, 4, 130, 16)]  # (N, Hq, Hkv, L, D); 7 queries per KV head
+# (N, Hq, Hkv, L, D): 3 queries per KV head; 7 (the Qwen2.5 family); 1; a long buffer with a head dim of 80
+SHAPES = [(3, 6, 2, 70, 8), (2, 14, 2, 200, 64), (4, 4, 4, 130, 16), (3, 14, 2, 1300, 80)]
+
+
+def _check(ours, q, k, v, keep, tol):
+    ref = _reference(q, k, v, keep, 0.3)
+    assert ours.shape == ref.shape and not ours.isnan().any()
+    torch.testing.assert_close(ours.double().cpu(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("splits", [1, 3, None])
-def test_kernel_equals_a_plain_loop_on_cuda(dtype, shape, splits):
+@pytest.mark.parametrize("splits", [1, 3, "chosen"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_kernel_equals_a_plain_loop_on_cuda(dtype, shape, splits, strided):
     assert da.prepare(torch.device("cuda"))
-    q, k, v, keep = _inputs(*shape, dtype, "cuda")
+    q, k, v, keep = _inputs(*shape, dtype, "cuda", strided=strided)
+    if splits == "chosen":
+        splits = da.choose_splits(shape[0] * shape[2], shape[3])
     ours = da.decode_attention(q, k, v, keep, 0.3, splits=splits)
-    assert ours.shape == (shape[0], 1, shape[1], shape[4]) and ours.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the probabilities are rounded before the value product
-    torch.testing.assert_close(ours.double().cpu(), _reference(q, k, v, keep, 0.3), atol=tol, rtol=tol)
+    assert ours.dtype == dtype
+    _check(ours, q, k, v, keep, 1e-5 if dtype == torch.float32 else 2e-2)  # bf16: probabilities rounded before P·V
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]])
 @pytest.mark.parametrize("splits", [1, 2, 7])
 def test_kernel_equals_a_plain_loop_in_the_interpreter(monkeypatch, shape, splits):
     """float32 only: the interpreter computes bfloat16 products wrongly (numpy has no bfloat16)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernel = da._kernel.__wrapped__()  # a fresh, interpreted kernel (not the cached compiled one)
-    q, k, v, keep = _inputs(*shape, torch.float32, "cpu", seed=1)
-    ours = da._run(kernel, q, k, v, keep.view(torch.uint8), 0.3, splits)
-    torch.testing.assert_close(ours.double(), _reference(q, k, v, keep, 0.3), atol=1e-5, rtol=1e-5)
+    q, k, v, keep = _inputs(*shape, torch.float32, "cpu", seed=1, strided=splits == 2)
+    _check(da._run(kernel, q, k, v, keep.view(torch.uint8), 0.3, splits), q, k, v, keep, 1e-5)
 
 
 def test_splits_fill_the_gpu_but_not_beyond_the_slots(monkeypatch):
     """4 programs per SM (132 SMs: 528): 1024 programs need no split; 24 programs over 76 slots take 2 (one per 64
-    slots at most); 256 over 320 slots take ceil(528 / 256) = 3; symbolic sizes take 1."""
+    slots at most); 256 over 320 slots take ceil(528 / 256) = 3."""
     monkeypatch.setattr(da, "_SMS", 132)
-    assert da._splits(1024, 320) == 1
-    assert da._splits(24, 76) == 2
-    assert da._splits(256, 320) == 3
-    assert da._splits(object(), 320) == 1  # stands in for a torch.SymInt
+    assert da.choose_splits(1024, 320) == 1
+    assert da.choose_splits(24, 76) == 2
+    assert da.choose_splits(256, 320) == 3

@@ -196,13 +196,18 @@ def test_compiled_cuda_graph_loop_equals_generate_and_the_eager_loop(tokenizer):
     torch.testing.assert_close(static.logprobs, eager.logprobs, atol=1e-4, rtol=1e-4)
     _check_fused_logprobs(model, tokenizer, ids, mask, _fast(tokenizer, max_completion_length=16, temperature=0.8,
                                                              group_size=4))
-    # rows that are not groups (a dynamic-shape graph) of changing number and width, through the Triton kernel
+    # rows that are not groups (one dynamic-shape graph) of changing number and width, through the Triton kernel
+    from torch._dynamo.utils import counters
+
     ungrouped = _fast(tokenizer, max_completion_length=10)
-    for prompts in (["a", "bb", "c c"], ["long prompt " * 10, "q"] * 3):
+    ungrouped.keep_shapes = 8
+    counters.clear()
+    for prompts in (["a", "bb", "c c"], ["long prompt " * 10, "q"] * 3, ["x"] * 9):
         ids, mask = (x.cuda() for x in encode_prompts(prompts, tokenizer, None))
         assert torch.equal(ungrouped(model, ids, mask, greedy=True).completion_ids,
                            _generate(model, tokenizer, ids, mask, max_new=10))
-    assert all(state.kernel for state in ungrouped._static.values())
+    assert all(state.kernel for state in ungrouped._static.values()) and len(ungrouped._static) == 3
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def _check_fused_logprobs(model, tok, ids, mask, gen):

@@ -46,23 +46,20 @@ def prepare(device: torch.device) -> bool:
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
-                     scale: float, splits: int | None = None) -> torch.Tensor:
+                     scale: float, splits: int = 1) -> torch.Tensor:
     """query (N, Hq, 1, D), key/value (N, Hkv, L, D), keep (N, L) boolean (True: the slot may be attended to).
     Returns (N, 1, Hq, D) in the query's dtype: transformers' attention-output layout. Query head h uses KV head
-    h // (Hq / Hkv) (transformers' repeat_kv order). splits: slot splits per (row, KV head); None picks them from
-    the GPU's size. prepare(device) must have returned True first."""
-    N, Hq, _, D = query.shape
-    Hkv, L = key.shape[1], key.shape[2]
-    if splits is None:
-        splits = _splits(N * Hkv, L)
+    h // (Hq / Hkv) (transformers' repeat_kv order). splits: slot splits per (row, KV head), a plain int chosen
+    outside any compiled region (choose_splits). prepare(device) must have returned True first."""
     return torch.ops.groupwise.decode_attention(query, key, value, keep.view(torch.uint8), float(scale), splits)
 
 
-def _splits(programs, L) -> int:
-    """Enough programs for 4 per streaming multiprocessor, at most one split per BLOCK_N slots. Shapes compiled as
-    dynamic (symbolic sizes) take 1, so that the choice does not specialise the graph to one batch size."""
+def choose_splits(programs: int, L: int) -> int:
+    """Splits per (row, KV head) for `programs` = rows × KV heads over L slots: enough programs for 4 per streaming
+    multiprocessor, at most one split per BLOCK_N slots. Called on the host with plain ints: inside a compiled
+    region a symbolic size would fix the split count with guards on the batch size (a recompile per shape)."""
     want = 4 * _SMS
-    if not isinstance(programs, int) or not isinstance(L, int) or programs >= want:
+    if programs >= want:
         return 1
     return max(1, min(-(-L // BLOCK_N), -(-want // programs)))
 
@@ -83,8 +80,8 @@ def _kernel():
                L, scale_log2e,
                R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
-        n = tl.program_id(0)
-        h = tl.program_id(1)
+        n = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's buffers may exceed 2^31 elements
+        h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
         # the row's open slots lie in [lo, hi): its first and last open slot, from its mask
         lo = tl.full([], L, tl.int32)
@@ -152,7 +149,10 @@ def _run(kernel, query, key, value, keep, scale: float, splits: int) -> torch.Te
     R = Hq // Hkv
     BLOCK_R, BLOCK_D = _pow2(R), _pow2(D)
     out = torch.empty((N, 1, Hq, D), dtype=query.dtype, device=query.device)
-    part = stats = out  # unused pointers when splits == 1
+    # with one split the kernel writes `out` only; the partials' pointers are placeholders (distinct tensors: an
+    # argument aliased with the output could be cloned apart from it by functionalization)
+    part = torch.empty(0, dtype=torch.float32, device=query.device)
+    stats = torch.empty(0, dtype=torch.float32, device=query.device)
     if splits > 1:
         part = torch.empty((N, Hkv, splits, BLOCK_R, BLOCK_D), dtype=torch.float32, device=query.device)
         stats = torch.empty((N, Hkv, splits, BLOCK_R, 2), dtype=torch.float32, device=query.device)

@@ -85,6 +85,11 @@ class StaticState:
         if attention_kernel and not self.kernel:
             raise ValueError("attention_kernel=True needs a CUDA device, Triton and an sdpa model without softcap: "
                              "leave attention_kernel unset to use it where it can run")
+        self.attention_name = GROUPED_ATTENTION
+        if self.kernel:  # a dynamic-shape step takes one split, whatever its batch (see choose_splits)
+            dynamic = bool(compile_mode and compile_mode.get("dynamic"))
+            kv_heads = prefill.layers[0].keys.shape[1]
+            self.attention_name = kernel_attention(1 if dynamic else decode_attention.choose_splits(N * kv_heads, L))
 
     @contextlib.contextmanager
     def attention(self, model):
@@ -94,7 +99,7 @@ class StaticState:
         before = config._attn_implementation
         swap = self.grouped and before == "sdpa"
         if swap:
-            config._attn_implementation = KERNEL_ATTENTION if self.kernel else GROUPED_ATTENTION
+            config._attn_implementation = self.attention_name
         try:
             yield
         finally:
@@ -199,12 +204,23 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     return out.reshape(N, Hq, S, D).transpose(1, 2).contiguous(), None
 
 
-def kernel_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kernel_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, splits: int,
+                            **kwargs):
     """grouped_decode_attention's contract on CUDA with a boolean mask, computed by decode_attention's Triton kernel:
     it reads each row's keys and values only over its open slots (the filled part of the static buffer)."""
     N, Hq, S, D = _check_decode(query, kwargs)
     scale = scaling if scaling is not None else D ** -0.5
-    return decode_attention.decode_attention(query, key, value, attention_mask[:, 0, 0, :], scale), None
+    return decode_attention.decode_attention(query, key, value, attention_mask[:, 0, 0, :], scale, splits), None
+
+
+def kernel_attention(splits: int) -> str:
+    """The name under which kernel_decode_attention with `splits` splits is registered with transformers (one name
+    per split count, bound outside the compiled step)."""
+    from transformers import AttentionInterface
+
+    name = f"{KERNEL_ATTENTION}_{splits}"
+    AttentionInterface.register(name, functools.partial(kernel_decode_attention, splits=splits))
+    return name
 
 
 def _check_decode(query, kwargs):
@@ -221,5 +237,4 @@ def _register_grouped_attention() -> bool:
     except ImportError:
         return False
     AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
-    AttentionInterface.register(KERNEL_ATTENTION, kernel_decode_attention)
     return True
