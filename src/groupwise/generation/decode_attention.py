@@ -24,8 +24,15 @@ import importlib.util
 
 import torch
 
-BLOCK_N = 64  # key/value slots per iteration
-BLOCK_M = 512  # mask slots per iteration of the scan for a row's open range (a constant: L may be symbolic)
+SPLIT_SLOTS = 64  # a split covers at least this many slots
+BLOCK_M = 128  # mask slots per iteration of the scan for a row's open range (a constant: L may be symbolic)
+
+
+def _block_n(block_d: int) -> int:
+    """Key/value slots per iteration: 32 for head dims up to 64, 16 above. Register use grows with slots × head dim
+    (Triton 3.6 for sm_90, 4 warps: 96 registers at 64 × 32 and 148 at 128 × 16, against 231–255, with spills,
+    at 64 slots), and fewer registers let more programs share a multiprocessor."""
+    return 32 if block_d <= 64 else 16
 
 
 _SMS = 0  # streaming multiprocessors of the GPU in use (set by prepare(), outside any compiled region)
@@ -56,12 +63,12 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def choose_splits(programs: int, L: int) -> int:
     """Splits per (row, KV head) for `programs` = rows × KV heads over L slots: enough programs for 4 per streaming
-    multiprocessor, at most one split per BLOCK_N slots. Called on the host with plain ints: inside a compiled
+    multiprocessor, at most one split per SPLIT_SLOTS slots. Called on the host with plain ints: inside a compiled
     region a symbolic size would fix the split count with guards on the batch size (a recompile per shape)."""
     want = 4 * _SMS
     if programs >= want:
         return 1
-    return max(1, min(-(-L // BLOCK_N), -(-want // programs)))
+    return max(1, min(-(-L // SPLIT_SLOTS), -(-want // programs)))
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -161,7 +168,7 @@ def _run(kernel, query, key, value, keep, scale: float, splits: int) -> torch.Te
         query.stride(0), query.stride(1), query.stride(3), key.stride(0), key.stride(1), key.stride(2),
         key.stride(3), value.stride(0), value.stride(1), value.stride(2), value.stride(3), keep.stride(0),
         keep.stride(-1), out.stride(0), out.stride(2), out.stride(3), L, scale * 1.4426950408889634,
-        R=R, D=D, SPLITS=splits, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        R=R, D=D, SPLITS=splits, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, BLOCK_N=_block_n(BLOCK_D),
         BLOCK_M=BLOCK_M, IEEE=query.dtype == torch.float32, num_warps=4, num_stages=2)
     if splits == 1:
         return out
