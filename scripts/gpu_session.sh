@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device machine (GPU): install carried wheels, then run one stage. Used as
-#   bash scripts/gpu_session.sh tests|demo|gen|fast|profile|bench
+#   bash scripts/gpu_session.sh tests|demo|gen|fast|profile|profile2|bench
 # Output lands in $OUT (the device tool brings it back). Wheels travel in .whl/ (see benchmarks/results/gpu.md).
 set -uo pipefail
 stage=${1:-tests}
@@ -25,12 +25,14 @@ case "$stage" in
   gen)   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
          timeout ${GEN_TIMEOUT:-400} python3 benchmarks/generation.py --gpu ${GEN_ARGS:-} 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
-  fast)  # the compiled sampler in one call: its CUDA tests, the table with ablations, the profile
-         timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
-         timeout 290 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
-         cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null
-         timeout 110 python3 benchmarks/generation.py --gpu --profile 2>&1 | tee "$OUT/profile.log" | tail -60
-         cp benchmarks/results/generation_gpu_profile.md "$OUT/" 2>/dev/null ;;
+  fast)  # the compiled sampler: its CUDA tests, then the table with ablations
+         timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
+         timeout 340 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
+         cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
+  profile2)  # the profile, then the two-process tool-loop test that session 5 could not finish
+         timeout 150 python3 benchmarks/generation.py --gpu --profile 2>&1 | tee "$OUT/profile.log" | tail -60
+         cp benchmarks/results/generation_gpu_profile.md "$OUT/" 2>/dev/null
+         timeout 380 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_agents_training.py 2>&1 | tee "$OUT/agents_training.log" | tail -15 ;;
   profile) timeout 300 python3 benchmarks/generation.py --gpu --profile 2>&1 | tee "$OUT/profile.log" | tail -45
          cp benchmarks/results/generation_gpu_profile.md "$OUT/" 2>/dev/null ;;
   bench) timeout 560 python3 benchmarks/gpu_step.py --trl --steps 5 --runs "${RUNS:-full:0,full:0:bf16,lora:0}" 2>&1 | tee "$OUT/gpu_step.log" | tail -30

@@ -30,8 +30,9 @@ BLOCK_M = 128  # mask slots per iteration of the scan for a row's open range (a 
 
 def _block_n(block_d: int) -> int:
     """Key/value slots per iteration: 32 for head dims up to 64, 16 above. Register use grows with slots × head dim
-    (Triton 3.6 for sm_90, 4 warps: 96 registers at 64 × 32 and 148 at 128 × 16, against 231–255, with spills,
-    at 64 slots), and fewer registers let more programs share a multiprocessor."""
+    (Triton 3.6 for sm_90, 4 warps, bf16: 96 registers at head dim 64 × 32 slots and 148 at 128 × 16, against 231
+    and 255 with a spill at 64 slots; scripts/decode_kernel_registers.py), and fewer registers let more programs
+    share a multiprocessor."""
     return 32 if block_d <= 64 else 16
 
 
