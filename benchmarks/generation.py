@@ -174,6 +174,13 @@ def gpu_main(repeats: int, ablate: bool = False) -> None:
             rows.append([f"{B}×{G}", label, f"{seconds:.2f}", f"{tps:,.0f}", f"{tps / base:.2f}×",
                          f"{100 * tps / roof:.1f} %"])
             print(rows[-1], flush=True)
+        if ablate and B == 64:  # the matmuls alone, as a ceiling: what no sampler built on these layers can beat
+            for fused in (False, True):
+                seconds = T * matmul_step_seconds(model, cfg, N, fused)
+                label = f"ceiling: the step's matmuls only{', q/k/v and gate/up fused' if fused else ''}"
+                rows.append([f"{B}×{G}", label, f"{seconds:.2f}", f"{N * T / seconds:,.0f}", "",
+                             f"{100 * N * T / seconds / roof:.1f} %"])
+                print(rows[-1], flush=True)
         rows.append([f"{B}×{G}", "roofline", f"{N * T / roof:.2f}", f"{roof:,.0f}", "", "100 %"])
     fast64 = next(r for r in rows if r[0] == "64×8" and r[1].startswith("fast, compiled"))
     speed, share = float(fast64[4][:-1]), float(fast64[5][:-2])
@@ -187,6 +194,48 @@ def gpu_main(repeats: int, ablate: bool = False) -> None:
                 [f"Qwen2.5-0.5B shape, bf16, sdpa, 32 prompt tokens, {T} new tokens per row, medians of {repeats} "
                  f"runs after a warm-up{' (generate(): one run; --ablate)' if ablate else ''}. At 64×8 the compiled "
                  f"fast sampler reaches {verdict}.", "", bw_note])
+
+
+@torch.no_grad()
+def matmul_step_seconds(model, cfg, N: int, fused: bool, replays: int = 50) -> float:
+    """Seconds per decode step of the step's matrix products alone (every layer's q, k, v, o, gate, up, down
+    projections and the output head, on N rows, bf16, with the model's weights), replayed from one CUDA graph: a
+    floor for any decode step built on these layers. fused: q/k/v as one product and gate/up as one (weights
+    concatenated once, outside the graph), as engines that own their weights do."""
+    layers = model.model.layers
+    x = torch.randn(N, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(N, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    groups = []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        if fused:
+            groups.append([(x, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                           (x, a.o_proj.weight), (x, torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                           (h, m.down_proj.weight)])
+        else:
+            groups.append([(x, a.q_proj.weight), (x, a.k_proj.weight), (x, a.v_proj.weight), (x, a.o_proj.weight),
+                           (x, m.gate_proj.weight), (x, m.up_proj.weight), (h, m.down_proj.weight)])
+    products = [pair for group in groups for pair in group] + [(x, model.lm_head.weight)]
+
+    def step():
+        for inp, w in products:
+            torch.nn.functional.linear(inp, w)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture (cuBLAS workspaces)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays
 
 
 def gpu_profile(B: int = 64, G: int = 8, top: int = 30) -> None:
