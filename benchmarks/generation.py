@@ -182,8 +182,10 @@ def gpu_main(repeats: int, ablate: bool = False) -> None:
         variants = [("fast, compiled static loop", dict(compile=True))]
         if not ablate:
             variants.insert(0, ("fast, eager loop", dict(compile=False)))
-        if ablate and B == 64:  # what each part of the compiled loop buys
-            variants += [("compiled, sdpa attention (no decode kernel)", dict(compile=True, attention_kernel=False)),
+        if ablate and B == 64:  # what each part of the compiled loop buys, and fused projections
+            variants += [("compiled, q/k/v and gate/up fused (fuse_projections)",
+                          dict(compile=True, fuse_projections=True)),
+                         ("compiled, sdpa attention (no decode kernel)", dict(compile=True, attention_kernel=False)),
                          ("compiled, one-level race (chunk = vocabulary)", dict(compile=True, chunk=cfg.vocab_size))]
         for label, kw in variants:
             chunk = kw.pop("chunk", None)

@@ -26,8 +26,8 @@ case "$stage" in
          timeout ${GEN_TIMEOUT:-400} python3 benchmarks/generation.py --gpu ${GEN_ARGS:-} 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
   fast)  # the compiled sampler: its CUDA tests, then the table with ablations
-         timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
-         timeout 340 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
+         timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
+         timeout 370 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
   profile2)  # the profile, then the two-process tool-loop test that session 5 could not finish
          timeout 150 python3 benchmarks/generation.py --gpu --profile 2>&1 | tee "$OUT/profile.log" | tail -60

@@ -89,6 +89,7 @@ def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
     (dict(generation_backend="vllm"), r"generation_backend='vllm' is selected with use_vllm=True"),
     (dict(generation_backend="sglang"), r"generation_backend='sglang' is not one of \['fast', 'transformers', 'vllm'\]"),
     (dict(generation_backend="transformers", generation_compile=True), r"generation_compile=True applies to generation_backend=.fast."),
+    (dict(generation_compile=False, generation_fuse_projections=True), r"generation_fuse_projections applies to the fast backend's static decode loop"),
     (dict(step_split="regex"), r"step_split='regex' needs step_pattern"),
     (dict(reward_weights=[1.0, float("nan")]), r"reward_weights must be a list of finite numbers"),
 ])

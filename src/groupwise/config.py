@@ -190,6 +190,7 @@ class GRPOConfig(StrictConfig):
     vllm_importance_sampling_cap: float | None = option("TRL's deprecated name for vllm_importance_sampling_clip_max; when set, it wins.", default=None, gt=0)
     generation_backend: str = option("Generation backend (groupwise.generation); 'fast' prefills each prompt once per group and drops finished rows, with generate()'s processors.", default="fast", choices=BACKENDS)
     generation_compile: bool | None = option("The fast backend's static decode loop: a preallocated KV cache and a decode step compiled with torch.compile (CUDA graphs on a GPU); finished rows stay in the batch. None: on when generating on CUDA. Each new (rows, prompt width rounded to 64) shape compiles once (seconds to a minute).", default=None)
+    generation_fuse_projections: bool = option("In the static decode loop, compute each layer's q/k/v and gate/up projections as one matrix product each, from copies of the concatenated weights refreshed at every generation call (fewer, larger products; costs the memory of those weights). Plain nn.Linear layers only (not PEFT or sharded ones).", default=False)
     chat_template_kwargs: dict | None = option("Extra kwargs for tokenizer.apply_chat_template on conversational prompts.", default=None)
 
     # ---- tools and environments (GRPOTrainer(tools=…, environment_factory=…); groupwise.agents, docs/agents.md) ---
@@ -345,6 +346,10 @@ class GRPOConfig(StrictConfig):
         if self.generation_compile and self.generation_backend != "fast":
             raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
                               f"{self.generation_backend!r}: drop generation_compile or use the fast backend")
+        if self.generation_fuse_projections and (self.generation_backend != "fast" or self.generation_compile is False):
+            raise ConfigError("generation_fuse_projections applies to the fast backend's static decode loop: use "
+                              "generation_backend='fast' without generation_compile=False, or drop "
+                              "generation_fuse_projections")
         SPLIT_MODES[self.step_split].check(step_delimiter=self.step_delimiter, step_pattern=self.step_pattern,
                                            step_tag=self.step_tag)
         if not self.output_dir or "\x00" in self.output_dir:

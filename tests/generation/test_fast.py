@@ -187,6 +187,9 @@ def test_compiled_cuda_graph_loop_equals_generate_and_the_eager_loop(tokenizer):
     for _ in range(2):  # the second call replays the captured graph
         assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
     assert [state.kernel for state in gen._static.values()] == [True]  # attention by the Triton decode kernel
+    fused = _fast(tokenizer, group_size=4, fuse_projections=True)  # q/k/v and gate/up fused, in the CUDA graph
+    for _ in range(2):
+        assert torch.equal(fused(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
     kw = dict(max_completion_length=16, temperature=0.8, top_k=30, group_size=4)  # top-k: the logits path
     torch.manual_seed(3)
     eager = _fast(tokenizer, compact_fraction=2.0, compile=False, **kw)(model, ids, mask, logprobs=True)

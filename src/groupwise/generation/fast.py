@@ -41,6 +41,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from groupwise.generation import Generated
+from groupwise.generation.fused_linear import FusedProjections
 from groupwise.generation.static import StaticState, as_mask, fused_pick
 from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
 
@@ -102,19 +103,24 @@ class FastGenerator:
         return cls(max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                    pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, group_size=args.num_generations,
-                   compile=args.generation_compile)
+                   compile=args.generation_compile, fuse_projections=args.generation_fuse_projections)
 
     def __init__(self, *, max_completion_length: int, temperature: float, top_p: float, top_k: int,
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
                  group_size: int = 1, compact_fraction: float = 0.1, compile: bool | None = None,
-                 compile_mode: dict | None = None, attention_kernel: bool | None = None):
+                 compile_mode: dict | None = None, attention_kernel: bool | None = None,
+                 fuse_projections: bool = False):
         """compile: decode with the static loop (None: on CUDA only); compile_mode: torch.compile's arguments for
         its step (default mode="reduce-overhead", which captures CUDA graphs; {} would be plain inductor), or the
         string "eager" to run the static loop without compiling (tests); attention_kernel: the static loop's
         attention by decode_attention's Triton kernel (None: wherever it can run, CUDA with sdpa models; False: by
-        sdpa, static.grouped_decode_attention)."""
+        sdpa, static.grouped_decode_attention); fuse_projections: the static loop computes q/k/v and gate/up as
+        one product each, from copies of the concatenated weights refreshed at every call (memory: the size of
+        those weights; see fused_linear)."""
         self.max_new = max_completion_length
         self.compile, self.attention_kernel = compile, attention_kernel
+        self.fuse_projections = fuse_projections
+        self._projections: dict[int, FusedProjections] = {}  # by id(model)
         self.compile_mode = (dict(mode="reduce-overhead", dynamic=False) if compile_mode is None else
                              None if compile_mode == "eager" else compile_mode)
         # static-loop buffers by shape, least recently used first; two shapes: training's and evaluation's batch
@@ -153,6 +159,10 @@ class FastGenerator:
     @torch.no_grad()
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
         static = self._use_static(prompt_ids.device)
+        if self.fuse_projections and not static:
+            raise ValueError(f"fuse_projections needs the static decode loop, which is off here (generation_compile "
+                             f"{self.compile}, device {prompt_ids.device.type}): set generation_compile=True, or "
+                             "drop generation_fuse_projections")
         if static:
             impl = getattr(model.config, "_attn_implementation", None)
             if impl not in ("sdpa", "eager"):
@@ -262,7 +272,7 @@ class FastGenerator:
         rows = torch.arange(N, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         ran = torch.zeros(self.max_new, dtype=torch.bool, device=device)  # did step t have an unfinished row
-        with st.attention(model):
+        with st.active(model):
             for t in range(self.max_new):
                 ran[t] = ~finished.all()
                 nxt = self._sample(processors, seq, logits, finished, greedy, logps, rows, t)
@@ -296,7 +306,7 @@ class FastGenerator:
         b.ran[0] = True
         b.t.fill_(1)
         st.ids.copy_(nxt[:, None])
-        with st.attention(model):
+        with st.active(model):
             for t in range(1, self.max_new):
                 st.fused_step(model, self.temperature, greedy, self.pad_token_id)
                 if t % 8 == 7 and bool(b.finished.all()):
@@ -322,6 +332,16 @@ class FastGenerator:
             # rows that are not groups of one prompt (the later turns of a tool loop, evaluation): their number
             # and widths change from call to call, so their step is compiled once with dynamic shapes
             mode = {**mode, "dynamic": True}
+        projections = None
+        if self.fuse_projections:
+            projections = self._projections.get(id(model))
+            if projections is None:  # kept for the latest model only (they hold its layers)
+                projections = FusedProjections(model)
+                self._projections = {id(model): projections}
+                if not len(projections):
+                    raise ValueError(f"fuse_projections: {type(model).__name__} has no plain nn.Linear q/k/v or "
+                                     "gate/up projections to fuse (PEFT and sharded layers are not fused): leave "
+                                     "fuse_projections off for this model")
         self._static[key] = StaticState(key, model, prefill, N, L, self.max_new, self.eos, device,
-                                         model.config._attn_implementation, mode, self.attention_kernel)
+                                        model.config._attn_implementation, mode, self.attention_kernel, projections)
         return self._static[key]

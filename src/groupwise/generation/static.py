@@ -50,7 +50,8 @@ class LoopBuffers(NamedTuple):
 class StaticState:
     """Fixed-shape buffers of the static decode loop and its (compiled) steps."""
 
-    def __init__(self, key, model, prefill, N, L, max_new, eos, device, impl, compile_mode, attention_kernel=None):
+    def __init__(self, key, model, prefill, N, L, max_new, eos, device, impl, compile_mode, attention_kernel=None,
+                 projections=None):
         self.key = key
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         layers = []
@@ -71,8 +72,10 @@ class StaticState:
             ran=zeros(max_new, dtype=torch.bool), t=zeros(1, dtype=torch.long), eos=eos.to(device))
         self.ids, self.pos_ids, self.open, self.mask = self.b.ids, self.b.pos_ids, self.b.open, self.b.mask
         self._step, self._fused = decode_step, fused_step
+        self.projections = projections  # fused_linear.FusedProjections, or None
         if compile_mode is not None:
-            for t in (*self.b, *(x for layer in layers for x in (layer.keys, layer.values))):
+            fused_weights = projections.tensors() if projections is not None else []
+            for t in (*self.b, *(x for layer in layers for x in (layer.keys, layer.values)), *fused_weights):
                 torch._dynamo.mark_static_address(t)
             self._step = torch.compile(decode_step, **compile_mode)
             self._fused = torch.compile(fused_step, **compile_mode)
@@ -92,16 +95,18 @@ class StaticState:
             self.attention_name = kernel_attention(1 if dynamic else decode_attention.choose_splits(N * kv_heads, L))
 
     @contextlib.contextmanager
-    def attention(self, model):
-        """During the decode loop, sdpa models attend with grouped_decode_attention (each KV head read once for its
-        query heads, where transformers' sdpa path copies the KV cache per query head whenever a mask is given)."""
+    def active(self, model):
+        """The decode loop's settings, for the duration of the block: sdpa models attend with the Triton kernel or
+        grouped_decode_attention (each KV head read once for its query heads, where transformers' sdpa path copies
+        the KV cache per query head whenever a mask is given), and fused projections are in place when asked."""
         config = model.config
         before = config._attn_implementation
         swap = self.grouped and before == "sdpa"
         if swap:
             config._attn_implementation = self.attention_name
         try:
-            yield
+            with self.projections.active() if self.projections is not None else contextlib.nullcontext():
+                yield
         finally:
             if swap:
                 config._attn_implementation = before
