@@ -42,7 +42,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from groupwise.generation import Generated
 from groupwise.generation.fused_linear import FusedProjections
-from groupwise.generation.static import StaticState, as_mask, fused_pick
+from groupwise.generation.static import StaticState, advance, fused_pick, open_slot
 from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
 
 
@@ -260,13 +260,13 @@ class FastGenerator:
             for buf, x in ((layer.keys, src.keys), (layer.values, src.values)):
                 buf.zero_()
                 buf[:, :, width - P:width] = x.repeat_interleave(G, 0) if G > 1 else x
-        st.open.zero_()
-        st.open[:, width - P:width] = prompt_mask.bool()
-        st.pos.fill_(width)
-        st.pos_ids.copy_(position_ids_from_mask(prompt_mask)[:, -1:] + 1)
+        st.b.open.zero_()
+        st.b.open[:, width - P:width] = prompt_mask.bool()
+        st.b.pos.fill_(width)
+        st.b.pos_ids.copy_(position_ids_from_mask(prompt_mask)[:, -1:] + 1)
         del prefill
         if fused:
-            return self._decode_fused(model, st, prompt_ids, logits, greedy, want_logprobs)
+            return self._decode_fused(model, st, logits, greedy, want_logprobs)
         tokens, logps = self._outputs(N, device, want_logprobs)
         seq = prompt_ids.clone() if len(self.greedy_processors) else prompt_ids[:, :0]
         rows = torch.arange(N, device=device)
@@ -282,16 +282,14 @@ class FastGenerator:
                     break
                 if seq.size(1):
                     seq = torch.cat([seq, nxt[:, None]], dim=1)
-                st.ids.copy_(nxt[:, None])
-                st.open.index_fill_(1, st.pos, True)
-                st.mask.copy_(as_mask(st.open, st.mask.dtype))
+                st.b.ids.copy_(nxt[:, None])
+                open_slot(st.b)
                 logits = st.step(model)
-                st.pos.add_(1)
-                st.pos_ids.add_(1)
+                advance(st.b)
         steps = int(ran.sum())  # as generate(): as many columns as decoding steps
         return Generated(tokens[:, :steps], None if logps is None else logps[:, :steps])
 
-    def _decode_fused(self, model, st, prompt_ids, logits, greedy, want_logprobs):
+    def _decode_fused(self, model, st, logits, greedy, want_logprobs):
         """The static loop when sampling needs no processor beyond the temperature: the whole step (open the slot,
         forward, pick, record the token and its log-prob, update `finished`) runs inside the compiled graph on
         st's buffers, so a step is one graph replay and the host only checks every 8 steps whether all rows have
@@ -305,7 +303,7 @@ class FastGenerator:
         b.ran.zero_()
         b.ran[0] = True
         b.t.fill_(1)
-        st.ids.copy_(nxt[:, None])
+        b.ids.copy_(nxt[:, None])
         with st.active(model):
             for t in range(1, self.max_new):
                 st.fused_step(model, self.temperature, greedy, self.pad_token_id)

@@ -53,24 +53,23 @@ class StaticState:
     def __init__(self, key, model, prefill, N, L, max_new, eos, device, impl, compile_mode, attention_kernel=None,
                  projections=None):
         self.key = key
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        pos = torch.zeros(1, dtype=torch.long, device=device)
         layers = []
         for src in prefill.layers:
             k, v = src.keys, src.values
             keys = k.new_zeros((N, k.shape[1], L, k.shape[3]))
             values = v.new_zeros((N, v.shape[1], L, v.shape[3]))
-            layers.append(StaticLayer(keys, values, self.pos))
+            layers.append(StaticLayer(keys, values, pos))
         self.cache = DynamicCache(config=model.config)
         self.cache.layers = layers
         dtype = prefill.layers[0].keys.dtype
         mask_dtype = torch.bool if impl == "sdpa" else dtype  # boolean for sdpa, additive for eager attention
         zeros = functools.partial(torch.zeros, device=device)
         self.b = LoopBuffers(
-            ids=zeros(N, 1, dtype=torch.long), pos=self.pos, pos_ids=zeros(N, 1, dtype=torch.long),
+            ids=zeros(N, 1, dtype=torch.long), pos=pos, pos_ids=zeros(N, 1, dtype=torch.long),
             open=zeros(N, L, dtype=torch.bool), mask=zeros(N, 1, 1, L, dtype=mask_dtype),
             tokens=zeros(N, max_new, dtype=torch.long), logps=zeros(N, max_new), finished=zeros(N, dtype=torch.bool),
             ran=zeros(max_new, dtype=torch.bool), t=zeros(1, dtype=torch.long), eos=eos.to(device))
-        self.ids, self.pos_ids, self.open, self.mask = self.b.ids, self.b.pos_ids, self.b.open, self.b.mask
         self._step, self._fused = decode_step, fused_step
         self.projections = projections  # fused_linear.FusedProjections, or None
         if compile_mode is not None:
@@ -116,7 +115,7 @@ class StaticState:
         is reused by the next replay)."""
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        return self._step(model, self.cache, self.ids, self.pos_ids, self.mask).clone()
+        return self._step(model, self.cache, self.b.ids, self.b.pos_ids, self.b.mask).clone()
 
     def fused_step(self, model, temperature: float, greedy: bool, pad: int) -> None:
         """One step of the fused loop (fused_step), on the buffers."""
@@ -136,8 +135,7 @@ def fused_step(model, cache, b: LoopBuffers, temperature, greedy, pad):
     """One step of the fused loop, all of it on the buffers: feed b.ids at slot b.pos (opened in the mask), pick
     token t = b.t (fused_pick), write it (pad for rows already finished) and its log-prob at column t, note whether
     any row was still running (b.ran[t]), mark rows that emitted EOS finished, advance pos, position ids and t."""
-    b.open.index_fill_(1, b.pos, True)
-    b.mask.copy_(as_mask(b.open, b.mask.dtype))
+    open_slot(b)
     out = model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.pos_ids, past_key_values=cache,
                 use_cache=True)
     nxt, logp = fused_pick(out.logits[:, -1, :], temperature, greedy)
@@ -147,9 +145,20 @@ def fused_step(model, cache, b: LoopBuffers, temperature, greedy, pad):
     b.logps.index_copy_(1, b.t, logp[:, None])
     b.finished.logical_or_(torch.isin(nxt, b.eos))
     b.ids.copy_(nxt[:, None])
+    advance(b)
+    b.t.add_(1)
+
+
+def open_slot(b: LoopBuffers) -> None:
+    """Let attention see slot b.pos, where this step's token is written."""
+    b.open.index_fill_(1, b.pos, True)
+    b.mask.copy_(as_mask(b.open, b.mask.dtype))
+
+
+def advance(b: LoopBuffers) -> None:
+    """The next token's slot and position id."""
     b.pos.add_(1)
     b.pos_ids.add_(1)
-    b.t.add_(1)
 
 
 def as_mask(open_: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
