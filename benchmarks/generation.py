@@ -315,7 +315,11 @@ def main() -> None:
                     help="with --gpu: also the compiled loop without the decode kernel and with a one-level race")
     ap.add_argument("--profile", action="store_true",
                     help="with --gpu: profile the compiled sampler at 64×8 instead (results/generation_gpu_profile.md)")
+    ap.add_argument("--refresh-gpu-section", action="store_true",
+                    help="only copy the last GPU table into generation.md (after a --gpu run elsewhere)")
     args = ap.parse_args()
+    if args.refresh_gpu_section:
+        return refresh_gpu_section()
     if args.gpu and args.profile:
         return gpu_profile()
     if args.gpu:
@@ -357,6 +361,14 @@ def main() -> None:
                 ["model", "B×G", "mean completion tokens", "generate tok/s", "fast tok/s", "speedup"], rows,
                 [f"Medians of {args.repeats} runs. Target (fast ≥ 4× generate at 32×8): **{verdict}**.", "", NOTE,
                  *gpu_section()])
+
+
+def refresh_gpu_section() -> None:
+    """Replace generation.md's GPU section by the last GPU table, keeping its CPU table."""
+    path = RESULTS / "generation.md"
+    text = path.read_text()
+    cpu = text[:text.index("\n## On a GPU")] if "\n## On a GPU" in text else text
+    path.write_text(cpu.rstrip("\n") + "\n" + "\n".join(gpu_section()) + "\n")
 
 
 def gpu_section() -> list[str]:
