@@ -41,7 +41,7 @@ def test_fused_projections_decode_as_generate(arch, mode):
                         group_size=4, compile=True, compile_mode=mode, fuse_projections=True)
     assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, ref)
     assert (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.up_proj) == originals  # restored
-    assert len(next(iter(gen._projections.values()))) == 4  # 2 layers × (q/k/v, gate/up)
+    assert len(gen._projections[1]) == 4  # 2 layers × (q/k/v, gate/up)
     # new weights reach the fused copies at the next call
     with torch.no_grad():
         for p in model.parameters():

@@ -120,7 +120,7 @@ class FastGenerator:
         self.max_new = max_completion_length
         self.compile, self.attention_kernel = compile, attention_kernel
         self.fuse_projections = fuse_projections
-        self._projections: dict[int, FusedProjections] = {}  # by id(model)
+        self._projections: tuple[int, FusedProjections] | None = None  # (id(model), its projections): the latest
         self.compile_mode = (dict(mode="reduce-overhead", dynamic=False) if compile_mode is None else
                              None if compile_mode == "eager" else compile_mode)
         # static-loop buffers by shape, least recently used first; two shapes: training's and evaluation's batch
@@ -332,14 +332,15 @@ class FastGenerator:
             mode = {**mode, "dynamic": True}
         projections = None
         if self.fuse_projections:
-            projections = self._projections.get(id(model))
-            if projections is None:  # kept for the latest model only (they hold its layers)
+            if self._projections is not None and self._projections[0] == id(model):
+                projections = self._projections[1]
+            else:  # kept for the latest model only (they hold its layers)
                 projections = FusedProjections(model)
-                self._projections = {id(model): projections}
+                self._projections = (id(model), projections)
                 if not len(projections):
                     raise ValueError(f"fuse_projections: {type(model).__name__} has no plain nn.Linear q/k/v or "
                                      "gate/up projections to fuse (PEFT and sharded layers are not fused): leave "
                                      "fuse_projections off for this model")
-        self._static[key] = StaticState(key, model, prefill, N, L, self.max_new, self.eos, device,
+        self._static[key] = StaticState(model, prefill, N, L, self.max_new, self.eos, device,
                                         model.config._attn_implementation, mode, self.attention_kernel, projections)
         return self._static[key]

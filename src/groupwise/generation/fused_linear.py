@@ -78,8 +78,8 @@ class _Group:
             for m in self.originals:
                 end = start + m.weight.shape[0]
                 self.weight[start:end].copy_(m.weight)
-                if self.bias is not None:
-                    self.bias[start:end].copy_(m.bias) if m.bias is not None else self.bias[start:end].zero_()
+                if m.bias is not None:  # rows of a projection without a bias stay 0 (new_zeros)
+                    self.bias[start:end].copy_(m.bias)
                 start = end
 
     def swap(self, stand_in: bool) -> None:

@@ -50,9 +50,8 @@ class LoopBuffers(NamedTuple):
 class StaticState:
     """Fixed-shape buffers of the static decode loop and its (compiled) steps."""
 
-    def __init__(self, key, model, prefill, N, L, max_new, eos, device, impl, compile_mode, attention_kernel=None,
+    def __init__(self, model, prefill, N, L, max_new, eos, device, impl, compile_mode, attention_kernel=None,
                  projections=None):
-        self.key = key
         pos = torch.zeros(1, dtype=torch.long, device=device)
         layers = []
         for src in prefill.layers:
@@ -171,7 +170,7 @@ SAMPLE_CHUNK = 512  # vocabulary entries per chunk of fused_pick's two-level rac
 
 
 def fused_pick(logits: torch.Tensor, temperature: float, greedy: bool,
-                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens (N,) and log softmax(logits / T) at them (N,); greedy takes argmax of the logits.
 
     Sampling is an exponential race in two levels. With E_i ~ Exp(1) independent and masses w_i ≥ 0,
