@@ -151,14 +151,17 @@ def with_chunk(chunk, fn):
         static_module.SAMPLE_CHUNK = before
 
 
-def gpu_main(repeats: int, ablate: bool = False) -> None:
+def gpu_main(repeats: int, ablate: bool = False, autotune: bool = False) -> None:
+    """The GPU table; ablate: also what each part of the compiled loop buys at 64×8; autotune: only 64×8, the
+    default compiled loop against torch.compile's max-autotune mode (Triton matmul templates with fused epilogues,
+    CUDA graphs), written to results/generation_gpu_autotune.md."""
     model, cfg = qwen05b()
     name = torch.cuda.get_device_name()
     nominal, measured = nominal_bandwidth(name), measured_bandwidth()
     bw = nominal or measured
     P, T = 32, 256
     rows = []
-    for B, G in ((16, 8), (64, 8)):
+    for B, G in ((64, 8),) if autotune else ((16, 8), (64, 8)):
         N = B * G
         g = torch.Generator().manual_seed(B)
         ids = torch.randint(3, cfg.vocab_size, (B, P), generator=g).repeat_interleave(G, 0).cuda()
@@ -180,8 +183,13 @@ def gpu_main(repeats: int, ablate: bool = False) -> None:
         }
         # with --ablate the eager loop is left out and generate() timed once, to fit one call of the device tool
         variants = [("fast, compiled static loop", dict(compile=True))]
-        if not ablate:
+        if not ablate and not autotune:
             variants.insert(0, ("fast, eager loop", dict(compile=False)))
+        if autotune:
+            tuned = dict(mode="max-autotune", dynamic=False)
+            variants += [("compiled, max-autotune", dict(compile=True, compile_mode=tuned)),
+                         ("compiled, max-autotune, fused projections",
+                          dict(compile=True, compile_mode=tuned, fuse_projections=True))]
         if ablate and B == 64:  # what each part of the compiled loop buys, and fused projections
             variants += [("compiled, q/k/v and gate/up fused (fuse_projections)",
                           dict(compile=True, fuse_projections=True)),
@@ -196,7 +204,10 @@ def gpu_main(repeats: int, ablate: bool = False) -> None:
         base = None
         for label, fn in paths.items():
             torch.manual_seed(0)
-            seconds, out = timed(fn, 1 if ablate and label == "generate()" else repeats)
+            compile_start = time.perf_counter()
+            seconds, out = timed(fn, 1 if (ablate or autotune) and label == "generate()" else repeats)
+            if autotune:
+                print(f"{label}: {time.perf_counter() - compile_start:.0f} s with the warm-up (compilation)")
             assert out.shape == (N, T), out.shape  # every row ran to the limit
             tps = N * T / seconds
             base = base or tps
@@ -218,10 +229,11 @@ def gpu_main(repeats: int, ablate: bool = False) -> None:
     bw_note = (f"Bandwidth used for the roofline: {bw / 1e12:.2f} TB/s "
                f"({'nominal for ' + name if nominal else 'measured'}); a 2 GiB device copy measured "
                f"{measured / 1e12:.2f} TB/s.")
-    write_table("generation_gpu", "Generation throughput on a GPU: fast sampler vs transformers generate",
+    write_table("generation_gpu_autotune" if autotune else "generation_gpu",
+                "Generation throughput on a GPU: fast sampler vs transformers generate",
                 ["B×G", "path", "seconds", "tokens/s", "vs generate()", "share of roofline"], rows,
                 [f"Qwen2.5-0.5B shape, bf16, sdpa, 32 prompt tokens, {T} new tokens per row, medians of {repeats} "
-                 f"runs after a warm-up{' (generate(): one run; --ablate)' if ablate else ''}. At 64×8 the compiled "
+                 f"runs after a warm-up{' (generate(): one run)' if ablate or autotune else ''}. At 64×8 the compiled "
                  f"fast sampler reaches {verdict}.", "", bw_note, "", compute_note(model, 64 * 8, P, T, bw, name)])
 
 
@@ -313,6 +325,9 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="the GPU table (needs CUDA)")
     ap.add_argument("--ablate", action="store_true",
                     help="with --gpu: also the compiled loop without the decode kernel and with a one-level race")
+    ap.add_argument("--autotune", action="store_true",
+                    help="with --gpu: only 64×8, the compiled loop under torch.compile's max-autotune mode "
+                         "(results/generation_gpu_autotune.md)")
     ap.add_argument("--profile", action="store_true",
                     help="with --gpu: profile the compiled sampler at 64×8 instead (results/generation_gpu_profile.md)")
     ap.add_argument("--refresh-gpu-section", action="store_true",
@@ -323,7 +338,7 @@ def main() -> None:
     if args.gpu and args.profile:
         return gpu_profile()
     if args.gpu:
-        return gpu_main(args.repeats, args.ablate)
+        return gpu_main(args.repeats, args.ablate, args.autotune)
     rows = []
     for name, model, pad, eos, max_new, prompts_of, tok in workloads():
         for B, G in ((8, 8), (32, 8)):

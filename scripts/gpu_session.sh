@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device machine (GPU): install carried wheels, then run one stage. Used as
-#   bash scripts/gpu_session.sh tests|demo|gen|fast|profile|profile2|bench
+#   bash scripts/gpu_session.sh tests|demo|gen|fast|autotune|profile|profile2|bench
 # Output lands in $OUT (the device tool brings it back). Wheels travel in .whl/ (see benchmarks/results/gpu.md).
 set -uo pipefail
 stage=${1:-tests}
@@ -29,6 +29,9 @@ case "$stage" in
          timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/generation 2>&1 | tee "$OUT/gen_tests.log" | tail -15
          timeout 370 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
+  autotune)  # the compiled loop under torch.compile's max-autotune mode, against the default, at 64×8
+         timeout ${GEN_TIMEOUT:-540} python3 benchmarks/generation.py --gpu --autotune 2>&1 | tee "$OUT/autotune.log" | tail -20
+         cp benchmarks/results/generation_gpu_autotune.md "$OUT/" 2>/dev/null ;;
   profile2)  # the profile, then the two-process tool-loop test that session 5 could not finish
          timeout 150 python3 benchmarks/generation.py --gpu --profile 2>&1 | tee "$OUT/profile.log" | tail -60
          cp benchmarks/results/generation_gpu_profile.md "$OUT/" 2>/dev/null
