@@ -153,8 +153,8 @@ def with_chunk(chunk, fn):
 
 def gpu_main(repeats: int, ablate: bool = False, autotune: bool = False) -> None:
     """The GPU table; ablate: also what each part of the compiled loop buys at 64×8; autotune: only 64×8, the
-    default compiled loop against torch.compile's max-autotune mode (Triton matmul templates with fused epilogues,
-    CUDA graphs), written to results/generation_gpu_autotune.md."""
+    default compiled loop against other torch.compile settings: combo kernels, and the max-autotune mode (Triton
+    matmul templates with fused epilogues, CUDA graphs), written to results/generation_gpu_autotune.md."""
     model, cfg = qwen05b()
     name = torch.cuda.get_device_name()
     nominal, measured = nominal_bandwidth(name), measured_bandwidth()
@@ -187,9 +187,13 @@ def gpu_main(repeats: int, ablate: bool = False, autotune: bool = False) -> None
             variants.insert(0, ("fast, eager loop", dict(compile=False)))
         if autotune:
             tuned = dict(mode="max-autotune", dynamic=False)
-            variants += [("compiled, max-autotune", dict(compile=True, compile_mode=tuned)),
+            combo = dict(options={"triton.cudagraphs": True, "combo_kernels": True}, dynamic=False)
+            variants += [("compiled, fused projections", dict(compile=True, fuse_projections=True)),
+                         ("compiled, fused projections, combo kernels (independent small kernels launched as one)",
+                          dict(compile=True, compile_mode=combo, fuse_projections=True)),
                          ("compiled, max-autotune, fused projections",
-                          dict(compile=True, compile_mode=tuned, fuse_projections=True))]
+                          dict(compile=True, compile_mode=tuned, fuse_projections=True)),
+                         ("compiled, max-autotune", dict(compile=True, compile_mode=tuned))]
         if ablate and B == 64:  # what each part of the compiled loop buys, and fused projections
             variants += [("compiled, q/k/v and gate/up fused (fuse_projections)",
                           dict(compile=True, fuse_projections=True)),

@@ -238,7 +238,7 @@ def test_fused_step_logprobs_are_the_models(tokenizer):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("chunk", [512, 5])
-def testfused_pick_samples_the_tempered_softmax(device, chunk):
+def test_fused_pick_samples_the_tempered_softmax(device, chunk):
     """The two-level exponential race against its formula: 20 000 draws from one row of logits over 12 tokens, two
     of them impossible (−inf); chunk 5 makes 3 chunks, the last padded with 3 entries (one chunk: 512). Every
     frequency within 4.5 standard errors, sqrt(p(1−p)/n), of softmax(logits / T) (a false alarm has probability
@@ -263,7 +263,7 @@ def testfused_pick_samples_the_tempered_softmax(device, chunk):
     torch.testing.assert_close(top_logp.cpu(), expected[[int(row.argmax())] * 2])
 
 
-def testfused_pick_races_chunks_by_their_mass(monkeypatch):
+def test_fused_pick_races_chunks_by_their_mass(monkeypatch):
     """The race's first level weighs chunk c by its mass s_c = Σ_{v∈c} e^(x_v − m), not by its largest entry: with
     every draw E = 1 (−log E = 0) the winner is the chunk of largest mass, found here by a plain loop. Logits over 7
     entries, chunk 3, m = 2: masses 3·e^(−0.1) = 2.715, e^0 + 2·e^(−7) = 1.002, e^(−2) (+ 2 pads) = 0.135; chunk 0
