@@ -37,6 +37,8 @@ case "$stage" in
          cp benchmarks/results/generation_gpu_profile.md "$OUT/" 2>/dev/null
          # the two-process tool-loop worker run directly; if it is still running after 90 s, every process of it
          # is sent SIGABRT so that Python's faulthandler prints where each one waits
+         # (how the host name resolves: gloo binds to that address, which may not be reachable on an isolated machine)
+         { hostname; getent hosts "$(hostname)"; ip -brief addr 2>/dev/null || true; } > "$OUT/host.txt" 2>&1
          (export ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1
           timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 tests/agents_dist_worker.py \
               /tmp/agents_dist > "$OUT/agents_dist.log" 2>&1 &
