@@ -27,7 +27,7 @@ def _reference(q, k, v, keep, scale):
 def _inputs(N, Hq, Hkv, L, D, dtype, device, seed=0, strided=False):
     """Rows whose open slots start after a left padding and have holes (every fifth slot closed), as a tool loop's
     left-padded prompts do; one row opens a single slot, and with L > 600 one row opens two slots far apart with a
-    long hole between them (its open range spans several blocks of the mask scan, BLOCK_M = 512) and one opens
+    long hole between them (its open range spans several blocks of the mask scan, BLOCK_M = 128) and one opens
     none (its output is 0). strided: q, k, v and keep are views into larger tensors, as in the model (the query a
     transposed projection, the mask a slice of the 4-D mask)."""
     g = torch.Generator().manual_seed(seed)

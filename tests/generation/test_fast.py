@@ -4,7 +4,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from groupwise.generation.fast import FastGenerator
+from groupwise.generation.fast import FastGenerator, penalty_ids
 from groupwise.modeling import position_ids_from_mask
 from groupwise.text import completion_masks, encode_prompts
 from groupwise.generation.fast import GrowingLayer
@@ -38,6 +38,47 @@ def test_greedy_equals_generate_token_for_token(pad_is_eos, repetition_penalty):
     fast = _fast(tok, group_size=4, repetition_penalty=repetition_penalty)(model, ids, mask, greedy=True).completion_ids
     ref = _generate(model, tok, ids, mask, repetition_penalty=repetition_penalty)
     assert torch.equal(fast, ref)
+
+
+@pytest.mark.parametrize("pad_is_eos,seed", [(True, 15), (False, 0)])
+@pytest.mark.parametrize("compile", [False, True])
+def test_repetition_penalty_skips_the_left_padding_as_generate_does(pad_is_eos, seed, compile):
+    """generate() leaves a row's left padding out of the repetition penalty; penalising it (the pad token, which
+    may be EOS) changed this row's greedy completion for these seeds before the fix."""
+    tok = toy.build_tokenizer(pad_is_eos=pad_is_eos)
+    model = _eos_biased_model(tok, seed=seed)
+    ids, mask = encode_prompts(["q", "xyz 12 long prompt"], tok, None)  # row 0 heavily left-padded
+    gen = _fast(tok, max_completion_length=16, repetition_penalty=1.3, compile=compile, compile_mode="eager")
+    out = gen(model, ids, mask, greedy=True).completion_ids
+    alone = _generate(model, tok, ids[:1, mask[0].bool()], mask[:1, mask[0].bool()], max_new=16,
+                      repetition_penalty=1.3)
+    assert torch.equal(out[0, :alone.size(1)], alone[0])
+    ref = _generate(model, tok, ids, mask, max_new=16, repetition_penalty=1.3)
+    assert torch.equal(out[:, :ref.size(1)], ref) and out.size(1) == ref.size(1)
+
+
+def test_a_model_switched_to_eager_attention_gets_its_own_static_state(tokenizer):
+    """The static state keeps the mask kind of the attention it was built for (boolean for sdpa, additive for
+    eager): the same model object switched to eager attention must not reuse the sdpa state."""
+    model = _eos_biased_model(tokenizer)
+    ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)], tokenizer, None)
+    gen = _fast(tokenizer, group_size=4, compile=True, compile_mode="eager")
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
+    model.config._attn_implementation = "eager"
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
+    assert len(gen._static) == 2
+
+
+def test_penalty_ids_overwrite_only_the_left_padding():
+    ids = torch.tensor([[0, 0, 5, 6, 0], [7, 8, 9, 1, 2], [0, 0, 0, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    expected = ids.clone()
+    for r in range(3):  # the slots before the first real token take that token; a row without one stays
+        real = mask[r].nonzero()
+        if len(real):
+            expected[r, :int(real[0])] = ids[r, int(real[0])]
+    assert expected.tolist() == [[5, 5, 5, 6, 0], [7, 8, 9, 1, 2], [0, 0, 0, 0, 0]]
+    assert torch.equal(penalty_ids(ids, mask), expected)
 
 
 def test_rows_that_are_not_grouped_are_their_own_group(tokenizer):

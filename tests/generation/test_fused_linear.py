@@ -98,3 +98,62 @@ def test_fuse_projections_without_the_static_loop_is_refused():
                         fuse_projections=True)  # compile=None: the static loop on CUDA only
     with pytest.raises(ValueError, match="fuse_projections needs the static decode loop.*device cpu"):
         gen(model, ids, mask)
+
+
+def _fused_gen(tok, **kw):
+    return FastGenerator(max_completion_length=12, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                         repetition_penalty=1.0, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
+                         compile=True, compile_mode="eager", fuse_projections=True, **kw)
+
+
+def _greedy_ref(model, tok, ids, mask):
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                           eos_token_id=tok.eos_token_id)
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.size(1):]
+
+
+def test_a_projection_replaced_between_calls_is_used_and_kept():
+    """A projection swapped on the same model object after a call (as injecting an adapter does): the next call
+    decodes with it (fused projections built anew), and the loop leaves it in place."""
+    tok = toy.build_tokenizer()
+    model = toy.build_model(tok, seed=1, hidden_size=32).eval()
+    ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)], tok, None)
+    gen = _fused_gen(tok, group_size=4)
+    gen(model, ids, mask, greedy=True)
+    attn = model.model.layers[0].self_attn
+    new = torch.nn.Linear(32, 32, bias=False)
+    torch.nn.init.normal_(new.weight, std=0.5)
+    attn.q_proj = new
+    ref = _greedy_ref(model, tok, ids, mask)
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, ref)
+    assert attn.q_proj is new
+    stale = FusedProjections(model)
+    attn.q_proj = torch.nn.Linear(32, 32, bias=False)
+    with pytest.raises(RuntimeError, match="replaced or moved"):
+        with stale.active():
+            pass
+
+
+def test_the_model_s_layers_are_back_when_a_refresh_raises(monkeypatch):
+    tok = toy.build_tokenizer()
+    model = toy.build_model(tok, seed=1, hidden_size=32).eval()
+    proj = FusedProjections(model)
+    originals = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    last, refresh = proj.groups[-1], type(proj.groups[-1]).refresh
+
+    def failing(self):
+        if self is last:
+            raise KeyboardInterrupt
+        refresh(self)
+
+    monkeypatch.setattr(type(last), "refresh", failing)
+    with pytest.raises(KeyboardInterrupt):
+        with proj.active():
+            pass
+    assert [m for m in model.modules() if isinstance(m, torch.nn.Linear)] == originals
+    # and when the block raises
+    monkeypatch.setattr(type(last), "refresh", refresh)
+    with pytest.raises(ValueError):
+        with proj.active():
+            raise ValueError
+    assert [m for m in model.modules() if isinstance(m, torch.nn.Linear)] == originals

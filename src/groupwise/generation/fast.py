@@ -94,6 +94,16 @@ def _growing_cache(model) -> DynamicCache:
     return cache
 
 
+def penalty_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """The prompt ids the repetition penalty reads, as generate() reads them: a row's left padding does not count
+    (generate() passes prompt_ignore_length = the padding's length). The penalty only asks which tokens occur, so
+    the padding is overwritten with the row's first real token (a row without one is left as it is, as in
+    generate())."""
+    first = (prompt_mask != 0).int().argmax(1, keepdim=True)  # (N, 1): the padding's length
+    before = torch.arange(prompt_ids.size(1), device=prompt_ids.device)[None] < first
+    return torch.where(before, prompt_ids.gather(1, first), prompt_ids)
+
+
 class FastGenerator:
     """Generator backend (see groupwise.generation). Rows with identical prompts must be contiguous in groups of
     `group_size` for the prompt to be shared; otherwise each row is its own group."""
@@ -217,7 +227,7 @@ class FastGenerator:
             cache.batch_repeat_interleave(G)
         tokens, logps = self._outputs(N, device, want_logprobs)
         # full ids of the active rows, kept only when a processor reads them (the repetition penalty)
-        seq = prompt_ids.clone() if len(self.greedy_processors) else prompt_ids[:, :0]
+        seq = penalty_ids(prompt_ids, prompt_mask) if len(self.greedy_processors) else prompt_ids[:, :0]
         # attention mask preallocated for every step: each step passes a view, nothing is concatenated
         mask = torch.cat([prompt_mask, torch.ones(N, self.max_new, dtype=prompt_mask.dtype, device=device)], 1)
         rows = torch.arange(N, device=device)  # original row of each active row
@@ -268,7 +278,7 @@ class FastGenerator:
         if fused:
             return self._decode_fused(model, st, logits, greedy, want_logprobs)
         tokens, logps = self._outputs(N, device, want_logprobs)
-        seq = prompt_ids.clone() if len(self.greedy_processors) else prompt_ids[:, :0]
+        seq = penalty_ids(prompt_ids, prompt_mask) if len(self.greedy_processors) else prompt_ids[:, :0]
         rows = torch.arange(N, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         ran = torch.zeros(self.max_new, dtype=torch.bool, device=device)  # did step t have an unfinished row
@@ -315,8 +325,15 @@ class FastGenerator:
     def _static_state(self, model, prefill, N: int, L: int, device, grouped: bool = True) -> "StaticState":
         """The buffers and compiled step for (model, N, L), kept between calls (the two most recent shapes): a CUDA
         graph replays on the same addresses, so the buffers live as long as the shape is in use."""
+        if self._projections is not None and self._projections[0] == id(model) and not self._projections[1].current():
+            # the model's projections were replaced (an adapter injected, a layer swapped): its fused projections,
+            # and the states built on them, are stale
+            self._projections = None
+            self._static = {k: v for k, v in self._static.items() if k[0] != id(model)}
         first = prefill.layers[0] if prefill.layers else None
-        key = (id(model), N, L, str(device), None if first is None else first.keys.dtype, grouped)
+        # (the attention implementation decides the mask's kind: boolean for sdpa, additive for eager)
+        key = (id(model), N, L, str(device), None if first is None else first.keys.dtype, grouped,
+               model.config._attn_implementation)
         if key in self._static:
             self._static[key] = self._static.pop(key)  # most recently used last
             return self._static[key]

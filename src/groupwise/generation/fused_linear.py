@@ -82,6 +82,13 @@ class _Group:
                     self.bias[start:end].copy_(m.bias)
                 start = end
 
+    def current(self) -> bool:
+        """Whether the owner still holds the projections this group was built from, with weights of the fused
+        weight's dtype and device (model.to() changes them in place)."""
+        w = self.originals[0].weight
+        return (all(getattr(self.owner, n) is m for n, m in zip(self.names, self.originals))
+                and (w.dtype, w.device) == (self.weight.dtype, self.weight.device))
+
     def swap(self, stand_in: bool) -> None:
         for name, module in zip(self.names, self.stand_ins if stand_in else self.originals):
             setattr(self.owner, name, module)
@@ -109,6 +116,12 @@ class FusedProjections:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def current(self) -> bool:
+        """False once any fused projection was replaced in the model (an adapter injected, a layer swapped) or moved
+        to another dtype or device: these fused weights would then be stale, and restoring the originals would undo
+        the change. Build anew."""
+        return all(g.current() for g in self.groups)
+
     def tensors(self) -> list[torch.Tensor]:
         """The fused weights and biases (for torch._dynamo.mark_static_address: a captured graph reads them in
         place, where an input it does not know as static would be copied at every replay)."""
@@ -116,11 +129,16 @@ class FusedProjections:
 
     @contextlib.contextmanager
     def active(self):
-        """Refresh the fused weights from the model's, and compute the projections fused until the block ends."""
+        """Refresh the fused weights from the model's, and compute the projections fused until the block ends (the
+        model's own layers are back afterwards, also when a refresh or the block raises)."""
+        if not self.current():
+            raise RuntimeError("the model's projections were replaced or moved since these fused projections were "
+                               "built: build FusedProjections(model) again")
         for g in self.groups:
             g.refresh()
-            g.swap(True)
         try:
+            for g in self.groups:
+                g.swap(True)
             yield
         finally:
             for g in self.groups:
