@@ -318,31 +318,36 @@ def test_fused_pick_races_chunks_by_their_mass(monkeypatch):
     torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[:, 0])
 
 
-def test_static_loop_samples_the_second_token_from_the_model(tokenizer):
-    """End to end through the fused step: 4000 rows share one prompt; for every first token drawn by ≥ 400 rows, the
-    second tokens' frequencies are within 4.5 standard errors of softmax(logits / T) of the model after
-    prompt + that first token."""
-    model = toy.build_model(tokenizer, seed=5, hidden_size=32).eval()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+def test_static_loop_samples_the_later_tokens_from_the_model(tokenizer, device):
+    """End to end through the fused step: 4000 rows share one prompt; for every prefix (the first token, the first
+    two) drawn by ≥ 400 rows, the next tokens' frequencies are within 4.5 standard errors of softmax(logits / T) of
+    the model after prompt + that prefix. On CUDA the step is a CUDA-graph replay: the third
+    token comes from the second replay, so random numbers frozen between replays would tie it to the second."""
+    model = toy.build_model(tokenizer, seed=5, hidden_size=32).eval().to(device)
     with torch.no_grad():
-        model.lm_head.weight *= 12  # a peaked distribution, so that some first tokens are drawn often
-    n, T = 4000, 0.9
-    ids, mask = encode_prompts(["repeat a:"] * n, tokenizer, None)
-    gen = _fast(tokenizer, max_completion_length=2, temperature=T, group_size=n, compile=True, compile_mode="eager")
+        model.lm_head.weight *= 12  # a peaked distribution, so that some prefixes are drawn often
+    n, T, new = 4000, 0.9, 3
+    ids, mask = (x.to(device) for x in encode_prompts(["repeat a:"] * n, tokenizer, None))
+    gen = _fast(tokenizer, max_completion_length=new, temperature=T, group_size=n, compile=True,
+                compile_mode="eager" if device == "cpu" else None)
     torch.manual_seed(2)
-    out = gen(model, ids, mask).completion_ids
-    assert out.shape == (n, 2)
+    out = gen(model, ids, mask).completion_ids.cpu()
+    assert out.shape == (n, new)
     checked = 0
-    for first, count in zip(*torch.unique(out[:, 0], return_counts=True)):
-        if count < 400 or first == tokenizer.eos_token_id:
-            continue
-        rows = out[:, 0] == first
-        with torch.no_grad():
-            logits = model(input_ids=torch.cat([ids[:1], first.view(1, 1)], 1)).logits[0, -1].float()
-        p = torch.softmax(logits.double() / T, -1)
-        freq = torch.bincount(out[rows, 1], minlength=p.numel()).double() / int(count)
-        assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / int(count)) + 1e-12).all()
-        checked += 1
-    assert checked >= 1
+    for k in range(1, new):
+        for prefix, count in zip(*torch.unique(out[:, :k], dim=0, return_counts=True)):
+            if count < 400 or (prefix == tokenizer.eos_token_id).any():
+                continue
+            rows = (out[:, :k] == prefix).all(1)
+            with torch.no_grad():
+                logits = model(input_ids=torch.cat([ids[:1].cpu(), prefix[None]], 1).to(device)).logits[0, -1]
+            p = torch.softmax(logits.double().cpu() / T, -1)
+            freq = torch.bincount(out[rows, k], minlength=p.numel()).double() / int(count)
+            assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / int(count)) + 1e-12).all(), (k, prefix)
+            checked += 1
+    assert checked >= 2  # a first token and a pair of first tokens
 
 
 @pytest.mark.parametrize("boolean", [True, False])
