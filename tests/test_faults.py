@@ -73,6 +73,27 @@ def test_config_errors_exit_2_with_one_line(tmp_path, model_dir, capsys, overrid
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
+def test_hub_ids_pass_and_local_looking_paths_must_exist(tmp_path):
+    from groupwise.config_base import check_location
+
+    for hub_id in ("gpt2", "Qwen/Qwen2.5-0.5B", "peiyi9979/math-shepherd-mistral-7b-prm"):
+        assert check_location(hub_id, "model_name_or_path") == "hub"
+    assert check_location(str(tmp_path), "model_name_or_path") == "local"
+    for path in ("./model", "/no/such", "~/model", "org/name/extra", "x/y/", "data.jsonl"):
+        with pytest.raises(ConfigError, match="does not exist"):
+            check_location(path, "model_name_or_path")
+
+
+def test_one_reward_spec_given_as_a_string_is_a_list_of_one(tmp_path, model_dir):
+    from groupwise.cli import build_run
+
+    run, _ = build_run({"model_name_or_path": model_dir, "reward_funcs": "groupwise.tasks.toy:letter_reward",
+                        "output_dir": str(tmp_path / "run")})
+    assert run["reward_funcs"] == ["groupwise.tasks.toy:letter_reward"]
+    with pytest.raises(ConfigError, match="reward_funcs=3: give a list"):
+        build_run({"model_name_or_path": model_dir, "reward_funcs": 3, "output_dir": str(tmp_path / "run")})
+
+
 def test_config_file_errors_exit_2(tmp_path, capsys):
     code, line = _exit_and_first_line(capsys, ["train", str(tmp_path / "missing.yaml")])
     assert code == 2 and "config file" in line and "does not exist" in line
@@ -95,7 +116,7 @@ def test_bad_rows_are_found_before_the_model_loads(tmp_path, model_dir, capsys):
     code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir, rows=rows)])
     assert code == 2 and "train_dataset row 3 has an empty prompt; 2 of 8 rows are unusable" in line
     rows = [{"prompt": [{"role": "user", "content": None}]}]
-    with pytest.raises(ConfigError, match=r"row 0 has message 0 is not a \{'role': str, 'content': str\} dict"):
+    with pytest.raises(ConfigError, match=r"row 0 has message 0 that is not a \{'role': str, 'content': str\} dict"):
         GRPOTrainer("./not/loaded", _length, args=small_args(tmp_path), train_dataset=rows)
 
 

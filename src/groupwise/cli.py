@@ -120,6 +120,12 @@ def build_run(values: dict[str, Any]):
     known = set(RUN_FIELDS) | {f.name for f in dataclasses.fields(GRPOConfig)}
     reject_unknown(values, known | set(GRPOConfig.UNSUPPORTED), owner="groupwise train")
     run = {k: values[k] for k in RUN_FIELDS if k in values}
+    for key in ("reward_funcs", "process_reward_funcs"):  # one spec given as a string is a list of one
+        if isinstance(run.get(key), str):
+            run[key] = [run[key]]
+        elif run.get(key) is not None and not isinstance(run[key], list):
+            raise ConfigError(f"{key}={run[key]!r}: give a list of 'package.module:function' paths or reward-model "
+                              "paths (or one as a string)")
     args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS})
     return run, args
 

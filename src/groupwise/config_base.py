@@ -149,7 +149,7 @@ def check_location(value: str, field: str) -> str:
         raise ConfigError(f"{field}={value!r} is not a usable path or hub id")
     if os.path.exists(os.path.expanduser(value)):
         return "local"
-    looks_local = (value.startswith((".", "/", "~")) or value.count("/") + value.count(os.sep) >= 2
+    looks_local = (value.startswith((".", "/", "~")) or sum(value.count(sep) for sep in {"/", os.sep}) >= 2
                    or value.lower().endswith(LOCAL_SUFFIXES))
     if looks_local or not HUB_ID.match(value):
         raise ConfigError(f"{field}={value!r} does not exist (a local path is checked before anything loads; only "

@@ -23,7 +23,7 @@ def prompt_problem(prompt: Any) -> str | None:
             return "an empty message list"
         for j, m in enumerate(prompt):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                return f"message {j} is not a {{'role': str, 'content': str}} dict: {m!r:.80}"
+                return f"message {j} that is not a {{'role': str, 'content': str}} dict: {m!r:.80}"
         return None
     return f"a {type(prompt).__name__}, not a string or a list of chat messages"
 
