@@ -162,3 +162,20 @@ def test_run_name_names_the_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     MetricsLogger(str(tmp_path), ["wandb"], enabled=True, config={"run_name": "exp-7"})
     assert seen["name"] == "exp-7"
+
+
+def test_trl_trainer_attributes(tmp_path, tokenizer):
+    """What TRL scripts read off a GRPOTrainer: the datasets as given, the tokenizer as processing_class, the reward
+    functions in order, the accelerator, the reference model (None at β = 0), the scheduler."""
+    train, evals = toy.dataset(8), toy.dataset(4)
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), beta=0.04)
+    trainer = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length, toy.letter_reward],
+                          args=args, train_dataset=train, eval_dataset=evals, processing_class=tokenizer)
+    assert trainer.train_dataset is train and trainer.eval_dataset is evals
+    assert trainer.processing_class is tokenizer
+    assert trainer.reward_funcs == [_length, toy.letter_reward]
+    assert trainer.reward_processing_classes == [None, None]
+    assert trainer.accelerator is trainer.dist.accelerator and trainer.is_world_process_zero()
+    assert isinstance(trainer.ref_model, torch.nn.Module) and trainer.ref_model is not trainer.model
+    assert trainer.lr_scheduler is trainer.scheduler and trainer.num_generations == args.num_generations
+    assert _trainer(tmp_path / "b", tokenizer, beta=0.0).ref_model is None

@@ -25,6 +25,49 @@ class TrainResult(dict):
 
 
 class TransformersHabits:
+    # TRL's trainer attributes, read-only views of groupwise's own
+    @property
+    def processing_class(self):
+        return self.tokenizer
+
+    @property
+    def train_dataset(self):
+        return self.train_data.data
+
+    @property
+    def eval_dataset(self):
+        return self.eval_data.data if self.eval_data is not None else None
+
+    @property
+    def reward_funcs(self) -> list:
+        """As TRL: each reward function, or reward model, in the order given."""
+        return [s.fn if s.fn is not None else s.model for s in self.reward_sources]
+
+    @property
+    def reward_processing_classes(self) -> list:
+        return [s.tokenizer for s in self.reward_sources]
+
+    @property
+    def accelerator(self):
+        return self.dist.accelerator
+
+    @property
+    def ref_model(self):
+        """The frozen reference copy; None when β = 0 and for a PEFT policy (the policy with its adapters off), as
+        in TRL."""
+        return self.reference.copy if self.reference is not None else None
+
+    @property
+    def lr_scheduler(self):
+        return self.scheduler
+
+    @property
+    def num_generations(self) -> int:
+        return self.args.num_generations
+
+    def is_world_process_zero(self) -> bool:
+        return self.dist.is_main
+
     def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True, **kwargs) -> str | None:
         """Save the model to output_dir and upload it (model, tokenizer, config; not the checkpoints or logs) to
         hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads are
