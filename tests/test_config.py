@@ -125,3 +125,13 @@ def test_import_groupwise_stays_light():
             "'vllm', 'peft', 'wandb', 'deepspeed', 'tensorboard'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"report_to='wandb' needs `pip install groupwise\[wandb\]`"):
+        GRPOConfig(report_to=["wandb"])
+    assert GRPOConfig(report_to="none").report_to == []

@@ -25,7 +25,7 @@ from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS
-from groupwise.logging import LOG_LEVELS, TRACKERS
+from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers
 from groupwise.optim import OPTIMIZERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE, MULTI_OBJECTIVE_OPTIONS
 from groupwise.rewards.sources import ON_REWARD_ERROR
@@ -265,6 +265,7 @@ class GRPOConfig(StrictConfig):
             self.report_to = [self.report_to]
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
         self.report_to = [r for r in self.report_to if r != "none"]
+        check_trackers(self.report_to)
 
     def _check_vllm_server(self) -> None:
         """vllm_mode='server': where the server is, and the colocated engine's settings (the server has its own)."""

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from groupwise.config_base import ConfigError
+
 if TYPE_CHECKING:
     from groupwise.types import Round
 
@@ -56,6 +58,16 @@ def set_log_level(level: str) -> None:
 
 # GRPOConfig.report_to: trackers besides metrics.jsonl (always written); each opens to (log, close)
 TRACKERS = {"tensorboard": _tensorboard, "wandb": _wandb}
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # what each needs installed
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Before anything loads: every tracker asked for is installed."""
+    import importlib.util
+
+    for name in report_to:
+        if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
+            raise ConfigError(f"report_to={name!r} needs `pip install groupwise[{name}]` (or drop it from report_to)")
 
 
 class MetricsLogger:
