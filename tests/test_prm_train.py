@@ -52,3 +52,9 @@ def test_bad_step_files_name_the_line(tmp_path):
         read_step_jsonl(str(p))
     with pytest.raises(ConfigError, match="unknown field 'epochs'"):
         PRMTrainConfig(model_name_or_path="m", train_file="f", epochs=3)
+
+
+def test_a_missing_train_file_is_named(tmp_path, model_dir, capsys):
+    assert main(["prm", "train", "--model_name_or_path", model_dir, "--train_file", str(tmp_path / "steps.jsonl"),
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    assert f"train_file='{tmp_path / 'steps.jsonl'}' does not exist" in capsys.readouterr().err

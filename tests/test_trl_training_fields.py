@@ -131,7 +131,7 @@ def test_save_eval_and_logging_strategies(tmp_path, tokenizer):
     t.train()
     assert not list((tmp_path / "s").glob("checkpoint-*"))
     assert _metric_steps(tmp_path / "s", "eval/reward/mean") == [0, 2, 3, 4]  # on start, then from step 2 on
-    with pytest.raises(ConfigError, match="need an eval_dataset"):
+    with pytest.raises(ConfigError, match="needs an eval_dataset"):
         _trainer(tmp_path, tokenizer, eval_strategy="steps")
 
 

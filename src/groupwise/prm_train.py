@@ -123,6 +123,8 @@ def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str,
 def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
+    if not Path(cfg.train_file).is_file():
+        raise ConfigError(f"train_file={cfg.train_file!r} does not exist: give a JSONL of prompt, steps, labels")
     rows = read_step_jsonl(cfg.train_file)  # data errors surface before any model loads
     rng = random.Random(cfg.seed)
     if cfg.eval_file:

@@ -87,8 +87,8 @@ class GRPOTrainer(TransformersHabits):
                               "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
-            raise ConfigError(f"eval_strategy={args.eval_strategy!r} / eval_on_start={args.eval_on_start} need an "
-                              "eval_dataset")
+            asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
+            raise ConfigError(f"{asked} needs an eval_dataset (on the command line: eval_dataset_name), or turn it off")
         if args.push_to_hub:  # no credentials: stop now, not after training (only the main process uploads)
             self.dist.run_together(lambda: self.dist.is_main and hub_token(args), "checking the hub token")
         self.optimizers = tuple(optimizers) if optimizers is not None else (None, None)
