@@ -84,6 +84,36 @@ def test_hub_ids_pass_and_local_looking_paths_must_exist(tmp_path):
             check_location(path, "model_name_or_path")
 
 
+def test_a_model_folder_without_a_saved_model_is_named(tmp_path, model_dir, capsys):
+    (tmp_path / "empty").mkdir()
+    code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir), "--model_name_or_path",
+                                               str(tmp_path / "empty")])
+    assert code == 2 and f"model_name_or_path='{tmp_path / 'empty'}' is a folder without config.json" in line
+    with pytest.raises(ConfigError, match="is a folder without config.json"):
+        GRPOTrainer(str(tmp_path / "empty"), _length, args=small_args(tmp_path), train_dataset=toy.dataset(4))
+
+
+def test_a_reward_keyword_no_column_fills_is_found_before_training(tmp_path, tokenizer):
+    def needs_letter(completions, letter, **_):
+        return [0.0] * len(completions)
+
+    def optional(completions, letter=None, trainer_state=None, **_):
+        return [0.0] * len(completions)
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    rows = [{"prompt": "repeat a:", "answer": "a"}] * 4
+    with pytest.raises(ConfigError, match=r"reward_funcs\[1\] 'needs_letter' needs the keyword 'letter': "
+                                          r"train_dataset has no column 'letter' \(columns: \['answer', 'prompt'\]\)"):
+        GRPOTrainer(model, [optional, needs_letter], args=small_args(tmp_path), train_dataset=rows,
+                    processing_class=tokenizer)
+    rows = [{"prompt": "repeat a:", "letter": "a"}] * 4
+    with pytest.raises(ConfigError, match="remove_unused_columns=True passes only the prompt: set it False"):
+        GRPOTrainer(model, [needs_letter], args=small_args(tmp_path, remove_unused_columns=True), train_dataset=rows,
+                    processing_class=tokenizer)
+    GRPOTrainer(model, [needs_letter, optional], args=small_args(tmp_path), train_dataset=rows,
+                processing_class=tokenizer)  # filled by the column
+
+
 def test_one_reward_spec_given_as_a_string_is_a_list_of_one(tmp_path, model_dir):
     from groupwise.cli import build_run
 

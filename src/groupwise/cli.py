@@ -20,7 +20,7 @@ import yaml
 
 from groupwise.checkpoint import CheckpointError, claim_output_dir
 from groupwise.config import ConfigError, GRPOConfig, load_yaml
-from groupwise.config_base import check_location, reject_unknown
+from groupwise.config_base import check_location, check_model_location, reject_unknown
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 
@@ -146,7 +146,7 @@ def cmd_train(argv: list[str]) -> int:
         return run_demo(values)
     run, args = build_run(values)
     # everything that names a file is checked before anything loads
-    check_location(run["model_name_or_path"], "model_name_or_path")
+    check_model_location(run["model_name_or_path"], "model_name_or_path")
     dataset_name = run.get("dataset_name")
     if not dataset_name:
         raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name)")

@@ -157,6 +157,19 @@ def check_location(value: str, field: str) -> str:
     return "hub"
 
 
+def check_model_location(value: str, field: str) -> str:
+    """check_location for a model: a local folder must also hold a saved model (config.json, a PEFT adapter's
+    adapter_config.json, or a .gguf file), so that a wrong folder is named before anything loads."""
+    where = check_location(value, field)
+    folder = os.path.expanduser(value)
+    if where == "local" and os.path.isdir(folder):
+        names = os.listdir(folder)
+        if not ({"config.json", "adapter_config.json"} & set(names) or any(n.endswith(".gguf") for n in names)):
+            raise ConfigError(f"{field}={value!r} is a folder without config.json: not a saved model (write one "
+                              "with model.save_pretrained(folder), or give a checkpoint folder of a run)")
+    return where
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")

@@ -77,6 +77,10 @@ class PromptData:
             raise ConfigError(f"{name} row {i} has {why}; {len(bad)} of {len(data)} rows are unusable (each prompt "
                               "must be a non-empty string or a list of {'role', 'content'} messages)")
 
+    def columns(self) -> list[str]:
+        """The dataset's columns (a list of dicts: the first row's keys, as the rollout reads them)."""
+        return list(getattr(self.data, "column_names", None) or self.data[0])
+
     def _prompts(self):
         """Every prompt, one at a time (a datasets.Dataset is read column-wise in batches, not all at once)."""
         if hasattr(self.data, "column_names"):
@@ -188,6 +192,11 @@ class StreamData:
         self._rows: dict[int, dict[str, Any]] = {}
         self._lengths: dict[str, Any] | None = None  # check_lengths' arguments: each row is checked as it is read
         self._warned = False
+
+    def columns(self) -> list[str] | None:
+        """The stream's columns where it declares them (an IterableDataset's column_names may be None)."""
+        names = getattr(self.data, "column_names", None)
+        return list(names) if names else None
 
     def _pull(self) -> dict[str, Any]:
         if self._iter is None:

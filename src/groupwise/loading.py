@@ -9,13 +9,13 @@ import torch
 
 from groupwise.config import GRPOConfig
 from groupwise.adapters import is_peft_model
-from groupwise.config_base import ConfigError, check_location
+from groupwise.config_base import ConfigError, check_model_location
 from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES
-from groupwise.rewards.sources import resolve_spec
+from groupwise.rewards.sources import check_reward_columns, resolve_spec
 from groupwise.text import ensure_pad_token
 
 
@@ -107,7 +107,7 @@ def as_list(funcs) -> list:
 
 
 def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list,
-                 toolbox=None) -> tuple[list, list]:
+                 toolbox=None, data=None) -> tuple[list, list]:
     """What can be checked before a model loads: the model argument (a local path must exist), reward specs
     (imported or located), counts against weights and against what the supervision variant reads (the toolbox's
     environments' get_reward are outcome rewards not counted by reward_weights, as in TRL; their get_step_rewards
@@ -140,11 +140,14 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     if not isinstance(model, (str, torch.nn.Module)):
         raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
     if isinstance(model, str):
-        check_location(model, "model")
+        check_model_location(model, "model")
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
-    return ([resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)],
-            [resolve_process_spec(s, f"process_reward_funcs[{i}]") for i, s in enumerate(process_reward_funcs)])
+    reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
+    if data is not None:  # the training data (PromptData / StreamData): reward keywords against its columns
+        check_reward_columns(reward_funcs, data.columns(), args.remove_unused_columns)
+    return reward_funcs, [resolve_process_spec(s, f"process_reward_funcs[{i}]")
+                          for i, s in enumerate(process_reward_funcs)]
 
 
 def refuse_trainer_arguments(**given) -> None:

@@ -95,7 +95,7 @@ class GRPOTrainer(TransformersHabits):
         if len(self.optimizers) != 2:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
-                                                           as_list(process_reward_funcs), self.toolbox)
+                                                           as_list(process_reward_funcs), self.toolbox, self.train_data)
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
                            optimizers=self.optimizers, world_size=self.dist.world_size)

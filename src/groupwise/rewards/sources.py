@@ -146,6 +146,35 @@ def resolve_spec(spec: Any, where: str) -> Any:
     return spec
 
 
+# what every reward function may receive besides the dataset's columns: TRL's keywords, and `environments` when
+# the rollout used tools or environments
+REWARD_KEYWORDS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                   "environments"}
+
+
+def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool) -> None:
+    """Before the model loads: a reward function with a required parameter that no call will fill (not one of
+    REWARD_KEYWORDS, not a dataset column) would fail at the first scoring. columns None: not known (a stream)."""
+    if columns is None:
+        return
+    given = REWARD_KEYWORDS | ({c for c in columns if c != "prompt"} if not remove_unused_columns else set())
+    for i, fn in enumerate(reward_funcs):
+        if isinstance(fn, (str, torch.nn.Module)) or not callable(fn):
+            continue
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+        need = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                and p.name not in given]
+        if need:
+            name = getattr(fn, "__name__", type(fn).__name__)
+            why = ("remove_unused_columns=True passes only the prompt: set it False" if remove_unused_columns and
+                   need[0] in columns else f"train_dataset has no column {need[0]!r} (columns: {sorted(columns)})")
+            raise ConfigError(f"reward_funcs[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
+
+
 def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False,
                         device=None) -> list[RewardSource]:
     """Accepts a callable, a `"package.module:function"` path, a reward-model path or a loaded model (or a list)."""
