@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from tqdm.auto import tqdm
 
@@ -56,9 +57,13 @@ def set_log_level(level: str) -> None:
     logging.getLogger("groupwise").setLevel(value)
 
 
-# GRPOConfig.report_to: trackers besides metrics.jsonl (always written); each opens to (log, close)
-TRACKERS = {"tensorboard": _tensorboard, "wandb": _wandb}
-TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # what each needs installed
+class Tracker(NamedTuple):
+    open: Callable[[str, dict], tuple[Callable, Callable]]  # (output_dir, config) → (log, close)
+    module: str  # what it needs installed
+
+
+# GRPOConfig.report_to: trackers besides metrics.jsonl (always written)
+TRACKERS = {"tensorboard": Tracker(_tensorboard, "tensorboard"), "wandb": Tracker(_wandb, "wandb")}
 
 
 def check_trackers(report_to: list[str]) -> None:
@@ -66,7 +71,8 @@ def check_trackers(report_to: list[str]) -> None:
     import importlib.util
 
     for name in report_to:
-        if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
+        module = TRACKERS[name].module
+        if module not in sys.modules and importlib.util.find_spec(module) is None:
             raise ConfigError(f"report_to={name!r} needs `pip install groupwise[{name}]` (or drop it from report_to)")
 
 
@@ -87,7 +93,7 @@ class MetricsLogger:
         if resumed:  # keep what this run logged up to the resumed step (trainer.state); other runs' lines stay
             self.history = trim_jsonl(self.path, resume_step, run_id)
             trim_jsonl(self.completions_path, resume_step, run_id)
-        self.trackers = [TRACKERS[name](output_dir, config) for name in report_to]
+        self.trackers = [TRACKERS[name].open(output_dir, config) for name in report_to]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
