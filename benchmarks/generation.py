@@ -172,6 +172,9 @@ def with_chunk(chunk, fn):
         static_module.SAMPLE_CHUNK = before
 
 
+FUSED = ("compiled, q/k/v and gate/up fused (fuse_projections)", dict(compile=True, fuse_projections=True))
+
+
 def gpu_main(repeats: int, ablate: bool = False, autotune: bool = False) -> None:
     """The GPU table; ablate: also what each part of the compiled loop buys at 64×8; autotune: only 64×8, the
     default compiled loop against other torch.compile settings: combo kernels, and the max-autotune mode (Triton
@@ -212,19 +215,18 @@ def gpu_main(repeats: int, ablate: bool = False, autotune: bool = False) -> None
         if autotune:
             tuned = dict(mode="max-autotune", dynamic=False)
             combo = dict(options={"triton.cudagraphs": True, "combo_kernels": True}, dynamic=False)
-            variants += [("compiled, fused projections", dict(compile=True, fuse_projections=True)),
+            variants += [FUSED,
                          ("compiled, fused projections, combo kernels (independent small kernels launched as one)",
                           dict(compile=True, compile_mode=combo, fuse_projections=True)),
                          ("compiled, max-autotune, fused projections",
                           dict(compile=True, compile_mode=tuned, fuse_projections=True)),
                          ("compiled, max-autotune", dict(compile=True, compile_mode=tuned))]
         if ablate and B == 64:  # what each part of the compiled loop buys, and fused projections
-            variants += [("compiled, q/k/v and gate/up fused (fuse_projections)",
-                          dict(compile=True, fuse_projections=True)),
+            variants += [FUSED,
                          ("compiled, sdpa attention (no decode kernel)", dict(compile=True, attention_kernel=False)),
                          ("compiled, one-level race (chunk = vocabulary)", dict(compile=True, chunk=cfg.vocab_size))]
         for label, kw in variants:
-            chunk = kw.pop("chunk", None)
+            chunk, kw = kw.get("chunk"), {k: v for k, v in kw.items() if k != "chunk"}  # (FUSED is shared)
             fast = FastGenerator(max_completion_length=T, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                                  repetition_penalty=1.0, pad_token_id=0, eos_token_ids=[1], group_size=G, **kw)
             paths[label] = (lambda f, c: lambda: with_chunk(c, lambda: f(model, ids, mask).completion_ids))(fast, chunk)
@@ -232,10 +234,10 @@ def gpu_main(repeats: int, ablate: bool = False, autotune: bool = False) -> None
         base = None
         for label, fn in paths.items():
             torch.manual_seed(0)
-            compile_start = time.perf_counter()
+            started = time.perf_counter()
             seconds, out = timed(fn, 1 if (ablate or autotune) and label == "generate()" else repeats)
             if autotune:
-                print(f"{label}: {time.perf_counter() - compile_start:.0f} s with the warm-up (compilation)")
+                print(f"{label}: {time.perf_counter() - started:.0f} s, warm-up (compilation) and timed runs")
             lengths = [len(c) for c in out] if isinstance(out, list) else [out.shape[1]] * out.shape[0]
             assert lengths == [T] * N, (label, sorted(set(lengths)))  # every row ran to the limit
             tps = N * T / seconds

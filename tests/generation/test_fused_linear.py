@@ -25,6 +25,18 @@ def _qwen2(tok):
     return model
 
 
+def _fused_gen(tok, **kw):
+    return FastGenerator(max_completion_length=12, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                         repetition_penalty=1.0, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
+                         compile=True, fuse_projections=True, **{"compile_mode": "eager", **kw})
+
+
+def _greedy_ref(model, tok, ids, mask):
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                           eos_token_id=tok.eos_token_id)
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.size(1):]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("mode", ["eager", {"backend": "aot_eager", "fullgraph": True}])
 def test_fused_projections_decode_as_generate(arch, mode):
@@ -33,21 +45,15 @@ def test_fused_projections_decode_as_generate(arch, mode):
     layer = model.model.layers[0]
     originals = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.up_proj)
     ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)], tok, None)
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
-                           eos_token_id=tok.eos_token_id)
-    ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.size(1):]
-    gen = FastGenerator(max_completion_length=12, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                        repetition_penalty=1.0, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
-                        group_size=4, compile=True, compile_mode=mode, fuse_projections=True)
-    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, ref)
+    gen = _fused_gen(tok, group_size=4, compile_mode=mode)
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _greedy_ref(model, tok, ids, mask))
     assert (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.up_proj) == originals  # restored
     assert len(gen._projections[1]) == 4  # 2 layers × (q/k/v, gate/up)
     # new weights reach the fused copies at the next call
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.size(1):]
-    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, ref)
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _greedy_ref(model, tok, ids, mask))
 
 
 def test_the_fused_weights_are_the_concatenated_weights():
@@ -98,18 +104,6 @@ def test_fuse_projections_without_the_static_loop_is_refused():
                         fuse_projections=True)  # compile=None: the static loop on CUDA only
     with pytest.raises(ValueError, match="fuse_projections needs the static decode loop.*device cpu"):
         gen(model, ids, mask)
-
-
-def _fused_gen(tok, **kw):
-    return FastGenerator(max_completion_length=12, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                         repetition_penalty=1.0, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
-                         compile=True, compile_mode="eager", fuse_projections=True, **kw)
-
-
-def _greedy_ref(model, tok, ids, mask):
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
-                           eos_token_id=tok.eos_token_id)
-    return model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.size(1):]
 
 
 def test_a_projection_replaced_between_calls_is_used_and_kept():
