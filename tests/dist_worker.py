@@ -50,11 +50,13 @@ def same(out: Path) -> None:
     from groupwise.rewards import load_reward_sources
     from groupwise.rewards.steps import StepSplitter
 
-    for case, loss_type, supervision in (("dapo", "dapo", "outcome"), ("grpo", "grpo", "outcome"),
-                                         ("process", "dapo", "both")):
+    # "entropy": the top-entropy threshold is over the micro-batch of every process (gathered, of unequal lengths)
+    for case, loss_type, supervision, extra in (("dapo", "dapo", "outcome", {}), ("grpo", "grpo", "outcome", {}),
+                                                ("process", "dapo", "both", {}),
+                                                ("entropy", "dapo", "outcome", {"top_entropy_quantile": 0.5})):
         args = GRPOConfig(num_generations=4, per_device_train_batch_size=n, max_completion_length=T,
                           loss_type=loss_type, learning_rate=1.0, max_grad_norm=0.0, output_dir=str(out),
-                          supervision=supervision)
+                          supervision=supervision, **extra)
         sources = load_reward_sources([toy.letter_reward])
         ctx = R.RolloutContext(args=args, tokenizer=tok, generator=None, dist=dist, eos_token_ids=[tok.eos_token_id],
                                reward_sources=sources, process_sources=load_reward_sources([step_has_letter]),

@@ -28,7 +28,8 @@ def test_two_processes_give_the_same_advantages_loss_and_step_as_one(tmp_path):
     _launch(2, "same", tmp_path / "two")
     one = json.loads((tmp_path / "one" / "result_0.json").read_text())
     two = [json.loads((tmp_path / "two" / f"result_{r}.json").read_text()) for r in (0, 1)]
-    for loss_type in ("dapo", "grpo", "process"):  # "process": supervision='both' with step rewards
+    # "process": supervision='both' with step rewards; "entropy": top_entropy_quantile=0.5
+    for loss_type in ("dapo", "grpo", "process", "entropy"):
         # group 1 is split over the two processes: rewards are gathered before the group statistics
         assert two[0][loss_type]["advantages"] == one[loss_type]["advantages"]
         assert two[0][loss_type]["local"] + two[1][loss_type]["local"] == one[loss_type]["local"]

@@ -236,7 +236,7 @@ def test_advantage_estimators_train(tmp_path, tokenizer, tiny_model, estimator, 
     rollout = t._collect()
     rnd, opts = rollout.round, t.args.estimator_options()
     if supervision == "outcome":
-        expected = outcome_advantages(rnd.scores.rewards, **opts).flatten()
+        expected = outcome_advantages(rnd.scores.rewards, **t.args.estimator_options(outcome=True)).flatten()
     else:
         s = rnd.step_scores
         expected = process_advantages(s.rewards, s.ends, t.args.max_completion_length, **opts).flatten(0, 1)
@@ -255,5 +255,12 @@ def test_estimator_options_are_checked_against_the_estimator():
     assert GRPOConfig(advantage_estimator="rloo").estimator_options() == {"estimator": "rloo"}
     # normalize_then_sum reads reward_std and advantage_eps itself, whatever the estimator
     GRPOConfig(advantage_estimator="rloo", multi_objective_aggregation="normalize_then_sum", reward_std="unbiased")
+    # normalize_then_sum fixes grpo's scale of the combined outcome reward to the batch (TRL); step rewards keep theirs
+    with pytest.raises(ConfigError, match=r"scale_rewards='none' has no effect with multi_objective_aggregation="
+                                          r"'normalize_then_sum'.*remove scale_rewards"):
+        GRPOConfig(multi_objective_aggregation="normalize_then_sum", scale_rewards=False)
+    summed = GRPOConfig(multi_objective_aggregation="normalize_then_sum", scale_rewards="batch")
+    assert summed.estimator_options(outcome=True)["scale"] == "batch"
+    assert GRPOConfig(multi_objective_aggregation="normalize_then_sum").estimator_options()["scale"] == "group"
     assert GRPOConfig(advantage_estimator="reinforce_plus_plus_baseline", advantage_eps=0.0).estimator_options() == \
         {"estimator": "reinforce_plus_plus_baseline", "std": "population", "eps": 0.0}

@@ -27,7 +27,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS
 from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers
 from groupwise.optim import OPTIMIZERS, check_available, parse_optim_args
-from groupwise.rewards.combine import MULTI_OBJECTIVE, MULTI_OBJECTIVE_OPTIONS
+from groupwise.rewards.combine import MULTI_OBJECTIVE
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
 from groupwise.sharding import resolve as resolve_sharding
@@ -214,11 +214,11 @@ class GRPOConfig(StrictConfig):
     reward_std: str = option("Std in the normalisation: 'population' (1/G, DeepSeekMath's std) or 'unbiased' (Bessel, TRL).", default="population", choices=STDS)
     advantage_eps: float = option("Added to the std before dividing, so near-equal rewards do not become ±1 advantages.", default=1e-4, ge=0)
     reward_weights: list[float] | None = option("One weight per reward function (default: all 1).", default=None)
-    multi_objective_aggregation: str = option("'sum_then_normalize' (weighted sum, then group-normalise) or 'normalize_then_sum' (normalise each function, then weighted sum).", default="sum_then_normalize", choices=MULTI_OBJECTIVE)
+    multi_objective_aggregation: str = option("'sum_then_normalize' (weighted sum, then normalise as scale_rewards says) or 'normalize_then_sum' (z-score each function in its group, weighted sum, then normalise over the batch, as TRL).", default="sum_then_normalize", choices=MULTI_OBJECTIVE)
     reward_timeout: float | None = option("Seconds one reward-function call may take (None, the default: no limit). With a limit the call runs in a daemon thread: an overrun scores that call's rows NaN (unscored, counted in reward/<func>/errors), the run goes on and the stuck call cannot keep the process alive. Reward code that relies on signal.alarm (math_verify's default timeout) only works without a limit.", default=None, gt=0)
     on_reward_error: str = option("An exception in a reward function: 'raise' (stop, naming the function and row) or 'nan' (score NaN, counted in reward/<func>/errors).", default="raise", choices=ON_REWARD_ERROR)
     mask_truncated_completions: bool = option("Leave completions that hit max_completion_length out of the loss (DAPO).", default=False)
-    top_entropy_quantile: float = option("Train only on this top fraction of tokens by entropy (1.0: all tokens).", default=1.0, gt=0, le=1)
+    top_entropy_quantile: float = option("Train only on this top fraction of tokens by entropy (1.0: all tokens); the threshold is over the micro-batch of every process, as TRL.", default=1.0, gt=0, le=1)
     sync_ref_model: bool = option("Move the reference model toward the policy every ref_model_sync_steps (TR-DPO).", default=False)
     ref_model_mixup_alpha: float = option("TR-DPO α: ref ← α·policy + (1−α)·ref.", default=0.6, ge=0, le=1)
     ref_model_sync_steps: int = option("Optimizer steps between TR-DPO reference syncs.", default=512, ge=1)
@@ -288,12 +288,18 @@ class GRPOConfig(StrictConfig):
         if self.scale_rewards not in SCALES:
             raise ConfigError(f"scale_rewards={self.scale_rewards!r} is not one of {list(SCALES)} (or True / False)")
         taken = ESTIMATORS[self.advantage_estimator].options
-        read = set(taken) | set(MULTI_OBJECTIVE_OPTIONS[self.multi_objective_aggregation])
+        aggregation = MULTI_OBJECTIVE[self.multi_objective_aggregation]
+        read = set(taken) | set(aggregation.options)
         for opt, name in ESTIMATOR_OPTIONS.items():
             if opt not in read and getattr(self, name) != _default(name):
                 raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with advantage_estimator="
                                   f"{self.advantage_estimator!r} (it reads {[ESTIMATOR_OPTIONS[o] for o in taken] or 'none of them'}); "
                                   f"remove {name} or choose advantage_estimator='grpo'")
+        if aggregation.scale is not None and "scale" in taken and \
+                self.scale_rewards not in (_default("scale_rewards"), aggregation.scale):
+            raise ConfigError(f"scale_rewards={self.scale_rewards!r} has no effect with multi_objective_aggregation="
+                              f"{self.multi_objective_aggregation!r}, whose summed z-scores are normalised over the "
+                              f"batch (scale {aggregation.scale!r}, as in TRL): remove scale_rewards")
         objective = LOSS_TYPES[self.loss_type].objective
         for name in OBJECTIVE_FIELDS:
             if name not in OBJECTIVES[objective].options and getattr(self, name) != _default(name):
@@ -395,10 +401,15 @@ class GRPOConfig(StrictConfig):
             return math.ceil(max_steps * self.warmup_steps)
         return int(self.warmup_ratio * max_steps)
 
-    def estimator_options(self) -> dict[str, Any]:
-        """`estimator=` and the options the chosen advantage estimator takes, read from their fields."""
+    def estimator_options(self, *, outcome: bool = False) -> dict[str, Any]:
+        """`estimator=` and the options the chosen advantage estimator takes, read from their fields. `outcome`:
+        for the combined outcome reward, whose scale the multi_objective_aggregation may fix."""
         taken = ESTIMATORS[self.advantage_estimator].options
-        return {"estimator": self.advantage_estimator, **{o: getattr(self, ESTIMATOR_OPTIONS[o]) for o in taken}}
+        options = {"estimator": self.advantage_estimator, **{o: getattr(self, ESTIMATOR_OPTIONS[o]) for o in taken}}
+        fixed = MULTI_OBJECTIVE[self.multi_objective_aggregation].scale
+        if outcome and fixed is not None and "scale" in options:
+            options["scale"] = fixed
+        return options
 
     def layout(self, world_size: int) -> "BatchLayout":
         """Resolve the batch arithmetic for `world_size` processes; raises ConfigError naming the fields."""

@@ -109,6 +109,16 @@ class Distributed:
             return t
         return self.accelerator.gather(t.to(self.device).contiguous())
 
+    def gather_ragged(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate 1-D tensors of any length per process, in rank order (padded to the longest for the
+        collective, the padding dropped)."""
+        if self.world_size == 1:
+            return t
+        sizes = self.gather(torch.tensor([t.numel()], device=self.device)).tolist()
+        padded = torch.nn.functional.pad(t.to(self.device), (0, max(sizes) - t.numel()))
+        rows = self.gather(padded).view(self.world_size, max(sizes))
+        return torch.cat([row[:n] for row, n in zip(rows, sizes)])
+
     def gather_object(self, obj: list) -> list:
         if self.world_size == 1:
             return list(obj)

@@ -250,13 +250,12 @@ def advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
     """This process's advantages: the estimator over the round's groups (groupwise.core.advantages), combined as
     the supervision variant says (groupwise.core.supervision)."""
     args, T = ctx.args, comp.completion_ids.size(1)
-    options = args.estimator_options()  # estimator=… and the options it takes
     outcome = process = None
-    if scores is not None:
-        outcome = ctx.dist.shard(outcome_advantages(scores.rewards, **options).flatten())  # (N,)
+    if scores is not None:  # estimator=… and the options it takes
+        outcome = ctx.dist.shard(outcome_advantages(scores.rewards, **args.estimator_options(outcome=True)).flatten())
     if step_scores is not None:
         adv = process_advantages(step_scores.rewards, step_scores.ends, args.max_completion_length,
-                                 form=args.step_advantage, **options)
+                                 form=args.step_advantage, **args.estimator_options())
         process = ctx.dist.shard(adv.flatten(0, 1))  # (N, max_completion_length)
         if process.size(1) < T:  # pad_to_multiple_of widened the batch past max_completion_length
             process = torch.nn.functional.pad(process, (0, T - process.size(1)))

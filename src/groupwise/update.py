@@ -60,7 +60,7 @@ def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
                                  compute_entropy=True, entropy_grad=bonus)  # PolicyForLogps (possibly inside DDP)
     old = logps.detach() if mb.old_logps is None else mb.old_logps
     loss_mask = None if args.top_entropy_quantile >= 1.0 else \
-        top_entropy_mask(entropies.detach(), mask, args.top_entropy_quantile)
+        top_entropy_mask(entropies.detach(), mask, args.top_entropy_quantile, gather=ctx.dist.gather_ragged)
     loss, metrics = policy_loss(
         logps, old, mb.advantages, mask, loss_type=args.loss_type, epsilon_low=args.epsilon,
         epsilon_high=args.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,

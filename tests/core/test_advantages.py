@@ -50,6 +50,24 @@ def test_equal_and_near_equal_groups_stay_small():
     assert adv.abs().max() < 2e-3 and not torch.isnan(adv).any()
 
 
+@pytest.mark.parametrize("estimator,options,expected", [
+    # group 3 = [0, 1, 0.5]: mean 0.5, population std √((0.25 + 0.25 + 0) / 3) = 0.408248 → ±1.224745, 0
+    ("grpo", {"eps": 0.0}, [[0.0] * 3, [0.0] * 3, [-1.224745, 1.224745, 0.0]]),
+    # centred: 0 ×6 and [−0.5, 0.5, 0]; batch std √(0.5 / 9) = 0.235702 → ±2.121320, 0
+    ("reinforce_plus_plus_baseline", {"eps": 0.0}, [[0.0] * 3, [0.0] * 3, [-2.121320, 2.121320, 0.0]]),
+])
+def test_an_all_equal_group_is_exactly_zero_also_at_eps_0(estimator, options, expected):
+    """[0.1, 0.1, 0.1]: the float mean is 0.1 + 2e-17 (0.30000000000000004 / 3), so each deviation divided by the
+    std of the deviations alone (eps = 0) was −1 for every completion; [1, 1, 1] was 0 / 0 = NaN. Both are 0."""
+    r = torch.tensor([[0.1, 0.1, 0.1], [1.0, 1.0, 1.0], [0.0, 1.0, 0.5]], dtype=torch.float64)
+    out = normalize_rewards(r.unsqueeze(-1), estimator, **options).squeeze(-1)
+    assert torch.equal(out[:2], torch.zeros(2, 3))
+    assert torch.allclose(out, torch.tensor(expected), atol=1e-6)
+    # process supervision: equal step rewards across the group (two steps each, all 0.1) give 0 on every token
+    steps = process_advantages([[[0.1, 0.1], [0.1, 0.1]]], [[[0, 2], [1, 3]]], 4, estimator=estimator, **options)
+    assert torch.equal(steps, torch.zeros(1, 2, 4))
+
+
 def _outcome_loop(rewards, scale, std, eps):
     out = torch.zeros_like(rewards)
     vals_all = [v for v in rewards.flatten().tolist() if not math.isnan(v)]

@@ -37,6 +37,11 @@ def test_top_entropy_mask():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     assert torch.equal(top_entropy_mask(ent, mask, 0.5), torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]))
     assert torch.equal(top_entropy_mask(ent, mask, 1.0), mask.float())
+    # this process holds the rows above; another holds entropies [5, 6, 7] (3 real tokens). Gathered, the real
+    # entropies are [1, 2, 3, 4, 5, 6, 7], median 4: here only the 4 is kept (alone, the threshold was 2.5)
+    other = torch.tensor([5.0, 6.0, 7.0])
+    gathered = top_entropy_mask(ent, mask, 0.5, gather=lambda real: torch.cat([real, other]))
+    assert torch.equal(gathered, torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))
 
 
 def test_core_imports_only_torch():

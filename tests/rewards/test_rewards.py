@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from groupwise import GRPOConfig
 from groupwise.core.advantages import outcome_advantages
 from groupwise.rewards import RewardFunctionError, combine_rewards, compute_rewards, load_reward_sources
 
@@ -96,11 +97,61 @@ def test_combine_sum_then_normalize_by_hand():
 
 
 def test_combine_normalize_then_sum_by_hand():
-    # function 0: [1, 0, 0, 1] → z = [1, −1, −1, 1]; function 1: [10, 10, 30, 30] → z = [−1, −1, 1, 1]
-    # weights [1, 1]: sums [0, −2, 0, 2]; mean 0, population std sqrt(8/4) = 1.41421 → [0, −1.41421, 0, 1.41421]
-    per_func = torch.tensor([[[1.0, 10.0], [0.0, 10.0], [0.0, 30.0], [1.0, 30.0]]])
+    # group 0, function 0: [1, 0, 0, 1] → z = [1, −1, −1, 1]; function 1: [10, 10, 30, 30] → z = [−1, −1, 1, 1]
+    #   weights [1, 1]: sums [0, −2, 0, 2]
+    # group 1, function 0: [1, 1, 1, 0]: mean 0.75, population std √(0.75 / 4) = 0.433013 → z = [0.57735 ×3, −1.73205];
+    #   function 1: [5, 5, 5, 5] → z = 0; sums [0.57735 ×3, −1.73205]
+    # then over the batch (TRL): mean 0, population std √((4 + 4 + 3 · 1/3 + 3) / 8) = √1.5 = 1.224745 →
+    #   [0, −1.632993, 0, 1.632993], [0.471405 ×3, −1.414214] (a group scale would give [0, −1.414214, 0, 1.414214])
+    per_func = torch.tensor([[[1.0, 10.0], [0.0, 10.0], [0.0, 30.0], [1.0, 30.0]],
+                             [[1.0, 5.0], [1.0, 5.0], [1.0, 5.0], [0.0, 5.0]]])
     rewards = combine_rewards(per_func, torch.tensor([1.0, 1.0]), aggregation="normalize_then_sum",
                               std="population", eps=0.0)
-    adv = outcome_advantages(rewards, scale="group", std="population", eps=0.0)
-    assert torch.allclose(rewards, torch.tensor([[0.0, -2.0, 0.0, 2.0]]))
-    assert torch.allclose(adv, torch.tensor([[0.0, -1.41421, 0.0, 1.41421]]), atol=1e-5)
+    assert torch.allclose(rewards, torch.tensor([[0.0, -2.0, 0.0, 2.0], [0.57735, 0.57735, 0.57735, -1.73205]]),
+                          atol=1e-5)
+    options = GRPOConfig(multi_objective_aggregation="normalize_then_sum", advantage_eps=0.0).estimator_options(
+        outcome=True)
+    assert options["scale"] == "batch"
+    adv = outcome_advantages(rewards, **options)
+    assert torch.allclose(adv, torch.tensor([[0.0, -1.632993, 0.0, 1.632993], [0.471405] * 3 + [-1.414214]]),
+                          atol=1e-5)
+
+
+def _trl_normalize_then_sum(per_func, weights):
+    """TRL 1.16's GRPOTrainer._generate_and_score_completions for multi_objective_aggregation="normalize_then_sum",
+    as plain loops: each function z-scored in its group (nanmean, unbiased nanstd, + 1e-4), weighted nansum, NaN
+    where no function scored the row, then (r − nanmean over the batch) / (unbiased nanstd over the batch + 1e-4),
+    and NaN advantages → 0."""
+    def mean_sd(vals):
+        m = sum(vals) / len(vals)
+        return m, (math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else float("nan"))
+
+    B, G, F = per_func.shape
+    rewards = []
+    for b in range(B):
+        for g in range(G):
+            total, scored = 0.0, False
+            for f in range(F):
+                v = per_func[b, g, f].item()
+                if math.isnan(v):
+                    continue
+                m, sd = mean_sd([x for x in per_func[b, :, f].tolist() if not math.isnan(x)])
+                total, scored = total + weights[f] * (v - m) / (sd + 1e-4), True
+            rewards.append(total if scored else float("nan"))
+    m, sd = mean_sd([r for r in rewards if not math.isnan(r)])
+    return torch.tensor([0.0 if math.isnan(r) else (r - m) / (sd + 1e-4) for r in rewards]).view(B, G)
+
+
+def test_normalize_then_sum_advantages_equal_trl():
+    g = torch.Generator().manual_seed(4)
+    per_func = torch.randn(5, 4, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1],
+                                                                                         dtype=torch.float64)
+    per_func[2, 1] = float("nan")  # a completion no function scored
+    per_func[3, :, 2] = 0.5  # a function that cannot tell group 3's completions apart
+    weights = [1.0, 0.5, 2.0]
+    args = GRPOConfig(multi_objective_aggregation="normalize_then_sum", reward_std="unbiased", reward_weights=weights)
+    rewards = combine_rewards(per_func, torch.tensor(weights, dtype=torch.float64),
+                              aggregation=args.multi_objective_aggregation, std=args.reward_std, eps=args.advantage_eps)
+    adv = outcome_advantages(rewards, **args.estimator_options(outcome=True))
+    assert torch.allclose(adv, _trl_normalize_then_sum(per_func, weights), atol=1e-5)
+

@@ -40,6 +40,20 @@ def test_char_tokenizer_by_hand(tokenizer):
     assert s.texts == ("ab", "cd", "ef") and s.ends == (2, 6, 9) and not s.truncated_last
 
 
+def test_the_eos_after_a_closing_delimiter_belongs_to_the_last_step(tokenizer):
+    # "ab\ncd\n<eos>": tokens a b \n c d \n <eos> = 0..6; "cd" ends at the EOS (6), not at its "\n" (5), which
+    # left the EOS after every step end and so with advantage 0 under process supervision
+    ids = tokenizer("ab\ncd\n", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    s = StepSplitter().split(ids, tokenizer, ends_with_eos=True, truncated=False)
+    assert s.texts == ("ab", "cd") and s.ends == (2, 6) and not s.truncated_last
+    # blank text before the EOS joins the last step too: "ab\n\n \n<eos>" = 0..6, "ab" ends at 6
+    ids = tokenizer("ab\n\n \n", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    assert StepSplitter().split(ids, tokenizer, ends_with_eos=True, truncated=False).ends == (6,)
+    # cut by the length limit (no EOS): the trailing "\n" is not a decision to stop, the step ends at its "\n"
+    cut = tokenizer("ab\ncd\n", add_special_tokens=False).input_ids
+    assert StepSplitter().split(cut, tokenizer, ends_with_eos=False, truncated=True).ends == (2, 5)
+
+
 def test_truncated_final_step_is_marked(tokenizer):
     ids = tokenizer("ab\ncd", add_special_tokens=False).input_ids  # cut by the length limit: no EOS
     s = StepSplitter().split(ids, tokenizer, ends_with_eos=False, truncated=True)

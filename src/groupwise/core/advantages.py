@@ -4,7 +4,9 @@ An estimator turns the rewards of a group into normalised rewards r̃. It sees t
 prompts, G completions per prompt, K rewards per completion, NaN where there is none (K = 1 for outcome rewards;
 for step rewards completion i has K_i ≤ K steps and the rest is NaN padding). The group of prompt b is every
 reward of row b: the G outcome rewards, or, as DeepSeekMath §4.1.3 prescribes, all step rewards of all G
-completions. NaN rewards (could not be scored) are left out of every statistic and get r̃ = 0.
+completions. NaN rewards (could not be scored) are left out of every statistic and get r̃ = 0. A group whose
+rewards are all equal carries no signal: its r̃ is exactly 0 under grpo and reinforce_plus_plus_baseline, also at
+eps = 0 (masked_mean_std gives such a set std 0 exactly).
 
 Then, whichever the estimator:
     outcome supervision (§4.1.2)  Â_{i,t} = r̃_i                              outcome_advantages → (B, G)
@@ -40,7 +42,9 @@ STDS = ("population", "unbiased")
 def masked_mean_std(x: torch.Tensor, valid: torch.Tensor, dims, *, std: str = "population"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NaN-aware mean and std of `x` over `dims` (keepdim), counting only `valid` entries; also the count.
-    An empty or single-value set has std 0 (never NaN). The one std of the package."""
+    An empty, single-value or all-equal set has std exactly 0 (never NaN, never float noise: the mean of
+    [0.1, 0.1, 0.1] is not exactly 0.1, so the deviations alone would give a std near 1e-17). The one std of the
+    package."""
     if std not in STDS:
         raise ValueError(f"std={std!r} is not one of {list(STDS)}")
     zero = torch.zeros_like(x)
@@ -49,7 +53,20 @@ def masked_mean_std(x: torch.Tensor, valid: torch.Tensor, dims, *, std: str = "p
     sq = torch.where(valid, (x - mean) ** 2, zero).sum(dim=dims, keepdim=True)
     denom = count if std == "population" else count - 1
     sd = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq)).sqrt()
-    return mean, sd, count
+    inf = torch.full_like(x, float("inf"))
+    spread = torch.where(valid, x, -inf).amax(dim=dims, keepdim=True) > torch.where(valid, x, inf).amin(dim=dims,
+                                                                                                        keepdim=True)
+    return mean, torch.where(spread, sd, torch.zeros_like(sd)), count
+
+
+def _centered(r: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor) -> torch.Tensor:
+    """r − mean, exactly 0 in a set of equal rewards (sd = 0), where the float mean may differ from them by an ulp."""
+    return torch.where(sd > 0, r - mean, torch.zeros_like(r))
+
+
+def _scaled(centered: torch.Tensor, sd: torch.Tensor, eps: float) -> torch.Tensor:
+    """centered / (sd + eps), and 0 where sd = 0: a set of equal rewards carries no signal, also at eps = 0."""
+    return torch.where(sd > 0, centered / (sd + eps), torch.zeros_like(centered))
 
 
 def _grpo(r: torch.Tensor, valid: torch.Tensor, *, scale: str = "group", std: str = "population",
@@ -57,12 +74,12 @@ def _grpo(r: torch.Tensor, valid: torch.Tensor, *, scale: str = "group", std: st
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is not one of {list(SCALES)}")
     mean, group_sd, _ = masked_mean_std(r, valid, (1, 2), std=std)  # (B, 1, 1)
-    centered = r - mean
+    centered = _centered(r, mean, group_sd)
     if scale == "group":
-        return centered / (group_sd + eps)
+        return _scaled(centered, group_sd, eps)
     if scale == "batch":
         _, batch_sd, _ = masked_mean_std(r, valid, (0, 1, 2), std=std)
-        return centered / (batch_sd + eps)
+        return _scaled(centered, batch_sd, eps)
     return centered
 
 
@@ -78,10 +95,10 @@ def _rloo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _reinforce_pp(r: torch.Tensor, valid: torch.Tensor, *, std: str = "population",
                   eps: float = 1e-4) -> torch.Tensor:
-    mean, _, _ = masked_mean_std(r, valid, (1, 2))
-    centered = r - mean  # each group's centred rewards sum to 0, so their batch mean is 0
+    mean, group_sd, _ = masked_mean_std(r, valid, (1, 2))
+    centered = _centered(r, mean, group_sd)  # each group's centred rewards sum to 0, so their batch mean is 0
     _, batch_sd, _ = masked_mean_std(centered, valid, (0, 1, 2), std=std)
-    return centered / (batch_sd + eps)
+    return _scaled(centered, batch_sd, eps)
 
 
 @dataclass(frozen=True)

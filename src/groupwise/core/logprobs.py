@@ -6,6 +6,8 @@ entropy_from_logits(logits)[n, t]        = −Σ_v p_v log p_v,  p = softmax(log
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.utils.checkpoint
 
@@ -36,13 +38,18 @@ def top_entropy_mask(
     entropies: torch.Tensor,  # (N, T)
     mask: torch.Tensor,  # (N, T)
     quantile: float,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # (N, T) float 0/1
     """Keep the tokens whose entropy is at or above the `1 − quantile` quantile of the real tokens' entropies
     ("Beyond the 80/20 rule", Wang et al. 2025: train only on the top-ρ highest-entropy tokens). quantile=1 keeps all.
+    `gather` concatenates the real tokens' entropies of every process (1-D, any length per process), so that the
+    threshold is that of the micro-batch over all processes, as with one process holding them all.
     """
     if quantile >= 1.0:
         return mask.float()
     real = entropies[mask.bool()].float()
+    if gather is not None:
+        real = gather(real)
     if real.numel() == 0:
         return torch.zeros_like(mask, dtype=torch.float)
     threshold = torch.quantile(real, 1.0 - quantile)

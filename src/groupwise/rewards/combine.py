@@ -1,12 +1,18 @@
 """Several reward functions → one reward per completion (GRPOConfig.multi_objective_aggregation).
 
-sum_then_normalize  r = Σ_f w_f r_f                  (NaN terms skipped; NaN if every term is NaN)
+sum_then_normalize  r = Σ_f w_f r_f                  (NaN terms skipped; NaN if every term is NaN); the estimator
+                    then normalises r as scale_rewards says
 normalize_then_sum  r = Σ_f w_f z_f, z_f = per-group z-score of function f (GDPO-style), so functions on
-                    different scales weigh as their weights say
-Turning the combined reward into advantages is the estimator's job (groupwise.core.advantages), not this module's.
+                    different scales weigh as their weights say; grpo then normalises r over the batch
+                    (scale "batch", whatever scale_rewards says), as TRL does for this aggregation
+Turning the combined reward into advantages is the estimator's job (groupwise.core.advantages), not this module's;
+an aggregation only says which advantage options it reads itself and which scale it fixes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,9 +37,22 @@ def _normalize_then_sum(per_func, weights, *, std, eps):
     return weighted_nansum(z, weights)
 
 
-MULTI_OBJECTIVE = {"sum_then_normalize": _sum_then_normalize, "normalize_then_sum": _normalize_then_sum}
-# the advantage options (as in groupwise.core.advantages) each combination reads besides the estimator's
-MULTI_OBJECTIVE_OPTIONS = {"sum_then_normalize": (), "normalize_then_sum": ("std", "eps")}
+@dataclass(frozen=True)
+class Aggregation:
+    """A way to combine reward functions: `combine(per_func (B, G, F), weights (F,), *, std, eps) → (B, G)`, the
+    advantage options (as in groupwise.core.advantages) it reads itself besides the estimator's, and the scale the
+    grpo estimator must use on the combined reward (None: scale_rewards decides)."""
+
+    combine: Callable[..., torch.Tensor]
+    options: tuple[str, ...]
+    scale: str | None
+
+
+MULTI_OBJECTIVE: dict[str, Aggregation] = {
+    "sum_then_normalize": Aggregation(_sum_then_normalize, (), None),
+    # TRL normalises the sum of the z-scores over the batch, whatever scale_rewards says
+    "normalize_then_sum": Aggregation(_normalize_then_sum, ("std", "eps"), "batch"),
+}
 
 
 def combine_rewards(
@@ -45,7 +64,7 @@ def combine_rewards(
     eps: float = 1e-4,
 ) -> torch.Tensor:  # (B, G) rewards, NaN where nothing scored the completion
     try:
-        combine = MULTI_OBJECTIVE[aggregation]
+        combine = MULTI_OBJECTIVE[aggregation].combine
     except KeyError:
         raise ValueError(f"multi_objective_aggregation={aggregation!r} is not one of {sorted(MULTI_OBJECTIVE)}") from None
     return combine(per_func, weights, std=std, eps=eps)

@@ -4,9 +4,10 @@ Boundaries are found in the decoded text (a delimiter such as "\\n", a regex, or
 "ки"), then mapped to token indices through the tokenizer's own decoding of token prefixes, so a token that spans
 a delimiter, a multi-byte character split over byte-level tokens and BPE merges all land on the right index:
 a step ends at the first token whose decoded prefix covers the step's last character (its delimiter included).
-Blank steps are dropped; a final step without a trailing delimiter counts and ends at the completion's last token
-(its EOS included, so the decision to stop shares the last step's advantage). When the completion was cut by
-max_completion_length, that final step is marked `truncated_last`.
+Blank steps are dropped. The last step of a completion that ends with EOS ends at that EOS, so the decision to stop
+shares the last step's advantage, whether or not a delimiter (and blank text) came before the EOS. A final step
+without a trailing delimiter counts; when the completion was cut by max_completion_length, it ends at the last
+token and is marked `truncated_last`.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class StepSplitter:
         for text, char_end in pieces:
             texts.append(text.strip())
             ends.append(last_token if char_end == -1 else decode.token_covering(char_end))
+        if ends_with_eos:  # only blank text lies between the last step's delimiter and the EOS
+            ends[-1] = last_token
         final_open = pieces[-1][1] == -1
         return Steps(tuple(texts), tuple(ends), truncated_last=final_open and truncated)
 
