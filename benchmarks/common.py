@@ -32,14 +32,16 @@ def median_time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def write_table(name: str, title: str, header: list[str], rows: list[list[str]], notes: list[str]) -> str:
+def write_table(name: str, title: str, header: list[str], rows: list[list[str]], notes: list[str],
+                echo: bool = True) -> str:
     md = [f"# {title}", "", machine(), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += [""] + notes
     text = "\n".join(md) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text(text)
-    print(text)
+    if echo:
+        print(text)
     return text
 
 

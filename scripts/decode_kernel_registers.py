@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from groupwise.generation import decode_attention as da  # noqa: E402
 
-POINTERS = {"Q": None, "K": None, "V": None, "Out": None, "Keep": "*u8", "Part": "*fp32", "Stats": "*fp32"}
+POINTERS = {"Q": None, "K": None, "V": None, "Out": None, "Keep": "*i1", "Part": "*fp32", "Stats": "*fp32"}
 CONSTEXPR = ("R", "D", "SPLITS", "BLOCK_R", "BLOCK_D", "BLOCK_N", "BLOCK_M", "IEEE")
 
 

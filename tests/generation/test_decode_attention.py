@@ -4,6 +4,7 @@ loop attends with sdpa)."""
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,7 +87,13 @@ def test_kernel_equals_a_plain_loop_in_the_interpreter(monkeypatch, shape, split
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernel = da._kernel.__wrapped__()  # a fresh, interpreted kernel (not the cached compiled one)
     q, k, v, keep = _inputs(*shape, torch.float32, "cpu", seed=1, strided=splits == 2)
-    _check(da._run(kernel, q, k, v, keep.view(torch.uint8), 0.3, splits), q, k, v, keep, 1e-5)
+    try:
+        ours = da._run(kernel, q, k, v, keep, 0.3, splits)
+    except Exception as e:  # triton.runtime.errors.InterpreterError
+        if "only 0-dimensional arrays can be converted" in str(e):  # Triton ≤ 3.6's interpreter under numpy ≥ 2.4
+            pytest.skip(f"this Triton's interpreter does not run under numpy {np.__version__}: {e}")
+        raise
+    _check(ours, q, k, v, keep, 1e-5)
 
 
 def test_splits_fill_the_gpu_but_not_beyond_the_slots(monkeypatch):

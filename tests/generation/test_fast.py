@@ -323,8 +323,7 @@ def test_fused_pick_races_chunks_by_their_mass(monkeypatch):
 def test_static_loop_samples_the_later_tokens_from_the_model(tokenizer, device):
     """End to end through the fused step: 4000 rows share one prompt; for every prefix (the first token, the first
     two) drawn by ≥ 400 rows, the next tokens' frequencies are within 4.5 standard errors of softmax(logits / T) of
-    the model after prompt + that prefix. On CUDA the step is a CUDA-graph replay: the third
-    token comes from the second replay, so random numbers frozen between replays would tie it to the second."""
+    the model after prompt + that prefix (on CUDA, through the compiled step and its CUDA graph)."""
     model = toy.build_model(tokenizer, seed=5, hidden_size=32).eval().to(device)
     with torch.no_grad():
         model.lm_head.weight *= 12  # a peaked distribution, so that some prefixes are drawn often
@@ -348,6 +347,36 @@ def test_static_loop_samples_the_later_tokens_from_the_model(tokenizer, device):
             assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / int(count)) + 1e-12).all(), (k, prefix)
             checked += 1
     assert checked >= 2  # a first token and a pair of first tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+def test_every_replay_of_the_step_draws_fresh_random_numbers(tokenizer, device):
+    """The logits are pinned to one vector whatever the input, so every column is an independent draw from
+    softmax(fixed / T). 6 new tokens: the fused step runs 5 times; on CUDA, CUDA-graph trees run it eagerly once,
+    record it on the second call, then replay it, so columns 3-5 come from the 2nd to 4th replays. Random numbers
+    frozen between replays would make column k equal column k − 1 in every row; independent draws agree with
+    probability Σ p² (here ≈ 0.1)."""
+    model = toy.build_model(tokenizer, seed=5, hidden_size=32).eval().to(device)
+    g = torch.Generator().manual_seed(0)
+    fixed = (torch.randn(len(tokenizer), generator=g) * 1.5).to(device)
+    fixed[tokenizer.eos_token_id] = float("-inf")  # every row runs to the limit
+    model.lm_head.register_forward_hook(lambda module, inputs, out: fixed.to(out.dtype).expand_as(out).clone())
+    n, T, new = 4000, 0.8, 6
+    ids, mask = (x.to(device) for x in encode_prompts(["repeat a:"] * n, tokenizer, None))
+    gen = _fast(tokenizer, max_completion_length=new, temperature=T, group_size=n, compile=True,
+                compile_mode="eager" if device == "cpu" else None)
+    torch.manual_seed(3)
+    out = gen(model, ids, mask).completion_ids.cpu()
+    assert out.shape == (n, new)
+    p = torch.softmax(fixed.double().cpu() / T, -1)
+    same = float((p * p).sum())
+    for k in range(new):
+        freq = torch.bincount(out[:, k], minlength=p.numel()).double() / n
+        assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / n) + 1e-12).all(), k
+        if k:
+            agree = float((out[:, k] == out[:, k - 1]).double().mean())
+            assert abs(agree - same) <= 4.5 * (same * (1 - same) / n) ** 0.5, (k, agree, same)
 
 
 @pytest.mark.parametrize("boolean", [True, False])

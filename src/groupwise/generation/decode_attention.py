@@ -59,7 +59,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Returns (N, 1, Hq, D) in the query's dtype: transformers' attention-output layout. Query head h uses KV head
     h // (Hq / Hkv) (transformers' repeat_kv order). splits: slot splits per (row, KV head), a plain int chosen
     outside any compiled region (choose_splits). prepare(device) must have returned True first."""
-    return torch.ops.groupwise.decode_attention(query, key, value, keep.view(torch.uint8), float(scale), splits)
+    return torch.ops.groupwise.decode_attention(query, key, value, keep, float(scale), splits)
 
 
 def choose_splits(programs: int, L: int) -> int:
