@@ -318,6 +318,24 @@ def test_fused_pick_races_chunks_by_their_mass(monkeypatch):
     torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[:, 0])
 
 
+def _one_prompt_sampled(model, tok, device, n, T, new, seed):
+    """n rows of one prompt through the static loop (compiled on CUDA, the eager backend on CPU): the prompt ids
+    and the (n, new) completions, on the CPU."""
+    ids, mask = (x.to(device) for x in encode_prompts(["repeat a:"] * n, tok, None))
+    gen = _fast(tok, max_completion_length=new, temperature=T, group_size=n, compile=True,
+                compile_mode="eager" if device == "cpu" else None)
+    torch.manual_seed(seed)
+    out = gen(model, ids, mask).completion_ids.cpu()
+    assert out.shape == (n, new)
+    return ids, out
+
+
+def _assert_drawn_from(draws, p, what):
+    """Every token's frequency among `draws` within 4.5 standard errors of its probability in p."""
+    freq = torch.bincount(draws, minlength=p.numel()).double() / len(draws)
+    assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / len(draws)) + 1e-12).all(), what
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
 def test_static_loop_samples_the_later_tokens_from_the_model(tokenizer, device):
@@ -328,12 +346,7 @@ def test_static_loop_samples_the_later_tokens_from_the_model(tokenizer, device):
     with torch.no_grad():
         model.lm_head.weight *= 12  # a peaked distribution, so that some prefixes are drawn often
     n, T, new = 4000, 0.9, 3
-    ids, mask = (x.to(device) for x in encode_prompts(["repeat a:"] * n, tokenizer, None))
-    gen = _fast(tokenizer, max_completion_length=new, temperature=T, group_size=n, compile=True,
-                compile_mode="eager" if device == "cpu" else None)
-    torch.manual_seed(2)
-    out = gen(model, ids, mask).completion_ids.cpu()
-    assert out.shape == (n, new)
+    ids, out = _one_prompt_sampled(model, tokenizer, device, n, T, new, seed=2)
     checked = 0
     for k in range(1, new):
         for prefix, count in zip(*torch.unique(out[:, :k], dim=0, return_counts=True)):
@@ -342,9 +355,7 @@ def test_static_loop_samples_the_later_tokens_from_the_model(tokenizer, device):
             rows = (out[:, :k] == prefix).all(1)
             with torch.no_grad():
                 logits = model(input_ids=torch.cat([ids[:1].cpu(), prefix[None]], 1).to(device)).logits[0, -1]
-            p = torch.softmax(logits.double().cpu() / T, -1)
-            freq = torch.bincount(out[rows, k], minlength=p.numel()).double() / int(count)
-            assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / int(count)) + 1e-12).all(), (k, prefix)
+            _assert_drawn_from(out[rows, k], torch.softmax(logits.double().cpu() / T, -1), (k, prefix))
             checked += 1
     assert checked >= 2  # a first token and a pair of first tokens
 
@@ -363,17 +374,11 @@ def test_every_replay_of_the_step_draws_fresh_random_numbers(tokenizer, device):
     fixed[tokenizer.eos_token_id] = float("-inf")  # every row runs to the limit
     model.lm_head.register_forward_hook(lambda module, inputs, out: fixed.to(out.dtype).expand_as(out).clone())
     n, T, new = 4000, 0.8, 6
-    ids, mask = (x.to(device) for x in encode_prompts(["repeat a:"] * n, tokenizer, None))
-    gen = _fast(tokenizer, max_completion_length=new, temperature=T, group_size=n, compile=True,
-                compile_mode="eager" if device == "cpu" else None)
-    torch.manual_seed(3)
-    out = gen(model, ids, mask).completion_ids.cpu()
-    assert out.shape == (n, new)
+    _, out = _one_prompt_sampled(model, tokenizer, device, n, T, new, seed=3)
     p = torch.softmax(fixed.double().cpu() / T, -1)
     same = float((p * p).sum())
     for k in range(new):
-        freq = torch.bincount(out[:, k], minlength=p.numel()).double() / n
-        assert ((freq - p).abs() <= 4.5 * torch.sqrt(p * (1 - p) / n) + 1e-12).all(), k
+        _assert_drawn_from(out[:, k], p, k)
         if k:
             agree = float((out[:, k] == out[:, k - 1]).double().mean())
             assert abs(agree - same) <= 4.5 * (same * (1 - same) / n) ** 0.5, (k, agree, same)
