@@ -4,6 +4,7 @@ remove_unused_columns, pad_to_multiple_of, cast_lm_head_to_fp32 and the smaller 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -469,6 +470,18 @@ def test_sampling_in_another_dtype_is_importance_corrected(tmp_path, tokenizer, 
     off = _trainer(tmp_path, tokenizer, generation_dtype=dtype, vllm_importance_sampling_correction=False,
                    max_steps=1, output_dir=str(tmp_path / "off"))
     assert "sampling/importance_sampling_ratio/mean" not in off.train()
+
+
+def test_a_backend_without_sampling_log_probs_under_the_correction_says_what_to_do(tmp_path, tokenizer):
+    from groupwise.generation import Generated
+
+    t = _trainer(tmp_path, tokenizer, generation_dtype="bfloat16", max_steps=1)
+    sample = t.rollout_ctx.generator
+    t.rollout_ctx = dataclasses.replace(  # a backend that returns no log-probs
+        t.rollout_ctx, generator=lambda *a, **kw: Generated(sample(*a, **kw).completion_ids))
+    with pytest.raises(ValueError, match="generation_backend='fast' returned no sampling log-probs, which the "
+                                         "importance-sampling correction needs.*vllm_importance_sampling_correction"):
+        t.train()
 
 
 def test_feature_combinations_that_do_not_work_together_are_refused_by_name(tiny_model):

@@ -45,8 +45,8 @@ def test_colocate_trains_and_pushes_weights_every_step(tmp_path, base_dir, vllm)
     t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
     before = {n: p.detach().clone() for n, p in t.unwrapped.named_parameters()}
     pushed = []
-    original = t.rollout_ctx.generator.update_weights
-    t.rollout_ctx.generator.update_weights = lambda m: (original(m), pushed.append(_engine_matches(
+    original = t.rollout_ctx.generator._load  # every load into the engine: when it starts, then after each step
+    t.rollout_ctx.generator._load = lambda m: (original(m), pushed.append(_engine_matches(
         vllm.ENGINES[0], t.unwrapped)))
     metrics = t.train()
     (engine,) = vllm.ENGINES
@@ -67,16 +67,84 @@ def test_colocate_with_lora_pushes_merged_weights(tmp_path, base_dir, vllm):
     from peft import LoraConfig
 
     args = small_args(tmp_path, use_vllm=True, max_steps=2, max_completion_length=6, learning_rate=5e-2)
+    # modules_to_save: the trained copy of lm_head is what the engine must get (not PEFT's original_module)
     t = GRPOTrainer(base_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(12),
-                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                           modules_to_save=["lm_head"]))
+    head = toy.build_model(t.tokenizer, seed=0, hidden_size=32).lm_head.weight
     t.train()
     merged = copy.deepcopy(t.unwrapped).merge_and_unload()
+    assert not torch.equal(merged.lm_head.weight.cpu(), head)  # the saved copy trained
     engine = vllm.ENGINES[0]
     for name, p in engine.hf.named_parameters():
         assert torch.allclose(p, merged.state_dict()[name].cpu(), atol=1e-6), name
-    assert not any("lora" in n for n in engine.loads)
+    assert not any("lora" in n or "original_module" in n or "modules_to_save" in n for n in engine.loads)
     base = toy.build_model(t.tokenizer, seed=0, hidden_size=32)  # the adapters moved the engine off the base
     assert any(not torch.equal(p, q) for p, q in zip(engine.hf.parameters(), base.parameters()))
+
+
+def test_sleep_mode_generates_from_the_policy_s_current_weights(tmp_path, base_dir, vllm):
+    """vllm_enable_sleep_mode: the engine sleeps at level 2 after each generation, which discards its weights (the
+    stand-in turns them to NaN and refuses to generate from them); before each generation they are loaded again,
+    the policy's as they are then."""
+    args = small_args(tmp_path, use_vllm=True, max_steps=3, max_completion_length=6, vllm_enable_sleep_mode=True)
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
+    seen = []
+    original = vllm.LLM.generate
+
+    def generate(engine, *a, **kw):
+        seen.append(_engine_matches(engine, t.unwrapped))
+        return original(engine, *a, **kw)
+
+    vllm.LLM.generate = generate
+    try:
+        t.train()
+    finally:
+        vllm.LLM.generate = original
+    (engine,) = vllm.ENGINES
+    assert seen == [True, True, True] and engine.sleeping  # asleep between generations, awake for each
+    assert engine.kwargs["enable_sleep_mode"] is True
+
+
+def test_generation_kwargs_override_the_sampling_fields_as_in_trl(tmp_path, base_dir, vllm):
+    """TRL updates its sampling fields with generation_kwargs (they override); evaluation's greedy calls stay
+    greedy; a key that would change the completions' shape names the field to set instead."""
+    from groupwise.generation.vllm import sampling_fields
+
+    args = small_args(tmp_path, use_vllm=True, generation_kwargs={"top_k": 5, "temperature": 0.7, "seed": 3})
+    assert sampling_fields(args, greedy=False) == dict(temperature=0.7, top_p=1.0, top_k=5, min_p=0.0,
+                                                       repetition_penalty=1.0, max_tokens=args.max_completion_length,
+                                                       seed=3)
+    assert sampling_fields(args, greedy=True)["temperature"] == 0.0 and sampling_fields(args, True)["top_k"] == 0
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(4))
+    t.rollout_ctx.generator(t.unwrapped, torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long))  # no TypeError
+    with pytest.raises(ConfigError, match=r"generation_kwargs\['max_tokens'\] would change the shape of the "
+                                          r"completions: set max_completion_length instead"):
+        small_args(tmp_path, use_vllm=True, generation_kwargs={"max_tokens": 4})
+
+
+def test_a_completion_vllm_ends_without_eos_is_masked_to_its_length(tmp_path, base_dir, vllm):
+    """A stop token (or string, or vLLM's max_model_len) ends a row early without an EOS: it comes back padded to
+    the longest row, and only its own tokens are completion tokens (TRL: a mask of each row's length); with no EOS
+    it counts as truncated (TRL: its last token is not an EOS)."""
+    args = small_args(tmp_path, use_vllm=True, max_completion_length=8, generation_kwargs={"stop_token_ids": STOP})
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
+    comp = t._collect().round.completions
+    (engine,) = vllm.ENGINES
+    check_masked_to_lengths(comp, engine.outputs, t.tokenizer.eos_token_id)
+
+
+STOP = toy.build_tokenizer().convert_tokens_to_ids(list("abcdefghijklm"))  # tokens the random policy draws often
+
+
+def check_masked_to_lengths(comp, outputs, eos):
+    """Each row's mask covers exactly the tokens the engine sampled for it; truncated = it did not end with EOS;
+    and some rows did end at a stop token before the longest row (padding was there to be left out)."""
+    for row, mask, truncated, sampled in zip(comp.completion_ids.tolist(), comp.completion_mask.tolist(),
+                                             comp.truncated.tolist(), outputs, strict=True):
+        assert mask == [1] * len(sampled) + [0] * (len(row) - len(sampled))
+        assert row[:len(sampled)] == sampled and truncated == (sampled[-1] != eos)
+    assert any(s[-1] in STOP and len(s) < comp.completion_ids.size(1) for s in outputs)
 
 
 def test_use_vllm_without_vllm_says_what_to_install(tmp_path, base_dir, monkeypatch):

@@ -121,6 +121,18 @@ def test_server_mode_trains_and_pushes_weights_after_every_step(tmp_path, base_d
     assert abs(metrics["sampling/sampling_logp_difference/max"]) < 1e-4
 
 
+def test_a_completion_the_server_ends_without_eos_is_masked_to_its_length(tmp_path, base_dir, server):
+    from tests.test_vllm import STOP, check_masked_to_lengths
+
+    args = _server_args(tmp_path, server.url, max_completion_length=8, generation_kwargs={"stop_token_ids": STOP})
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
+    try:
+        comp = t._collect().round.completions
+    finally:
+        t.rollout_ctx.generator.close()
+    check_masked_to_lengths(comp, server.llm.outputs, t.tokenizer.eos_token_id)
+
+
 @pytest.mark.parametrize("version", ["0.31.0+standin", "0.27.0"])
 def test_greedy_completions_from_the_server_equal_the_policy_s(tmp_path, base_dir, server, vllm, monkeypatch,
                                                                tokenizer, version):

@@ -24,7 +24,7 @@ from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
-from groupwise.generation import BACKENDS
+from groupwise.generation import BACKENDS, SHAPING_GENERATION_KWARGS
 from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers
 from groupwise.optim import OPTIMIZERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
@@ -169,7 +169,7 @@ class GRPOConfig(StrictConfig):
     top_k: int = option("Keep the k most likely tokens (0: off).", default=0, ge=0)
     min_p: float | None = option("Drop tokens below min_p × the top probability (None: off).", default=None, ge=0, le=1)
     repetition_penalty: float = option("transformers' repetition penalty (1.0: off).", default=1.0, gt=0)
-    generation_kwargs: dict | None = option("Extra transformers GenerationConfig fields (transformers backend only).", default=None)
+    generation_kwargs: dict | None = option("Extra sampling fields: transformers GenerationConfig fields (generation_backend='transformers') or vLLM SamplingParams fields (use_vllm). They override the fields groupwise sets, as in TRL; keys that change the completions' shape (max_new_tokens, max_tokens, max_length, n, num_return_sequences) are refused.", default=None)
     use_vllm: bool = option("Generate with vLLM (TRL's name): vllm_mode='colocate' runs an engine in each process (groupwise.generation.vllm), 'server' asks a separate vLLM server (groupwise.generation.vllm_server); needs `pip install groupwise[vllm]`. Sets generation_backend='vllm'.", default=False)
     vllm_mode: str = option("'colocate' (an in-process engine sharing the GPU) or 'server' (a vLLM server started apart, e.g. on other GPUs, with `vllm serve` / `trl vllm-serve`: docs/vllm.md; one training process).", default="colocate", choices=("colocate", "server"))
     vllm_server_base_url: str | None = option("vllm_mode='server': base URL of the vLLM server, e.g. 'http://localhost:8000' (TRL); when set, vllm_server_host and vllm_server_port are not read.", default=None)
@@ -350,6 +350,9 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
                               "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
                               "repetition_penalty)")
+        for key in sorted(set(self.generation_kwargs or {}) & set(SHAPING_GENERATION_KWARGS)):
+            raise ConfigError(f"generation_kwargs[{key!r}] would change the shape of the completions: set "
+                              f"{SHAPING_GENERATION_KWARGS[key]} instead")
         if self.generation_compile and self.generation_backend != "fast":
             raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
                               f"{self.generation_backend!r}: drop generation_compile or use the fast backend")

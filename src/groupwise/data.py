@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError
-from groupwise.text import prompt_text
+from groupwise.text import prompt_token_ids
 
 
 def prompt_problem(prompt: Any) -> str | None:
@@ -100,8 +100,7 @@ class PromptData:
         with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
             for lo in range(0, total, 512):
                 chunk = [p for _, p in zip(range(512), prompts)]
-                texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in chunk]
-                for k, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+                for k, ids in enumerate(prompt_token_ids(chunk, tokenizer, chat_template_kwargs)):
                     n = len(ids)
                     if n == 0:
                         raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
@@ -229,7 +228,7 @@ class StreamData:
 
     def _check_length(self, i: int, prompt, *, tokenizer, max_prompt_length, max_completion_length, truncate_prompt,
                       max_positions, chat_template_kwargs=None) -> None:
-        n = len(tokenizer(prompt_text(prompt, tokenizer, chat_template_kwargs), add_special_tokens=False)["input_ids"])
+        n = len(prompt_token_ids([prompt], tokenizer, chat_template_kwargs)[0])
         if n == 0:
             raise ConfigError(f"{self.name} row {i} encodes to zero tokens: {prompt!r:.80}")
         kept, cut = _tokens_kept(n, max_prompt_length)

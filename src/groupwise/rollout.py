@@ -157,12 +157,17 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
         prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
         out = sample(prompt_ids, prompt_mask)
         completion_ids = out.completion_ids  # (N, T)
-        mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length)
+        mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length,
+                                           out.lengths)
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
         texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
         completions: list[Any] = texts
         if is_conversational(prompts[0]):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
+        if want and out.logprobs is None:
+            raise ValueError(f"generation_backend={args.generation_backend!r} returned no sampling log-probs, which "
+                             "the importance-sampling correction needs: return Generated(ids, logprobs) when asked "
+                             "for them, or set vllm_importance_sampling_correction=False")
         sampling_logps = out.logprobs[:, :completion_ids.size(1)].float() if want else None
         comp = Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids, mask, truncated, prompts,
                            completions, {}, sampling_logps)

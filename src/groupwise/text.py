@@ -2,6 +2,7 @@
 
 Bottom-level: imports torch only (a tokenizer is passed in, never imported).
     is_conversational, prompt_text   TRL's two prompt formats: a string, or a list of {"role", "content"} messages
+    prompt_token_ids                 prompts → token ids (special tokens as TRL adds them)
     encode_prompts                   prompts → left-padded (N, P) ids and mask
     pad_rows                         ragged token lists → (N, L) ids and mask, padded on either side
     completion_masks, trim_to_mask   where a completion ends (its first EOS, included)
@@ -30,6 +31,22 @@ def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None
     raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r:.80}")
 
 
+def prompt_token_ids(prompts: list[Any], tokenizer, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Each prompt's token ids, as TRL builds them: chat messages through the chat template, whose text carries its
+    own special tokens (none are added); a string with the tokenizer's special tokens (a BOS, for tokenizers that
+    add one). The one place prompts become ids: the rollout and the dataset's length checks agree."""
+    texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in prompts]
+    chat = [is_conversational(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for templated in (True, False):
+        where = [i for i, c in enumerate(chat) if c == templated]
+        if where:
+            encoded = tokenizer([texts[i] for i in where], add_special_tokens=not templated)["input_ids"]
+            for i, ids in zip(where, encoded):
+                out[i] = list(ids)
+    return out
+
+
 def pad_rows(rows: list[list[int]], pad_id: int, *, side: str = "right", width: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, L) ids, (N, L) mask
     """Stack ragged token lists into one (N, L) long tensor and its 0/1 mask; L = the longest row (or `width`)."""
@@ -50,8 +67,7 @@ def encode_prompts(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, P) ids, (N, P) mask, both left-padded
     """Tokenize prompts (chat template applied to conversational ones), keep the last max_prompt_length tokens,
     left-pad so every prompt ends at the same column and generation continues from there."""
-    texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in prompts]
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    encoded = prompt_token_ids(prompts, tokenizer, chat_template_kwargs)
     if max_prompt_length is not None:
         encoded = [ids[-max_prompt_length:] for ids in encoded]
     if any(len(ids) == 0 for ids in encoded):
@@ -69,17 +85,21 @@ def completion_masks(
     completion_ids: torch.Tensor,  # (N, T)
     eos_token_ids: list[int],
     max_completion_length: int,
+    lengths: torch.Tensor | None = None,  # (N,) tokens each row generated (Generated.lengths)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, T) long mask, (N,) bool truncated
     """A completion ends at its first EOS, and that EOS is part of it — also when pad == eos (TRL #4970);
-    tokens after it are padding. A row with no EOS was cut at max_completion_length: truncated."""
+    tokens after it are padding. A row with no EOS is truncated (TRL: its last token is not an EOS): cut at
+    max_completion_length, or, with `lengths`, ended by the backend (a stop string) after that many tokens."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (N, T)
     T = completion_ids.size(1)
+    positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)  # (1, T)
+    real = None if lengths is None else positions < lengths.to(completion_ids.device).unsqueeze(-1)
+    if real is not None:
+        is_eos = is_eos & real  # a pad token that is also an EOS ends nothing
     has_eos = is_eos.any(-1)  # (N,)
     first = torch.where(has_eos, is_eos.float().argmax(-1), torch.full_like(has_eos, T, dtype=torch.long))
-    positions = torch.arange(T, device=completion_ids.device).unsqueeze(0)  # (1, T)
-    mask = (positions <= first.unsqueeze(-1)).long()  # through the EOS, or every token when none
-    # generate() only stops before max_completion_length when every row has ended, so no EOS means cut off
-    return mask, ~has_eos
+    mask = positions <= first.unsqueeze(-1)  # through the EOS, or every token when none
+    return (mask if real is None else mask & real).long(), ~has_eos
 
 
 def ensure_pad_token(tokenizer, owner: str = "the tokenizer") -> None:

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -35,6 +37,51 @@ def test_chat_prompts_use_the_template(tokenizer):
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}a:"
     ids, _ = encode_prompts([[{"role": "user", "content": "hi"}]], tokenizer, None)
     assert tokenizer.decode(ids[0]) == "u:hi\na:"
+
+
+def test_string_prompts_get_the_tokenizers_special_tokens_as_in_trl():
+    """TRL tokenizes a string prompt with processing_class(text=prompts) (special tokens added: the BOS of Llama- and
+    Gemma-style tokenizers) and chat prompts with apply_chat_template(tokenize=True), which adds none. The dataset's
+    length check counts the same tokens as the rollout."""
+    from tokenizers.processors import TemplateProcessing
+
+    from groupwise.config_base import ConfigError
+    from groupwise.data import PromptData
+    from groupwise.text import prompt_token_ids
+
+    tok = toy.build_tool_tokenizer()
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    chat = [{"role": "user", "content": "hi"}]
+    plain = tok(text=["ab"])["input_ids"][0]  # TRL's string prompt
+    assert plain[0] == tok.bos_token_id and len(plain) == 3
+    templated = tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert prompt_token_ids(["ab", chat], tok) == [plain, list(templated)]
+    ids, mask = encode_prompts(["ab", chat], tok, None)
+    assert ids[0, mask[0].bool()].tolist() == plain
+    # "ab" is 3 tokens with its BOS: a limit of 2 cuts it (refused with truncate_prompt="error")
+    with pytest.raises(ConfigError, match="row 0 has 3 prompt tokens > max_prompt_length=2"):
+        PromptData([{"prompt": "ab"}], "train_dataset").check_lengths(
+            tok, max_prompt_length=2, max_completion_length=4, truncate_prompt="error", max_positions=64)
+
+
+def test_generation_kwargs_override_the_transformers_fields_as_in_trl(tokenizer, tiny_model):
+    """TRL updates its generation fields with generation_kwargs (they override; it used to be a TypeError here);
+    greedy calls stay greedy; the log-probs stay at GRPOConfig.temperature, as TRL's."""
+    gen = TransformersGenerator(max_completion_length=5, temperature=0.9, top_p=1.0, top_k=0, min_p=None,
+                                repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_ids=[tokenizer.eos_token_id],
+                                generation_kwargs={"top_k": 3, "temperature": 0.5, "do_sample": True})
+    assert (gen.sample_config.top_k, gen.sample_config.temperature, gen.sample_config.do_sample) == (3, 0.5, True)
+    assert gen.greedy_config.do_sample is False and gen.temperature == 0.9
+    ids, mask = encode_prompts(["ab", "c"], tokenizer, None)
+    assert gen(tiny_model, ids, mask, logprobs=True).logprobs.shape[0] == 2
+    from groupwise.config_base import ConfigError
+    from tests.conftest import small_args
+
+    with pytest.raises(ConfigError, match=r"generation_kwargs\['max_new_tokens'\] would change the shape of the "
+                                          r"completions: set max_completion_length instead"):
+        small_args(Path("unused"), generation_backend="transformers", generation_kwargs={"max_new_tokens": 4})
 
 
 def test_logps_match_generation_scores_under_left_padding(tokenizer):

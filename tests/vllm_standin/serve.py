@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "logprobs", "seed")
+SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "logprobs", "seed",
+            "stop_token_ids")
 IGNORED = ("model", "prompt", "return_token_ids", "return_tokens_as_token_ids", "stream", "echo")
 
 

@@ -134,8 +134,10 @@ class Agent:
         out = sample(ids, mask)
         rows = out.completion_ids.tolist()
         lps = out.logprobs.float().tolist() if out.logprobs is not None else None
+        lengths = out.lengths.tolist() if out.lengths is not None else [len(row) for row in rows]
         cut_ids, cut_lps = [], []
         for i, row in enumerate(rows):
+            row = row[:lengths[i]]  # a row the backend ended early (a stop string) is padded past its length
             n = next((t + 1 for t, token in enumerate(row) if token in eos), len(row))
             n = min(n, self.max_completion_length)
             cut_ids.append(row[:n])

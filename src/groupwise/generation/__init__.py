@@ -24,6 +24,10 @@ class Generated:
 
     completion_ids: torch.Tensor  # (N, T ≤ max_completion_length); anything after the first EOS is ignored
     logprobs: torch.Tensor | None = None  # (N, T) log π_sampler of each sampled token, when asked for
+    # (N,) tokens each row generated, from a backend whose rows may end before T without an EOS (vLLM: a stop
+    # string or stop token, its max_model_len); the columns past them are padding. None: a row ends at its first
+    # EOS or runs to T.
+    lengths: torch.Tensor | None = None
 
 
 class Generator(Protocol):
@@ -54,6 +58,12 @@ BACKENDS: dict[str, Backend] = {
                             "server's client ('server', generation/vllm_server.py); weights pushed after every "
                             "optimizer step"),
 }
+
+
+# generation_kwargs that would change the shape of what a backend returns: each has its own GRPOConfig field
+SHAPING_GENERATION_KWARGS = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
+                             "max_length": "max_completion_length", "num_return_sequences": "num_generations",
+                             "n": "num_generations"}
 
 
 def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int]) -> Generator:

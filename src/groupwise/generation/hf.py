@@ -20,11 +20,12 @@ class TransformersGenerator:
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
                  generation_kwargs: dict | None = None):
         common = dict(max_new_tokens=max_completion_length, pad_token_id=pad_token_id, eos_token_id=eos_token_ids,
-                      repetition_penalty=repetition_penalty, **(generation_kwargs or {}))
+                      repetition_penalty=repetition_penalty)
+        sample = dict(common, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        # generation_kwargs override the fields above (TRL); the log-probs stay at the configured temperature (TRL)
         self.temperature = temperature
-        self.sample_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
-                                              min_p=min_p, **common)
-        self.greedy_config = GenerationConfig(do_sample=False, **common)
+        self.sample_config = GenerationConfig(**{**sample, **(generation_kwargs or {})})
+        self.greedy_config = GenerationConfig(**{**common, **(generation_kwargs or {}), "do_sample": False})
 
     def update_weights(self, model) -> None:
         """Samples from the policy module itself: new weights are already there."""

@@ -7,8 +7,10 @@ distributed_executor_backend="external_launcher", seed=<rank>, logprobs_mode="pr
 as `{"prompt_token_ids": ids}` with `SamplingParams(n=1, temperature, top_p, top_k, min_p, repetition_penalty,
 max_tokens, logprobs=0)`, and after each optimizer step the policy's weights are loaded with
 `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])` followed by
-`llm.reset_prefix_cache()` (a LoRA policy's adapters are merged for the copy, then unmerged). With
-`vllm_enable_sleep_mode` the engine sleeps (level 2) between generations and wakes for weights and KV cache.
+`llm.reset_prefix_cache()` (a LoRA policy's adapters are merged for the copy, then unmerged; the names are
+vllm_named_weights', the same the server mode sends). With `vllm_enable_sleep_mode` the engine sleeps (level 2,
+which discards the weights) after each generation and, before the next, wakes its weights, loads the policy's current
+ones, then wakes its KV cache.
 
 vLLM is optional (`pip install groupwise[vllm]`); nothing imports it until this backend is built. With
 `vllm_mode="server"` the backend is groupwise.generation.vllm_server's client of a separate vLLM server. CI and the
@@ -17,8 +19,10 @@ development machines have no vLLM: the backend is tested against the in-repo sta
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -33,6 +37,42 @@ def _vllm():
         raise ConfigError("use_vllm=True needs vLLM: `pip install groupwise[vllm]` (on a machine with a GPU vLLM "
                           "supports)") from None
     return vllm
+
+
+@contextlib.contextmanager
+def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The policy's parameters under the names vLLM loads, as TRL 1.16 walks an unsharded model (tied weights once):
+    a LoRA policy merged while the caller reads them (then unmerged), adapters and `modules_to_save`'s originals
+    left out."""
+    peft = hasattr(model, "merge_adapter")
+    if peft:
+        model.merge_adapter()
+    try:
+        prefix = getattr(model, "prefix", "lora_") if peft else None
+        named = []
+        for name, param in model.named_parameters():
+            if peft:
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                if prefix in name or "original_module" in name:
+                    continue
+                name = name.replace("modules_to_save.default.", "")
+            named.append((name.replace("_checkpoint_wrapped_module.", ""), param.data))
+        yield named
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+def sampling_fields(args, greedy: bool) -> dict:
+    """The sampling fields sent to vLLM (SamplingParams, or the server's request) for a GRPOConfig, as TRL sends
+    them; generation_kwargs override them (TRL), and a greedy call (evaluation) stays greedy whatever they say."""
+    fields = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  min_p=0.0 if args.min_p is None else args.min_p, repetition_penalty=args.repetition_penalty,
+                  max_tokens=args.max_completion_length)
+    fields.update(args.generation_kwargs or {})
+    if greedy:
+        fields.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    return fields
 
 
 class VLLMColocateGenerator:
@@ -70,52 +110,38 @@ class VLLMColocateGenerator:
                             distributed_executor_backend="external_launcher", seed=rank,
                             logprobs_mode="processed_logprobs", model_impl=args.vllm_model_impl,
                             trust_remote_code=args.trust_remote_code)
-        if args.vllm_enable_sleep_mode:
-            self.llm.sleep(level=2)
-            self.asleep = True
-        self.update_weights(model)  # the engine starts from the policy as it is now (a resumed run's weights)
+        self._load(model)  # the engine starts from the policy as it is now (a resumed run's weights)
         return self.llm
 
     def update_weights(self, model) -> None:
-        """Load the policy's current weights into the engine (merged adapters for a LoRA policy)."""
-        if self.llm is None:
-            return  # not built yet: it will load the weights when it is
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
+        """Load the policy's current weights into the engine (merged adapters for a LoRA policy). Not built yet, or
+        asleep: nothing to do now, the weights are loaded when it is built or wakes."""
+        if self.llm is not None and not self.asleep:
+            self._load(model)
+
+    def _load(self, model) -> None:
         runner_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        peft = hasattr(model, "merge_adapter")
-        if peft:
-            model.merge_adapter()
-        try:
-            base = model.get_base_model() if peft else model
-            with torch.no_grad():
-                for name, tensor in base.state_dict().items():
-                    if peft and ("lora_" in name or "modules_to_save" in name):
-                        continue
-                    name = name.replace(".base_layer", "")  # PEFT's wrapped Linear keeps the weight one level down
-                    runner_model.load_weights([(name, tensor)])
-        finally:
-            if peft:
-                model.unmerge_adapter()
+        with torch.no_grad(), vllm_named_weights(model) as named:
+            runner_model.load_weights(named)
         self.llm.reset_prefix_cache()
-        if self.asleep:
-            self.llm.sleep(level=2)
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
         vllm = _vllm()
         llm, args = self._engine(model), self.args
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
-        params = vllm.SamplingParams(
-            n=1, temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
-            top_k=0 if greedy else args.top_k, min_p=0.0 if greedy or args.min_p is None else args.min_p,
-            repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length, logprobs=0,
-            **(args.generation_kwargs or {}))
-        if self.asleep:
+        params = vllm.SamplingParams(n=1, logprobs=0, **sampling_fields(args, greedy))
+        if self.asleep:  # a level-2 sleep discarded the weights: wake them, load the policy's, then the KV cache
+            llm.wake_up(tags=["weights"])
+            self._load(model)
             llm.wake_up(tags=["kv_cache"])
-        outputs = llm.generate(prompts, sampling_params=params, use_tqdm=False)
-        if self.asleep:
-            llm.sleep(level=2)
+            self.asleep = False
+        try:
+            outputs = llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        finally:
+            if args.vllm_enable_sleep_mode:  # the memory goes back to training until the next generation
+                llm.sleep(level=2)
+                self.asleep = True
         rows = [out.outputs[0] for out in outputs]
         T = max(1, max(len(r.token_ids) for r in rows))
         ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
@@ -127,4 +153,5 @@ class VLLMColocateGenerator:
                     value = entry[token].logprob
                     lps[i, t] = float("nan") if value is None or math.isnan(value) else value
         device = prompt_ids.device
-        return Generated(ids.to(device), lps.to(device) if logprobs else None)
+        lengths = torch.tensor([len(r.token_ids) for r in rows], device=device)
+        return Generated(ids.to(device), lps.to(device) if logprobs else None, lengths)

@@ -34,7 +34,6 @@ the stand-in engine over HTTP, its weight transfer runs a gloo group on the CPU)
 from __future__ import annotations
 
 import atexit
-import contextlib
 import importlib.metadata
 import json
 import math
@@ -51,6 +50,7 @@ import torch
 
 from groupwise.config_base import ConfigError
 from groupwise.generation import Generated
+from groupwise.generation.vllm import sampling_fields, vllm_named_weights
 
 START_SERVER = ("""VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}' """
                 "--logprobs-mode processed_logprobs --max-logprobs -1")
@@ -303,30 +303,6 @@ class VLLMServerClient:
 
 
 # ---- the backend ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The policy's parameters under the names vLLM loads, as TRL 1.16 walks an unsharded model (tied weights once):
-    a LoRA policy merged while the caller reads them (then unmerged), adapters and `modules_to_save`'s originals
-    left out."""
-    peft = hasattr(model, "merge_adapter")
-    if peft:
-        model.merge_adapter()
-    try:
-        prefix = getattr(model, "prefix", "lora_") if peft else None
-        named = []
-        for name, param in model.named_parameters():
-            if peft:
-                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-                if prefix in name or "original_module" in name:
-                    continue
-                name = name.replace("modules_to_save.default.", "")
-            named.append((name.replace("_checkpoint_wrapped_module.", ""), param.data))
-        yield named
-    finally:
-        if peft:
-            model.unmerge_adapter()
-
-
 def repeats(prompts: list[list[int]], sizes: tuple[int | None, ...] = ()) -> int:
     """Completions to ask per prompt: the rows come as groups of identical prompts (the G completions of a group, or
     k per prompt in evaluation), and the server is sent each prompt once with n = the group size, as TRL sends
@@ -374,11 +350,10 @@ class VLLMServerGenerator:
             self.update_weights(model)
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         n = 1 if greedy else repeats(prompts, (args.num_generations, args.num_generations_eval))
-        out = self.client.generate(
-            prompts[::n], n=n, repetition_penalty=args.repetition_penalty,
-            temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
-            top_k=0 if greedy else args.top_k, min_p=0.0 if greedy or args.min_p is None else args.min_p,
-            max_tokens=args.max_completion_length, logprobs=0, generation_kwargs=args.generation_kwargs)
+        extra = sampling_fields(args, greedy)
+        named = {k: extra.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                           "max_tokens")}
+        out = self.client.generate(prompts[::n], n=n, logprobs=0, generation_kwargs=extra, **named)
         rows = out["completion_ids"]
         T = max(1, max(len(r) for r in rows))
         ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
@@ -388,4 +363,5 @@ class VLLMServerGenerator:
             if logprobs and values is not None:
                 lps[i, :len(values)] = torch.tensor([float("nan") if v is None else v for v in values])
         device = prompt_ids.device
-        return Generated(ids.to(device), lps.to(device) if logprobs else None)
+        lengths = torch.tensor([len(row) for row in rows], device=device)
+        return Generated(ids.to(device), lps.to(device) if logprobs else None, lengths)

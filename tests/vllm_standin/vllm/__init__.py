@@ -6,7 +6,7 @@ a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a t
     LLM.generate([{"prompt_token_ids": [...]}, ...], sampling_params=SamplingParams(...), use_tqdm=False)
         -> [RequestOutput(prompt_token_ids, outputs=[CompletionOutput(token_ids, logprobs=[{id: Logprob}])])]
     LLM.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])
-    LLM.reset_prefix_cache(), LLM.sleep(level), LLM.wake_up(tags)
+    LLM.reset_prefix_cache(), LLM.sleep(level) (level 2 discards the weights), LLM.wake_up(tags)
 
 Sampling: temperature (0 = greedy), top-k, top-p; logprobs of the sampled token under the processed distribution
 (logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`) so tests can
@@ -39,6 +39,7 @@ class SamplingParams:
     max_tokens: int = 16
     logprobs: int | None = None
     seed: int | None = None
+    stop_token_ids: list[int] | None = None  # generation also ends after these (kept in the output, as vLLM does)
 
 
 @dataclass
@@ -92,8 +93,9 @@ class LLM:
         self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
         self.loads: list[str] = []
         self.calls = 0
-        self.sleeping = False
+        self.asleep: set[str] = set()  # what sleep() put to sleep and wake_up() has not woken yet
         self.prefix_cache_resets = 0
+        self.outputs: list[list[int]] = []  # the token ids of every completion of the last generate()
         runner = _Runner(self.hf, self)
         worker = type("Worker", (), {"model_runner": runner})()
         executor = type("Executor", (), {"driver_worker": worker})()
@@ -105,16 +107,31 @@ class LLM:
         return True
 
     def sleep(self, level: int = 1) -> None:
-        self.sleeping = True
+        """Level 1 offloads the weights (kept); level 2 discards them, as vLLM does: here they become NaN, and
+        generate() refuses to run on them until load_weights has replaced them."""
+        self.asleep = {"weights", "kv_cache"}
+        if level == 2:
+            with torch.no_grad():
+                for p in self.hf.parameters():
+                    p.fill_(float("nan"))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.sleeping = False
+        self.asleep -= set(tags or ["weights", "kv_cache"])
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.asleep)
 
     @torch.no_grad()
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
         p = sampling_params or SamplingParams()
+        if self.asleep:
+            raise RuntimeError(f"stand-in vLLM: generate() while {sorted(self.asleep)} sleep; call wake_up first")
+        if any(q.isnan().any() for q in self.hf.parameters()):
+            raise RuntimeError("stand-in vLLM: the weights were discarded by sleep(level=2) and not loaded again")
         eos = self.hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
+        stop = eos | set(p.stop_token_ids or [])
         self.calls += 1
         out = []
         for prompt in prompts:
@@ -136,8 +153,9 @@ class LLM:
                         token = int(torch.multinomial(probs, 1, generator=self.generator))
                     lps.append({token: Logprob(float(torch.log(probs[token])))})
                     seq.append(token)
-                    if token in eos:
+                    if token in stop:
                         break
                 completions.append(CompletionOutput(k, seq[len(ids):], lps if p.logprobs is not None else None))
             out.append(RequestOutput(ids, completions))
+        self.outputs = [c.token_ids for r in out for c in r.outputs]
         return out
