@@ -20,6 +20,8 @@ from groupwise.config import TRL_NOT_SUPPORTED
     (dict(max_steps=2.5), r"max_steps=2.5 must be of type int"),
     (dict(reward_std="sample"), r"reward_std='sample'"),
     (dict(report_to="mlflow"), r"report_to='mlflow'"),
+    (dict(generation_kwargs=[1, 2]), r"generation_kwargs=\[1, 2\] must be of type dict"),
+    (dict(model_init_kwargs='{"dtype": bf16}'), r"model_init_kwargs='.*' is not valid JSON: Expecting value"),
 ])
 def test_bad_values_name_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -39,6 +41,10 @@ def test_trl_spellings_and_coercion():
     c = GRPOConfig(scale_rewards=False, learning_rate="1e-3", report_to="none", epsilon_high=0.28)
     assert c.scale_rewards == "none" and c.learning_rate == 1e-3 and c.report_to == []
     assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+    # dict fields as JSON text, from the command line (TRL parses them too)
+    c = GRPOConfig(generation_backend="transformers", generation_kwargs='{"top_k": 5}',
+                   chat_template_kwargs=' {"enable_thinking": false}')
+    assert c.generation_kwargs == {"top_k": 5} and c.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_layout_counts_completions_like_trl(monkeypatch):

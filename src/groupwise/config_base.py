@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -206,9 +207,18 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
             return t(value)
         if t is str and isinstance(value, str):
             return value
-        if a.startswith(("list", "dict")) and isinstance(value, (list, tuple, dict)):
-            return list(value) if a.startswith("list") else value
-    if isinstance(value, str):  # '1e-3' from YAML 1.1 or the command line
+        if a.startswith("list") and isinstance(value, (list, tuple)):
+            return list(value)
+        if a.startswith("dict") and isinstance(value, dict):
+            return value
+    if isinstance(value, str):  # '1e-3' from YAML 1.1 or the command line; a dict as JSON text (TRL parses it)
+        if any(a.startswith("dict") for a in allowed) and value.lstrip().startswith("{"):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{name}={value!r} is not valid JSON: {e.msg} at column {e.colno}") from None
+            if isinstance(parsed, dict):
+                return parsed
         for a in allowed:
             if a in ("float", "int"):
                 try:
