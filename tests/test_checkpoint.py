@@ -54,6 +54,23 @@ def test_resume_is_bitwise_exact(tmp_path, tokenizer, kw, save_at):
     assert steps == list(range(1, straight.global_step + 1))  # no duplicated lines after resume
 
 
+def test_a_resume_between_log_lines_logs_the_lines_of_the_straight_run(tmp_path, tokenizer):
+    """logging_steps=3, a checkpoint at step 2: the line of step 3 averages steps 1-3 in both runs (the metrics of
+    steps 1-2 travel in the checkpoint; the resumed run's line used to average step 3 alone)."""
+    kw = dict(max_steps=6, save_steps=2, logging_steps=3)
+    _run(tmp_path, tokenizer, "straight", **kw)
+    _run(tmp_path, tokenizer, "crashed", crash_on_round=3, **kw)
+    _run(tmp_path, tokenizer, "crashed", resume=str(tmp_path / "crashed" / "checkpoint-2"), **kw)
+
+    def lines(out):
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/") and k != "run_id"}
+                for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    straight, resumed = lines("straight"), lines("crashed")
+    assert [x["step"] for x in resumed] == [3, 6]
+    assert resumed == straight
+
+
 def test_checkpoint_has_no_pickles(tmp_path, tokenizer):
     _run(tmp_path, tokenizer, "run", max_steps=1, save_steps=1)
     files = {p.name for p in (tmp_path / "run" / "checkpoint-1").iterdir()}

@@ -224,6 +224,35 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path, tokenizer, model_di
     assert code == 1 and line == "groupwise: run stopped: 3 optimizer steps in a row were skipped"
 
 
+def test_the_count_of_skipped_steps_in_a_row_survives_a_resume(tmp_path, tokenizer):
+    """Steps 1-2 are skipped and checkpoint-2 is written; the resumed run stops after step 3, as the straight run
+    does (the count restarted from 0 and allowed 2 more bad steps)."""
+    from groupwise.trainer import TrainingStopped
+
+    def bad_reference(t):
+        with torch.no_grad():
+            next(t.reference.model.parameters()).fill_(float("nan"))  # every loss is NaN
+        return t
+
+    kw = dict(max_steps=10, beta=0.1, save_steps=1, max_consecutive_skipped_steps=3)
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"), pytest.raises(TrainingStopped, match="1–3"):
+        bad_reference(_trainer(tmp_path, tokenizer, out="straight", **kw)).train()
+    with pytest.warns(RuntimeWarning, match="optimizer step skipped"), pytest.raises(TrainingStopped, match="1–3"):
+        bad_reference(_trainer(tmp_path, tokenizer, **kw)).train(
+            resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+
+
+def test_a_resume_that_cannot_continue_exactly_is_refused_by_name(tmp_path, tokenizer):
+    _trainer(tmp_path, tokenizer, max_steps=2, save_steps=1, num_iterations=2).train()  # checkpoint-1: mid-round
+    ckpt = str(tmp_path / "run" / "checkpoint-1")
+    with pytest.raises(CheckpointError, match=r"resume: optim is .* but 'sgd' now; resume with the same value \(the "
+                                              r"saved optimizer state is this optimizer's\)"):
+        _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2, optim="sgd").train(resume_from_checkpoint=ckpt)
+    with pytest.raises(CheckpointError, match=r"checkpoint-1 stopped inside a generation round built without "
+                                              r"ref_logps \(beta changed since\)"):
+        _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2, beta=0.1).train(resume_from_checkpoint=ckpt)
+
+
 # ---- 4. hung rewards and signals --------------------------------------------------------------------------------------
 def test_reward_timeout_scores_the_call_nan_and_goes_on(tmp_path, tokenizer):
     calls = []
@@ -318,6 +347,20 @@ def test_rotation_only_deletes_this_runs_checkpoints(tmp_path, tokenizer):
     _trainer(tmp_path, tokenizer, max_steps=4, save_steps=1, save_total_limit=1).train(
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-50"]
+
+
+def test_a_resumed_run_never_writes_over_another_runs_checkpoint_of_the_same_step(tmp_path, tokenizer):
+    """Another run's checkpoint-3 sits in this run's output_dir; resuming this run from its checkpoint-2 reaches step
+    3 and must not replace it (it used to delete it and write its own): the save refuses, the folder is untouched."""
+    _trainer(tmp_path, tokenizer, out="other", max_steps=3, save_steps=3).train()
+    _trainer(tmp_path, tokenizer, max_steps=2, save_steps=2).train()
+    os.rename(tmp_path / "other" / "checkpoint-3", tmp_path / "run" / "checkpoint-3")
+    before = (tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_bytes()
+    with pytest.raises(CheckpointError, match=r"checkpoint-3 belongs to another run \(run_id .*it is left as it is"):
+        _trainer(tmp_path, tokenizer, max_steps=4, save_steps=1).train(
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert (tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_bytes() == before
+    verify_checkpoint(tmp_path / "run" / "checkpoint-3")
 
 
 def test_torn_metrics_line_is_skipped_on_resume_and_lines_carry_the_run_id(tmp_path, tokenizer):

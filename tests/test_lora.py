@@ -127,6 +127,12 @@ def test_lora_errors_name_the_fix(tmp_path, base_dir, tokenizer):
     with pytest.raises(ConfigError, match="already a PeftModel"):
         GRPOTrainer(wrapped, [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(4),
                     processing_class=tokenizer, peft_config=_lora())
+    # PEFT saves an adapter not named "default" in a subfolder, which resume did not find
+    named = get_peft_model(toy.build_model(tokenizer, hidden_size=32), _lora(), adapter_name="policy")
+    with pytest.raises(ConfigError, match=r"adapters \['policy'\]: groupwise trains, checkpoints and resumes one "
+                                          r"adapter named 'default'"):
+        GRPOTrainer(named, [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(4),
+                    processing_class=tokenizer)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

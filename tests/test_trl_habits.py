@@ -111,8 +111,9 @@ def test_callbacks_see_the_events_and_can_stop_the_run(tmp_path, tokenizer):
                     callbacks=[recorder])
     t.train()
     assert t.global_step == 2 and t.state.global_step == 2  # stopped by the callback, not by max_steps
-    assert recorder.events == [("on_train_begin", 0), ("on_step_end", 1), ("on_step_end", 2), ("on_save", 2),
-                               ("on_evaluate", 2, True), ("on_train_end", 2)]
+    # transformers' order: evaluate, then save (a checkpoint of step k comes after step k's evaluation)
+    assert recorder.events == [("on_train_begin", 0), ("on_step_end", 1), ("on_step_end", 2),
+                               ("on_evaluate", 2, True), ("on_save", 2), ("on_train_end", 2)]
     assert [x["loss/policy"] == x["loss/policy"] for x in recorder.logs] == [True, True]  # on_log every step
     assert (tmp_path / "run" / "checkpoint-2").exists()  # the stop is treated as the last step: saved
 

@@ -15,7 +15,8 @@ checkpoint-N/
 The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
 checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
 bit-flipped or edited), naming the file. trainer_state.json records the run id; `save_total_limit` rotation only
-ever deletes checkpoints of the same run, and a new run refuses an output_dir that holds another run's outputs.
+ever deletes checkpoints of the same run, a save refuses to replace another run's checkpoint of the same step, and
+a new run refuses an output_dir that holds another run's outputs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _sha256(path: Path) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
-    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    """checksums.json: the sha256 of every file under the folder (subfolders too, by relative path)."""
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
     _write_json(folder / MANIFEST, {name: _sha256(folder / name) for name in files})
 
 
@@ -183,6 +185,10 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
     of the optimizer state; `model` is then the consolidated (unsharded) copy written for from_pretrained."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    owner = _run_id_of(final) if final.is_dir() else None  # every process reads it: all refuse together
+    if owner is not None and owner != state.get("run_id"):
+        raise CheckpointError(f"{final} belongs to another run (run_id {owner}, this run's is {state.get('run_id')}): "
+                              "it is left as it is; resume into another output_dir, or move that checkpoint away")
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -216,9 +222,12 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
     dist.barrier()
     if dist.is_main:
         _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
+        old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         _rotate(root, save_total_limit, state.get("run_id"), keep=final)
     dist.barrier()
     return final
@@ -303,6 +312,44 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     pending_file = path / f"rollout_{dist.rank}.safetensors"
     pending = load_file(str(pending_file)) if pending_file.exists() else None
     return pending
+
+
+# GRPOConfig fields a resumed run must keep, and why
+RESUME_FIELDS = {
+    **dict.fromkeys(("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                     "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
+                     "dynamic_sampling"), "the data order and batch layout depend on it"),
+    **dict.fromkeys(("optim", "optim_args"), "the saved optimizer state is this optimizer's"),
+}
+
+
+def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int) -> None:
+    """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads)."""
+    if state.get("model_only"):
+        raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model only (no "
+                              "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
+                              "run with it as the model")
+    if state["world_size"] != world_size:
+        raise CheckpointError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
+                              f"(now {world_size}) so the data split and RNG streams match")
+    if state["global_step"] >= max_steps:
+        raise CheckpointError(f"{path} is at step {state['global_step']}, which is not before max_steps={max_steps}: "
+                              "raise max_steps to train further")
+    for name, saved in state.get("config", {}).items():
+        if getattr(args, name) != saved:
+            raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(args, name)!r} now; resume "
+                                  f"with the same value ({RESUME_FIELDS.get(name, 'the run depends on it')})")
+
+
+def check_pending(path: str, pending: dict[str, torch.Tensor], args) -> None:
+    """The generation batch saved inside a round was built for the loss settings of its run: refuse settings it
+    lacks the tensors for (reference log-probs for beta ≠ 0, importance weights for the sampling correction)."""
+    for field, key, needed in (("beta", "ref_logps", args.beta != 0),
+                               ("the importance-sampling correction", "is_weights", args.corrects_sampling)):
+        if needed != (key in pending):
+            raise CheckpointError(f"{path} stopped inside a generation round built {'without' if needed else 'with'} "
+                                  f"{key} ({field} changed since): resume with the run's settings, or from a "
+                                  "checkpoint at a round boundary")
 
 
 def read_state(folder: str | Path) -> dict:

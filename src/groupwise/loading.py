@@ -166,6 +166,10 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
         raise ConfigError(f"vllm_mode='server' with {world_size} training processes is not supported yet (TRL "
                           "gathers every process's prompts to the main process, which alone talks to the server; "
                           "groupwise implements one process): train in one process, or use vllm_mode='colocate'")
+    adapters = list(getattr(model, "peft_config", {}) or {}) if is_peft_model(model) else []
+    if adapters and adapters != ["default"]:
+        raise ConfigError(f"a PeftModel with adapters {adapters}: groupwise trains, checkpoints and resumes one "
+                          "adapter named 'default' (get_peft_model's default adapter_name); build it with that name")
     if peft_config is not None and args.use_peft:
         raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
                           "Python scripts; use_peft with the lora_* fields in config files)")

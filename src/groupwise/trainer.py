@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
 from groupwise.agents import Toolbox, build_agent, default_train_dataset
-from groupwise.checkpoint import (CheckpointError, claim_output_dir, latest_checkpoint, load_checkpoint, read_state,
-                                  save_checkpoint)
+from groupwise.checkpoint import (RESUME_FIELDS, check_pending, check_resume, claim_output_dir, latest_checkpoint,
+                                  load_checkpoint, read_state, save_checkpoint)
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -42,11 +42,6 @@ from groupwise.update import UpdateContext, optimizer_step, windows
 
 
 # fields a resumed run must share with the checkpoint for the data order and batch layout to continue exactly
-RESUME_FIELDS = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                 "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
-                 "dynamic_sampling")
-
-
 class TrainingStopped(RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
 
@@ -244,6 +239,7 @@ class GRPOTrainer(TransformersHabits):
         if resume is True:
             resume = latest_checkpoint(self.args.output_dir)
         if not resume:  # a new run never writes over another run's outputs (checked by the main process)
+            self._window.clear()
             self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
                 self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
@@ -275,7 +271,6 @@ class GRPOTrainer(TransformersHabits):
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
                          disable=bool(args.disable_tqdm) or not shows)
         self._started = self._tick = time.perf_counter()
-        self._window.clear()
         self._last: dict[str, float] = {}
         self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
         self._event("on_train_begin")
@@ -336,14 +331,15 @@ class GRPOTrainer(TransformersHabits):
         if (due[args.logging_strategy](max(args.logging_steps, 1)) or last_step or control.should_log
                 or (args.logging_first_step and step == 1)):
             self._log(rollout)
-        saved = (due[args.save_strategy](args.save_steps) or (last_step and args.save_strategy != "no")
-                 or control.should_save)
-        if saved:
-            self._save_round(rollout, done)
+        # then evaluate, then save (transformers' order): a checkpoint at step k comes after step k's evaluation
         delayed = (self._epochs_done if args.eval_strategy == "epoch" else step) < args.eval_delay  # transformers
         if self.eval_data is not None and (control.should_evaluate or (
                 not delayed and (due[args.eval_strategy](args.eval_steps) or (last_step and args.eval_strategy != "no")))):
             self._evaluate_and_log()
+        saved = (due[args.save_strategy](args.save_steps) or (last_step and args.save_strategy != "no")
+                 or control.should_save)
+        if saved:
+            self._save_round(rollout, done)
         control.should_log = control.should_save = control.should_evaluate = False
         if self.dist.any(bool(self._signals)) and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM
@@ -450,6 +446,7 @@ class GRPOTrainer(TransformersHabits):
                  "epochs_done": self._epochs_done,
                  "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
+                 "consecutive_skipped": self.consecutive_skipped, "window": dict(self._window),
                  "round_step": round_step if pending is not None else 0,
                  "round_metrics": round_metrics if pending is not None else None}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
@@ -463,20 +460,7 @@ class GRPOTrainer(TransformersHabits):
 
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
-        if state.get("model_only"):
-            raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model only (no "
-                                  "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
-                                  "run with it as the model")
-        if state["world_size"] != self.dist.world_size:
-            raise CheckpointError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
-                             f"(now {self.dist.world_size}) so the data split and RNG streams match")
-        if state["global_step"] >= self.max_steps:
-            raise CheckpointError(f"{path} is at step {state['global_step']}, which is not before max_steps="
-                             f"{self.max_steps}: raise max_steps to train further")
-        for name, saved in state.get("config", {}).items():
-            if getattr(self.args, name) != saved:
-                raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(self.args, name)!r} now; "
-                                      "resume with the same value (the data order and batch layout depend on it)")
+        check_resume(path, state, self.args, world_size=self.dist.world_size, max_steps=self.max_steps)
         pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
                                   sharded_model=self.unwrapped if self.dist.sharding is not None else None,
                                   scheduler=self.scheduler,
@@ -485,8 +469,11 @@ class GRPOTrainer(TransformersHabits):
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
         self._epochs_done = state.get("epochs_done", int(self.sampler.progress()))
+        self.consecutive_skipped = state.get("consecutive_skipped", 0)
+        self._window = defaultdict(list, state.get("window", {}))  # the metrics since the last log line
         if pending is None:
             return None
+        check_pending(path, pending, self.args)
         device = self.dist.device  # the checkpoint's tensors load on the CPU
         return Rollout(TrainBatch.from_tensors({k: v.to(device) for k, v in pending.items()}),
                        state["round_metrics"]), state["round_step"]
