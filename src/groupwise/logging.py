@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 import warnings
@@ -151,7 +152,9 @@ def trim_jsonl(path: Path, resume_step: int, run_id: str | None) -> list[dict]:
         keep.append(line)
         if mine:
             records.append(record)
-    path.write_text("".join(line + "\n" for line in keep))
+    tmp = path.with_name(path.name + ".tmp")  # a crash while rewriting leaves the old file whole
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
     return records
 
 

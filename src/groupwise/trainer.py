@@ -235,7 +235,7 @@ class GRPOTrainer(TransformersHabits):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
         """Train to max_steps. `resume_from_checkpoint`: a checkpoint-N/ folder, or True for the newest one in
         output_dir (transformers' meaning)."""
-        resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        resume = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         if resume is True:
             resume = latest_checkpoint(self.args.output_dir)
         if not resume:  # a new run never writes over another run's outputs (checked by the main process)
