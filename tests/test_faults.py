@@ -251,6 +251,11 @@ def test_a_resume_that_cannot_continue_exactly_is_refused_by_name(tmp_path, toke
     with pytest.raises(CheckpointError, match=r"checkpoint-1 stopped inside a generation round built without "
                                               r"ref_logps \(beta changed since\)"):
         _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2, beta=0.1).train(resume_from_checkpoint=ckpt)
+    with pytest.raises(CheckpointError, match="the checkpoint's train_dataset had 12 rows, this one has 16: resume "
+                                              "with the same dataset"):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length],
+                    args=small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=3, num_iterations=2),
+                    train_dataset=toy.dataset(16), processing_class=tokenizer).train(resume_from_checkpoint=ckpt)
     # train(resume_from_checkpoint=False) starts a new run whatever the config says (it resumed before): refused here
     # because output_dir holds a run
     with pytest.raises(CheckpointError, match="already holds a run"):

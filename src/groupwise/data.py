@@ -157,9 +157,14 @@ class PromptSampler:
         return self.epoch + self.position / self.size
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "size": self.size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("size", self.size) != self.size:  # (checkpoints before the size was saved: not checked)
+            from groupwise.checkpoint import CheckpointError
+
+            raise CheckpointError(f"resume: the checkpoint's train_dataset had {state['size']} rows, this one has "
+                                  f"{self.size}: resume with the same dataset (the order of the prompts depends on it)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
