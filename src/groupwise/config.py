@@ -350,9 +350,10 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
                               "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
                               "repetition_penalty)")
-        for key in sorted(set(self.generation_kwargs or {}) & set(SHAPING_GENERATION_KWARGS)):
-            raise ConfigError(f"generation_kwargs[{key!r}] would change the shape of the completions: set "
-                              f"{SHAPING_GENERATION_KWARGS[key]} instead")
+        shaping = sorted(set(self.generation_kwargs or {}) & set(SHAPING_GENERATION_KWARGS))
+        if shaping:
+            raise ConfigError(f"generation_kwargs[{shaping[0]!r}] would change the shape of the completions: set "
+                              f"{SHAPING_GENERATION_KWARGS[shaping[0]]} instead")
         if self.generation_compile and self.generation_backend != "fast":
             raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
                               f"{self.generation_backend!r}: drop generation_compile or use the fast backend")

@@ -25,6 +25,18 @@ def test_several_eos_ids():
     assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
 
 
+def test_generated_from_an_engine_s_ragged_rows():
+    # rows of 2, 3 and 0 tokens, pad 9: right-padded to T = 3, lengths [2, 3, 0]; log-probs None / NaN → NaN, a row
+    # without log-probs all NaN, padding NaN
+    from groupwise.generation import Generated
+
+    out = Generated.from_rows([[5, 6], [7, 8, 1], []], [[-0.5, None], None, []], 9, torch.device("cpu"))
+    assert out.completion_ids.tolist() == [[5, 6, 9], [7, 8, 1], [9, 9, 9]] and out.lengths.tolist() == [2, 3, 0]
+    nan = float("nan")
+    torch.testing.assert_close(out.logprobs, torch.tensor([[-0.5, nan, nan], [nan] * 3, [nan] * 3]), equal_nan=True)
+    assert Generated.from_rows([[5]], None, 9, torch.device("cpu")).logprobs is None
+
+
 def test_encode_prompts_left_pads_and_truncates(tokenizer):
     ids, mask = encode_prompts(["ab", "abcd"], tokenizer, max_prompt_length=3)
     pad = tokenizer.pad_token_id

@@ -29,6 +29,22 @@ class Generated:
     # EOS or runs to T.
     lengths: torch.Tensor | None = None
 
+    @classmethod
+    def from_rows(cls, rows: list[list[int]], logprobs: list[list[float | None] | None] | None, pad_token_id: int,
+                  device: torch.device) -> "Generated":
+        """An engine's ragged completions (each ended by EOS, a stop or the length limit) right-padded with
+        pad_token_id, their log-probs (None / NaN → NaN, and on padding) when given, and each row's length."""
+        T = max(1, max((len(r) for r in rows), default=0))
+        ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long)
+        lps = torch.full((len(rows), T), float("nan"))
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            values = logprobs[i] if logprobs is not None else None
+            if values is not None:
+                lps[i, :len(values)] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+        lengths = torch.tensor([len(r) for r in rows], device=device)
+        return cls(ids.to(device), lps.to(device) if logprobs is not None else None, lengths)
+
 
 class Generator(Protocol):
     def __call__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,

@@ -5,10 +5,10 @@ It follows the contract TRL 1.16's colocate mode uses with vLLM (docs/vllm.md): 
 `LLM(model=<policy path>, tensor_parallel_size, gpu_memory_utilization, max_model_len, enable_sleep_mode,
 distributed_executor_backend="external_launcher", seed=<rank>, logprobs_mode="processed_logprobs")`, prompts go in
 as `{"prompt_token_ids": ids}` with `SamplingParams(n=1, temperature, top_p, top_k, min_p, repetition_penalty,
-max_tokens, logprobs=0)`, and after each optimizer step the policy's weights are loaded with
-`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])` followed by
+max_tokens, logprobs=0)` (updated with generation_kwargs), and after each optimizer step the policy's weights are
+loaded with `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` followed by
 `llm.reset_prefix_cache()` (a LoRA policy's adapters are merged for the copy, then unmerged; the names are
-vllm_named_weights', the same the server mode sends). With `vllm_enable_sleep_mode` the engine sleeps (level 2,
+vllm_named_weights's, the same server mode sends). With `vllm_enable_sleep_mode` the engine sleeps (level 2,
 which discards the weights) after each generation and, before the next, wakes its weights, loads the policy's current
 ones, then wakes its KV cache.
 
@@ -20,7 +20,6 @@ development machines have no vLLM: the backend is tested against the in-repo sta
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 
@@ -143,15 +142,7 @@ class VLLMColocateGenerator:
                 llm.sleep(level=2)
                 self.asleep = True
         rows = [out.outputs[0] for out in outputs]
-        T = max(1, max(len(r.token_ids) for r in rows))
-        ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
-        lps = torch.full((len(rows), T), float("nan"))
-        for i, r in enumerate(rows):
-            ids[i, :len(r.token_ids)] = torch.tensor(list(r.token_ids), dtype=torch.long)
-            if logprobs and r.logprobs is not None:
-                for t, (token, entry) in enumerate(zip(r.token_ids, r.logprobs)):
-                    value = entry[token].logprob
-                    lps[i, t] = float("nan") if value is None or math.isnan(value) else value
-        device = prompt_ids.device
-        lengths = torch.tensor([len(r.token_ids) for r in rows], device=device)
-        return Generated(ids.to(device), lps.to(device) if logprobs else None, lengths)
+        values = None if not logprobs else [
+            None if r.logprobs is None else [entry[token].logprob for token, entry in zip(r.token_ids, r.logprobs)]
+            for r in rows]
+        return Generated.from_rows([list(r.token_ids) for r in rows], values, self.pad_token_id, prompt_ids.device)

@@ -354,14 +354,5 @@ class VLLMServerGenerator:
         named = {k: extra.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                            "max_tokens")}
         out = self.client.generate(prompts[::n], n=n, logprobs=0, generation_kwargs=extra, **named)
-        rows = out["completion_ids"]
-        T = max(1, max(len(r) for r in rows))
-        ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
-        lps = torch.full((len(rows), T), float("nan"))
-        for i, (row, values) in enumerate(zip(rows, out["logprobs"])):
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            if logprobs and values is not None:
-                lps[i, :len(values)] = torch.tensor([float("nan") if v is None else v for v in values])
-        device = prompt_ids.device
-        lengths = torch.tensor([len(row) for row in rows], device=device)
-        return Generated(ids.to(device), lps.to(device) if logprobs else None, lengths)
+        return Generated.from_rows(out["completion_ids"], out["logprobs"] if logprobs else None, self.pad_token_id,
+                                   prompt_ids.device)
