@@ -12,12 +12,13 @@ from tests.conftest import small_args
 def _run(tmp_path, tokenizer, out, crash_on_round=None, resume=None, **kw):
     calls = {"n": 0}
 
-    def reward(completions, letter, **_):
+    def reward(completions, letter, log_extra, **_):
         calls["n"] += 1
         if crash_on_round is not None and calls["n"] == crash_on_round:
             raise RuntimeError("the machine went away")
         # uses the RNG too, as real reward functions may: the RNG state must be restored exactly
         noise = torch.rand(len(completions)) * 0.1
+        log_extra("noise", [float(e) for e in noise])  # a completions.jsonl column (TRL's log_extra)
         return [r + float(e) for r, e in zip(toy.letter_reward(completions, letter), noise)]
 
     model = toy.build_model(tokenizer, seed=0, hidden_size=32)
@@ -53,6 +54,13 @@ def test_resume_is_bitwise_exact(tmp_path, tokenizer, kw, save_at):
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, straight.global_step + 1))  # no duplicated lines after resume
 
+    def rows(run):  # completions.jsonl: a round resumed in its middle logs its rows, log_extra columns included
+        return [{k: v for k, v in json.loads(x).items() if k != "run_id"}
+                for x in (tmp_path / run / "completions.jsonl").read_text().splitlines()]
+
+    assert len(rows("straight")) == 8 * straight.global_step and "noise" in rows("straight")[-1]
+    assert rows("crashed") == rows("straight")
+
 
 def test_a_resume_between_log_lines_logs_the_lines_of_the_straight_run(tmp_path, tokenizer):
     """logging_steps=3, a checkpoint at step 2: the line of step 3 averages steps 1-3 in both runs (the metrics of
@@ -79,5 +87,30 @@ def test_checkpoint_has_no_pickles(tmp_path, tokenizer):
 
 
 def test_resume_rejects_a_non_checkpoint(tmp_path, tokenizer):
-    with pytest.raises(FileNotFoundError, match="not a groupwise checkpoint"):
+    from groupwise.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="holds no trainer_state.json: not a checkpoint written by groupwise"):
         _run(tmp_path, tokenizer, "x", resume=str(tmp_path))
+
+
+def test_a_save_is_flushed_to_disk_before_the_rename(tmp_path, tokenizer, monkeypatch):
+    """Every file of the checkpoint and its folder are fsynced before checkpoint-N exists (a power cut after the
+    rotation deleted older checkpoints must not leave the newest one half on disk)."""
+    import os
+
+    import groupwise.checkpoint as ckpt
+
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    _run(tmp_path, tokenizer, "run", max_steps=1, save_steps=1)
+    folder = tmp_path / "run" / "checkpoint-1"
+    tmp = str(tmp_path / "run" / ".tmp-checkpoint-1")
+    files = {p.name for p in folder.iterdir()}
+    assert {os.path.basename(s) for s in synced if os.path.dirname(s) == tmp} == files
+    assert synced.index(tmp) > max(i for i, s in enumerate(synced) if os.path.dirname(s) == tmp)  # folder after files
+    assert synced[-1] == str(tmp_path / "run")  # the rename itself

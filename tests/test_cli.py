@@ -35,6 +35,29 @@ def test_train_from_yaml_with_overrides_then_resume(tmp_path, model_dir):
     assert (run / "checkpoint-2" / "model.safetensors").exists()
     assert main(["train", cfg, "--max_steps", "3", "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    # true (YAML's boolean, or the quoted string a script passes on) resumes the newest checkpoint, as transformers
+    assert main(["train", cfg, "--max_steps", "4", "--resume_from_checkpoint", "true"]) == 0
+    assert main(["train", cfg, "--max_steps", "5", "--resume_from_checkpoint", "'True'"]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_resume_from_a_checkpoint_that_is_not_there_is_named_before_the_model_loads(tmp_path, model_dir, capsys,
+                                                                                    monkeypatch):
+    import groupwise.trainer
+
+    def no_model(*a, **k):
+        raise AssertionError("the trainer was built")
+
+    monkeypatch.setattr(groupwise.trainer, "GRPOTrainer", no_model)
+    cfg = _config(tmp_path, model_dir)
+    missing = str(tmp_path / "run" / "checkpoint-7")
+    assert main(["train", cfg, "--resume_from_checkpoint", missing]) == 2
+    assert f"resume_from_checkpoint={missing!r} does not exist" in capsys.readouterr().err
+    assert main(["train", cfg, "--resume_from_checkpoint", "true"]) == 2
+    assert "resume_from_checkpoint=True: no checkpoint-N folder in output_dir" in capsys.readouterr().err
+    (tmp_path / "run" / "checkpoint-7").mkdir(parents=True)
+    assert main(["train", cfg, "--resume_from_checkpoint", missing]) == 2
+    assert "holds no trainer_state.json: not a checkpoint" in capsys.readouterr().err
 
 
 def test_configuration_errors_exit_2_and_name_the_field(tmp_path, model_dir, capsys):

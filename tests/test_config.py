@@ -45,6 +45,12 @@ def test_trl_spellings_and_coercion():
     c = GRPOConfig(generation_backend="transformers", generation_kwargs='{"top_k": 5}',
                    chat_template_kwargs=' {"enable_thinking": false}')
     assert c.generation_kwargs == {"top_k": 5} and c.chat_template_kwargs == {"enable_thinking": False}
+    # 'true' / 'false' as text (a quoted YAML value, a script's argparse) are booleans where a field takes one
+    c = GRPOConfig(resume_from_checkpoint="True", bf16=" false", scale_rewards="TRUE")
+    assert c.resume_from_checkpoint is True and c.bf16 is False and c.scale_rewards == "group"
+    assert GRPOConfig(resume_from_checkpoint="out/checkpoint-5").resume_from_checkpoint == "out/checkpoint-5"
+    with pytest.raises(ConfigError, match="bf16='yes' must be of type bool"):
+        GRPOConfig(bf16="yes")
 
 
 def test_layout_counts_completions_like_trl(monkeypatch):

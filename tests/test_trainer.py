@@ -74,6 +74,19 @@ def test_variants_train(tmp_path, tokenizer, tiny_model, kw):
         assert any(not torch.equal(a, b) for a, b in zip(ref_before, t.reference.model.parameters()))
 
 
+def test_ref_model_sync_mixes_the_weights_by_hand():
+    """TR-DPO (TRL's sync_ref_model): ref ← α·policy + (1−α)·ref. α = 0.25, ref (1, 2), policy (3, −2):
+    0.25·3 + 0.75·1 = 1.5 and 0.25·(−2) + 0.75·2 = 1.0; the policy is untouched."""
+    from groupwise.adapters import Reference
+
+    ref, policy = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        policy.weight.copy_(torch.tensor([[3.0, -2.0]]))
+    Reference(ref, adapters_off=False).mix(policy, 0.25)
+    assert torch.equal(ref.weight, torch.tensor([[1.5, 1.0]])) and torch.equal(policy.weight, torch.tensor([[3.0, -2.0]]))
+
+
 def test_old_logps_only_when_needed(tmp_path, tokenizer, tiny_model):
     on_policy = _trainer(tmp_path, tiny_model, tokenizer)
     assert not on_policy.rollout_ctx.need_old_logps and on_policy.reference is None

@@ -68,6 +68,20 @@ def test_optimizers_argument_is_the_optimizer_and_schedule_that_step(tmp_path, t
     with pytest.raises(ConfigError, match="optimizers\\[0\\] holds parameters that are not the model's"):
         _trainer(tmp_path, tokenizer, optimizers=(torch.optim.SGD(other.parameters(), lr=1.0), None))
 
+    class Warmup:  # a schedule object whose state holds a function: its checkpoint would fail at the first save
+        def __init__(self):
+            self.curve = torch.sqrt
+
+        def __call__(self, step):
+            return 1.0
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup())
+    with pytest.raises(ConfigError, match=r"optimizers\[1\] \(LambdaLR\): state_dict\(\).lr_lambdas\[0\].curve is a "
+                                          "builtin_function_or_method, which a checkpoint"):
+        _trainer(tmp_path, tokenizer, model=model, optimizers=(opt, sched))
+    _trainer(tmp_path, tokenizer, model=model, optimizers=(opt, sched), save_only_model=True)  # nothing to save
+
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_lr_scheduler_kwargs_reach_the_schedule(tmp_path, tokenizer):

@@ -89,6 +89,13 @@ class Reference:
         """The separate reference model (TR-DPO moves it, checkpoints save it), or None when adapters are off."""
         return None if self.adapters_off else self.model
 
+    @torch.no_grad()
+    def mix(self, policy: torch.nn.Module, alpha: float) -> None:
+        """TR-DPO (Gorbatovski et al. 2024), TRL's sync_ref_model: ref ← α·policy + (1−α)·ref, parameter by
+        parameter (`policy`: the trained weights in full precision)."""
+        for ref_p, p in zip(self.copy.parameters(), policy.parameters()):
+            ref_p.mul_(1 - alpha).add_(p.detach().to(ref_p.dtype), alpha=alpha)
+
 
 def load_adapter(model: torch.nn.Module, folder: Path, source: str) -> None:
     """Load a checkpoint's adapter weights into a PeftModel (exactly: every adapter tensor, nothing else)."""

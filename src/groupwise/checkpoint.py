@@ -103,6 +103,42 @@ def latest_checkpoint(output_dir: str | Path) -> str:
     return str(found[-1][1])
 
 
+def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | None:
+    """The checkpoint folder resume_from_checkpoint names (True: the newest in output_dir), or None for a new run.
+    A folder that is not there or holds no trainer_state.json is a CheckpointError (cheap: nothing is verified
+    or loaded here)."""
+    if not value:
+        return None
+    folder = latest_checkpoint(output_dir) if value is True else str(value)
+    if not (Path(folder) / "trainer_state.json").is_file():
+        why = "does not exist" if not Path(folder).exists() else "holds no trainer_state.json"
+        raise CheckpointError(f"resume_from_checkpoint={folder!r} {why}: not a checkpoint written by groupwise; "
+                              "give a checkpoint-N folder of a run, or true for the newest one in output_dir")
+    return folder
+
+
+def check_json_state(state: Any, what: str) -> None:
+    """A state that checkpoints write as JSON (no pickles) must be JSON: a ConfigError naming the first value that
+    is not, so that a run learns it before training rather than at its first save."""
+    def first_bad(x: Any, where: str) -> tuple[str, Any] | None:
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else None
+        if items is None:
+            return None if x is None or isinstance(x, (str, int, float, bool)) else (where, x)
+        for k, v in items:
+            if isinstance(x, dict) and not isinstance(k, str):
+                return f"{where} key {k!r}", k
+            if bad := first_bad(v, f"{where}.{k}" if isinstance(x, dict) else f"{where}[{k}]"):
+                return bad
+        return None
+
+    bad = first_bad(state, "state_dict()")
+    if bad is not None:
+        raise ConfigError(f"{what}: {bad[0]} is a {type(bad[1]).__name__}, which a checkpoint (JSON, no pickles) "
+                          "cannot hold: keep only numbers, strings and lists in the scheduler's attributes (e.g. a "
+                          "plain function as lr_lambda, not an object holding one), or set save_only_model=True / "
+                          "save_strategy='no' with save_on_interrupt=False")
+
+
 def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
     """Before a new (non-resumed) run: refuse an output_dir holding another run's checkpoints or metrics, unless
     overwrite (TRL's overwrite_output_dir), which deletes them."""
@@ -222,15 +258,37 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
     dist.barrier()
     if dist.is_main:
         _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
+        _sync(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
         old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
+        _sync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
         _rotate(root, save_total_limit, state.get("run_id"), keep=final)
     dist.barrier()
     return final
+
+
+def _sync(folder: Path) -> None:
+    """fsync every file under `folder`, then the folders themselves (a crash after the save keeps it whole)."""
+    for p in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _sync_dir(folder)
+
+
+def _sync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _run_id_of(folder: Path) -> str | None:

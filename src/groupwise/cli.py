@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from groupwise.checkpoint import CheckpointError, claim_output_dir
+from groupwise.checkpoint import CheckpointError, claim_output_dir, resume_folder
 from groupwise.config import ConfigError, GRPOConfig, load_yaml
 from groupwise.config_base import check_location, check_model_location, reject_unknown
 from groupwise.rewards.process import resolve_process_spec
@@ -159,6 +159,7 @@ def cmd_train(argv: list[str]) -> int:
         resolve_process_spec(spec, f"process_reward_funcs[{i}]")
     if not args.resume_from_checkpoint and not args.overwrite_output_dir:
         claim_output_dir(args.output_dir, overwrite=False)  # refuses only; deleting is the trainer's, on one process
+    resume_folder(args.resume_from_checkpoint, args.output_dir)  # a checkpoint that is not there, named now
     train_data = load_dataset_spec(dataset_name, run.get("dataset_split"))
     eval_data = None
     if run.get("eval_dataset_name"):

@@ -78,7 +78,7 @@ class GRPOConfig(StrictConfig):
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
-    resume_from_checkpoint: str | None = option("Path of a checkpoint-N/ folder to resume from exactly.", default=None)
+    resume_from_checkpoint: str | bool | None = option("A checkpoint-N/ folder to resume from exactly, or true for the newest one in output_dir (transformers' meaning); false or unset: a new run.", default=None)
     push_to_hub: bool = option("Upload the model folder (output_dir) to the hub: at every save (hub_strategy 'every_save') or at the end ('end'), and on trainer.push_to_hub() (needs hub_model_id and a token).", default=False)
     hub_model_id: str | None = option("Hub repository ('name' or 'org/name') push_to_hub uploads to (default: the output_dir's folder name).", default=None)
     hub_token: str | None = option("Hub token for push_to_hub (default: HF_TOKEN or the cached login). Never written to metrics.jsonl.", default=None)
@@ -257,10 +257,6 @@ class GRPOConfig(StrictConfig):
             if getattr(self, new) is not None:
                 setattr(self, old, getattr(self, new))
             setattr(self, new, getattr(self, old))
-        if self.scale_rewards is True:  # TRL's boolean spellings
-            self.scale_rewards = "group"
-        elif self.scale_rewards is False:
-            self.scale_rewards = "none"
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
@@ -285,6 +281,8 @@ class GRPOConfig(StrictConfig):
 
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""
+        if isinstance(self.scale_rewards, bool):  # TRL's boolean spellings (after coercion: 'True' is one too)
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.scale_rewards not in SCALES:
             raise ConfigError(f"scale_rewards={self.scale_rewards!r} is not one of {list(SCALES)} (or True / False)")
         taken = ESTIMATORS[self.advantage_estimator].options

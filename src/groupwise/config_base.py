@@ -197,6 +197,8 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
         if "None" in allowed:
             return None
         raise ConfigError(f"{name} must not be None")
+    if "bool" in allowed and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"  # 'True' from a quoted YAML value or a script's argument parser
     for a in allowed:
         t = _SCALARS.get(a)
         if t is bool and isinstance(value, bool):

@@ -198,18 +198,16 @@ def window_mean(values: list[float], mode: str) -> float:
     return sum(kept) / len(kept) if kept else float("nan")
 
 
-def print_round(step: int, rnd: Round, limit: int | None, unique_prompts: bool = False) -> None:
-    comp = rnd.completions
-    rows = list(range(len(comp.prompts)))
+def print_rows(step: int, rows: list[dict], limit: int | None, unique_prompts: bool = False) -> None:
+    """log_completions: the round's completions.jsonl rows (all processes') as a table."""
     if unique_prompts:  # one row per prompt: its first completion (TRL's log_unique_prompts)
-        first: dict[str, int] = {}
-        for i in rows:
-            first.setdefault(repr(comp.prompts[i]), i)
-        rows = sorted(first.values())
-    advantages = rnd.first_token_advantages()
-    print_completions(step, [comp.prompts[i] for i in rows], [comp.completions[i] for i in rows],
-                      [float(rnd.rewards[i]) for i in rows], [advantages[i] for i in rows], limit,
-                      steps=None if rnd.steps is None else [rnd.steps[i] for i in rows])
+        first: dict[str, dict] = {}
+        for row in rows:
+            first.setdefault(repr(row["prompt"]), row)
+        rows = list(first.values())
+    print_completions(step, [r["prompt"] for r in rows], [r["completion"] for r in rows],
+                      [r["reward"] for r in rows], [r["advantage"] for r in rows], limit,
+                      steps=None if rows and "steps" not in rows[0] else [r["steps"] for r in rows])
 
 
 def completion_rows(rnd: Round, names: list[str], extra: dict[str, list]) -> list[dict]:

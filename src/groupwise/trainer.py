@@ -4,6 +4,7 @@ updates grouped into optimizer steps; log, evaluate, checkpoint. TRL's construct
 from __future__ import annotations
 
 import copy
+import json
 import math
 import signal
 import time
@@ -16,8 +17,8 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
 from groupwise.agents import Toolbox, build_agent, default_train_dataset
-from groupwise.checkpoint import (RESUME_FIELDS, check_pending, check_resume, claim_output_dir, latest_checkpoint,
-                                  load_checkpoint, read_state, save_checkpoint)
+from groupwise.checkpoint import (RESUME_FIELDS, check_json_state, check_pending, check_resume, claim_output_dir,
+                                  load_checkpoint, read_state, resume_folder, save_checkpoint)
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -29,7 +30,7 @@ from groupwise.loading import (as_list, check_combinations, check_inputs, eos_to
                                refuse_trainer_arguments)
 from groupwise.evaluation import evaluate
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import MetricsLogger, completion_rows, print_round, set_log_level, window_mean
+from groupwise.logging import MetricsLogger, completion_rows, print_rows, set_log_level, window_mean
 from groupwise.signals import stop_on_signals
 from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.optim import build_optimizer
@@ -41,7 +42,6 @@ from groupwise.types import Rollout, TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
 
-# fields a resumed run must share with the checkpoint for the data order and batch layout to continue exactly
 class TrainingStopped(RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
 
@@ -119,6 +119,7 @@ class GRPOTrainer(TransformersHabits):
         self.callbacks = list(callbacks or [])
         self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line (log_metric too)
         self._extra: dict[str, list] = defaultdict(list)  # log_extra columns of the current round
+        self._rows: list[dict] | None = None  # the current round's completions.jsonl rows, once gathered
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, max_positions = load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
@@ -181,6 +182,8 @@ class GRPOTrainer(TransformersHabits):
             scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
                                       num_training_steps=self.max_steps,
                                       scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+        elif not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
+            check_json_state(scheduler.state_dict(), f"optimizers[1] ({type(scheduler).__name__})")
         model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
         return model, optimizer, scheduler
 
@@ -235,9 +238,8 @@ class GRPOTrainer(TransformersHabits):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
         """Train to max_steps. `resume_from_checkpoint`: a checkpoint-N/ folder, or True for the newest one in
         output_dir (transformers' meaning)."""
-        resume = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        if resume is True:
-            resume = latest_checkpoint(self.args.output_dir)
+        resume = resume_folder(self.args.resume_from_checkpoint if resume_from_checkpoint is None
+                               else resume_from_checkpoint, self.args.output_dir)
         if not resume:  # a new run never writes over another run's outputs (checked by the main process)
             self._window.clear()
             self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
@@ -283,6 +285,7 @@ class GRPOTrainer(TransformersHabits):
         """A fresh generation batch (groupwise.rollout.collect), timed."""
         self._tick = time.perf_counter()
         self._extra.clear()
+        self._rows = None
         rollout = R.collect(self.rollout_ctx, self.sampling_model)
         rollout.metrics["time/rollout"] = time.perf_counter() - self._tick  # generate + rewards + logprobs
         return rollout
@@ -352,6 +355,8 @@ class GRPOTrainer(TransformersHabits):
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
         unfinished = done < self.steps_per_round
+        if unfinished:
+            self._round_rows(rollout)  # saved with the round, so that a resumed run logs its rows too
         path = self.save(rollout.batch if unfinished else None, rollout.metrics, done)
         self._event("on_save", checkpoint=str(path))
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
@@ -374,15 +379,22 @@ class GRPOTrainer(TransformersHabits):
         self.state.epoch = last["epoch"]
         self.state.log_history.append({**last, "step": self.global_step})
         self._event("on_log", logs=last)
-        if rollout.round is not None:
-            rows = self.dist.gather_object(completion_rows(rollout.round, [src.name for src in self.reward_sources], self._extra))
-            self._logger.log_completions(self.global_step, rows)
+        rows = self._round_rows(rollout)
+        self._logger.log_completions(self.global_step, rows)
         self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
                                ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
                                if k in last})
-        if self.args.log_completions and rollout.round is not None and self.dist.is_main:
-            print_round(self.global_step, rollout.round, self.args.num_completions_to_print,
-                         unique_prompts=self.args.log_unique_prompts)
+        if self.args.log_completions and rows and self.dist.is_main:
+            print_rows(self.global_step, rows, self.args.num_completions_to_print,
+                       unique_prompts=self.args.log_unique_prompts)
+
+    def _round_rows(self, rollout: Rollout) -> list[dict]:
+        """The round's completions.jsonl rows, every process's (gathered once per round; a round restored from a
+        checkpoint has the rows its checkpoint saved)."""
+        if self._rows is None and rollout.round is not None:
+            names = [src.name for src in self.reward_sources]
+            self._rows = self.dist.gather_object(completion_rows(rollout.round, names, self._extra))
+        return self._rows or []
 
     def _finished(self) -> bool:
         return self.global_step >= self.max_steps or self.control.should_training_stop
@@ -429,16 +441,12 @@ class GRPOTrainer(TransformersHabits):
         return evaluate(self.rollout_ctx, self.sampling_model, self.eval_data, self.reward_sources, self.state)
 
     def _maybe_sync_ref(self) -> None:
-        """TR-DPO (Gorbatovski et al. 2024): ref ← α·policy + (1−α)·ref every ref_model_sync_steps."""
         args = self.args
-        if not args.sync_ref_model or self.global_step % args.ref_model_sync_steps:
-            return
-        with torch.no_grad():
-            # the trained weights in full precision: the policy itself, or with fsdp the replica (same dtype, fsdp
+        if args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
+            # the trained weights in full precision: the policy itself, or with fsdp the replica (same dtype; fsdp
             # with generation_dtype refuses sync_ref_model)
-            source = self.sampling_model if self.dist.sharding is not None else self.unwrapped
-            for ref_p, p in zip(self.reference.copy.parameters(), source.parameters()):
-                ref_p.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(ref_p.dtype), alpha=args.ref_model_mixup_alpha)
+            self.reference.mix(self.sampling_model if self.dist.sharding is not None else self.unwrapped,
+                               args.ref_model_mixup_alpha)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
@@ -448,7 +456,8 @@ class GRPOTrainer(TransformersHabits):
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "consecutive_skipped": self.consecutive_skipped, "window": dict(self._window),
                  "round_step": round_step if pending is not None else 0,
-                 "round_metrics": round_metrics if pending is not None else None}
+                 "round_metrics": round_metrics if pending is not None else None,
+                 "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
                                model=self.sampling_model if sharded else self.unwrapped,
@@ -474,6 +483,7 @@ class GRPOTrainer(TransformersHabits):
         if pending is None:
             return None
         check_pending(path, pending, self.args)
+        self._rows = state.get("round_rows")
         device = self.dist.device  # the checkpoint's tensors load on the CPU
         return Rollout(TrainBatch.from_tensors({k: v.to(device) for k, v in pending.items()}),
                        state["round_metrics"]), state["round_step"]
