@@ -25,16 +25,23 @@ def _synthetic(n, seed):
 
 
 def test_train_a_prm_then_use_it(tmp_path, model_dir):
-    train = _write(tmp_path / "steps.jsonl", _synthetic(240, 0))
+    rows = _synthetic(240, 0)
+    for r in rows[::2]:  # every other line in TRL's stepwise-supervision shape: the steps in `completions`
+        r["completions"] = r.pop("steps")
+    train = _write(tmp_path / "steps.jsonl", rows)
     out = tmp_path / "prm"
+    # max_length 64 cuts nothing here (at most "q:" + 3 × (4 + "\n") = 17 tokens); it is recorded for scoring
     assert main(["prm", "train", "--model_name_or_path", model_dir, "--train_file", train, "--output_dir", str(out),
-                 "--learning_rate", "3e-3", "--num_train_epochs", "4", "--per_device_train_batch_size", "16"]) == 0
+                 "--learning_rate", "3e-3", "--num_train_epochs", "4", "--per_device_train_batch_size", "16",
+                 "--max_length", "64"]) == 0
     metrics = json.loads((out / "eval_metrics.json").read_text())
     # measured: step accuracy 0.547 (untrained head) → 0.981 on the held-out 10%; bad-step F1 0.983
     assert metrics["eval_before/accuracy"] < 0.8 and metrics["eval/accuracy"] >= 0.9
     assert metrics["eval/bad_f1"] >= 0.8
-    prm = load_prm(str(out))  # kind and separator recorded by the trainer
-    assert isinstance(prm, TokenClassificationPRM)
+    assert json.loads((out / "groupwise_prm.json").read_text())["max_length"] == 64
+    prm = load_prm(str(out))  # kind, separator and max_length recorded by the trainer
+    assert isinstance(prm, TokenClassificationPRM) and prm.max_length == 64
+    assert load_prm(str(out), max_length=8).max_length == 8  # a spec's own max_length wins
     good, bad = prm(prompts=["q:", "q:"], completions=["", ""], steps=[["abc"], ["axb"]])
     assert good[0] > 0.5 > bad[0]
 
@@ -42,13 +49,19 @@ def test_train_a_prm_then_use_it(tmp_path, model_dir):
 def test_bad_step_files_name_the_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"prompt": "q", "steps": ["a", "b"], "labels": [1]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: 1 labels for 2 steps"):
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: 1 labels for 2 steps \(give 'labels' one label per step"):
         read_step_jsonl(str(p))
     p.write_text(json.dumps({"prompt": "q", "steps": ["a"]}) + "\n")
-    with pytest.raises(ValueError, match=r":1: missing 'labels'"):
+    with pytest.raises(ConfigError, match=r":1: missing 'labels'"):
         read_step_jsonl(str(p))
     p.write_text(json.dumps({"prompt": "q", "steps": ["a"], "labels": [2]}) + "\n")
-    with pytest.raises(ValueError, match=r"labels must be 0/1"):
+    with pytest.raises(ConfigError, match=r"labels must be 0/1"):
+        read_step_jsonl(str(p))
+    p.write_text(json.dumps({"prompt": "q", "completions": "a", "labels": [1]}) + "\n")
+    with pytest.raises(ConfigError, match=r":1: 'completions' must be a list of strings"):
+        read_step_jsonl(str(p))
+    p.write_text("{not json\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: not JSON"):
         read_step_jsonl(str(p))
     with pytest.raises(ConfigError, match="unknown field 'epochs'"):
         PRMTrainConfig(model_name_or_path="m", train_file="f", epochs=3)
@@ -58,3 +71,27 @@ def test_a_missing_train_file_is_named(tmp_path, model_dir, capsys):
     assert main(["prm", "train", "--model_name_or_path", model_dir, "--train_file", str(tmp_path / "steps.jsonl"),
                  "--output_dir", str(tmp_path / "out")]) == 2
     assert f"train_file='{tmp_path / 'steps.jsonl'}' does not exist" in capsys.readouterr().err
+
+
+def test_trl_stepwise_supervision_rows_are_read(tmp_path):
+    # TRL's shape (prompt, completions, labels as bools) and groupwise's (steps, 0/1) give the same rows
+    p = _write(tmp_path / "trl.jsonl", [{"prompt": "q", "completions": ["a", "b"], "labels": [True, False]},
+                                        {"prompt": "r", "steps": ["c"], "labels": [1]}])
+    assert read_step_jsonl(p) == [{"prompt": "q", "steps": ["a", "b"], "labels": [1, 0]},
+                                  {"prompt": "r", "steps": ["c"], "labels": [1]}]
+
+
+def test_a_bad_data_line_is_one_line_and_exit_2(tmp_path, model_dir, capsys):
+    bad = _write(tmp_path / "bad.jsonl", [{"prompt": "q", "steps": ["a", "b"], "labels": [1]}])
+    assert main(["prm", "train", "--model_name_or_path", model_dir, "--train_file", bad,
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"groupwise: configuration error: {bad}:1: 1 labels for 2 steps (give 'labels' one label per step)\n"
+
+
+def test_prm_train_help_lists_the_fields(capsys):
+    assert main(["prm", "train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, help_text, _, _ in PRMTrainConfig.describe():
+        assert f"{name:32s} {help_text}" in out
+    assert "max_length" in out and "Tokens kept per example" in out

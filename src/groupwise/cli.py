@@ -185,6 +185,11 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_prm_train(argv: list[str]) -> int:
     from groupwise.prm_train import PRMTrainConfig, train_prm
 
+    if any(a in ("-h", "--help") for a in argv):  # the fields, as `groupwise fields` lists GRPOConfig's
+        print("usage: groupwise prm train [CONFIG.yaml] [--field value …]; fields (PRMTrainConfig):")
+        for name, help_text, default, _ in PRMTrainConfig.describe():
+            print(f"{name:32s} {help_text} (default {default!r})")
+        return 0
     config_path = argv[0] if argv and not argv[0].startswith("--") else None
     values = load_yaml(config_path) if config_path else {}
     values.update(parse_overrides(argv[1:] if config_path else argv))

@@ -1,7 +1,9 @@
 """`groupwise prm train CONFIG.yaml` — train a token-classification process reward model from step-labelled JSONL
 (one object per line: `prompt`, `steps` (list of strings), `labels` (one 0/1 or bool per step, 1 = good step):
-the Math-Shepherd / PRM800K shape), evaluate step-level accuracy and F1 on a held-out split, and save a folder that
-`groupwise.rewards.prm.load_prm` (and `process_reward_funcs: [{path: …}]`) loads directly.
+the Math-Shepherd / PRM800K shape; TRL's stepwise-supervision datasets, whose steps are in `completions`, are read
+as they are), evaluate step-level accuracy and F1 on a held-out split, and save a folder that
+`groupwise.rewards.prm.load_prm` (and `process_reward_funcs: [{path: …}]`) loads directly; groupwise_prm.json
+there records the kind, separator, positive label and max_length, which scoring uses by default.
 
 Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`): the loss is the cross-entropy of
 the step label at the last token of each step's separator; every other position is ignored.
@@ -28,7 +30,7 @@ from groupwise.text import ensure_pad_token, pad_rows
 @dataclass
 class PRMTrainConfig(StrictConfig):
     model_name_or_path: str = option("Base model folder or hub id (a causal LM gets a new 2-label token-classification head).", default="")
-    train_file: str = option("Step-labelled JSONL: prompt, steps, labels.", default="")
+    train_file: str = option("Step-labelled JSONL: prompt, steps (or TRL's completions), labels.", default="")
     eval_file: str | None = option("Held-out JSONL (default: eval_fraction of train_file, seeded).", default=None)
     eval_fraction: float = option("Share of train_file held out when eval_file is not given.", default=0.1, gt=0, lt=1)
     output_dir: str = option("Where the trained PRM (safetensors), its tokenizer and eval_metrics.json go.", default="outputs/prm")
@@ -52,29 +54,35 @@ class PRMTrainConfig(StrictConfig):
 
 
 def read_step_jsonl(path: str) -> list[dict[str, Any]]:
+    """Rows {prompt, steps, labels} of a step-labelled JSONL; the steps may be given as `steps` or, as in TRL's
+    stepwise-supervision datasets, `completions`. A bad line is a ConfigError naming the file, line and field."""
     rows = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
-            for key in ("prompt", "steps", "labels"):
+                raise ConfigError(f"{where}: not JSON ({e}): write one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: a line must be a JSON object with prompt, steps, labels")
+            step_key = "steps" if "steps" in row or "completions" not in row else "completions"
+            for key in ("prompt", step_key, "labels"):
                 if key not in row:
-                    raise ValueError(f"{path}:{line_no}: missing {key!r} (need prompt, steps, labels)")
-            steps, labels = row["steps"], row["labels"]
+                    raise ConfigError(f"{where}: missing {key!r} (need prompt, steps (or TRL's completions), labels)")
+            steps, labels = row[step_key], row["labels"]
             if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
-                raise ValueError(f"{path}:{line_no}: 'steps' must be a list of strings")
+                raise ConfigError(f"{where}: {step_key!r} must be a list of strings (one per step)")
             if not isinstance(labels, list) or len(labels) != len(steps):
-                raise ValueError(f"{path}:{line_no}: {len(labels) if isinstance(labels, list) else labels!r} labels "
-                                 f"for {len(steps)} steps (one label per step)")
-            if not all(lbl in (0, 1, True, False) for lbl in labels):
-                raise ValueError(f"{path}:{line_no}: labels must be 0/1 or true/false, got {labels}")
+                raise ConfigError(f"{where}: {len(labels) if isinstance(labels, list) else labels!r} labels for "
+                                  f"{len(steps)} steps (give 'labels' one label per step)")
+            if not all(lbl in (0, 1) for lbl in labels):  # True / False are 1 / 0
+                raise ConfigError(f"{where}: labels must be 0/1 or true/false, got {labels}")
             rows.append({"prompt": row["prompt"], "steps": steps, "labels": [int(x) for x in labels]})
     if not rows:
-        raise ValueError(f"{path}: no examples")
+        raise ConfigError(f"{path}: no examples (need JSONL lines of prompt, steps, labels)")
     return rows
 
 
@@ -134,7 +142,8 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         rng.shuffle(order)
         n_eval = max(1, int(round(cfg.eval_fraction * len(rows))))
         if n_eval >= len(rows):
-            raise ValueError(f"{cfg.train_file} has {len(rows)} examples: too few to hold out {n_eval} for evaluation")
+            raise ConfigError(f"{cfg.train_file} has {len(rows)} examples: too few to hold out {n_eval} for "
+                              "evaluation (give more, or an eval_file)")
         eval_rows = [rows[i] for i in order[:n_eval]]
         train_rows = [rows[i] for i in order[n_eval:]]
     torch.manual_seed(cfg.seed)
@@ -170,8 +179,9 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
     (out / PRM_CONFIG).write_text(json.dumps({"kind": "token_classification", "separator": cfg.separator,
-                                              "positive_label": 1}, indent=2))
+                                              "positive_label": 1, "max_length": cfg.max_length}, indent=2))
     metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
                "train/examples": float(len(train_enc)), "train/steps": float(step)}
     (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -5,6 +5,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
                           LlamaForTokenClassification)
 
+from groupwise.config_base import ConfigError
 from groupwise.rewards.prm import (PrefixClassificationPRM, StepTagPRM, TokenClassificationPRM, build_prm_input,
                                    load_prm)
 
@@ -68,6 +69,33 @@ def test_prefix_classification_prm(tokenizer):
     assert got[1][1] == pytest.approx(float(model(input_ids=torch.tensor([ids])).logits[0, 0]), abs=1e-5)
 
 
+def test_prefix_classification_leaves_steps_cut_by_max_length_unscored(tokenizer):
+    # char tokenizer, no BOS: "q:" = 2 tokens, then each step "ab" "cd" "ef" "gh" + "\n" = 3 tokens, so the steps'
+    # separators sit at 4, 7, 10, 13; max_length=8 keeps steps 1 and 2 (prefixes of 5 and 8 tokens), and steps 3
+    # and 4 get None, without a forward pass (before, they were scored on the cut 8-token prefix: step 2's score)
+    model = LlamaForSequenceClassification(_cfg(tokenizer, num_labels=1)).eval()
+    rows_seen = []
+    model.register_forward_hook(lambda m, args, kwargs, out: rows_seen.append(kwargs["input_ids"].shape),
+                                with_kwargs=True)
+    prm = PrefixClassificationPRM(model, tokenizer, max_length=8)
+    got = prm(prompts=["q:"], completions=[""], steps=[["ab", "cd", "ef", "gh"]])
+    ids, pos = build_prm_input(tokenizer, "q:", ["ab", "cd", "ef", "gh"], "\n")
+    assert pos == [4, 7, 10, 13]
+    expected = [float(model(input_ids=torch.tensor([ids[:n]])).logits[0, 0]) for n in (5, 8)]
+    assert got[0][:2] == pytest.approx(expected, abs=1e-5) and got[0][2:] == [None, None]
+    assert rows_seen[0] == (2, 8)  # one batch: the two prefixes that fit (5 and 8 tokens, padded to 8)
+
+
+def test_positive_label_is_checked_for_every_classifier(tokenizer):
+    two = LlamaForSequenceClassification(_cfg(tokenizer, num_labels=2))
+    with pytest.raises(ConfigError, match=r"positive_label=2 but the PRM has 2 labels: give .* 0 to 1"):
+        PrefixClassificationPRM(two, tokenizer, positive_label=2)
+    with pytest.raises(ConfigError, match=r"positive_label=-1 but the PRM has 2 labels"):
+        TokenClassificationPRM(LlamaForTokenClassification(_cfg(tokenizer, num_labels=2)), tokenizer, positive_label=-1)
+    # one label: the score is logits[0], positive_label (default 1) is not read
+    PrefixClassificationPRM(LlamaForSequenceClassification(_cfg(tokenizer, num_labels=1)), tokenizer)
+
+
 def test_load_prm_from_folder_with_recorded_kind(tmp_path, tokenizer):
     model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2))
     model.save_pretrained(tmp_path)
@@ -75,6 +103,7 @@ def test_load_prm_from_folder_with_recorded_kind(tmp_path, tokenizer):
     (tmp_path / "groupwise_prm.json").write_text(json.dumps({"kind": "token_classification", "separator": "\n"}))
     prm = load_prm(str(tmp_path))
     assert isinstance(prm, TokenClassificationPRM) and prm.separator == "\n"
+    assert prm.max_length is None  # a file from before max_length was recorded still loads
     assert len(prm(prompts=["a"], completions=[""], steps=[["b", "c"]])[0]) == 2
     with pytest.raises(ValueError, match="PRM kind"):
         load_prm(str(tmp_path), kind="value_head")

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from groupwise.config_base import ConfigError
 from groupwise.rewards import RewardFunctionError
 from groupwise.rewards.process import compute_step_rewards, load_process_reward_sources
 from groupwise.core.supervision import token_advantages
@@ -55,3 +56,29 @@ def test_supervision_both_by_hand():
     assert torch.equal(both, torch.tensor([[1.25, 1.25, 1.0], [-2.0, -1.0, -1.0]]))
     assert token_advantages("outcome", outcome, None) is outcome
     assert token_advantages("process", None, process) is process
+
+
+def test_a_prm_folder_given_as_a_string(tmp_path, tokenizer):
+    """A folder written by `groupwise prm train` (it holds groupwise_prm.json) loads as the PRM it records; any
+    other folder is named with the spec to write, instead of being loaded as an outcome reward model."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    from groupwise.rewards.prm import TokenClassificationPRM
+
+    torch.manual_seed(0)
+    model = LlamaForTokenClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, num_labels=2))
+    for folder in (tmp_path / "prm", tmp_path / "other"):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    (tmp_path / "prm" / "groupwise_prm.json").write_text(json.dumps({"kind": "token_classification",
+                                                                     "separator": "\n", "max_length": 64}))
+    [source] = load_process_reward_sources([str(tmp_path / "prm")])
+    assert isinstance(source.fn, TokenClassificationPRM) and source.fn.max_length == 64
+    assert len(source.fn(prompts=["a"], completions=[""], steps=[["b", "c"]])[0]) == 2
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]='.*other' is a folder without "
+                                          r"groupwise_prm.json: give a PRM as \{path: .*, kind: "):
+        load_process_reward_sources([str(tmp_path / "other")])

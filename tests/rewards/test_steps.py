@@ -5,6 +5,10 @@ from groupwise.rewards.steps import StepSplitter
 
 @pytest.fixture(scope="module")
 def bpe():
+    return _train_bpe()
+
+
+def _train_bpe():
     """A byte-level BPE tokenizer trained in-process, whose merges make tokens that span "\\n" and whose byte
     pieces split multi-byte characters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -92,6 +96,62 @@ def test_regex_and_tag_modes(bpe, tokenizer):
     # "ки" is 4 bytes in UTF-8: the step ends at the token completing it, not at a token holding half of "и"
     assert "ки" in bpe.decode(tag_ids[: t.ends[0] + 1]) and "ки" not in bpe.decode(tag_ids[: t.ends[0]])
     _check_ends(bpe, tag_ids, t, StepSplitter("tag", step_tag="ки"))
+
+
+def test_a_step_tag_that_is_a_special_token(tokenizer):
+    # "<extra_0>" added as a special token (Qwen-style markers are): a=1<extra_0>b=2<extra_0><eos> = tokens 0..8.
+    # Decoding with skip_special_tokens=True would drop the tag and find one step "a=1b=2"; the tag is kept:
+    # "a=1" ends at its tag (3), "b=2" at the EOS (8)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
+    tag = tokenizer.convert_tokens_to_ids("<extra_0>")
+    a, b = (tokenizer(t, add_special_tokens=False).input_ids for t in ("a=1", "b=2"))
+    splitter = StepSplitter("tag", step_tag="<extra_0>")
+    s = splitter.split(a + [tag] + b + [tag, tokenizer.eos_token_id], tokenizer, ends_with_eos=True, truncated=False)
+    assert s.texts == ("a=1", "b=2") and s.ends == (3, 8) and not s.truncated_last
+    # other special tokens are still dropped from the text without moving the boundaries: a <pad> at 1 and at 5,
+    # a = <pad> 1 <extra_0> b <pad> = 2 (cut, no EOS) = 0..8; "a=1" ends at its tag (4), "b=2" (open) at 8
+    pad = tokenizer.pad_token_id
+    ids = a[:1] + [pad] + a[1:] + [tag] + b[:1] + [pad] + b[1:]
+    s = splitter.split(ids, tokenizer, ends_with_eos=False, truncated=True)
+    assert s.texts == ("a=1", "b=2") and s.ends == (4, 8) and s.truncated_last
+
+
+def test_special_and_plain_step_tags_split_alike():
+    """The same token ids split the same whether the tag is a special token or a plain added one, on byte-level
+    BPE with merges across the tag and multi-byte characters (a seeded fuzz)."""
+    import random
+
+    special, plain = _train_bpe(), _train_bpe()
+    special.add_special_tokens({"additional_special_tokens": ["<t>"]})
+    plain.add_tokens(["<t>"])
+    assert special.convert_tokens_to_ids("<t>") == plain.convert_tokens_to_ids("<t>")
+    rng = random.Random(0)
+    pieces = ["x", " = ", "1", "2.", "\n", "Then", " y", "é", "中", "文", " ", "<t>", "<t>\n", " <t>"]
+    splitter = StepSplitter("tag", step_tag="<t>")
+    found = 0
+    for _ in range(150):
+        ids = plain("".join(rng.choice(pieces) for _ in range(rng.randint(1, 20))), add_special_tokens=False).input_ids
+        if not ids:
+            continue
+        eos = rng.random() < 0.5
+        full = ids + [plain.eos_token_id] if eos else ids
+        want = splitter.split(full, plain, ends_with_eos=eos, truncated=not eos)
+        assert splitter.split(full, special, ends_with_eos=eos, truncated=not eos) == want
+        found += len(want) > 1
+    assert found > 50  # most samples have a tag inside
+
+
+def test_a_turn_finished_before_the_cut_is_not_truncated(tokenizer):
+    # turn "ab" + EOS = tokens 0..2, then the tool result "=2\n" = 3..5 fills max_completion_length, so the rollout
+    # does not end with EOS (truncated) but its only turn ended at 2 < 5: complete, kept by drop-last
+    turn = tokenizer("ab", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ids = turn + tokenizer("=2\n", add_special_tokens=False).input_ids
+    s = StepSplitter("turn").split_turns(ids, [1, 1, 1, 0, 0, 0], [2], tokenizer, truncated=True)
+    assert s.texts == ("ab",) and s.ends == (2,) and not s.truncated_last
+    # the second turn "cd" = 6..7 cut by the budget (its end 7 is the last token): truncated
+    ids2 = ids + tokenizer("cd", add_special_tokens=False).input_ids
+    s = StepSplitter("turn").split_turns(ids2, [1, 1, 1, 0, 0, 0, 1, 1], [2, 7], tokenizer, truncated=True)
+    assert s.texts == ("ab", "cd") and s.ends == (2, 7) and s.truncated_last
 
 
 def test_bad_splitter_settings():

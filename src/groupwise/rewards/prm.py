@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from groupwise.config_base import ConfigError
 from groupwise.text import ensure_pad_token, pad_rows
 
-PRM_CONFIG = "groupwise_prm.json"  # written by `groupwise prm train`: kind, separator, positive label
+PRM_CONFIG = "groupwise_prm.json"  # written by `groupwise prm train`: kind, separator, positive label, max_length
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -91,15 +92,19 @@ class _PRM:
                 for i, (pos, s) in enumerate(zip(positions, steps))]
 
 
+def _check_positive_label(positive_label: int, n: int) -> int:
+    if isinstance(positive_label, bool) or not isinstance(positive_label, int) or not 0 <= positive_label < n:
+        raise ConfigError(f"positive_label={positive_label!r} but the PRM has {n} labels: give the index of the "
+                          f"good-step label, 0 to {n - 1}")
+    return positive_label
+
+
 class TokenClassificationPRM(_PRM):
     kind = "token_classification"
 
     def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
         super().__init__(model, tokenizer, **kw)
-        n = model.config.num_labels
-        if not 0 <= positive_label < n:
-            raise ValueError(f"positive_label={positive_label} but the PRM has {n} labels")
-        self.positive_label = positive_label
+        self.positive_label = _check_positive_label(positive_label, model.config.num_labels)
 
     def _score(self, prompts, steps):
         ids, mask, positions = self._inputs(prompts, steps)
@@ -141,14 +146,18 @@ class PrefixClassificationPRM(_PRM):
 
     def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
         super().__init__(model, tokenizer, **kw)
-        self.positive_label = positive_label
+        n = model.config.num_labels  # one label: the score is logits[0] and positive_label is not read
+        self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
 
     def _score(self, prompts, steps):
-        prefixes = [(i, j) for i, s in enumerate(steps) for j in range(len(s))]
-        texts = [build_prm_input(self.tokenizer, prompts[i], steps[i][:j + 1], self.separator,
-                                 max_length=self.max_length)[0] for i, j in prefixes]
+        # prefix j = prompt + steps 1..j with their separators = the tokens up to step j's judged position (its
+        # separator's last token); a step cut by max_length has no position: None, and no forward pass
+        built = [build_prm_input(self.tokenizer, p, s, self.separator, max_length=self.max_length)
+                 for p, s in zip(prompts, steps)]
+        prefixes = [(i, j) for i, (_, pos) in enumerate(built) for j in range(len(pos))]
+        texts = [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
         scores: list[float] = []
         for lo in range(0, len(texts), self.batch_size):
             ids, mask = (t.to(self.device) for t in pad_rows(texts[lo:lo + self.batch_size], self.tokenizer.pad_token_id))
@@ -157,9 +166,9 @@ class PrefixClassificationPRM(_PRM):
                 scores += logits[:, 0].tolist()
             else:
                 scores += torch.softmax(logits, -1)[:, self.positive_label].tolist()
-        out: list[list[float]] = [[] for _ in steps]
-        for (i, _), v in zip(prefixes, scores):
-            out[i].append(v)
+        out: list[list[float | None]] = [[None] * len(s) for s in steps]
+        for (i, j), v in zip(prefixes, scores):
+            out[i][j] = v
         return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from typing import Any
 
 import torch
@@ -43,12 +44,20 @@ def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, devic
 
 def resolve_process_spec(spec: Any, where: str) -> Any:
     """A step-reward spec checked before any model loads: 'package.module:function' → the function; a PRM spec
-    {"path": …, "kind": …} needs a path that exists locally or is a hub id; anything else unchanged."""
+    {"path": …, "kind": …} needs a path that exists locally or is a hub id; a folder written by `groupwise prm
+    train` (it holds groupwise_prm.json) given as a plain string → {"path": folder}; anything else unchanged."""
+    from groupwise.rewards.prm import PRM_CONFIG
+
     if isinstance(spec, dict):
         if "path" not in spec:
             raise ConfigError(f"{where}: a PRM spec needs 'path': {spec!r}")
         check_location(spec["path"], f"{where}.path")
         return spec
+    if isinstance(spec, str) and os.path.isdir(os.path.expanduser(spec)):
+        if os.path.isfile(os.path.join(os.path.expanduser(spec), PRM_CONFIG)):
+            return {"path": spec}  # kind, separator, positive label, max_length recorded there
+        raise ConfigError(f"{where}={spec!r} is a folder without {PRM_CONFIG}: give a PRM as {{path: {spec}, kind: "
+                          "token_classification | step_tag | prefix_classification}")
     return resolve_spec(spec, where)
 
 

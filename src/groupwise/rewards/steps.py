@@ -73,7 +73,7 @@ class StepSplitter:
         if mode not in SPLIT_MODES:
             raise ConfigError(f"step_split={mode!r} is not one of {list(SPLIT_MODES)}")
         self.regex = SPLIT_MODES[mode].check(step_delimiter=delimiter, step_pattern=pattern, step_tag=step_tag)
-        self.mode = mode
+        self.mode, self.step_tag = mode, step_tag
 
     @classmethod
     def from_config(cls, args) -> "StepSplitter":
@@ -99,8 +99,8 @@ class StepSplitter:
                     truncated: bool) -> Steps:
         """Steps of one multi-turn completion: step k is assistant turn k, its text the turn's own tokens decoded
         (from the first model token after turn k − 1's end to turn_ends[k]; tool / environment tokens in between
-        belong to no step), ending at turn_ends[k]. When the rollout was cut by max_completion_length, the last
-        turn is marked truncated_last."""
+        belong to no step), ending at turn_ends[k]. When the rollout was cut by max_completion_length inside the
+        last turn (its end is the last token), that turn is marked truncated_last."""
         texts, start = [], 0
         for end in turn_ends:
             while start < end and not tool_mask[start]:  # skip the tool suffix before this turn
@@ -108,12 +108,16 @@ class StepSplitter:
             texts.append(tokenizer.decode(token_ids[start:end + 1], skip_special_tokens=True,
                                           clean_up_tokenization_spaces=False).strip())
             start = end + 1
-        return Steps(tuple(texts), tuple(turn_ends), truncated_last=truncated and bool(turn_ends))
+        # a rollout cut inside the tool / environment suffix after a finished turn has no truncated turn: the last
+        # turn was cut only when its end is the completion's last token
+        cut_last = truncated and bool(turn_ends) and turn_ends[-1] == len(token_ids) - 1
+        return Steps(tuple(texts), tuple(turn_ends), truncated_last=cut_last)
 
     def split(self, token_ids: list[int], tokenizer, *, ends_with_eos: bool, truncated: bool) -> Steps:
         """Steps of one completion. `token_ids` excludes padding; its last token is the EOS when ends_with_eos."""
         text_ids = token_ids[:-1] if ends_with_eos else token_ids
-        decode = _PrefixDecoder(text_ids, tokenizer)
+        dropped = self._dropped_ids(text_ids, tokenizer) if self.mode == "tag" else None
+        decode = _PrefixDecoder(text_ids, tokenizer, dropped)
         pieces = self.split_text(decode.text)
         if not pieces:
             return Steps((), ())
@@ -127,18 +131,38 @@ class StepSplitter:
         final_open = pieces[-1][1] == -1
         return Steps(tuple(texts), tuple(ends), truncated_last=final_open and truncated)
 
+    def _dropped_ids(self, ids: list[int], tokenizer) -> frozenset[int]:
+        """Tag mode: the special tokens among `ids` that decoding with skip_special_tokens=True drops, except the
+        step tag's own tokens, which must stay in the text even when the tag is a special token (e.g. "<extra_0>")."""
+        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+        tag_ids = set(tokenizer(self.step_tag, add_special_tokens=False)["input_ids"])
+        return frozenset(i for i in (set(ids) & special) - tag_ids
+                         if tokenizer.decode([i], skip_special_tokens=True)
+                         != tokenizer.decode([i], skip_special_tokens=False))
+
 
 class _PrefixDecoder:
     """len(decode(ids[:i+1])) for any i, memoised; decoding prefixes keeps the tokenizer's own handling of
-    byte-level pieces, merges and leading spaces."""
+    byte-level pieces, merges and leading spaces. With `dropped` (tag mode) those ids are left out and the rest
+    decoded with the special tokens kept, so a step tag that is a special token stays in the text; the same as
+    skip_special_tokens=True otherwise, since that drops exactly the special tokens, one by one."""
 
-    def __init__(self, ids: list[int], tokenizer):
-        self.ids, self.tok = ids, tokenizer
+    def __init__(self, ids: list[int], tokenizer, dropped: frozenset[int] | None = None):
+        self.ids, self.tok, self.dropped = ids, tokenizer, dropped
         self.cache: dict[int, int] = {}
+        if dropped is not None:
+            self.kept, self.kept_before = [], [0]  # kept_before[n]: kept ids among ids[:n]
+            for i in ids:
+                if i not in dropped:
+                    self.kept.append(i)
+                self.kept_before.append(len(self.kept))
         self.text = self._decode(len(ids))
 
     def _decode(self, n: int) -> str:
-        return self.tok.decode(self.ids[:n], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if self.dropped is None:
+            return self.tok.decode(self.ids[:n], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tok.decode(self.kept[:self.kept_before[n]], skip_special_tokens=False,
+                               clean_up_tokenization_spaces=False)
 
     def length(self, i: int) -> int:  # characters fully covered by tokens 0..i
         if i not in self.cache:
