@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, at_step, curve_tables, mean_sd, plot_curves, run_metrics  # noqa: E402
 
-KEY = "eval/accuracy"
+KEY = "eval_rewards/accuracy/mean"
 
 
 def run(supervision: str, seed: int, max_steps: int, eval_steps: int, out: Path) -> list[dict]:

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, at_step, curve_tables, last, mean_sd, plot_curves, run_metrics  # noqa: E402
 
-EVAL_KEY = "eval/CalculatorEnv"  # held-out greedy accuracy: the environment's get_reward on 200 held-out problems
+EVAL_KEY = "eval_rewards/CalculatorEnv/mean"  # held-out greedy accuracy: the environment's get_reward on 200 held-out problems
 COLORS = {"outcome": "tab:blue", "process": "tab:orange", "both": "tab:green"}
 LABELS = {"outcome": "outcome only", "process": "per-turn process", "both": "outcome + per-turn"}
 
@@ -95,7 +95,7 @@ def main() -> None:
     for sup, rs in runs.items():
         md.append(f"| {sup} | {mean_sd([last(r, 'tools/call_frequency') for r in rs], 1, 2)} | "
                   f"{mean_sd([last(r, 'tools/failure_frequency') for r in rs], 1, 3)} | "
-                  f"{mean_sd([last(r, 'reward/CalculatorEnv/mean') for r in rs], 1, 3)} | "
+                  f"{mean_sd([last(r, 'rewards/CalculatorEnv/mean') for r in rs], 1, 3)} | "
                   f"{mean_sd(seconds[sup], 1, 0)} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text("\n".join(md) + "\n")

@@ -23,7 +23,7 @@ def main():
     trainer = GRPOTrainer(model, short_and_on_letter, args=args, train_dataset=toy.dataset(128),
                           processing_class=tokenizer)
     metrics = trainer.train()
-    print(f"final mean reward {metrics['reward/mean']:.3f}")
+    print(f"final mean reward {metrics['reward']:.3f}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def same(out: Path) -> None:
         global_adv = outcome_advantages(scores.rewards, **opts) if step_scores is None else \
             process_advantages(step_scores.rewards, step_scores.ends, T, **opts)
         result[case] = {"advantages": global_adv.tolist(), "local": batch.advantages.tolist(),
-                        "loss": metrics["loss/policy"]}
+                        "loss": metrics["loss"]}
         if dist.is_main:
             save_file({k: v.contiguous() for k, v in dist.unwrap(model).model.state_dict().items()},
                       str(out / f"weights_{case}.safetensors"))

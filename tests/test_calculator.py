@@ -244,7 +244,7 @@ def test_two_training_steps_with_the_environment(tmp_path):
     train = [x for x in lines if "tools/call_frequency" in x]
     assert [x["step"] for x in train] == [1, 2]
     assert all(x["tools/call_frequency"] > 0.5 and x["tools/failure_frequency"] < 0.5 for x in train)
-    assert all("reward/CalculatorEnv/mean" in x for x in train)
+    assert all("rewards/CalculatorEnv/mean" in x for x in train)
 
 
 @pytest.mark.slow
@@ -255,7 +255,7 @@ def test_cli_runs_the_builtin_demo(tmp_path, capsys):
     assert main(["train", "builtin:calculator", "--max_steps", "1", "--num_generations", "4",
                  "--per_device_train_batch_size", "8", "--output_dir", str(out)]) == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if "eval/CalculatorEnv" in x] == [0, 1]
+    assert [x["step"] for x in lines if "eval_rewards/CalculatorEnv/mean" in x] == [0, 1]
     assert "builtin:calculator" in capsys.readouterr().out
     assert main(["train", "builtin:nope"]) == 2
     assert main(["train", "builtin:calculator", "--model_name_or_path", "x"]) == 2

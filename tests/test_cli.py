@@ -84,21 +84,21 @@ def test_process_supervision_from_the_command_line(tmp_path, model_dir):
                   process_reward_funcs=["tests.test_trainer:_steps_with_letter"])
     assert main(["train", cfg, "--max_steps", "1"]) == 0
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "process/step_reward_mean" in line and "reward/mean" not in line
+    assert "process/step_reward_mean" in line and "reward" not in line
 
 
 @pytest.mark.slow
 def test_demo_runs_two_steps(tmp_path, capsys):
     """`groupwise train` with no config runs the embedded demo: shipped policy, process supervision, eval before and
-    after, table, metrics with eval/accuracy at step 0 and at the end, checkpoint, plot."""
+    after, table, metrics with eval_rewards/accuracy/mean at step 0 and at the end, checkpoint, plot."""
     out = tmp_path / "demo"
     assert main(["train", "--max_steps", "2", "--output_dir", str(out)]) == 0
     assert (out / "checkpoint-2" / "model.safetensors").exists()
     assert (out / "reward_accuracy.png").stat().st_size > 1000
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [x for x in lines if "eval/accuracy" in x]
+    evals = [x for x in lines if "eval_rewards/accuracy/mean" in x]
     assert [x["step"] for x in evals] == [0, 2]
-    assert 0.15 <= evals[0]["eval/accuracy"] <= 0.5  # the shipped warm start leaves room for RL
+    assert 0.15 <= evals[0]["eval_rewards/accuracy/mean"] <= 0.5  # the shipped warm start leaves room for RL
     assert any("process/step_reward_mean" in x for x in lines)
     assert "before" in capsys.readouterr().out
 
@@ -113,7 +113,7 @@ def test_builtin_task_brings_its_step_rewards(tmp_path):
                  "--per_device_train_batch_size", "8", "--max_completion_length", "16", "--max_prompt_length", "null",
                  "--output_dir", str(out), "--save_steps", "0"]) == 0
     line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "process/step_correct/errors" in line and "reward/accuracy/mean" in line
+    assert "process/step_correct/errors" in line and "rewards/accuracy/mean" in line
     assert main(["train", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", "builtin:nope"]) == 2
 
 
@@ -146,9 +146,9 @@ def test_config_run_of_the_calculator_task(tmp_path):
     assert main([*common, "--eval_dataset_name", "builtin:calculator", "--eval_strategy", "steps", "--eval_steps",
                  "1", "--output_dir", str(out)]) == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in lines if "reward/CalculatorEnv/mean" in x]
+    train = [x for x in lines if "rewards/CalculatorEnv/mean" in x]
     assert train and train[-1]["tools/call_frequency"] > 0
-    assert any("eval/CalculatorEnv" in x for x in lines)  # held-out problems, through the tool loop
+    assert any("eval_rewards/CalculatorEnv/mean" in x for x in lines)  # held-out problems, through the tool loop
     # process supervision reads the environment's per-turn rewards: with step_split turn it trains ...
     assert main([*common, "--supervision", "process", "--step_split", "turn", "--output_dir", str(tmp_path / "p")]) == 0
     line = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])

@@ -51,6 +51,10 @@ def test_trl_spellings_and_coercion():
     assert GRPOConfig(resume_from_checkpoint="out/checkpoint-5").resume_from_checkpoint == "out/checkpoint-5"
     with pytest.raises(ConfigError, match="bf16='yes' must be of type bool"):
         GRPOConfig(bf16="yes")
+    # report_to: None is no tracker, 'all' every installed one (transformers)
+    from groupwise.logging import installed_trackers
+
+    assert GRPOConfig(report_to=None).report_to == [] and GRPOConfig(report_to="all").report_to == installed_trackers()
 
 
 def test_layout_counts_completions_like_trl(monkeypatch):

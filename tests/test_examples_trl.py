@@ -41,8 +41,8 @@ def test_async_reward(tmp_path):
     _run("async_reward.py", tmp_path)
     last = _lines(tmp_path / "async-reward" / "metrics.jsonl")[-1]
     for name in ("reward_func", "async_reward_func1", "async_reward_func2"):
-        assert last[f"reward/{name}/errors"] == 0.0 and last[f"reward/{name}/mean"] == last[f"reward/{name}/mean"]
-    assert last["reward/async_reward_func1/mean"] == 1.0  # every completion non-empty
+        assert last[f"rewards/{name}/errors"] == 0.0 and last[f"rewards/{name}/mean"] == last[f"rewards/{name}/mean"]
+    assert last["rewards/async_reward_func1/mean"] == 1.0  # every completion non-empty
 
 
 @pytest.mark.slow
@@ -61,6 +61,6 @@ def test_tools(tmp_path):
     assert [x["step"] for x in lines] == [1, 2]
     # tools/* are logged (TRL's names) and only model tokens count in the lengths
     assert all("tools/call_frequency" in x and "tools/failure_frequency" in x for x in lines)
-    assert all(x["reward/correctness_reward/errors"] == 0.0 for x in lines)
+    assert all(x["rewards/correctness_reward/errors"] == 0.0 for x in lines)
     rows = _lines(tmp_path / "tools" / "completions.jsonl")
     assert rows and all(isinstance(r["completion"], list) and r["completion"][0]["role"] == "assistant" for r in rows)

@@ -200,7 +200,7 @@ def test_infinite_reward_is_unscored_and_counted(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, reward=inf_first, max_steps=2)
     with pytest.warns(RuntimeWarning, match="returned ±inf"):
         metrics = t.train()
-    assert metrics["train/skipped_steps"] == 0.0 and metrics["reward/inf_first/errors"] == 1.0
+    assert metrics["train/skipped_steps"] == 0.0 and metrics["rewards/inf_first/errors"] == 1.0
 
 
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path, tokenizer, model_dir, capsys, monkeypatch):
@@ -278,7 +278,7 @@ def test_reward_timeout_scores_the_call_nan_and_goes_on(tmp_path, tokenizer):
     with pytest.warns(RuntimeWarning, match=r"'slow_once' did not return within reward_timeout=0.5 s: its 8 rows"):
         t.train()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert lines[0]["reward/slow_once/errors"] == 8.0 and lines[1]["reward/slow_once/errors"] == 0.0
+    assert lines[0]["rewards/slow_once/errors"] == 8.0 and lines[1]["rewards/slow_once/errors"] == 0.0
     assert time.perf_counter() - start < 30
 
 
@@ -531,7 +531,7 @@ def test_checkpoints_from_before_checksums_resume_with_a_warning(saved, tmp_path
 
 def test_resume_leaves_other_runs_metrics_lines_alone(saved, tmp_path, tokenizer):
     metrics = saved / "metrics.jsonl"
-    foreign = json.dumps({"step": 7, "run_id": "someone-else", "loss/policy": 1.0})
+    foreign = json.dumps({"step": 7, "run_id": "someone-else", "loss": 1.0})
     metrics.write_text(metrics.read_text() + foreign + "\n")
     _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2).train(
         resume_from_checkpoint=str(saved / "checkpoint-2"))

@@ -6,7 +6,7 @@ from groupwise.distributed import Distributed
 from groupwise.text import completion_masks, encode_prompts
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
-from groupwise.types import Completions, Round
+from groupwise.types import Completions, Round, Scores
 
 
 def _completions(tokenizer, texts, T=8):
@@ -39,3 +39,27 @@ def test_process_advantages_through_the_rollout_by_hand(tokenizer):
     metrics = R.round_metrics(ctx, Round(comp, adv, torch.full((2,), float("nan")), None, None, None, None, steps))
     assert metrics["process/no_step_completions"] == 1.0 and metrics["process/steps_per_completion"] == 1.0
     assert metrics["process/step_reward_mean"] == 0.5 and metrics["process/zero_std_groups"] == 0.0
+
+
+def test_round_metrics_follow_trls_definitions_by_hand():
+    """Two groups of G = 2. Completion lengths (EOS included) 3, 4 (truncated: no EOS), 1, 2; prompt tokens 2 each.
+    completions/*: mean 10/4 = 2.5, min 1, max 4, clipped 1/4; terminated (3, 1, 2): mean 2, min 1, max 3.
+    num_tokens: 4·2 + 10 = 18. Rewards [[1, 1], [0, 3]]: reward = 5/4 = 1.25; reward_std with Bessel's
+    correction: squares (0.0625·2 + 1.5625 + 3.0625) = 4.75 over 3 → √1.58333 = 1.258306 (population would be
+    1.089725); group 0 has no spread: frac_reward_zero_std = 1/2. rewards/f/std of [1, 1, NaN, 3]: mean 5/3,
+    squares (4/9·2 + 16/9) = 24/9 over 2 → √(4/3) = 1.154701."""
+    ids = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [2, 0, 0, 0], [5, 2, 0, 0]])
+    mask = (torch.arange(4) < torch.tensor([[3], [4], [1], [2]])).long()
+    comp = Completions(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long), ids, mask,
+                       torch.tensor([False, True, False, False]), ["q"] * 4, ["c"] * 4, {})
+    per_func = torch.tensor([[[1.0], [1.0]], [[float("nan")], [3.0]]])
+    scores = Scores(per_func, torch.tensor([[1.0, 1.0], [0.0, 3.0]]), ("f",), torch.zeros(1))
+    ctx = R.RolloutContext(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4), tokenizer=None,
+                           generator=None, dist=Distributed(), eos_token_ids=[2])
+    m = R.round_metrics(ctx, Round(comp, torch.zeros(4), scores.rewards.view(-1), None, None, None, scores))
+    assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (2.5, 1, 4)
+    assert m["completions/clipped_ratio"] == 0.25 and m["num_tokens"] == 18
+    assert (m["completions/mean_terminated_length"], m["completions/min_terminated_length"],
+            m["completions/max_terminated_length"]) == (2, 1, 3)
+    assert m["reward"] == 1.25 and abs(m["reward_std"] - 1.258306) < 1e-6 and m["frac_reward_zero_std"] == 0.5
+    assert abs(m["rewards/f/mean"] - 5 / 3) < 1e-6 and abs(m["rewards/f/std"] - 1.154701) < 1e-6

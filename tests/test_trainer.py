@@ -32,7 +32,7 @@ def test_nothing_changes_when_every_completion_is_masked(tmp_path, tokenizer, ti
                  mask_truncated_completions=True, max_completion_length=4, generation_kwargs={"min_new_tokens": 4},
                  generation_backend="transformers")
     metrics = t.train()
-    assert metrics["gen/clipped_ratio"] == 1.0
+    assert metrics["completions/clipped_ratio"] == 1.0
     assert all(torch.equal(before[n].cpu(), p.detach().cpu()) for n, p in t.unwrapped.named_parameters())
 
 
@@ -43,8 +43,8 @@ def test_outputs_metrics_and_loadable_checkpoint(tmp_path, tokenizer, tiny_model
     out = tmp_path / "out"
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
-    for key in ("reward/mean", "reward/letter_reward/mean", "reward/letter_reward/errors", "loss/policy", "kl",
-                "clip/low", "clip/high", "clip/region", "entropy", "gen/mean_length", "gen/clipped_ratio", "time/step"):
+    for key in ("reward", "rewards/letter_reward/mean", "rewards/letter_reward/errors", "loss", "kl",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "completions/mean_length", "completions/clipped_ratio", "time/step"):
         assert key in lines[-1], key
     assert lines[-1]["kl"] >= 0.0
     # save_total_limit=1 keeps only the newest; no temporary folder left behind
@@ -130,7 +130,7 @@ def test_reward_exception_counted_when_configured(tmp_path, tokenizer, tiny_mode
     t = _trainer(tmp_path, tiny_model, tokenizer, funcs=[toy.letter_reward, half], max_steps=1,
                  on_reward_error="nan")
     metrics = t.train()
-    assert metrics["reward/half/errors"] >= 1
+    assert metrics["rewards/half/errors"] >= 1
 
 
 def test_eval_dataset_is_logged(tmp_path, tokenizer, tiny_model):
@@ -139,7 +139,7 @@ def test_eval_dataset_is_logged(tmp_path, tokenizer, tiny_model):
                     train_dataset=toy.dataset(16), eval_dataset=toy.dataset(5, seed=3), processing_class=tokenizer)
     t.train()
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    evals = [x for x in lines if "eval/reward/mean" in x]
+    evals = [x for x in lines if "eval_reward" in x]
     assert [x["step"] for x in evals] == [0, 1, 2]
 
 

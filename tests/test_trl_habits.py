@@ -96,7 +96,7 @@ class Recorder(TrainerCallback):
         self.events.append(("on_save", state.global_step))
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):
-        self.events.append(("on_evaluate", state.global_step, "eval/mean_length" in metrics))
+        self.events.append(("on_evaluate", state.global_step, "eval_completions/mean_length" in metrics))
 
     def on_train_end(self, args, state, control, **kw):
         self.events.append(("on_train_end", state.global_step))
@@ -111,17 +111,57 @@ def test_callbacks_see_the_events_and_can_stop_the_run(tmp_path, tokenizer):
                     callbacks=[recorder])
     t.train()
     assert t.global_step == 2 and t.state.global_step == 2  # stopped by the callback, not by max_steps
-    # transformers' order: evaluate, then save (a checkpoint of step k comes after step k's evaluation)
-    assert recorder.events == [("on_train_begin", 0), ("on_step_end", 1), ("on_step_end", 2),
-                               ("on_evaluate", 2, True), ("on_save", 2), ("on_train_end", 2)]
-    assert [x["loss/policy"] == x["loss/policy"] for x in recorder.logs] == [True, True]  # on_log every step
-    assert (tmp_path / "run" / "checkpoint-2").exists()  # the stop is treated as the last step: saved
+    # a callback's stop is not the end of the schedule: no evaluation or save that was not due (transformers)
+    assert recorder.events == [("on_train_begin", 0), ("on_step_end", 1), ("on_step_end", 2), ("on_train_end", 2)]
+    assert [x["loss"] == x["loss"] for x in recorder.logs] == [True, True]  # on_log every step
+    assert not (tmp_path / "run" / "checkpoint-2").exists()
+
+
+class Flow(TrainerCallback):
+    """Records every event; vetoes the save at step 2 (the default flow sets the flags before on_step_end)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and name != "on_step_end":
+            return lambda args, state, control, **kw: self.seen.append((name, state.global_step, round(state.epoch or 0, 4)))
+        return super().__getattribute__(name)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.seen.append(("on_step_end", state.global_step, round(state.epoch, 4), control.should_save))
+        if state.global_step == 2:
+            control.should_save = False
+
+
+def test_callback_flow_flags_events_and_list_as_transformers(tmp_path, tokenizer):
+    """12 prompts, 2 per round (8 completions, G = 4), 2 optimizer steps per round (steps_per_generation 2):
+    an epoch is 6 rounds = 12 steps, so state.epoch advances 1/12 per step; save_steps 2 sets should_save at
+    steps 2 and 4 before on_step_end, and the callback's veto at step 2 is obeyed."""
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=4, save_steps=2,
+                      per_device_train_batch_size=4, steps_per_generation=2)
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
+                    train_dataset=toy.dataset(12), processing_class=tokenizer, callbacks=[Flow])  # a class: built
+    flow = t.callback_handler.callbacks[0]
+    assert isinstance(flow, Flow) and flow.seen == [("on_init_end", 0, 0)]
+    t.add_callback(Recorder())
+    assert isinstance(t.pop_callback(Recorder), Recorder) and t.pop_callback(Recorder) is None
+    t.train()
+    ends = [e for e in flow.seen if e[0] == "on_step_end"]
+    assert ends == [("on_step_end", s, round(s / 12, 4), s % 2 == 0) for s in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4"]
+    names = [e[0] for e in flow.seen]
+    assert names[:4] == ["on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin"]
+    assert names.count("on_pre_optimizer_step") == names.count("on_optimizer_step") == 4
+    assert names[-1] == "on_train_end" and t.state.num_train_epochs == 1  # ceil(4 steps / 12 per epoch)
+    t.remove_callback(flow)
+    assert t.callback_handler.callbacks == []
 
 
 def test_state_log_history_survives_resume_and_save_model_loads(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=2)
     t.train()
-    assert [x["step"] for x in t.state.log_history] == [1, 2] and "reward/mean" in t.state.log_history[0]
+    assert [x["step"] for x in t.state.log_history] == [1, 2] and "reward" in t.state.log_history[0]
     resumed = _trainer(tmp_path, tokenizer, max_steps=3)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert [x["step"] for x in resumed.state.log_history] == [1, 2, 3]
@@ -180,3 +220,25 @@ def test_trl_trainer_attributes(tmp_path, tokenizer):
     assert isinstance(trainer.ref_model, torch.nn.Module) and trainer.ref_model is not trainer.model
     assert trainer.lr_scheduler is trainer.scheduler and trainer.num_generations == args.num_generations
     assert _trainer(tmp_path / "b", tokenizer, beta=0.0).ref_model is None
+
+
+def test_reward_names_and_tokenizers_as_trl(tmp_path, tokenizer):
+    """A functools.partial is named after the function it wraps (TRL's get_callable_name); a reward model passed
+    without its tokenizer gets the one saved with it (config._name_or_path), as TRL loads it."""
+    import functools
+
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    def weighted_len(completions, weight=1.0, **_):
+        return [weight * len(c) for c in completions]
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    rm = LlamaForSequenceClassification.from_pretrained(tmp_path / "rm")
+    sources = load_reward_sources([functools.partial(functools.partial(weighted_len, weight=2.0)), rm])
+    assert [s.name for s in sources] == ["weighted_len", "rm"]
+    assert sources[1].tokenizer.get_vocab() == tokenizer.get_vocab()
+    rewards, _ = compute_rewards(sources[:1], ["p"], ["abc"], [[0]], {})
+    assert rewards[0, 0].item() == 6.0

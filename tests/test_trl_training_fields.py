@@ -97,6 +97,52 @@ def test_lr_scheduler_kwargs_reach_the_schedule(tmp_path, tokenizer):
     assert lrs == [pytest.approx(0.5), pytest.approx(0.0, abs=1e-12)]
 
 
+def test_logged_learning_rate_is_the_rate_the_step_used_at_the_logging_step(tmp_path, tokenizer):
+    """transformers logs learning_rate (and grad_norm) as the value at the logging step, the rate that step used.
+    linear, lr 1e-3, 4 steps: step k (1-based) uses 1e-3·(1 − (k−1)/4) → logging every 2 steps: 7.5e-4 at step 2,
+    2.5e-4 at step 4 (the window's mean would be 8.75e-4 / 3.75e-4). warmup_steps 1: step 1 uses 0. warmup_ratio
+    0.1 of 15 steps: ⌈1.5⌉ = 2 warm-up steps (transformers 4 rounds up)."""
+    _trainer(tmp_path, tokenizer, max_steps=4, logging_steps=2, learning_rate=1e-3, lr_scheduler_type="linear").train()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["learning_rate"]) for x in lines] == [(2, pytest.approx(7.5e-4)), (4, pytest.approx(2.5e-4))]
+    assert "lr" not in lines[0] and "loss" in lines[0]
+    _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "w"), max_steps=2, learning_rate=1e-3, warmup_steps=1,
+             lr_scheduler_type="linear").train()
+    assert json.loads((tmp_path / "w" / "metrics.jsonl").read_text().splitlines()[0])["learning_rate"] == 0.0
+    assert GRPOConfig(warmup_ratio=0.1).warmup(15) == 2
+    with pytest.raises(ConfigError, match="lr_scheduler_type='reduce_lr_on_plateau' is not one of"):
+        GRPOConfig(lr_scheduler_type="reduce_lr_on_plateau")
+
+
+def test_evaluate_takes_transformers_arguments(tmp_path, tokenizer):
+    """evaluate(eval_dataset, ignore_keys, metric_key_prefix); a dict evaluates each dataset under its name; every
+    call is logged (state.log_history) as transformers' evaluate() logs."""
+    t = _trainer(tmp_path, tokenizer, max_steps=1)
+    out = t.evaluate(eval_dataset=toy.dataset(2), metric_key_prefix="test", ignore_keys=["completions/mean_length"])
+    assert set(out) == {"test_reward", "test_rewards/_length/mean"} and t.state.log_history[-1]["test_reward"] == \
+        out["test_reward"]
+    both = t.evaluate(eval_dataset={"a": toy.dataset(2), "b": toy.dataset(3)})
+    assert "eval_a_reward" in both and "eval_b_completions/mean_length" in both
+    with pytest.raises(ConfigError, match="evaluate\\(\\) needs an eval_dataset"):
+        t.evaluate()
+    with pytest.raises(ConfigError, match="eval_dataset is a dict of datasets"):
+        _trainer(tmp_path, tokenizer, eval_data={"a": toy.dataset(2)})
+
+
+def test_steps_given_as_fractions_of_max_steps(tmp_path, tokenizer):
+    """transformers: logging_steps / save_steps / eval_steps below 1 are fractions of max_steps, rounded up.
+    max_steps 4: logging 0.5 → every 2 steps; save 0.3 → ⌈1.2⌉ = every 2 steps; eval 0.75 → every 3 (and the end)."""
+    t = _trainer(tmp_path, tokenizer, max_steps=4, logging_steps=0.5, save_steps=0.3, eval_strategy="steps",
+                 eval_steps=0.75, eval_data=toy.dataset(2))
+    t.train()
+    assert (t.state.logging_steps, t.state.save_steps, t.state.eval_steps) == (2, 2, 3)
+    assert _metric_steps(tmp_path / "run", "loss") == [2, 4] and _metric_steps(tmp_path / "run", "eval_reward") == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert GRPOConfig(logging_steps=5.0).logging_steps == 5
+    with pytest.raises(ConfigError, match="logging_steps=2.5 must be a whole number of steps"):
+        GRPOConfig(logging_steps=2.5)
+
+
 # ---- IterableDataset ------------------------------------------------------------------------------------------------
 def _stream(n=12):
     from datasets import IterableDataset
@@ -139,13 +185,13 @@ def test_save_eval_and_logging_strategies(tmp_path, tokenizer):
                  save_strategy="epoch", eval_strategy="epoch", logging_strategy="no", output_dir=str(tmp_path / "e"))
     t.train()
     assert sorted(p.name for p in (tmp_path / "e").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    assert _metric_steps(tmp_path / "e", "eval/reward/mean") == [2, 4]
-    assert _metric_steps(tmp_path / "e", "loss/policy") == [4]  # logging 'no': the last step only
+    assert _metric_steps(tmp_path / "e", "eval_reward") == [2, 4]
+    assert _metric_steps(tmp_path / "e", "loss") == [4]  # logging 'no': the last step only
     t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=4, save_strategy="no", eval_strategy="steps",
                  eval_steps=1, eval_delay=2, eval_on_start=True, output_dir=str(tmp_path / "s"))
     t.train()
     assert not list((tmp_path / "s").glob("checkpoint-*"))
-    assert _metric_steps(tmp_path / "s", "eval/reward/mean") == [0, 2, 3, 4]  # on start, then from step 2 on
+    assert _metric_steps(tmp_path / "s", "eval_reward") == [0, 2, 3, 4]  # on start, then from step 2 on
     with pytest.raises(ConfigError, match="needs an eval_dataset"):
         _trainer(tmp_path, tokenizer, eval_strategy="steps")
 
@@ -153,8 +199,8 @@ def test_save_eval_and_logging_strategies(tmp_path, tokenizer):
 def test_evaluate_is_on_demand_by_default(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=1, output_dir=str(tmp_path / "d"))
     t.train()
-    assert _metric_steps(tmp_path / "d", "eval/reward/mean") == []  # eval_strategy 'no', TRL's default
-    assert "eval/_length" in t.evaluate()
+    assert _metric_steps(tmp_path / "d", "eval_reward") == []  # eval_strategy 'no', TRL's default
+    assert "eval_completions/mean_length" in t.evaluate()
 
 
 # ---- evaluation with k samples ---------------------------------------------------------------------------------------
@@ -174,8 +220,8 @@ def test_num_generations_eval_logs_mean_and_pass_at_k(tmp_path, tokenizer):
     assert all(len({p for p, _ in row}) == 1 for row in by_row)  # the k samples of a prompt are contiguous
     expected_pass = sum(max(v for _, v in row) for row in by_row) / 5
     expected_mean = sum(v for _, v in seen) / 15
-    assert out["eval/score/pass@3"] == pytest.approx(expected_pass)
-    assert out["eval/score/mean@3"] == pytest.approx(expected_mean) == out["eval/score"]
+    assert out["eval_rewards/score/pass@3"] == pytest.approx(expected_pass)
+    assert out["eval_rewards/score/mean@3"] == pytest.approx(expected_mean) == out["eval_rewards/score/mean"]
 
 
 # ---- hub ------------------------------------------------------------------------------------------------------------
@@ -212,6 +258,14 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
     assert all(c[1] == "me/tiny-grpo" and "model.safetensors" in c[4] and "checkpoint-*" in c[5] for c in uploads)
     assert ("create_repo", "me/tiny-grpo", True) in _FakeHub.calls
     assert t.push_to_hub(commit_message="by hand") == "https://hub/me/tiny-grpo/commit/1"
+    # TRL's scripts/grpo.py ends with push_to_hub(dataset_name=…): a model card; transformers' token / private too
+    _FakeHub.calls = []
+    t.push_to_hub(dataset_name="trl-lib/DeepMath-103K", tags=["math"], private=False)
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "- trl-lib/DeepMath-103K" in card and "- math" in card and "README.md" in _FakeHub.calls[-1][4]
+    assert ("create_repo", "me/tiny-grpo", False) in _FakeHub.calls
+    with pytest.raises(TypeError, match=r"unexpected arguments \['datset_name'\]"):
+        t.push_to_hub(datset_name="x")
     logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "hf_test" not in json.dumps(logged)  # the token never reaches the logs
 
@@ -250,6 +304,11 @@ def test_remove_unused_columns_passes_the_prompt_only(tmp_path, tokenizer):
     _trainer(tmp_path, tokenizer, funcs=(record,), max_steps=1, output_dir=str(tmp_path / "b"),
              remove_unused_columns=True).train()
     assert "letter" in seen[0] and "letter" not in seen[1] and "prompts" in seen[1]
+    # a dataset's own completion / completion_ids columns never reach the rewards (TRL): they would collide with
+    # the generated ones
+    data = [{**row, "completion": "reference", "completion_ids": [1, 2]} for row in toy.dataset(12)]
+    _trainer(tmp_path, tokenizer, funcs=(record,), data=data, max_steps=1, output_dir=str(tmp_path / "c")).train()
+    assert "letter" in seen[2] and "completion" not in seen[2] and seen[2] >= {"completion_ids", "prompts"}
 
 
 @pytest.mark.slow
@@ -291,7 +350,7 @@ def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
     hidden = torch.randn(2, 32, dtype=torch.bfloat16, device=head.weight.device)
     assert head(hidden).dtype == torch.float32  # the matmul itself runs in float32
     metrics = t.train()
-    assert math.isfinite(metrics["loss/policy"])
+    assert math.isfinite(metrics["loss"])
     tied = toy.build_model(tokenizer, seed=0, hidden_size=32)
     tied.lm_head.weight = tied.model.embed_tokens.weight
     with pytest.raises(ConfigError, match="cast_lm_head_to_fp32=True needs an output head that is not tied"):
@@ -333,7 +392,7 @@ def test_ddp_fields_reach_accelerate_and_switches_apply(tmp_path, tokenizer, mon
 def test_train_result_and_reporting_helpers_as_trl_scripts_use_them(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=1)
     result = t.train()
-    assert result.global_step == 2 and result["loss/policy"] == result["loss/policy"]  # still the metrics dict
+    assert result.global_step == 2 and result["loss"] == result["loss"]  # still the metrics dict
     assert result.metrics["train_loss"] == pytest.approx(result.training_loss) and result.metrics["train_runtime"] > 0
     t.log_metrics("train", result.metrics)
     t.save_metrics("train", result.metrics)
@@ -396,7 +455,7 @@ def test_eval_delay_counts_like_transformers(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=4, eval_strategy="steps", eval_steps=2,
                  eval_delay=2, output_dir=str(tmp_path / "d"))
     t.train()
-    assert _metric_steps(tmp_path / "d", "eval/reward/mean") == [2, 4]
+    assert _metric_steps(tmp_path / "d", "eval_reward") == [2, 4]
 
 
 def test_pad_to_multiple_of_with_process_supervision(tmp_path, tokenizer):
@@ -432,8 +491,8 @@ def test_epoch_end_survives_a_resume_inside_the_round(tmp_path, tokenizer):
     _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "a"), **kw).train()
     resumed = _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "b"), **kw)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-5"))
-    assert _metric_steps(tmp_path / "a", "eval/reward/mean") == [12, 14]
-    assert _metric_steps(tmp_path / "b", "eval/reward/mean") == [12, 14]
+    assert _metric_steps(tmp_path / "a", "eval_reward") == [12, 14]
+    assert _metric_steps(tmp_path / "b", "eval_reward") == [12, 14]
 
 
 def test_every_process_reads_a_streamed_round_whole(tmp_path, tokenizer):
@@ -451,7 +510,7 @@ def test_evaluation_log_metric_stays_out_of_the_training_window(tmp_path, tokeni
 
     t = _trainer(tmp_path, tokenizer, funcs=(reward,), eval_data=toy.dataset(2), max_steps=1)
     out = t.evaluate()
-    assert out["eval/probe"] == 1.0 and "probe" not in t._window
+    assert out["eval_probe"] == 1.0 and "probe" not in t._window
 
 
 def test_streamed_rows_get_the_length_checks(tmp_path, tokenizer):

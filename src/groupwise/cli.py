@@ -31,7 +31,7 @@ RUN_FIELDS = {
     "eval_dataset_name": "Evaluation prompts, same forms as dataset_name.",
     "eval_split": "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems; builtin:toy has none).",
     "reward_funcs": "List of 'package.module:function' paths or reward-model paths (builtin tasks bring theirs).",
-    "process_reward_funcs": "List of 'package.module:function' step-reward functions (supervision process / both).",
+    "process_reward_funcs": "List of step-reward sources (supervision process / both): 'package.module:function' paths, PRM folders written by `groupwise prm train`, or {path: …, kind: …} mappings.",
 }
 
 

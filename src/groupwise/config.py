@@ -25,8 +25,8 @@ from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS, SHAPING_GENERATION_KWARGS
-from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers
-from groupwise.optim import OPTIMIZERS, check_available, parse_optim_args
+from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers, installed_trackers
+from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
@@ -62,17 +62,17 @@ class GRPOConfig(StrictConfig):
     logging_first_step: bool = option("Also log the first optimizer step (TRL / transformers).", default=False)
     disable_tqdm: bool | None = option("Hide the progress bars (None: shown on the main process), as in TRL / transformers.", default=None)
     logging_strategy: str = option("When to log metrics: 'steps' (every logging_steps), 'epoch' (at the end of each pass over the prompts) or 'no' (only the last step).", default="steps", choices=("steps", "epoch", "no"))
-    logging_steps: int = option("Log metrics (progress bar, metrics.jsonl, trackers) every this many optimizer steps.", default=10, ge=0)
+    logging_steps: int | float = option("Log metrics (progress bar, metrics.jsonl, trackers) every this many optimizer steps (< 1: that fraction of max_steps, rounded up, as transformers).", default=10, ge=0)
     logging_nan_inf_filter: bool = option("Leave non-finite loss values out of the logged averages (transformers' meaning; a skipped step is still counted in train/skipped_steps).", default=True)
     log_level: str = option("transformers / groupwise log level on the main process ('passive': leave it as it is).", default="passive", choices=LOG_LEVELS)
     log_level_replica: str = option("Log level on the other processes.", default="warning", choices=LOG_LEVELS)
     log_on_each_node: bool = option("In multi-node runs, log (progress bar, warnings) on the main process of each node, not only the first (transformers).", default=True)
     log_unique_prompts: bool = option("The printed completions table shows one row per prompt (its first completion) instead of every completion (TRL).", default=False)
     save_strategy: str = option("When to write checkpoint-N/: 'steps' (every save_steps, and at the end), 'epoch' (at the end of each pass over the prompts, and at the end) or 'no' (never; save_model() still works).", default="steps", choices=("steps", "epoch", "no"))
-    save_steps: int = option("Write checkpoint-N/ every this many optimizer steps (0: only at the end).", default=500, ge=0)
+    save_steps: int | float = option("Write checkpoint-N/ every this many optimizer steps (0: only at the end; < 1: that fraction of max_steps, rounded up, as transformers).", default=500, ge=0)
     save_only_model: bool = option("Checkpoints hold the model only: no optimizer, scheduler or RNG state (smaller, but a run cannot resume from them).", default=False)
     save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders (oldest deleted first).", default=None, ge=1)
-    report_to: str | list[str] = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb' or a list.", default="none", choices=("none", *TRACKERS))
+    report_to: str | list[str] = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb', a list, or 'all' (those of the two installed).", default="none", choices=("none", *TRACKERS))
     log_completions: bool = option("Print a table of prompts, completions and rewards every logging_steps.", default=False)
     num_completions_to_print: int | None = option("Rows printed when log_completions is on (None: all).", default=None)
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
@@ -98,10 +98,10 @@ class GRPOConfig(StrictConfig):
     max_grad_norm: float = option("Clip the global gradient norm to this value (0: no clipping).", default=1.0, ge=0)
     optim: str = option("Optimizer (groupwise.optim.OPTIMIZERS; transformers' names): torch's AdamW (fused or not), Adafactor, SGD, Adagrad, RMSprop, and bitsandbytes' 8-bit ones when bitsandbytes is installed.", default="adamw_torch_fused", choices=OPTIMIZERS)
     optim_args: str | None = option("Extra optimizer arguments as 'key=value,key=value' (transformers' format), e.g. 'momentum=0.9' for sgd.", default=None)
-    lr_scheduler_type: str = option("transformers scheduler name: 'linear', 'cosine', 'constant', 'constant_with_warmup', ….", default="linear")
+    lr_scheduler_type: str = option("transformers scheduler name (groupwise.optim.SCHEDULERS; reduce_lr_on_plateau and greedy step on an evaluation metric and are not offered).", default="linear", choices=SCHEDULERS)
     lr_scheduler_kwargs: dict | None = option("Extra arguments of the scheduler (transformers' scheduler_specific_kwargs), e.g. {'num_cycles': 2}.", default=None)
     warmup_steps: float = option("Linear warm-up: this many optimizer steps when ≥ 1, that fraction of max_steps (rounded up) when < 1 — transformers 5's meaning; 0: use warmup_ratio.", default=0.0, ge=0)
-    warmup_ratio: float = option("Fraction of max_steps used for linear warm-up.", default=0.0, ge=0, le=1)
+    warmup_ratio: float = option("Fraction of max_steps used for linear warm-up (rounded up, as transformers 4).", default=0.0, ge=0, le=1)
     max_steps: int = option("Optimizer steps to train; -1: derive from num_train_epochs.", default=-1, ge=-1)
     num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=3.0, gt=0)
     per_device_train_batch_size: int = option("Completions (not prompts) per micro-batch on each process (TRL meaning).", default=8, ge=1)
@@ -241,7 +241,7 @@ class GRPOConfig(StrictConfig):
 
     # ---- evaluation -------------------------------------------------------------------------------------------
     eval_strategy: str = option("When to evaluate on eval_dataset during training: 'no' (TRL's default; trainer.evaluate() still works), 'steps' (every eval_steps, and at the end) or 'epoch'.", default="no", choices=("no", "steps", "epoch"))
-    eval_steps: int | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps, as in transformers).", default=None, ge=1)
+    eval_steps: int | float | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps; < 1: that fraction of max_steps, rounded up; as transformers).", default=None, gt=0)
     eval_on_start: bool = option("Also evaluate before the first optimizer step (a sanity check, transformers).", default=False)
     eval_delay: float = option("Do not evaluate (eval_strategy 'steps' / 'epoch') before this many optimizer steps / epochs.", default=0, ge=0)
     num_generations_eval: int | None = option("Completions sampled per eval prompt (None: greedy, one per prompt). With k ≥ 2 evaluation samples at the training temperature and logs mean@k and pass@k per reward function.", default=None, ge=1)
@@ -257,6 +257,10 @@ class GRPOConfig(StrictConfig):
             if getattr(self, new) is not None:
                 setattr(self, old, getattr(self, new))
             setattr(self, new, getattr(self, old))
+        if self.report_to is None:  # transformers 5: no trackers
+            self.report_to = "none"
+        if self.report_to == "all" or self.report_to == ["all"]:  # transformers: every installed tracker
+            self.report_to = installed_trackers() or "none"
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
@@ -342,6 +346,12 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"pad_to_multiple_of must be ≥ 1, got {self.pad_to_multiple_of}")
         if self.push_to_hub and self.hub_model_id is not None and not HUB_ID.match(self.hub_model_id):
             raise ConfigError(f"hub_model_id={self.hub_model_id!r} is not a hub repository id ('name' or 'org/name')")
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            value = getattr(self, name)
+            if value is not None and value > 1 and value != int(value):
+                raise ConfigError(f"{name}={value} must be a whole number of steps, or a fraction of max_steps below 1")
+            if value is not None and value >= 1:
+                setattr(self, name, int(value))
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps or None  # transformers: eval_steps defaults to logging_steps
         if self.generation_kwargs and not BACKENDS[self.generation_backend].generation_kwargs:
@@ -395,13 +405,18 @@ class GRPOConfig(StrictConfig):
         """Is the loss importance-corrected for the sampler? When asked for and the sampler's numerics differ."""
         return self.vllm_importance_sampling_correction and (self.use_vllm or self.generation_dtype is not None)
 
+    def every(self, name: str, max_steps: int) -> int:
+        """logging_steps / save_steps / eval_steps in optimizer steps: a fraction below 1 of max_steps, rounded up."""
+        value = getattr(self, name) or 0
+        return math.ceil(max_steps * value) if 0 < value < 1 else int(value)
+
     def warmup(self, max_steps: int) -> int:
         """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
         if self.warmup_steps > 0:
             return math.ceil(max_steps * self.warmup_steps)
-        return int(self.warmup_ratio * max_steps)
+        return math.ceil(self.warmup_ratio * max_steps)  # transformers 4's rounding
 
     def estimator_options(self, *, outcome: bool = False) -> dict[str, Any]:
         """`estimator=` and the options the chosen advantage estimator takes, read from their fields. `outcome`:

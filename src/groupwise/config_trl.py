@@ -111,7 +111,7 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
                                                       "False: dataset order)"),
     "length_column_name": NotSupported("length", "group_by_length sampling is not supported"),
     "ignore_data_skip": NotSupported(False, "resume always continues from the exact data position of the checkpoint"),
-    "include_num_input_tokens_seen": NotSupported("no", "not counted; metrics.jsonl has gen/mean_length per step"),
+    "include_num_input_tokens_seen": NotSupported("no", "the count is always kept, as TRL's GRPOTrainer keeps it: state.num_input_tokens_seen (prompt + completion tokens), logged as num_tokens"),
     # evaluation loop of transformers' Trainer
     **{name: NotSupported(default, _EVAL_LOOP) for name, default in {
         "prediction_loss_only": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,

@@ -2,7 +2,7 @@
 multi-step arithmetic task, from the tiny warm-started policy shipped in the package. Offline, CPU, minutes.
 
 Evaluates held-out greedy accuracy, trains, evaluates again, prints a before/after table and writes
-metrics.jsonl (eval/accuracy at step 0 and at the end), the final checkpoint and reward_accuracy.png.
+metrics.jsonl (eval_rewards/accuracy/mean at step 0 and at the end), the final checkpoint and reward_accuracy.png.
 Any GRPOConfig field can be overridden: `groupwise train --supervision outcome --max_steps 50`.
 
 `groupwise train builtin:<task>` runs the demo of that built-in task (DEMOS): `builtin:arithmetic` is the default
@@ -57,7 +57,7 @@ def _load_policy(folder: Path, script: str):
 def calculator_trainer(overrides: dict[str, Any]):
     """builtin:calculator: the shipped calculator policy, CalculatorEnv (its get_reward is the outcome reward, its
     get_step_rewards one reward per assistant turn), 20,000 training problems, 200 held-out ones (greedy accuracy
-    = eval/CalculatorEnv). supervision process / both default to step_split "turn"."""
+    = eval_rewards/CalculatorEnv/mean). supervision process / both default to step_split "turn"."""
     from groupwise.tasks import calculator
     from groupwise.trainer import GRPOTrainer
 
@@ -93,8 +93,8 @@ class Demo:
 
 # builtin:<task> -> its demo
 DEMOS: dict[str, Demo] = {
-    "arithmetic": Demo(demo_trainer, "eval/accuracy", ""),
-    "calculator": Demo(calculator_trainer, "eval/CalculatorEnv", "builtin:calculator, "),  # get_reward, greedy
+    "arithmetic": Demo(demo_trainer, "eval_rewards/accuracy/mean", ""),
+    "calculator": Demo(calculator_trainer, "eval_rewards/CalculatorEnv/mean", "builtin:calculator, "),  # get_reward, greedy
 }
 
 
@@ -122,7 +122,7 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     return 0
 
 
-def plot_metrics(jsonl: Path, png: Path, train_key: str = "reward/mean", eval_key: str = "eval/accuracy"):
+def plot_metrics(jsonl: Path, png: Path, train_key: str = "reward", eval_key: str = "eval_rewards/accuracy/mean"):
     """Training reward and held-out accuracy against step. Needs matplotlib (`pip install groupwise[plot]`)."""
     try:
         import matplotlib

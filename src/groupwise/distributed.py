@@ -133,6 +133,15 @@ class Distributed:
         torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
         return t
 
+    def extreme(self, t: torch.Tensor, largest: bool) -> torch.Tensor:
+        """Elementwise max (largest) or min over processes, NaN left out (NaN where every process has NaN)."""
+        fill = float("-inf") if largest else float("inf")
+        t = torch.nan_to_num(t.to(self.device).float(), nan=fill, posinf=float("inf"), neginf=float("-inf"))
+        if self.world_size > 1:
+            t = t.clone()
+            torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX if largest else torch_dist.ReduceOp.MIN)
+        return torch.where(t == fill, torch.full_like(t, float("nan")), t)
+
     def any(self, flag: bool) -> bool:
         return bool(self.sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 

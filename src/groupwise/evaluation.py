@@ -18,10 +18,11 @@ from groupwise.rollout import RolloutContext
 @torch.no_grad()
 def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> dict[str, float]:
     """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
-    or k sampled completions per prompt at the training temperature (num_generations_eval = k). Logs
-    eval/reward/mean (weighted), eval/<func> (the mean over all completions) and, with k samples,
-    eval/<func>/mean@k and eval/<func>/pass@k (the mean over prompts of the best of k: for 0/1 rewards, the
-    share of prompts solved at least once)."""
+    or k sampled completions per prompt at the training temperature (num_generations_eval = k). Returns TRL's
+    names, which the trainer prefixes with metric_key_prefix ("eval_"): reward (weighted), rewards/<func>/mean
+    (over all completions), completions/mean_length, the names reward functions log with log_metric, and, with
+    k samples, rewards/<func>/mean@k and rewards/<func>/pass@k (the mean over prompts of the best of k: for 0/1
+    rewards, the share of prompts solved at least once)."""
     dist, args = ctx.dist, ctx.args
     k = args.num_generations_eval or 1
     mine = list(range(dist.rank, len(data), dist.world_size))
@@ -46,19 +47,19 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     with rng_untouched():  # sampled evaluation must not move the training's random streams (exact resume)
         per_func, lengths = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
-    out = {"eval/mean_length": float(lengths.mean())}
-    out.update({f"eval/{name}": window_mean(values, "measured") for name, values in logged.items()})  # this process's
+    out = {"completions/mean_length": float(lengths.mean())}
+    out.update({name: window_mean(values, "measured") for name, values in logged.items()})  # this process's
     if not reward_sources:
         return out
     per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(reward_sources))
     # combined as in training: a row no function scored is left out, not counted as 0
-    out["eval/reward/mean"] = float(torch.nanmean(weighted_nansum(per_func, ctx.reward_weights)))
+    out["reward"] = float(torch.nanmean(weighted_nansum(per_func, ctx.reward_weights)))
     by_prompt = per_func.view(-1, k, len(reward_sources))  # (prompts, k, F)
     for f, src in enumerate(reward_sources):
-        out[f"eval/{src.name}"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval/accuracy
+        out[f"rewards/{src.name}/mean"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval_rewards/accuracy/mean
         if args.num_generations_eval is not None:
             scores = by_prompt[:, :, f]
             best = torch.where(scores.isnan(), float("-inf"), scores).amax(1)  # unscored samples do not count
-            out[f"eval/{src.name}/mean@{k}"] = out[f"eval/{src.name}"]
-            out[f"eval/{src.name}/pass@{k}"] = float(best[best.isfinite()].mean())
+            out[f"rewards/{src.name}/mean@{k}"] = out[f"rewards/{src.name}/mean"]
+            out[f"rewards/{src.name}/pass@{k}"] = float(best[best.isfinite()].mean())
     return out

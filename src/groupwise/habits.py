@@ -9,12 +9,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from groupwise.hub import push_folder
+from groupwise.config_base import ConfigError
+from groupwise.hub import check_card, push_folder, write_model_card
 
 
 class TrainResult(dict):
     """What train() returns: the last logged metrics (a dict), also readable as transformers' TrainOutput —
-    `.global_step`, `.training_loss` (the mean policy loss of this run's steps) and `.metrics` (with train_runtime
+    `.global_step`, `.training_loss` (the mean `loss` of this run's steps) and `.metrics` (with train_runtime
     and train_loss), so TRL scripts' `train_result.metrics` works."""
 
     def __init__(self, last: dict[str, float], global_step: int, training_loss: float, runtime: float):
@@ -68,18 +69,58 @@ class TransformersHabits:
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
 
-    def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True, **kwargs) -> str | None:
-        """Save the model to output_dir and upload it (model, tokenizer, config; not the checkpoints or logs) to
-        hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads are
-        synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
-        if kwargs:
-            raise TypeError(f"push_to_hub() got unexpected arguments {sorted(kwargs)}")
-        self.save_model(self.args.output_dir)
+    def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    **card) -> str | None:
+        """Save the model to output_dir with a model card (README.md, from TRL's / transformers' card keywords:
+        model_name, dataset_name, tags, …) and upload it (model, tokenizer, config, card; not the checkpoints or
+        logs) to hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads
+        are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
+        check_card(card)  # on every process, before anything is written
+        out = self.args.output_dir
+        self.save_model(out)
+        base = getattr(getattr(self.unwrapped, "config", None), "_name_or_path", None) or None
+        if self.dist.is_main:
+            write_model_card(out, self.args, base, **card)
         self._pushed_at = self.global_step
         # the main process uploads; a failure there stops every process instead of leaving them in a barrier
         return self.dist.run_together(
-            lambda: push_folder(self.args, self.args.output_dir, commit_message) if self.dist.is_main else None,
-            "push_to_hub")
+            lambda: push_folder(self.args, out, commit_message, token=token, revision=revision, private=private)
+            if self.dist.is_main else None, "push_to_hub")
+
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """transformers' Trainer.evaluate(): groupwise.evaluation.evaluate (greedy, or num_generations_eval samples
+        per prompt with mean@k / pass@k) on `eval_dataset` (default: the trainer's; a dict: each dataset, its
+        metrics prefixed with `metric_key_prefix`_<name>). The metrics, named `metric_key_prefix`_<TRL name>, are
+        logged (metrics.jsonl during training, state.log_history, on_log) and passed to on_evaluate."""
+        from groupwise.data import PromptData
+        from groupwise.evaluation import evaluate
+
+        if isinstance(eval_dataset, dict):
+            return {k: v for name, data in eval_dataset.items()
+                    for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
+        data = self.eval_data if eval_dataset is None else PromptData(eval_dataset, "eval_dataset")
+        if data is None:
+            raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
+        raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in raw.items() if k not in (ignore_keys or ())}
+        if getattr(self, "_logger", None) is not None:  # during (or after) train(): metrics.jsonl and trackers
+            self._logger.log(self.global_step, {**metrics, **self._elapsed()})
+        self.state.log_history.append({**metrics, "step": self.global_step})
+        self._event("on_log", logs=metrics)
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
+
+    # transformers' callback list (groupwise.callbacks.CallbackHandler)
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""

@@ -33,14 +33,48 @@ def repo_id(args: GRPOConfig) -> str:
     return args.hub_model_id or Path(os.path.abspath(args.output_dir)).name
 
 
-def push_folder(args: GRPOConfig, folder: str, commit_message: str) -> str:
-    """Create the repository if needed and upload `folder` (the model, tokenizer, config); returns the commit URL."""
+def push_folder(args: GRPOConfig, folder: str, commit_message: str, *, token: str | None = None,
+                revision: str | None = None, private: bool | None = None) -> str:
+    """Create the repository if needed and upload `folder` (the model, tokenizer, config, model card); returns the
+    commit URL. token / revision / private: this call's values in place of hub_token, hub_revision, hub_private_repo."""
     from huggingface_hub import HfApi
 
-    api = HfApi(token=hub_token(args))
-    repo = api.create_repo(repo_id(args), private=args.hub_private_repo, exist_ok=True).repo_id
-    if args.hub_revision:
-        api.create_branch(repo, branch=args.hub_revision, exist_ok=True)
+    revision = revision or args.hub_revision
+    api = HfApi(token=token or hub_token(args))
+    repo = api.create_repo(repo_id(args), private=args.hub_private_repo if private is None else private,
+                           exist_ok=True).repo_id
+    if revision:
+        api.create_branch(repo, branch=revision, exist_ok=True)
     info = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=commit_message,
-                             revision=args.hub_revision, ignore_patterns=IGNORE)
+                             revision=revision, ignore_patterns=IGNORE)
     return str(getattr(info, "commit_url", info))
+
+
+# model-card keywords of TRL's push_to_hub (create_model_card) and transformers' (the rest)
+CARD_FIELDS = ("model_name", "dataset_name", "tags", "language", "license", "finetuned_from", "tasks", "dataset_tags",
+               "dataset", "dataset_args")
+
+
+def check_card(card: dict) -> None:
+    unknown = sorted(set(card) - set(CARD_FIELDS))
+    if unknown:
+        raise TypeError(f"push_to_hub() got unexpected arguments {unknown} (model-card keywords: {list(CARD_FIELDS)})")
+
+
+def write_model_card(folder: str, args: GRPOConfig, base_model: str | None, **card) -> None:
+    """folder/README.md: a model card (hub metadata and how the model was trained), from push_to_hub's keywords."""
+    check_card(card)
+    tags = ["groupwise", "grpo", *([card["tags"]] if isinstance(card.get("tags"), str) else card.get("tags") or [])]
+    datasets = card.get("dataset_name") or card.get("dataset")
+    meta = {"library_name": "transformers", "tags": tags, "base_model": card.get("finetuned_from") or base_model,
+            "datasets": [datasets] if isinstance(datasets, str) else datasets, "language": card.get("language"),
+            "license": card.get("license")}
+    import yaml
+
+    front = yaml.safe_dump({k: v for k, v in meta.items() if v}, sort_keys=False)
+    name = card.get("model_name") or repo_id(args)
+    body = (f"# {name}\n\nTrained with [groupwise](https://pypi.org/project/groupwise/): GRPO (DeepSeekMath §4.1) "
+            f"with {args.supervision} supervision, loss_type {args.loss_type}"
+            + (f", from {meta['base_model']}" if meta["base_model"] else "")
+            + (f", on {datasets}" if datasets else "") + ".\n")
+    Path(folder, "README.md").write_text(f"---\n{front}---\n\n{body}")

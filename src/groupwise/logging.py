@@ -67,6 +67,13 @@ class Tracker(NamedTuple):
 TRACKERS = {"tensorboard": Tracker(_tensorboard, "tensorboard"), "wandb": Tracker(_wandb, "wandb")}
 
 
+def installed_trackers() -> list[str]:
+    """report_to="all": the TRACKERS whose package is installed."""
+    import importlib.util
+
+    return [name for name, t in TRACKERS.items() if t.module in sys.modules or importlib.util.find_spec(t.module)]
+
+
 def check_trackers(report_to: list[str]) -> None:
     """Before anything loads: every tracker asked for is installed."""
     import importlib.util
@@ -114,8 +121,10 @@ class MetricsLogger:
                 f.write(json.dumps({"step": step, "run_id": self.run_id, **_finite(row)}, default=str) + "\n")
 
     def close(self) -> None:
+        """Close the trackers; later lines (evaluate() after train()) go to metrics.jsonl only."""
         for _, close in self.trackers:
             close()
+        self.trackers = []
 
 
 def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null
@@ -183,6 +192,19 @@ def _short(x: Any, n: int = 300) -> str:
         x = " | ".join(_message(m) for m in x if isinstance(m, dict))
     s = str(x).replace("\n", "⏎")
     return s if len(s) <= n else s[:n] + "…"
+
+
+# metrics logged as their value at the logging step, not the window's mean (transformers' learning_rate and
+# grad_norm; TRL's running num_tokens and entropy_coef)
+LAST_VALUE = ("learning_rate", "grad_norm", "num_tokens", "entropy_coef")
+
+
+def window_summary(window: dict[str, list[float]], nan_inf_filter: bool) -> dict[str, float]:
+    """One log line from the metrics since the last one: the mean (the loss without non-finite values when
+    logging_nan_inf_filter), or the last value for LAST_VALUE."""
+    loss_mode = "finite" if nan_inf_filter else "all"
+    return {k: v[-1] if k in LAST_VALUE else window_mean(v, loss_mode if k in ("loss", "policy_loss") else "measured")
+            for k, v in window.items() if v}
 
 
 def window_mean(values: list[float], mode: str) -> float:

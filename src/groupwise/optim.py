@@ -129,3 +129,24 @@ def build_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Opt
         return OPTIMIZERS[args.optim].build(param_groups(model, args.weight_decay), args)
     except TypeError as e:  # an optim_args key the optimizer does not take
         raise ConfigError(f"optim={args.optim!r} with optim_args={args.optim_args!r}: {e}") from None
+
+
+# transformers' lr_scheduler_type names (get_scheduler) that step once per optimizer step; reduce_lr_on_plateau and
+# greedy step on an evaluation metric, which a GRPO step does not have
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, args: GRPOConfig, max_steps: int, given=None):
+    """The learning-rate schedule: `given` (TRL's optimizers[1], whose state must fit a checkpoint when one can be
+    written), or lr_scheduler_type over max_steps with its warm-up and lr_scheduler_kwargs."""
+    if given is not None:
+        if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
+            from groupwise.checkpoint import check_json_state
+
+            check_json_state(given.state_dict(), f"optimizers[1] ({type(given).__name__})")
+        return given
+    from transformers import get_scheduler
+
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(max_steps),
+                         num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)

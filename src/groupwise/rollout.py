@@ -147,8 +147,13 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     args, tok, device = ctx.args, ctx.tokenizer, ctx.dist.device
     want = ctx.correct_sampling and not greedy and not evaluation  # the sampler's log-probs, for the correction
 
-    def sample(prompt_ids, prompt_mask):  # left-padded prompts → Generated
-        return ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want)
+    def sample(prompt_ids, prompt_mask):  # left-padded prompts → Generated (one turn's, with tools)
+        out = ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want)
+        if want and out.logprobs is None:
+            raise ValueError(f"generation_backend={args.generation_backend!r} returned no sampling log-probs, which "
+                             "the importance-sampling correction needs: return Generated(ids, logprobs) when asked "
+                             "for them, or set vllm_importance_sampling_correction=False")
+        return out
 
     if ctx.agent is not None:
         comp = _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))
@@ -164,10 +169,6 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
         completions: list[Any] = texts
         if is_conversational(prompts[0]):
             completions = [[{"role": "assistant", "content": t}] for t in texts]
-        if want and out.logprobs is None:
-            raise ValueError(f"generation_backend={args.generation_backend!r} returned no sampling log-probs, which "
-                             "the importance-sampling correction needs: return Generated(ids, logprobs) when asked "
-                             "for them, or set vllm_importance_sampling_correction=False")
         sampling_logps = out.logprobs[:, :completion_ids.size(1)].float() if want else None
         comp = Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids, mask, truncated, prompts,
                            completions, {}, sampling_logps)
@@ -180,7 +181,8 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
         if getattr(comp, name) is not None:
             widen[name] = pad_to_multiple(getattr(comp, name), comp.completion_mask, multiple, 0, side="right")[0]
     # dataset columns reach reward functions as keywords, unless remove_unused_columns (TRL: the prompt only)
-    columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0]
+                                                      if k not in ("prompt", "completion", "completion_ids")}  # TRL
     columns.update(comp.columns)  # `environments` (TRL: also with remove_unused_columns)
     return dataclasses.replace(comp, prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                                completion_mask=mask, columns=columns, **widen)
@@ -388,14 +390,24 @@ def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad
 
 # ---- metrics --------------------------------------------------------------------------------------------------------
 def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
+    """TRL's names and meanings: completions/* (lengths in generated tokens, over all processes; the terminated
+    ones end with EOS, 0 when none does), reward / reward_std / rewards/<f>/mean|std (std with Bessel's
+    correction, NaN left out), frac_reward_zero_std (groups whose rewards are all equal), tools/*; and
+    num_tokens, the round's prompt + completion tokens (the trainer makes it the running total TRL logs).
+    groupwise's own: rewards/<f>/errors, process/*, tools/timeout_frequency."""
     dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
     lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
-    truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu()
+    truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu().bool()
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
     m: dict[str, float] = {
-        "gen/mean_length": float(lengths.mean()),
-        "gen/min_length": float(lengths.min()),
-        "gen/max_length": float(lengths.max()),
-        "gen/clipped_ratio": float(truncated.mean()),
+        "num_tokens": float(dist.sum((comp.prompt_mask.sum() + comp.lengths.sum()).float().to(dist.device))),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
     }
     if rnd.step_scores is not None:
         m.update(_process_metrics(rnd.step_scores))
@@ -403,14 +415,14 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
         m.update(_tool_metrics(ctx, comp))
     if scores is None:
         return m
-    m["reward/mean"] = float(torch.nanmean(scores.rewards))
-    m["reward/std"] = _nanstd(scores.rewards)
-    m["reward/frac_zero_std_groups"] = float((_spread(scores.rewards.unsqueeze(-1)) < 1e-6).float().mean())
+    m["reward"] = float(torch.nanmean(scores.rewards))
+    m["reward_std"] = _nanstd(scores.rewards)
+    m["frac_reward_zero_std"] = float((_spread(scores.rewards.unsqueeze(-1)) < 1e-6).float().mean())
     for f, name in enumerate(scores.names):
         col = scores.per_func[..., f]
-        m[f"reward/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
-        m[f"reward/{name}/std"] = _nanstd(col)
-        m[f"reward/{name}/errors"] = float(scores.errors[f])
+        m[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
+        m[f"rewards/{name}/std"] = _nanstd(col)
+        m[f"rewards/{name}/errors"] = float(scores.errors[f])
     return m
 
 
@@ -443,7 +455,8 @@ def _spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,
     return masked_mean_std(values, ~torch.isnan(values), (1, 2))[1].view(-1)
 
 
-def _nanstd(values: torch.Tensor) -> float:  # population std of the non-NaN values; NaN when there are none
+def _nanstd(values: torch.Tensor) -> float:  # std of the non-NaN values, Bessel-corrected (TRL's nanstd); NaN when none
     values = values.double()
     valid = ~torch.isnan(values)
-    return float(masked_mean_std(values, valid, tuple(range(values.dim())))[1]) if valid.any() else float("nan")
+    return float(masked_mean_std(values, valid, tuple(range(values.dim())), std="unbiased")[1]) if valid.any() \
+        else float("nan")

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import signal
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -16,8 +17,9 @@ from tqdm.auto import tqdm
 
 from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
+from groupwise.callbacks import CallbackHandler, default_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset
-from groupwise.checkpoint import (RESUME_FIELDS, check_json_state, check_pending, check_resume, claim_output_dir,
+from groupwise.checkpoint import (RESUME_FIELDS, check_pending, check_resume, claim_output_dir,
                                   load_checkpoint, read_state, resume_folder, save_checkpoint)
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
@@ -28,12 +30,11 @@ from groupwise.generation import build_generator
 from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                refuse_trainer_arguments)
-from groupwise.evaluation import evaluate
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import MetricsLogger, completion_rows, print_rows, set_log_level, window_mean
+from groupwise.logging import MetricsLogger, completion_rows, print_rows, set_log_level, window_summary
 from groupwise.signals import stop_on_signals
 from groupwise.modeling import PolicyForLogps, disable_dropout
-from groupwise.optim import build_optimizer
+from groupwise.optim import build_optimizer, build_schedule
 from groupwise.sharding import full_state_dict, resolve as resolve_sharding
 from groupwise.rewards import load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
@@ -80,6 +81,9 @@ class GRPOTrainer(TransformersHabits):
         if is_stream(eval_dataset):
             raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
                               "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
+        if isinstance(eval_dataset, dict):
+            raise ConfigError("eval_dataset is a dict of datasets: pass one here (evaluated during training), and "
+                              "evaluate the others with trainer.evaluate(eval_dataset={name: dataset, …})")
         self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
             asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
@@ -110,13 +114,16 @@ class GRPOTrainer(TransformersHabits):
         from transformers import TrainerControl, TrainerState
 
         # transformers' own records, as TRL users read them: state.global_step, state.log_history, …
-        self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=args.num_train_epochs,
-                                  logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
+        epochs = args.num_train_epochs if args.max_steps <= 0 else sys.maxsize if stream else \
+            math.ceil(self.max_steps / (self.sampler.rounds_per_epoch() * self.steps_per_round))  # as transformers
+        self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=epochs,
+                                  logging_steps=args.every("logging_steps", self.max_steps),
+                                  eval_steps=args.every("eval_steps", self.max_steps),
+                                  save_steps=args.every("save_steps", self.max_steps),
                                   train_batch_size=args.per_device_train_batch_size,
                                   is_local_process_zero=self.dist.accelerator.is_local_main_process,
                                   is_world_process_zero=self.dist.is_main)
         self.control = TrainerControl()
-        self.callbacks = list(callbacks or [])
         self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line (log_metric too)
         self._extra: dict[str, list] = defaultdict(list)  # log_extra columns of the current round
         self._rows: list[dict] | None = None  # the current round's completions.jsonl rows, once gathered
@@ -143,20 +150,23 @@ class GRPOTrainer(TransformersHabits):
                                 trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
         self.trained, self.optimizer, self.scheduler = self._build_optimization(policy)
         self.rollout_ctx = self._build_rollout()
-        self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler)
+        self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
+                                                optimizer=self.optimizer, lr_scheduler=self.scheduler,
+                                                train_dataloader=None, eval_dataloader=None)
+        self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler, self._event)
         self.skipped_steps = 0
         self.consecutive_skipped = 0
         self._loss_sum, self._loss_steps = 0.0, 0  # this run's policy losses, for TrainResult.training_loss
         self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
+        self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
+        self._event("on_init_end")
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_optimization(self, policy):
         """The optimizer (`optim`, or the one passed in `optimizers`) and the schedule; the policy is trained through
         PolicyForLogps (log-probs without full logits)."""
         args = self.args
-        from transformers import get_scheduler
-
         optimizer, scheduler = self.optimizers
         self._replica = None  # what generation samples from, when it is not the policy itself
         if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
@@ -167,10 +177,7 @@ class GRPOTrainer(TransformersHabits):
                 self._replica = copy.deepcopy(policy).to(self.dist.device).eval().requires_grad_(False)
             trained = self.dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
             optimizer = build_optimizer(policy, args)
-            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
-                                      num_training_steps=self.max_steps,
-                                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
-            return trained, optimizer, scheduler
+            return trained, optimizer, build_schedule(optimizer, args, self.max_steps)
         if optimizer is None:
             optimizer = build_optimizer(policy, args)
         else:  # TRL's optimizers=(opt, sched): built by the user over the model's parameters
@@ -178,12 +185,7 @@ class GRPOTrainer(TransformersHabits):
             if not given <= {id(p) for p in policy.parameters()}:
                 raise ConfigError("optimizers[0] holds parameters that are not the model's: build it over "
                                   "model.parameters() of the model passed to GRPOTrainer")
-        if scheduler is None:
-            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(self.max_steps),
-                                      num_training_steps=self.max_steps,
-                                      scheduler_specific_kwargs=args.lr_scheduler_kwargs)
-        elif not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
-            check_json_state(scheduler.state_dict(), f"optimizers[1] ({type(scheduler).__name__})")
+        scheduler = build_schedule(optimizer, args, self.max_steps, given=scheduler)
         model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
         return model, optimizer, scheduler
 
@@ -252,6 +254,7 @@ class GRPOTrainer(TransformersHabits):
                     rollout, done = pending or (self._collect(), 0)
                     pending = None
                     for window in self._windows(rollout)[done:]:
+                        self._event("on_step_begin")
                         metrics = optimizer_step(self.update_ctx, window)
                         done += 1
                         self._after_step(rollout, done, metrics)
@@ -276,17 +279,22 @@ class GRPOTrainer(TransformersHabits):
         self._last: dict[str, float] = {}
         self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
         self._event("on_train_begin")
+        self._event("on_epoch_begin")
         if self.global_step:  # resumed: the sampler must see the restored weights
             self._weights_changed()
         if args.eval_on_start and self.global_step == 0:
-            self._evaluate_and_log()
+            self.evaluate()
 
     def _collect(self) -> Rollout:
         """A fresh generation batch (groupwise.rollout.collect), timed."""
         self._tick = time.perf_counter()
         self._extra.clear()
         self._rows = None
+        start = self.sampler.progress()
         rollout = R.collect(self.rollout_ctx, self.sampling_model)
+        self._span = (start, self.sampler.progress())
+        self.state.num_input_tokens_seen += int(rollout.metrics["num_tokens"])  # TRL logs the running total
+        rollout.metrics["num_tokens"] = float(self.state.num_input_tokens_seen)
         rollout.metrics["time/rollout"] = time.perf_counter() - self._tick  # generate + rewards + logprobs
         return rollout
 
@@ -309,48 +317,52 @@ class GRPOTrainer(TransformersHabits):
                 "kept. Check the rewards, beta and learning_rate, or raise max_consecutive_skipped_steps")
         if not skipped:
             self._weights_changed()  # the sampler sees the new policy
-        if math.isfinite(metrics["loss/policy"]):
-            self._loss_sum, self._loss_steps = self._loss_sum + metrics["loss/policy"], self._loss_steps + 1
+        if math.isfinite(metrics["loss"]):
+            self._loss_sum, self._loss_steps = self._loss_sum + metrics["loss"], self._loss_steps + 1
         metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
                                            "train/skipped_steps": self.skipped_steps})
         self._tick = time.perf_counter()
         for k, v in metrics.items():
             self._window[k].append(v)
+        start, end = self._span  # the round's share of an epoch, spread evenly over its optimizer steps (transformers)
+        self.state.epoch = start + (end - start) * done / self.steps_per_round
         self._maybe_sync_ref()
         if args.torch_empty_cache_steps and self.global_step % args.torch_empty_cache_steps == 0:
             _empty_cache(self.dist.device)
         self._bar.update(1)
+        epoch_end = done == self.steps_per_round and int(self.sampler.progress()) > self._epochs_done
+        self._epochs_done = max(self._epochs_done, int(self.sampler.progress())) if epoch_end else self._epochs_done
+        control = self.control
+        # the default flow sets the flags (transformers' DefaultFlowCallback); callbacks see them and may change them
+        log, evaluate, save = default_flow(args, self.state, epoch_end, self._epochs_done)
+        control.should_log |= log
+        control.should_evaluate |= evaluate and self.eval_data is not None
+        control.should_save |= save
         self._event("on_step_end")
-        # a callback may ask to stop (control.should_training_stop): every process stops at the same step
-        self.control.should_training_stop = self.dist.any(self.control.should_training_stop)
-        last_step = self._finished()
-        control, step = self.control, self.global_step
-        epoch_end = False
-        if done == self.steps_per_round and int(self.sampler.progress()) > self._epochs_done:
-            self._epochs_done, epoch_end = int(self.sampler.progress()), True
-        # logging_strategy / save_strategy / eval_strategy: "steps", "epoch" or "no" (transformers' meanings)
-        due = {"steps": lambda every: bool(every) and step % every == 0, "epoch": lambda every: epoch_end,
-               "no": lambda every: False}
-        if (due[args.logging_strategy](max(args.logging_steps, 1)) or last_step or control.should_log
-                or (args.logging_first_step and step == 1)):
+        if epoch_end:
+            self._event("on_epoch_end")
+        # every process acts on the same flags: saves and evaluations are collective
+        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_log,
+                                             control.should_evaluate, control.should_save, bool(self._signals)],
+                                            device=self.dist.device)) > 0).tolist()
+        control.should_training_stop, should_log, should_evaluate, should_save, signalled = flags
+        if should_log:
             self._log(rollout)
-        # then evaluate, then save (transformers' order): a checkpoint at step k comes after step k's evaluation
-        delayed = (self._epochs_done if args.eval_strategy == "epoch" else step) < args.eval_delay  # transformers
-        if self.eval_data is not None and (control.should_evaluate or (
-                not delayed and (due[args.eval_strategy](args.eval_steps) or (last_step and args.eval_strategy != "no")))):
-            self._evaluate_and_log()
-        saved = (due[args.save_strategy](args.save_steps) or (last_step and args.save_strategy != "no")
-                 or control.should_save)
-        if saved:
+        if should_evaluate and self.eval_data is not None:  # then save (transformers' order)
+            self.evaluate()
+        if should_save:
             self._save_round(rollout, done)
         control.should_log = control.should_save = control.should_evaluate = False
-        if self.dist.any(bool(self._signals)) and not last_step:  # every process stops at the same step
+        last_step = self._finished()
+        if signalled and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM
-            if args.save_on_interrupt and not saved:
+            if args.save_on_interrupt and not should_save:
                 self._save_round(rollout, done)
             where = f"; checkpoint-{self.global_step} written" if args.save_on_interrupt else ""
             raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
+        if epoch_end and not last_step:
+            self._event("on_epoch_begin")
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
@@ -362,27 +374,19 @@ class GRPOTrainer(TransformersHabits):
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
             self.push_to_hub(commit_message=f"groupwise: step {self.global_step}")
 
-    def _evaluate_and_log(self) -> None:
-        metrics = {**self.evaluate(), **self._elapsed()}
-        self._logger.log(self.global_step, metrics)
-        self.state.log_history.append({**metrics, "step": self.global_step})
-        self._event("on_evaluate", metrics=metrics)
-
     def _log(self, rollout: Rollout) -> None:
-        loss_mode = "finite" if self.args.logging_nan_inf_filter else "all"
-        last = {k: window_mean(v, loss_mode if k.startswith("loss") else "measured") for k, v in self._window.items()}
-        last["epoch"] = self.sampler.progress()
+        last = window_summary(self._window, self.args.logging_nan_inf_filter)
+        last["epoch"] = self.state.epoch
         last.update(self._elapsed())
         self._logger.log(self.global_step, last)
         self._window.clear()
         self._last = last
-        self.state.epoch = last["epoch"]
         self.state.log_history.append({**last, "step": self.global_step})
         self._event("on_log", logs=last)
         rows = self._round_rows(rollout)
         self._logger.log_completions(self.global_step, rows)
         self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
-                               ("reward/mean", "process/step_reward_mean", "loss/policy", "gen/mean_length")
+                               ("reward", "process/step_reward_mean", "loss", "completions/mean_length")
                                if k in last})
         if self.args.log_completions and rows and self.dist.is_main:
             print_rows(self.global_step, rows, self.args.num_completions_to_print,
@@ -400,16 +404,8 @@ class GRPOTrainer(TransformersHabits):
         return self.global_step >= self.max_steps or self.control.should_training_stop
 
     def _event(self, name: str, **kwargs) -> None:
-        """Call `name` (on_train_begin, on_step_end, on_log, on_save, on_evaluate, on_train_end) on every callback,
-        with transformers' arguments (args, state, control, model=…, …); a returned TrainerControl replaces ours."""
-        for callback in self.callbacks:
-            method = getattr(callback, name, None)
-            if method is None:
-                continue
-            result = method(self.args, self.state, self.control, model=self.unwrapped, processing_class=self.tokenizer,
-                            optimizer=self.optimizer, lr_scheduler=self.scheduler, **kwargs)
-            if result is not None:
-                self.control = result
+        """Call `name` (transformers' events) on every callback; a returned TrainerControl replaces ours."""
+        self.control = self.callback_handler.fire(name, self.args, self.state, self.control, **kwargs)
 
     def _log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric` reward keyword: a scalar averaged over the logging window, logged under `name`."""
@@ -433,13 +429,6 @@ class GRPOTrainer(TransformersHabits):
     def _elapsed(self) -> dict[str, float]:
         return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
 
-    def evaluate(self) -> dict[str, float]:
-        """TRL / transformers' trainer.evaluate(): groupwise.evaluation.evaluate on eval_dataset (greedy, or
-        num_generations_eval sampled completions per prompt with mean@k / pass@k)."""
-        if self.eval_data is None:
-            raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer)")
-        return evaluate(self.rollout_ctx, self.sampling_model, self.eval_data, self.reward_sources, self.state)
-
     def _maybe_sync_ref(self) -> None:
         args = self.args
         if args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
@@ -457,7 +446,8 @@ class GRPOTrainer(TransformersHabits):
                  "consecutive_skipped": self.consecutive_skipped, "window": dict(self._window),
                  "round_step": round_step if pending is not None else 0,
                  "round_metrics": round_metrics if pending is not None else None,
-                 "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None}
+                 "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None,
+                 "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
                                model=self.sampling_model if sharded else self.unwrapped,
@@ -480,6 +470,9 @@ class GRPOTrainer(TransformersHabits):
         self._epochs_done = state.get("epochs_done", int(self.sampler.progress()))
         self.consecutive_skipped = state.get("consecutive_skipped", 0)
         self._window = defaultdict(list, state.get("window", {}))  # the metrics since the last log line
+        self.state.num_input_tokens_seen = state.get("num_input_tokens_seen", 0)
+        self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))
+        self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
         if pending is None:
             return None
         check_pending(path, pending, self.args)

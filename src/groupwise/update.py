@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,10 @@ from groupwise.core.losses import LOSS_TYPES
 from groupwise.core.logprobs import top_entropy_mask
 from groupwise.core.losses import policy_loss
 from groupwise.types import TrainBatch
+
+# metrics that are an extreme over sequences (core.losses.policy_loss): per micro-batch the extreme over every
+# process's sequences, then the mean over the step's micro-batches (TRL's clip_ratio/low_min, clip_ratio/high_max)
+EXTREMES = {"clip_ratio/low_min": False, "clip_ratio/high_max": True}  # name → largest
 
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
@@ -38,6 +43,7 @@ class UpdateContext:
     model: torch.nn.Module  # groupwise.modeling.PolicyForLogps, possibly wrapped by accelerate
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    event: Callable[[str], None] = lambda name: None  # the trainer's callbacks: on_(pre_)optimizer_step
 
 
 def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int, num_iterations: int,
@@ -87,7 +93,8 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     else:
         scale = 1.0 / k
     sums: dict[str, float] = defaultdict(float)
-    step_loss, finite = 0.0, True
+    extremes: dict[str, list[float]] = defaultdict(list)  # per micro-batch, then over processes (EXTREMES)
+    step_loss, step_total, finite = 0.0, 0.0, True
     for i, mb in enumerate(window):
         with dist.no_sync(model, skip_sync=i < k - 1):
             loss, mean_entropy, metrics = micro_batch_loss(ctx, mb, num_items)
@@ -97,23 +104,39 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
             dist.backward(total)
         finite = finite and bool(torch.isfinite(loss.detach()))
         step_loss += float(loss.detach()) * scale
+        step_total += float(total.detach())
         for name, value in metrics.items():
-            sums[name] += float(value) / k
+            if name in EXTREMES:
+                extremes[name].append(float(value))
+            else:
+                sums[name] += float(value) / k
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = dist.clip_grad_norm(params, args.max_grad_norm)
     skipped = dist.any(not finite) or not math.isfinite(float(grad_norm))
     if skipped:
         warnings.warn(f"non-finite loss or gradient (loss {step_loss}, grad norm {float(grad_norm)}): "
                       "optimizer step skipped, weights left untouched", RuntimeWarning, stacklevel=2)
-    else:
+    learning_rate = ctx.scheduler.get_last_lr()[0]  # the rate this step used (transformers logs it)
+    if not skipped:
+        ctx.event("on_pre_optimizer_step")
         ctx.optimizer.step()
+        ctx.event("on_optimizer_step")
         ctx.scheduler.step()  # a skipped step does not advance the schedule either
     ctx.optimizer.zero_grad(set_to_none=True)
-    # average over processes: loss/policy is Σ_i ℓ_i·scale, whose mean over ranks is the step's loss
-    keys = ["loss/policy", *sorted(sums)]
-    values = dist.sum(torch.tensor([step_loss, *(sums[n] for n in keys[1:])], device=dist.device)) / dist.world_size
+    # average over processes: `loss` is Σ_i (ℓ_i·scale − c·H̄_i/k), the objective minimised (TRL's loss), whose mean
+    # over ranks is the step's; policy_loss (logged with an entropy bonus, as TRL) leaves the bonus out
+    keys = ["loss", "policy_loss", *sorted(sums)]
+    values = dist.sum(torch.tensor([step_total, step_loss, *(sums[n] for n in keys[2:])],
+                                   device=dist.device)) / dist.world_size
     out = dict(zip(keys, values.tolist()))
+    if args.entropy_coef != 0.0:
+        out["entropy_coef"] = args.entropy_coef
+    else:
+        del out["policy_loss"]
+    for name, largest in EXTREMES.items():  # each micro-batch's extreme over all processes, averaged over the window
+        if name in extremes:
+            out[name] = float(torch.nanmean(dist.extreme(torch.tensor(extremes[name]), largest)))
     out["grad_norm"] = float(grad_norm)
-    out["lr"] = ctx.scheduler.get_last_lr()[0]
+    out["learning_rate"] = learning_rate
     out["train/skipped"] = float(skipped)
     return out

@@ -17,7 +17,41 @@ def test_clip_worked_example():
     loss, m = policy_loss(logps, torch.zeros(1, 4), torch.tensor([0.6]), torch.ones(1, 4))
     assert loss.item() == pytest.approx(-0.693, abs=1e-6)
     # ρ = 1.22 > 1.2 with A > 0: 2 of 4 tokens high-clipped
-    assert m["clip/high"].item() == pytest.approx(0.5) and m["clip/low"].item() == 0.0
+    assert m["clip_ratio/high_mean"].item() == pytest.approx(0.5) and m["clip_ratio/low_mean"].item() == 0.0
+
+
+def test_clip_ratio_extremes_per_sequence_by_hand_and_against_a_loop():
+    """TRL's clip_ratio/low_min and high_max: each sequence's share of clipped tokens, then the min / max over
+    sequences (a sequence without tokens left out). ε = 0.2. Row 0, A = −1, ρ = [0.5, 1.0, 0.7, ·] (3 tokens):
+    low-clipped 0.5 and 0.7 → 2/3. Row 1, A = −1, ρ = [0.5, 1, 1, 1]: 1/4. Row 2, A = +1, ρ = [1.5, 1.5, 1, 1]:
+    high 2/4 = 0.5, low 0. Row 3: no tokens. low_min = min(2/3, 1/4, 0) = 0; high_max = max(0, 0, 0.5) = 0.5;
+    region_mean over the 11 tokens: (2 + 1 + 2) / 11."""
+    ratios = torch.tensor([[0.5, 1.0, 0.7, 1.0], [0.5, 1.0, 1.0, 1.0], [1.5, 1.5, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float)
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
+    _, m = policy_loss(torch.log(ratios), torch.zeros(4, 4), adv, mask, loss_type="bnpo")
+    assert m["clip_ratio/low_min"].item() == 0.0 and m["clip_ratio/high_max"].item() == 0.5
+    assert m["clip_ratio/region_mean"].item() == pytest.approx(5 / 11)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):  # against a plain loop over sequences
+        ratios = torch.exp(torch.randn(6, 7, generator=g) * 0.3)
+        mask = (torch.rand(6, 7, generator=g) > 0.3).float()
+        adv = torch.randn(6, generator=g)
+        _, m = policy_loss(torch.log(ratios), torch.zeros(6, 7), adv, mask, loss_type="grpo")
+        lows, highs = [], []
+        for i in range(6):
+            kept = [t for t in range(7) if mask[i, t] > 0]
+            if not kept:
+                continue
+            lows.append(sum(float(ratios[i, t] < 0.8 and adv[i] < 0) for t in kept) / len(kept))
+            highs.append(sum(float(ratios[i, t] > 1.2 and adv[i] > 0) for t in kept) / len(kept))
+        assert m["clip_ratio/low_min"].item() == pytest.approx(min(lows))
+        assert m["clip_ratio/high_max"].item() == pytest.approx(max(highs))
+
+
+def test_sapo_logs_no_clip_ratio_as_trl():
+    _, m = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), loss_type="sapo")
+    assert not [k for k in m if "clip" in k]
 
 
 def test_sequence_ratio_worked_example():
@@ -25,7 +59,7 @@ def test_sequence_ratio_worked_example():
     # min(7.389·1.24, 1.2·1.24) = 1.488. With a sequence of one token and log-ratio 2.0 the loss is −1.488.
     loss, m = policy_loss(torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([1.24]), torch.ones(1, 1))
     assert loss.item() == pytest.approx(-1.488, abs=1e-6)
-    assert m["clip/region"].item() == 1.0
+    assert m["clip_ratio/region_mean"].item() == 1.0
 
 
 def test_negative_advantage_low_clip_and_delta():
@@ -34,7 +68,7 @@ def test_negative_advantage_low_clip_and_delta():
     lp = torch.log(torch.tensor([[0.5, 3.0]]))
     loss, m = policy_loss(lp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), loss_type="bnpo", delta=2.0)
     assert loss.item() == pytest.approx((0.8 + 2.0) / 2, abs=1e-6)
-    assert m["clip/low"].item() == pytest.approx(0.5)
+    assert m["clip_ratio/low_mean"].item() == pytest.approx(0.5)
     no_delta, _ = policy_loss(lp, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), loss_type="bnpo")
     assert no_delta.item() == pytest.approx((0.8 + 3.0) / 2, abs=1e-6)
 
@@ -150,7 +184,7 @@ def test_cispo_worked_example():
     assert loss.item() == pytest.approx(-0.925326, abs=1e-6)
     loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([[-0.25, -1.0]]))
-    assert m["clip/high"].item() == pytest.approx(0.5)  # ρ = 3 > ε_max with A > 0
+    assert m["cispo_clip_ratio"].item() == pytest.approx(0.5) and "clip_ratio/high_mean" not in m  # ρ = 3 > ε_max, A > 0 (TRL)
 
 
 def test_sapo_worked_example():

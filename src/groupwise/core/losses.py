@@ -44,16 +44,45 @@ def _sapo(ratio, logps, adv, *, sapo_temperature_pos, sapo_temperature_neg, **_)
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
 
 
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if x.size(-1) == 1:  # sequence-level quantities are (N, 1)
+        return x.float().mean()
+    return (x.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _sequence_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # (N,): each sequence's masked mean
+    if x.size(-1) == 1:
+        return x.float().squeeze(-1)
+    return (x.float() * mask).sum(-1) / mask.sum(-1)  # NaN for a sequence without tokens (left out of min / max)
+
+
+def _clip_metrics(ratio, adv, mask, *, epsilon_low, epsilon_high):
+    """TRL's clip_ratio/*: the share of tokens whose ratio the clip holds (below 1−ε_low with Â < 0, above 1+ε_high
+    with Â > 0); low_min / high_max: the extreme over sequences of each sequence's share (update.py takes the
+    extreme over processes)."""
+    low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+    return {"clip_ratio/low_mean": _masked_mean(low, mask), "clip_ratio/high_mean": _masked_mean(high, mask),
+            "clip_ratio/region_mean": _masked_mean(low | high, mask),
+            "clip_ratio/low_min": _sequence_means(low, mask).nan_to_num(float("inf")).min(),
+            "clip_ratio/high_max": _sequence_means(high, mask).nan_to_num(float("-inf")).max()}
+
+
+def _cispo_metrics(ratio, adv, mask, *, epsilon_high, **_):
+    """TRL's cispo_clip_ratio: the share of tokens whose weight is capped at ε_max (on positive advantages)."""
+    return {"cispo_clip_ratio": _masked_mean((ratio > epsilon_high) & (adv > 0), mask)}
+
+
 @dataclass(frozen=True)
 class Objective:
     per_token: Callable[..., torch.Tensor]  # (ratio, logps, adv, **options) → (N, T) per-token loss
     options: tuple[str, ...]  # GRPOConfig fields it reads (setting another objective's field is a ConfigError)
+    metrics: Callable[..., dict] | None = None  # (ratio, adv, mask, epsilon_low=, epsilon_high=) → detached metrics
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "clip": Objective(_clip, ("epsilon", "epsilon_high", "delta")),
-    "cispo": Objective(_cispo, ("epsilon_high",)),
-    "sapo": Objective(_sapo, ("sapo_temperature_pos", "sapo_temperature_neg")),
+    "clip": Objective(_clip, ("epsilon", "epsilon_high", "delta"), _clip_metrics),
+    "cispo": Objective(_cispo, ("epsilon_high",), _cispo_metrics),
+    "sapo": Objective(_sapo, ("sapo_temperature_pos", "sapo_temperature_neg")),  # a soft gate clips nothing (TRL)
 }
 
 
@@ -77,12 +106,6 @@ LOSS_TYPES: dict[str, LossType] = {
 assert all(t.objective in OBJECTIVES and t.aggregation in AGGREGATIONS for t in LOSS_TYPES.values())
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if x.size(-1) == 1:  # sequence-level quantities are (N, 1)
-        return x.float().mean()
-    return (x.float() * mask).sum() / mask.sum().clamp(min=1.0)
-
-
 def policy_loss(
     logps: torch.Tensor,  # (N, T)  log π_θ of the sampled tokens
     old_logps: torch.Tensor,  # (N, T)  log π_θold (the sampling policy), no grad
@@ -104,7 +127,8 @@ def policy_loss(
     loss_mask: torch.Tensor | None = None,  # (N, T) extra 0/1 mask on the policy term (top-entropy tokens)
     is_weights: torch.Tensor | None = None,  # (N, T) or (N, 1) sampler correction (groupwise.core.importance)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return (scalar loss, metrics) — metrics: `kl`, `clip/low`, `clip/high`, `clip/region` (detached)."""
+    """Return (scalar loss, metrics) — metrics (detached, TRL's names): `kl` when β ≠ 0, and the objective's
+    (clip: `clip_ratio/low_mean`, `high_mean`, `region_mean`, `low_min`, `high_max`; cispo: `cispo_clip_ratio`)."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             f"importance_sampling_level={importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}"
@@ -144,13 +168,8 @@ def policy_loss(
     loss = aggregate(per_token, mask, kind.aggregation, max_completion_length=max_completion_length,
                      num_items_in_batch=num_items_in_batch)
 
-    with torch.no_grad():
-        if kind.objective == "cispo":  # the weight is capped at ε_max, on positive advantages (TRL's metric)
-            metrics["clip/high"] = _masked_mean((ratio > epsilon_high) & (adv > 0), mask)
-        else:
-            low = (ratio < 1 - epsilon_low) & (adv < 0)
-            high = (ratio > 1 + epsilon_high) & (adv > 0)
-            metrics["clip/low"] = _masked_mean(low, mask)
-            metrics["clip/high"] = _masked_mean(high, mask)
-            metrics["clip/region"] = _masked_mean(low | high, mask)
+    objective_metrics = OBJECTIVES[kind.objective].metrics
+    if objective_metrics is not None:
+        with torch.no_grad():
+            metrics.update(objective_metrics(ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high))
     return loss, metrics

@@ -14,6 +14,7 @@ on_reward_error="nan", scores the failing rows NaN and counts them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import concurrent.futures
 import importlib
 import inspect
@@ -199,12 +200,20 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
             tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
             sources.append(_model_source(spec.rstrip("/").split("/")[-1], model, tok, device))
         elif isinstance(spec, torch.nn.Module):
-            if tok is None:
-                raise ValueError(f"reward_funcs[{i}] is a model: pass its tokenizer in reward_processing_classes[{i}]")
-            name = getattr(getattr(spec, "config", None), "_name_or_path", "") or type(spec).__name__
-            sources.append(_model_source(name.rstrip("/").split("/")[-1], spec, tok, device))
+            name = getattr(getattr(spec, "config", None), "_name_or_path", "") or ""
+            if tok is None:  # TRL loads the tokenizer the model was saved with
+                if not name:
+                    raise ValueError(f"reward_funcs[{i}] is a model without config._name_or_path: pass its "
+                                     f"tokenizer in reward_processing_classes[{i}]")
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+            sources.append(_model_source((name or type(spec).__name__).rstrip("/").split("/")[-1], spec, tok, device))
         elif callable(spec):
-            sources.append(RewardSource(name=getattr(spec, "__name__", type(spec).__name__), fn=spec))
+            fn = spec
+            while isinstance(fn, functools.partial):  # TRL names a partial after the function it wraps
+                fn = fn.func
+            sources.append(RewardSource(name=getattr(fn, "__name__", type(fn).__name__), fn=spec))
         else:
             raise TypeError(f"reward_funcs[{i}] must be a callable, a 'module:function' path or a model, got {spec!r}")
     seen: dict[str, int] = {}

@@ -1,0 +1,66 @@
+"""transformers' callback protocol for GRPOTrainer: the callback list (`add_callback`, `pop_callback`,
+`remove_callback`, `callback_handler.callbacks`) and the default flow that decides, after each optimizer step,
+whether to log, evaluate and save (transformers' DefaultFlowCallback): its flags are set on `control` before
+`on_step_end`, so a callback sees them and may change them."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+
+class CallbackHandler:
+    """The trainer's callbacks, in order. A class is instantiated (as transformers does); events are called with
+    transformers' arguments, and a returned TrainerControl replaces the trainer's."""
+
+    def __init__(self, callbacks, **objects: Any):
+        self.callbacks: list = []
+        self.objects = objects  # model, processing_class, optimizer, lr_scheduler, … passed to every event
+        for callback in callbacks or []:
+            self.add_callback(callback)
+
+    def add_callback(self, callback) -> None:
+        cb = callback() if isinstance(callback, type) else callback
+        if any(type(c) is type(cb) for c in self.callbacks):
+            warnings.warn(f"a {type(cb).__name__} is already among the callbacks; this one is added too "
+                          "(transformers' warning)", stacklevel=3)
+        self.callbacks.append(cb)
+
+    def pop_callback(self, callback):
+        """Remove and return the callback (an instance, or the first one of a class); None when absent."""
+        for cb in self.callbacks:
+            if cb is callback or (isinstance(callback, type) and isinstance(cb, callback)):
+                self.callbacks.remove(cb)
+                return cb
+        return None
+
+    def remove_callback(self, callback) -> None:
+        self.pop_callback(callback)
+
+    def fire(self, name: str, args, state, control, **kwargs):
+        for callback in self.callbacks:
+            method = getattr(callback, name, None)
+            if method is None:
+                continue
+            result = method(args, state, control, **self.objects, **kwargs)
+            if result is not None:
+                control = result
+        return control
+
+
+def default_flow(args, state, epoch_end: bool, epochs_done: int) -> tuple[bool, bool, bool]:
+    """(log, evaluate, save) after optimizer step state.global_step: logging_strategy / eval_strategy /
+    save_strategy "steps" (every state.*_steps: the fields, fractions of max_steps resolved), "epoch" (at the end
+    of a pass over the prompts) or "no", with eval_delay and logging_first_step (transformers' meanings). At the
+    last step groupwise always logs, and evaluates and saves unless the strategy is "no" (transformers saves there
+    only under "steps"): a run's end is never unrecorded."""
+    step, last_step = state.global_step, state.global_step >= state.max_steps
+
+    def due(strategy: str, every: int) -> bool:
+        return {"steps": bool(every) and step % every == 0, "epoch": epoch_end, "no": False}[strategy]
+
+    log = due(args.logging_strategy, max(state.logging_steps, 1)) or last_step or (args.logging_first_step and step == 1)
+    delayed = (epochs_done if args.eval_strategy == "epoch" else step) < args.eval_delay
+    evaluate = not delayed and (due(args.eval_strategy, state.eval_steps) or (last_step and args.eval_strategy != "no"))
+    save = due(args.save_strategy, state.save_steps) or (last_step and args.save_strategy != "no")
+    return log, evaluate, save
