@@ -74,7 +74,7 @@ def test_tool_mask_token_by_token_for_a_two_call_conversation():
     assert gen.calls == [2, 1, 1]
     metrics = R.round_metrics(ctx, _round(comp))
     assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
-    assert metrics["gen/mean_length"] == (179 + 14) / 2
+    assert metrics["completions/mean_length"] == (179 + 14) / 2
 
 
 def test_the_loss_mask_is_completion_mask_times_tool_mask_and_truncation_zeros_it():

@@ -89,9 +89,9 @@ def test_grpo_trainer_trains_with_tools_on_a_real_tiny_model(tmp_path):
     trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx, generator=gen)
     trainer.train()
     assert gen.calls == [("script", 4), ("model", 4)] * 2  # one call per turn, all rows together
-    logged = [h for h in trainer.state.log_history if "loss/policy" in h]
+    logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and all(h["tools/call_frequency"] == 1.0 for h in logged)
-    assert all(h["tools/failure_frequency"] == 0.0 and torch.isfinite(torch.tensor(h["loss/policy"])) for h in logged)
+    assert all(h["tools/failure_frequency"] == 0.0 and torch.isfinite(torch.tensor(h["loss"])) for h in logged)
     assert all([m["role"] for m in c[:2]] == ["assistant", "tool"] and c[1]["content"] == "12" for c in seen)
     rows = [json.loads(x) for x in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
     assert rows[0]["completion"][1] == {"role": "tool", "name": "multiply", "content": "12"}
@@ -133,8 +133,8 @@ def test_an_environment_owns_the_data_and_the_reward_without_a_dataset(tmp_path)
     trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx,
                                               generator=Opening(trainer.rollout_ctx.generator, opening))
     trainer.train()
-    logged = [h for h in trainer.state.log_history if "loss/policy" in h]
-    assert [h["reward/IncrementEnv/mean"] for h in logged] == [1.0, 1.0]  # get_reward, weight 1
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["rewards/IncrementEnv/mean"] for h in logged] == [1.0, 1.0]  # get_reward, weight 1
     assert all(h["tools/call_frequency"] == 1.0 for h in logged)
 
 

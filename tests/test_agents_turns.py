@@ -159,11 +159,11 @@ def test_training_with_per_turn_rewards_from_the_environment(tmp_path):
     trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx,
                                               generator=Opening(trainer.rollout_ctx.generator, opening))
     trainer.train()
-    logged = [h for h in trainer.state.log_history if "loss/policy" in h]
+    logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2
     for h in logged:  # the scripted call is a turn; the model's own (random) turn is cut by the budget or not
         assert h["process/steps_per_completion"] >= 1 and 0 <= h["process/step_reward_mean"] <= 1
-        assert h["process/Counter.get_step_rewards/errors"] == 0 and "reward/Counter/mean" in h
+        assert h["process/Counter.get_step_rewards/errors"] == 0 and "rewards/Counter/mean" in h
     assert any(not torch.equal(before[n].cpu(), p.detach().cpu()) for n, p in trainer.unwrapped.named_parameters())
 
 

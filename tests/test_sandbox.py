@@ -8,8 +8,10 @@ allows, and as where unshare is refused (the fallbacks: Python-level socket bloc
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,6 +24,13 @@ from groupwise.agents.execution import call_with_timeout
 from groupwise.agents.sandbox import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux (/proc, rlimits)")
+
+
+@pytest.fixture(autouse=True)
+def same_user_allowed(monkeypatch):
+    """The containment tests also run where only the same-user mode exists (non-root, no user namespaces), which
+    run_python refuses by default (test_same_user_mode_is_refused_unless_allowed)."""
+    monkeypatch.setenv("GROUPWISE_SANDBOX_ALLOW_SAME_USER", "1")
 
 
 @pytest.fixture(params=["namespaces", "fallback"])
@@ -264,3 +273,77 @@ def test_call_with_timeout():
     async def fetch(q):
         return f"result for {q}"
     assert call_with_timeout(fetch, {"q": "x"}, 5).content == "result for x"
+
+
+def test_same_user_mode_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)   # no namespaces …
+    monkeypatch.setattr(sandbox, "_OWN_UID", False)          # … and no uid of its own, as for a non-root trainer
+    monkeypatch.delenv("GROUPWISE_SANDBOX_ALLOW_SAME_USER")
+    code = f"import os\nprint(len(open('/proc/{os.getpid()}/environ', 'rb').read()) > 0)\nos.kill({os.getpid()}, 0)"
+    with pytest.raises(RuntimeError, match=r"could not be set up.*could signal the trainer's processes and read "
+                                           r"their environment.*run_python\(allow_same_user=True\)"):
+        run_python(code)
+    r = run_python(code, allow_same_user=True)                # what it would expose: the trainer's environment
+    assert r.ok and r.stdout == "True\n" and "nproc-relative" in r.isolation, r.stderr
+    monkeypatch.setenv("GROUPWISE_SANDBOX_ALLOW_SAME_USER", "1")
+    assert run_python(code).ok
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the parent-death signal is cleared by the drop to the call's own uid")
+def test_the_program_dies_with_a_killed_trainer():
+    marker = f"96{os.getpid() % 1000}{time.time_ns() % 10**6:06d}"
+    code = f"import os\nos.execvp('sleep', ['sleep', '{marker[:4]}' + '{marker[4:]}'])"  # only sleep's has it whole
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys\nfrom groupwise.agents import sandbox\n"
+                                "sandbox._USE_NAMESPACES = False  # no pid namespace to end it with the reaper\n"
+                                f"sandbox.run_python({code!r}, timeout_s=60)"])
+    workdir = None
+    try:
+        deadline = time.monotonic() + 20
+        while not _survivors_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _survivors_with(marker), "the sandboxed program never started"
+        workdir = os.readlink(f"/proc/{_survivors_with(marker)[0]}/cwd")  # the trainer cannot delete it now
+        trainer.kill()                                     # SIGKILL: no cleanup of its own runs
+        trainer.wait()
+        deadline = time.monotonic() + 3
+        while _survivors_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _survivors_with(marker) == []
+    finally:
+        trainer.kill()
+        for pid in _survivors_with(marker):
+            os.kill(pid, 9)
+        if workdir is not None and os.path.basename(workdir).startswith("groupwise-sandbox-"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _survivors_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                hit = marker.encode() in f.read()
+        except OSError:
+            continue
+        fields = _stat_fields(pid)
+        if hit and fields is not None and fields[0] != b"Z":
+            found.append(int(pid))
+    return found
+
+
+def test_a_program_that_cannot_be_executed_is_a_setup_failure(monkeypatch, tmp_path):
+    not_executable = tmp_path / "python"
+    not_executable.write_text("x")
+    os.chmod(tmp_path, 0o755)
+    popen = subprocess.Popen
+
+    def start(argv, **kwargs):                            # the supervisor starts; the program's exec fails
+        if argv[-1].startswith("{"):
+            cfg = json.loads(argv[-1])
+            cfg["argv"][0] = cfg["argv_socket_patch"][0] = str(not_executable)
+            argv = argv[:-1] + [json.dumps(cfg)]
+        return popen(argv, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", start)
+    with pytest.raises(RuntimeError, match="could not be set up, the code did not run: PermissionError"):
+        run_python("print(1)")

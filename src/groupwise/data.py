@@ -52,10 +52,30 @@ def _cut_warning(name: str, first: int, n: int, max_prompt_length: int, how_many
                   f"the left (first: row {first}, {n} tokens)", stacklevel=3)
 
 
+class EmptyPrompt(list):
+    """The prompt of a row that has none when an environment owns the data (TRL 1.16): an empty user turn, which the
+    environment's reset() completes. Unlike a prompt of the dataset, it is not passed to reset()."""
+
+    def __init__(self):
+        super().__init__([{"role": "user", "content": ""}])
+
+
+class EnvironmentPrompts:
+    """A dataset given with an environment_factory (groupwise.agents.tools.default_train_dataset): its rows may lack
+    a `prompt` (TRL 1.16), which PromptData / StreamData then give an EmptyPrompt."""
+
+    def __init__(self, data: Any, stream: bool):
+        self.data, self.stream = data, stream
+
+
 class PromptData:
-    """A `datasets.Dataset` or a list of dicts with a `prompt` column; other columns reach reward functions."""
+    """A `datasets.Dataset` or a list of dicts with a `prompt` column; other columns reach reward functions. Given as
+    EnvironmentPrompts, rows may lack the prompt (an EmptyPrompt)."""
 
     def __init__(self, data: Any, name: str):
+        self.default_prompt = isinstance(data, EnvironmentPrompts)
+        if self.default_prompt:
+            data = data.data
         if data is None:
             raise ConfigError(f"{name} is required")
         columns = getattr(data, "column_names", None)
@@ -63,9 +83,9 @@ class PromptData:
             if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
                 raise TypeError(f"{name} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}")
             missing = [i for i, r in enumerate(data) if "prompt" not in r]
-            if missing:
+            if missing and not self.default_prompt:
                 raise ConfigError(f"{name} row {missing[0]} has no 'prompt' column (keys: {sorted(data[missing[0]])})")
-        elif "prompt" not in columns:
+        elif "prompt" not in columns and not self.default_prompt:
             raise ConfigError(f"{name} has no 'prompt' column (columns: {columns}); rename the column holding the "
                              "prompts to 'prompt'")
         if len(data) == 0:
@@ -85,10 +105,13 @@ class PromptData:
         """Every prompt, one at a time (a datasets.Dataset is read column-wise in batches, not all at once)."""
         if hasattr(self.data, "column_names"):
             for lo in range(0, len(self.data), 1000):
-                yield from self.data[lo:lo + 1000]["prompt"]
+                if "prompt" in self.data.column_names:
+                    yield from self.data[lo:lo + 1000]["prompt"]
+                else:  # only as EnvironmentPrompts
+                    yield from (EmptyPrompt() for _ in range(min(1000, len(self.data) - lo)))
         else:
             for row in self.data:
-                yield row["prompt"]
+                yield row["prompt"] if "prompt" in row else EmptyPrompt()
 
     def check_lengths(self, tokenizer, *, max_prompt_length: int | None, max_completion_length: int,
                       truncate_prompt: str, max_positions: int | None, chat_template_kwargs: dict | None = None):
@@ -122,7 +145,10 @@ class PromptData:
         return len(self.data)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return dict(self.data[int(i)])
+        row = dict(self.data[int(i)])
+        if self.default_prompt and "prompt" not in row:
+            row["prompt"] = EmptyPrompt()
+        return row
 
 
 class PromptSampler:
@@ -174,6 +200,8 @@ def is_stream(data: Any) -> bool:
         from datasets import IterableDataset
     except ImportError:  # pragma: no cover - datasets is a dependency
         IterableDataset = ()
+    if isinstance(data, EnvironmentPrompts):
+        return data.stream
     if isinstance(data, IterableDataset):
         return True
     return not isinstance(data, (list, tuple)) and not hasattr(data, "__getitem__") and hasattr(data, "__iter__")
@@ -188,7 +216,8 @@ class StreamData:
     KEEP = 65_536  # rows kept for lookups behind the read position (a round asks for its rows in order)
 
     def __init__(self, data: Any, name: str):
-        self.data, self.name = data, name
+        self.default_prompt = isinstance(data, EnvironmentPrompts)  # rows may lack the prompt (an EmptyPrompt)
+        self.data, self.name = (data.data if self.default_prompt else data), name
         self.length: int | None = None  # rows per epoch, known once the stream has ended once
         self._iter = None
         self._next = 0  # run row number of the next row the iterator yields
@@ -216,6 +245,8 @@ class StreamData:
                 self.data.set_epoch(self._next // self.length)
             self._iter = iter(self.data)
             row = next(self._iter)
+        if self.default_prompt and isinstance(row, dict) and "prompt" not in row:
+            row = {**row, "prompt": EmptyPrompt()}
         if not isinstance(row, dict) or "prompt" not in row:
             keys = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ConfigError(f"{self.name} row {self._next} has no 'prompt' column ({keys})")

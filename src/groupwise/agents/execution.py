@@ -1,15 +1,22 @@
 """Running the tool calls of one assistant turn, as TRL 1.16's `_tool_call_loop` does, with a per-call timeout.
 
-Each call runs through `call_with_timeout` (below): in this process, in a worker thread, waiting at
-most `timeout` seconds (GRPOConfig.tool_timeout; None: no limit). Tools are trusted user code; model-generated code
-is never executed here (a tool that runs code must hand it to `sandbox.run_python`).
+With a timeout (GRPOConfig.tool_timeout, 30 s by default) the sync calls run on a `ToolThread` (below): one persistent
+worker thread per environment instance, on which that instance's reset() (and get_reward, get_step_rewards,
+start_turn) run too, and one for the standalone tools; so what reset() makes for its thread (a sqlite3 connection,
+…) works in the tools. The caller waits at most `timeout` seconds. With `tool_timeout=None` every sync call runs on
+the caller's thread, the main thread (as in TRL). Tools are trusted user code; model-generated code is never executed
+here (a tool that runs code must hand it to `sandbox.run_python`).
 
-As in TRL: the sync calls run in call order, then the `async def` ones of the turn run concurrently and their results
-follow the sync ones; a result becomes the message `{"role": "tool", "name": name, "content": str(result)}` (a list is
-passed through as is: content blocks); an unknown tool, an unsupported call type or an exception becomes
-`str({"error": message})` (for an exception `str(e)`) and counts as a failure. groupwise's addition: a call that
-overruns the timeout becomes `str({"error": "tool 'name' timed out after T s"})`, counts as a failure and as a timeout,
-and is abandoned (a Python thread cannot be stopped: it runs on, as a daemon thread, with whatever it does).
+As in TRL: the sync calls run in call order, then the `async def` ones of the turn run concurrently (each on its own
+event loop, in a thread of its own) and their results follow the sync ones; a call is `fn(**arguments)` (arguments
+that are not a mapping are Python's TypeError, as in TRL); a result becomes the message `{"role": "tool", "name":
+name, "content": str(result)}`; an unknown tool, an unsupported call type or an exception becomes
+`str({"error": message})` (for an exception `str(e)`) and counts as a failure. groupwise's differences: a list is
+passed through as is (content blocks) only when every item is a dict with a "type" (TRL passes any list); a result or
+an exception that cannot be made text is a failure naming the tool; a call that overruns the timeout becomes
+`str({"error": "tool 'name' timed out after T s"})`, counts as a failure and as a timeout, and is abandoned with its
+thread (a Python thread cannot be stopped: it runs on, as a daemon thread, with whatever it does; the next call
+starts a fresh thread).
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,75 +47,144 @@ class ToolResults:
     timeouts: int
 
 
-def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None) -> tuple[Any, str | None]:
-    """fn(**arguments) within `timeout` seconds: (what it returned, None), or ({"error": message}, "exception" |
-    "timeout"). Never raises."""
-    box: dict[str, Any] = {}
+class ToolThread:
+    """One persistent daemon thread that runs calls one after another (started on the first call). A call that
+    overruns its timeout keeps the thread: the thread is abandoned (it ends if the call ever returns) and the next
+    call starts a fresh one."""
 
-    def run(**kwargs):  # keeps the raw value (TRL formats it with str()) and the exception itself (str(e))
-        try:
-            value = fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 — reported as the tool's error
-            box["error"] = e
-            raise
-        if not inspect.isawaitable(value):
-            box["value"] = value
-            return value
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue | None = None
+        self._last: threading.Event | None = None  # set when the last call submitted has returned
 
-        async def finish():
+    @property
+    def busy(self) -> bool:
+        """Is a call still running on the thread (one whose caller gave up waiting)?"""
+        with self._lock:
+            return self._last is not None and not self._last.is_set()
+
+    def abandon(self, jobs: queue.SimpleQueue | None = None) -> None:
+        """Leave the current thread to its call (when it is still the one serving `jobs`); the next call starts a
+        fresh thread."""
+        with self._lock:
+            if self._jobs is not None and (jobs is None or jobs is self._jobs):
+                self._jobs.put(None)
+                self._jobs, self._last = None, None
+
+    def call(self, fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+        """fn() on this thread, waiting at most `timeout` seconds (None: as long as it takes). Its exception is
+        raised here; an overrun raises RewardTimeout after abandoning the thread."""
+        done, box = threading.Event(), {}
+
+        def job():
             try:
-                box["value"] = await value
-            except BaseException as e:  # noqa: BLE001
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
                 box["error"] = e
-                raise
-            return box["value"]
-        return finish()
+            finally:
+                done.set()
 
-    run.__name__ = name  # named in the worker thread and in the timeout message
-    if not isinstance(arguments, Mapping):
-        error = f"{name}() arguments must be a mapping of names to values, got {arguments!r:.100}"
-        return {"error": error}, "exception"
-    outcome = call_with_timeout(run, arguments, timeout)
-    if outcome.ok:
-        return box["value"], None
-    if outcome.error == "timeout":
-        return {"error": outcome.content}, "timeout"
-    error = box.get("error")
-    return {"error": str(error) if error is not None else outcome.content}, "exception"
+        with self._lock:
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(self._jobs,), daemon=True, name=self.name).start()
+                weakref.finalize(self, self._jobs.put, None)  # an idle thread ends with its ToolThread
+            jobs, self._last = self._jobs, done
+            jobs.put(job)
+        if not done.wait(timeout):
+            self.abandon(jobs)
+            raise RewardTimeout(f"{what} did not return within {timeout} s")
+        if "error" in box:
+            raise box.pop("error")
+        return box["value"]
 
 
-def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], timeout: float | None) -> ToolResults:
-    """Execute one assistant message's tool calls (see the module docstring)."""
-    done: list[tuple[str, Any]] = []  # (name, result): sync calls and errors, in call order
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        job()
+
+
+def _text(value: Any) -> str | None:
+    """str(value), or None when that raises."""
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 — a broken __str__ / __repr__ of the tool's value
+        return None
+
+
+def tool_content(name: str, value: Any) -> tuple[str | list, str | None]:
+    """A tool's result as message content: a list of content blocks (each a dict with a "type") as is, anything
+    else str(value). (content, None), or (an error message naming the tool, "exception") when str() fails."""
+    if isinstance(value, list) and value and all(isinstance(b, dict) and "type" in b for b in value):
+        return value, None
+    text = _text(value)
+    if text is None:
+        return str({"error": f"tool {name!r} returned a {type(value).__name__} that cannot be turned into text "
+                             "(its __str__ raised); return a string"}), "exception"
+    return text, None
+
+
+def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
+              thread: ToolThread | None = None) -> tuple[str | list, str | None]:
+    """fn(**arguments) within `timeout` seconds (on `thread` when given, else on a thread of its own; None: on this
+    thread, no limit): (the message content, None), or (str({"error": message}), "exception" | "timeout"). Never
+    raises but KeyboardInterrupt."""
+    def run():
+        value = fn(**arguments)  # a non-mapping is TRL's TypeError ("argument after ** must be a mapping")
+        return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
+
+    try:
+        if timeout is None:
+            value = run()
+        elif thread is not None:
+            value = thread.call(run, timeout, f"tool {name!r}")
+        else:
+            value = timed_call(run, timeout, f"tool {name!r}")
+    except RewardTimeout:
+        return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"
+    except (Exception, SystemExit) as e:  # TRL: str(e); reported to the model, never raised
+        text = _text(e)
+        if text is None:
+            text = f"tool {name!r} raised {type(e).__name__}, whose message cannot be turned into text"
+        return str({"error": text}), "exception"
+    return tool_content(name, value)
+
+
+def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], timeout: float | None,
+                   threads: Mapping[str, ToolThread] | None = None) -> ToolResults:
+    """Execute one assistant message's tool calls (see the module docstring); a sync tool runs on threads[name]
+    when given (with a timeout), otherwise on a thread of its own."""
+    done: list[tuple[str, Any]] = []  # (name, content): sync calls and errors, in call order
     pending: list[tuple[str, Callable, Any]] = []  # async calls, run together afterwards
     failures = timeouts = 0
     for call in calls:
         if call.get("type", "function") != "function":  # a flat {"name", "arguments"} call has no type
             failures += 1
-            done.append((call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call.get('type')}"}))
+            done.append((call.get("name", "unknown"),
+                         str({"error": f"Unsupported tool call type: {call.get('type')}"})))
             continue
         function = call.get("function", call)
         name, arguments = function["name"], function.get("arguments", {})
         fn = tools.get(name)
         if fn is None:
             failures += 1
-            done.append((name, {"error": f"Tool {name} not found."}))
+            done.append((name, str({"error": f"Tool {name} not found."})))
         elif is_async(fn):
             pending.append((name, fn, arguments))
         else:
-            result, error = call_tool(fn, name, arguments, timeout)
+            content, error = call_tool(fn, name, arguments, timeout, (threads or {}).get(name))
             failures += error is not None
             timeouts += error == "timeout"
-            done.append((name, result))
+            done.append((name, content))
     if pending:
         with ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="groupwise async tools") as pool:
             outcomes = list(pool.map(lambda job: call_tool(job[1], job[0], job[2], timeout), pending))
-        for (name, _, _), (result, error) in zip(pending, outcomes):
+        for (name, _, _), (content, error) in zip(pending, outcomes):
             failures += error is not None
             timeouts += error == "timeout"
-            done.append((name, result))
-    messages = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
-                for name, result in done]
+            done.append((name, content))
+    messages = [{"role": "tool", "name": name, "content": content} for name, content in done]
     return ToolResults(messages, len(calls), failures, timeouts)
 
 

@@ -56,7 +56,10 @@ def validate_tool_calls(tool_calls: Any) -> None:
 
 
 def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | None = None) -> dict[str, Any]:
-    """One assistant message from the generated `ids` (see the module docstring); never raises on bad output."""
+    """One assistant message from the generated `ids` (see the module docstring); never raises on bad output. No
+    tokens (a turn cut to nothing) is an empty message; JSON nested too deep to parse (RecursionError) is text."""
+    if not ids:
+        return {"role": "assistant", "content": ""}
     try:
         parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
         if parsed is None:  # so truncated that even the content is lost
@@ -67,7 +70,7 @@ def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | N
             parsed["content"] = ""
         if "tool_calls" in parsed:
             validate_tool_calls(parsed["tool_calls"])
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     return parsed
 

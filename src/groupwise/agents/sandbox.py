@@ -32,9 +32,12 @@ reported as missing, never claimed):
     "read-all-files". The program also runs with no_new_privs, so set-uid binaries cannot give root back.
   - other users, with an unprivileged user namespace: the count is per namespace, so the limit is exact too (the
     code keeps the user's uid, and so the user's file permissions).
-  - other users without one: the limit is set to the user's current task count + max_processes, so the code can
-    add at most max_processes tasks whatever it does and the trainer keeps its own (larger) limit; concurrent
-    sandboxes of one user then share that headroom. Reported as "nproc-relative".
+  - other users without one (or without a pid namespace): the code would run as the trainer's own user, able to
+    signal the trainer's processes and, without a user namespace, to read their environment (HF_TOKEN, keys) in
+    /proc. So this is refused (run_python raises, naming the fix) unless `allow_same_user=True` or
+    GROUPWISE_SANDBOX_ALLOW_SAME_USER=1. Then the limit is set to the user's current task count + max_processes, so
+    the code can add at most max_processes tasks whatever it does and the trainer keeps its own (larger) limit;
+    concurrent sandboxes of one user share that headroom. Reported as "nproc-relative".
 * Files (`max_file_mb`, RLIMIT_FSIZE per file written; RLIMIT_CORE=0, RLIMIT_NOFILE=256). The number of files is not
   limited: the code can fill the disk of its temp dir (or /tmp) until the wall clock stops it.
 * Leftover processes: when the program's main process ends (or at the deadline) every process it started is killed,
@@ -67,33 +70,28 @@ must therefore go through `run_python`.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxResult", "run_python"]
+from groupwise.agents.sandbox_uids import SANDBOX_UID_BASE, SANDBOX_UID_COUNT, _ClaimedUid, _kill_uid, _read_cap_needed
 
-# uids run_python may use when the trainer runs as root: SANDBOX_UID_BASE .. + SANDBOX_UID_COUNT - 1 (uids no
-# account should have; override with GROUPWISE_SANDBOX_UID_BASE when they clash, or to fit a user namespace's map)
-SANDBOX_UID_BASE = int(os.environ.get("GROUPWISE_SANDBOX_UID_BASE", "1900000000"))
-SANDBOX_UID_COUNT = 4096
+__all__ = ["SANDBOX_UID_BASE", "SANDBOX_UID_COUNT", "SandboxResult", "run_python"]
 
 _CHILD_ENV_BASE = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _MAX_OPEN_FILES = 256
 _USE_NAMESPACES = True  # False: behave as where unshare is refused (tests use it to exercise the fallbacks)
+_OWN_UID = True         # False: no uid of its own even as root, as for a non-root trainer (tests use it)
 _GRACE_S = 1.0          # after the deadline / after the supervisor ended: how long to wait for the pipes to close
 
 
@@ -141,130 +139,6 @@ _SUPERVISOR = (Path(__file__).parent / "supervisor.py").read_text()
 
 # The program run instead of main.py when only a Python-level network block is possible (socket_patch.py's text).
 _SOCKET_PATCH = (Path(__file__).parent / "socket_patch.py").read_text()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# uids for a root trainer: one per concurrent call, claimed with a lock file (released when the call is over, or when
-# the process dies: flock)
-
-_UID_LOCK = threading.Lock()
-_UIDS_IN_USE: set[int] = set()
-_READ_CAP_NEEDED: dict[bool, bool] = {}
-_NEXT_UID = os.getpid() * 7919
-
-
-def _lock_dir() -> str:
-    for parent in ("/run", tempfile.gettempdir()):
-        if os.access(parent, os.W_OK):
-            path = os.path.join(parent, "groupwise-sandbox-uids")
-            try:
-                os.mkdir(path, 0o700)
-            except FileExistsError:
-                pass
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise RuntimeError(f"{path} is not a private directory of this user: refusing to use it")
-            return path
-    raise RuntimeError("no writable directory for the sandbox uid locks")
-
-
-def _uid_range_mapped(lo: int, hi: int) -> bool:
-    try:
-        with open("/proc/self/uid_map") as f:
-            rows = [tuple(map(int, line.split())) for line in f if line.strip()]
-    except OSError:
-        return True
-    return any(inside <= lo and hi <= inside + count for inside, _outside, count in rows)
-
-
-class _ClaimedUid:
-    """A uid that no other call (in this process or another) uses until `release`."""
-
-    def __init__(self) -> None:
-        if not _uid_range_mapped(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_COUNT):
-            raise RuntimeError(f"uids {SANDBOX_UID_BASE}..+{SANDBOX_UID_COUNT} are not mapped in this user namespace;"
-                               " set GROUPWISE_SANDBOX_UID_BASE to a free mapped range")
-        global _NEXT_UID
-        directory = _lock_dir()
-        with _UID_LOCK:                        # rotate, so a uid whose zombies the system has not reaped yet rests
-            start, _NEXT_UID = _NEXT_UID, _NEXT_UID + 1
-        for i in range(SANDBOX_UID_COUNT):
-            uid = SANDBOX_UID_BASE + (start + i) % SANDBOX_UID_COUNT
-            with _UID_LOCK:
-                if uid in _UIDS_IN_USE:
-                    continue
-                fd = os.open(os.path.join(directory, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    os.close(fd)
-                    continue
-                if _processes_of_uid(uid, zombies=True):   # left over (zombies count for RLIMIT_NPROC), or not ours
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    os.close(fd)
-                    continue
-                _UIDS_IN_USE.add(uid)
-                self.uid, self._fd = uid, fd
-                return
-        raise RuntimeError("all sandbox uids are in use")
-
-    def release(self) -> None:
-        with _UID_LOCK:
-            _UIDS_IN_USE.discard(self.uid)
-            os.close(self._fd)
-
-
-def _proc_status(pid: str) -> dict[str, str] | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-    except (OSError, ValueError):
-        return None
-
-
-def _processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
-    """Processes whose real, effective or saved uid is `uid` (live ones only unless `zombies`)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            st = _proc_status(pid)
-            if st and str(uid) in st.get("Uid", "").split()[:3] and (
-                    zombies or not st.get("State", "").strip().startswith("Z")):
-                found.append(int(pid))
-    return found
-
-
-def _kill_uid(uid: int, budget_s: float = 2.0) -> None:
-    """SIGKILL every process of `uid` until none is left (the process limit bounds how many can be forked meanwhile)."""
-    deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline:
-        pids = _processes_of_uid(uid)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.002)
-
-
-def _read_cap_needed(uid: int, site_packages: bool) -> bool:
-    """Can `uid` start this interpreter (and import ctypes) on its own? If not, the program keeps
-    CAP_DAC_READ_SEARCH."""
-    with _UID_LOCK:
-        if site_packages in _READ_CAP_NEEDED:
-            return _READ_CAP_NEEDED[site_packages]
-    argv = [sys.executable, "-I", "-B"] + ([] if site_packages else ["-S"]) + ["-c", "import ctypes, json, decimal"]
-    try:
-        ok = subprocess.run(argv, user=uid, group=uid, extra_groups=[], cwd="/", env=dict(_CHILD_ENV_BASE),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            timeout=30).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    with _UID_LOCK:
-        _READ_CAP_NEEDED[site_packages] = not ok
-    return not ok
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -323,7 +197,7 @@ def _killpg(pgid: int) -> None:
 
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, max_processes: int = 32,
                max_output_chars: int = 10_000, max_file_mb: int = 16, network: bool = False,
-               site_packages: bool = False) -> SandboxResult:
+               site_packages: bool = False, allow_same_user: bool = False) -> SandboxResult:
     """Run `code` as a Python program in a contained child process tree and return what it printed and how it ended.
 
     timeout_s: wall clock for the whole call (default 5 s); at the deadline every process of the call is killed.
@@ -333,6 +207,9 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
     rest is read and dropped, so a print loop cannot fill memory). max_file_mb: size of any one file written
     (RLIMIT_FSIZE, default 16 MiB). network: False (default) cuts it off (see `SandboxResult.network` for how).
     site_packages: also let the program import the installed packages (default: the standard library only).
+    allow_same_user: run the code even where it would run as the trainer's own user without a user and a pid namespace
+    (non-root, namespaces refused: it could then read the trainer's environment in /proc and signal it); refused by
+    default (a RuntimeError naming the fix) unless this or GROUPWISE_SANDBOX_ALLOW_SAME_USER=1 is set.
 
     Thread-safe: calls may run concurrently (each has its own directory, pipes, process tree and, as root, uid).
     The module docstring says what is and is not contained.
@@ -341,10 +218,10 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
         raise ValueError("run_python: timeout_s > 0, cpu_s >= 1, memory_mb >= 32, max_processes >= 1, "
                          "max_output_chars >= 0 and max_file_mb >= 0 are required")
     t0 = time.monotonic()
-    claimed = _ClaimedUid() if os.geteuid() == 0 else None
+    claimed = _ClaimedUid() if os.geteuid() == 0 and _OWN_UID else None
     workdir = status_r = proc = None
     try:
-        read_all = claimed is not None and _read_cap_needed(claimed.uid, site_packages)
+        read_all = claimed is not None and _read_cap_needed(claimed.uid, site_packages, _CHILD_ENV_BASE)
         workdir = tempfile.mkdtemp(prefix="groupwise-sandbox-")
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
@@ -357,7 +234,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
                "uid": claimed.uid if claimed else None, "read_all_files": read_all,
                "cpu_s": int(cpu_s), "memory_mb": int(memory_mb), "max_processes": int(max_processes),
                "max_file_mb": int(max_file_mb), "max_open_files": _MAX_OPEN_FILES, "env": env,
-               "argv": flags + ["main.py"], "argv_socket_patch": flags + ["-c", _SOCKET_PATCH]}
+               "argv": flags + ["main.py"], "argv_socket_patch": flags + ["-c", _SOCKET_PATCH],
+               "allow_same_user": allow_same_user or os.environ.get("GROUPWISE_SANDBOX_ALLOW_SAME_USER") == "1"}
         try:
             supervisor = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _SUPERVISOR, json.dumps(cfg)]
             proc = subprocess.Popen(supervisor, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -429,15 +307,14 @@ def _watch(proc: subprocess.Popen, status_r: int, uid: int | None, read_all: boo
         _finish(proc.pid, uid)
     proc.wait()
     duration = time.monotonic() - t0
-    setup, exit_event = _parse_status(status)
+    setup, exit_event, failed = _parse_status(status)
     stdout, stdout_trunc = out.text()
     stderr, stderr_trunc = err.text()
     returncode = None
     if exit_event and exit_event.get("status") is not None:
         returncode = -exit_event["signal"] if "signal" in exit_event else exit_event["code"]
-    if b'"setup_failed"' in status.head:     # the program's containment could not be set up: it never ran
-        raise RuntimeError("run_python: the sandbox could not be set up: "
-                           + bytes(status.head).decode(errors="replace"))
+    if failed is not None:                   # the program's containment could not be set up: it never ran
+        raise RuntimeError(f"run_python: the sandbox could not be set up, the code did not run: {failed}")
     if not setup and not timed_out:          # the supervisor (trusted code, before any of the program's) failed
         raise RuntimeError(f"run_python: the sandbox supervisor failed (exit {proc.returncode}): "
                            f"{err.tail.decode(errors='replace')}")
@@ -477,8 +354,8 @@ def _finish(pid: int, uid: int | None) -> None:
         _kill_uid(uid)
 
 
-def _parse_status(capture: _Capture) -> tuple[dict, dict]:
-    setup, exit_event = {}, {}
+def _parse_status(capture: _Capture) -> tuple[dict, dict, str | None]:
+    setup, exit_event, failed = {}, {}, None
     for line in bytes(capture.head).splitlines():
         try:
             event = json.loads(line)
@@ -488,4 +365,6 @@ def _parse_status(capture: _Capture) -> tuple[dict, dict]:
             setup = event
         elif event.get("event") == "exit":
             exit_event = event
-    return setup, exit_event
+        elif event.get("event") == "setup_failed":
+            failed = str(event.get("error"))
+    return setup, exit_event, failed

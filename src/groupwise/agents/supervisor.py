@@ -57,7 +57,7 @@ class Stop(Exception):
 def on_stop(signum, frame):
     raise Stop()
 
-def run_program():
+def run_program(parent):
     """The model's process: drop privileges, set the limits, exec `python main.py`. Fails closed (exit 126)."""
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -87,6 +87,9 @@ def run_program():
                 pass
             else:
                 raise RuntimeError("privilege drop is reversible")
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # again: the kernel clears it when the credentials change
+        if os.getppid() != parent:                # the parent died before that: nobody would kill us
+            raise RuntimeError("the supervisor ended during setup")
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         nproc = cfg["max_processes"]
         if cfg["nproc_mode"] == "userns":
@@ -103,18 +106,21 @@ def run_program():
             if cur_hard != resource.RLIM_INFINITY:
                 soft, hard = min(soft, cur_hard), min(hard, cur_hard)
             resource.setrlimit(which, (soft, hard))
-        os.closerange(3, 1 << 16)
+        os.closerange(3, STATUS_FD)
+        os.closerange(STATUS_FD + 1, 1 << 16)
+        os.set_inheritable(STATUS_FD, False)     # closed by a successful exec; open to report a failed one
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
-    except BaseException as e:                 # the status pipe is still open here (closerange closes it for exec)
+    except BaseException as e:
         report({"event": "setup_failed", "error": "%s: %s" % (type(e).__name__, e)})
         os._exit(126)
 
 def reap(pidns):
     """Run the program, reap every orphan until it ends, then see that nothing it started survives."""
     signal.signal(signal.SIGUSR1, on_stop)
+    parent = os.getpid()
     program = os.fork()
     if program == 0:
-        run_program()
+        run_program(parent)
     status = cpu = None
     try:
         while True:
@@ -193,6 +199,13 @@ def main():
         cfg["nproc_mode"] = "userns"
     else:
         cfg["nproc_mode"] = "relative"
+        if not cfg["allow_same_user"]:
+            report({"event": "setup_failed", "error": "the code would run as the trainer's own user without a user "
+                    "and a pid namespace (refused here: %s), so it could signal the trainer's processes and read "
+                    "their environment (tokens) in /proc; run the trainer as root or where unprivileged user "
+                    "namespaces are allowed, or accept this with run_python(allow_same_user=True) or "
+                    "GROUPWISE_SANDBOX_ALLOW_SAME_USER=1" % (", ".join(sorted(refused)) or "namespaces off")})
+            os._exit(126)
     net_blocked = "net" in namespaces
     if not cfg["network"] and not net_blocked:
         cfg["argv"] = cfg["argv_socket_patch"]

@@ -5,7 +5,8 @@
   at init, naming the tool).
 - `environment_factory`: a callable returning an environment (one instance per rollout), or a dict {name: factory}
   whose dataset rows pick theirs by an `environment` column. An environment has `reset(**row) -> str | None` (the row
-  of the rollout, `prompt` included; a returned string is appended to the last user message), optionally
+  of the rollout, `prompt` included; a train_dataset row may lack it, as in TRL: its prompt is then an empty user
+  turn, not passed to reset; a returned string is appended to the last user message), optionally
   `get_reward() -> float` (then a reward source named after its class, weight 1), optionally
   `get_step_rewards() -> list[float]`, one reward per assistant turn in order (a groupwise addition: then a process
   reward source named `<class>.get_step_rewards`, weight 1, read with step_split="turn"), optionally `start_turn()`
@@ -14,7 +15,13 @@
   other public method
   (plain functions on the class, sorted by name; `_`-prefixed ones skipped) is a tool bound to that rollout's
   instance. Each factory is called once at init (the probe: checks `reset`, lists the methods, seeds the pool);
-  instances are pooled and reset, not re-created, from one generation batch to the next.
+  instances are pooled and reset, not re-created, from one generation batch to the next. Reward sources are one per
+  environment class (by type); a class whose name another one already has gets a suffix (`Env_2`).
+
+With a tool timeout, each instance has a thread of its own (groupwise.agents.execution.ToolThread) on which its
+reset(), its tools, start_turn, get_reward and get_step_rewards all run, so thread-bound resources made in reset()
+(a sqlite3 connection, …) work; the standalone tools share one such thread. Without one (tool_timeout=None), all of
+them run on the caller's thread.
 
 A row's tools: the standalone tools first, then its environment's methods (TRL's order; the prompt lists their
 schemas in that order; by name, the last of two tools sharing a name wins).
@@ -26,7 +33,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from groupwise.agents.execution import ToolThread
 from groupwise.config_base import ConfigError
+from groupwise.data import EmptyPrompt, EnvironmentPrompts, is_stream
 from groupwise.rewards.sources import RewardSource
 
 RESERVED = ("reset", "get_reward", "get_step_rewards", "start_turn")
@@ -52,20 +61,20 @@ def env_methods(env: Any) -> list[Callable]:
             if name not in RESERVED and not name.startswith("_")]
 
 
-def _env_reward(env_type: type, asynchronous: bool) -> Callable:
+def _env_reward(env_type: type, asynchronous: bool, name: str, call_on: Callable) -> Callable:
     """TRL's reward function for an environment class: `get_reward()` of each rollout whose environment is exactly
-    that class, None (unscored) for the others."""
+    that class (a sync one on the instance's thread: `call_on`), None (unscored) for the others."""
     if asynchronous:
         async def get_reward(environments, **_):
             return [await e.get_reward() if type(e) is env_type else None for e in environments]
     else:
         def get_reward(environments, **_):
-            return [e.get_reward() if type(e) is env_type else None for e in environments]
-    get_reward.__name__ = env_type.__name__
+            return [call_on(e, e.get_reward) if type(e) is env_type else None for e in environments]
+    get_reward.__name__ = name
     return get_reward
 
 
-def _env_step_rewards(env_type: type) -> Callable:
+def _env_step_rewards(env_type: type, name: str, call_on: Callable) -> Callable:
     """A process reward function for an environment class (step_split="turn"): `get_step_rewards()` of each rollout
     whose environment is exactly that class — one reward per assistant turn; when the last turn was cut by the
     length budget and is not scored (score_truncated_step=False), its reward is left out — and None per step for
@@ -76,13 +85,22 @@ def _env_step_rewards(env_type: type) -> Callable:
             if type(env) is not env_type:
                 out.append([None] * len(row_steps))
                 continue
-            values = list(env.get_step_rewards())
+            values = list(call_on(env, env.get_step_rewards))
             if len(values) == len(row_steps) + 1:  # the truncated last turn, dropped from the steps
                 values = values[:-1]
             out.append(values)
         return out
-    get_step_rewards.__name__ = f"{env_type.__name__}.get_step_rewards"
+    get_step_rewards.__name__ = f"{name}.get_step_rewards"
     return get_step_rewards
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """`name`, or `name_2`, `name_3`, … when it is taken."""
+    k = 2
+    unique = name
+    while unique in taken:
+        unique, k = f"{name}_{k}", k + 1
+    return unique
 
 
 class Toolbox:
@@ -111,7 +129,10 @@ class Toolbox:
         self.pool: dict[str | None, list[Any]] = {}
         self.reward_sources: list[RewardSource] = []
         self.process_sources: list[RewardSource] = []  # get_step_rewards (groupwise), for step_split="turn"
-        reward_types: list[type] = []
+        self.threaded = False  # the last start() ran the environments on their threads (a tool timeout)
+        self._threads: dict[int, ToolThread] = {}  # id(instance) → its thread; instances live in the pool
+        self._standalone_thread = ToolThread("groupwise tools")
+        class_names: dict[type, str] = {}  # each environment class's name in the reward sources (unique)
         for name, factory in factories.items():
             where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
             if not callable(factory):
@@ -124,13 +145,15 @@ class Toolbox:
             self.schemas[name] = standalone_schemas + [tool_schema(m, f"{where}: {type(env).__name__}.{m.__name__}")
                                                       for m in methods]
             self.factories[name], self.pool[name] = factory, [env]
-            if callable(getattr(env, "get_reward", None)) and type(env) not in reward_types:
-                reward_types.append(type(env))
-                fn = _env_reward(type(env), inspect.iscoroutinefunction(env.get_reward))
-                self.reward_sources.append(RewardSource(name=type(env).__name__, fn=fn))
-            if callable(getattr(env, "get_step_rewards", None)) and all(
-                    s.name != f"{type(env).__name__}.get_step_rewards" for s in self.process_sources):
-                fn = _env_step_rewards(type(env))
+            cls = type(env)
+            if cls in class_names:  # the same class under several names: its rewards are read once
+                continue
+            class_names[cls] = _unique(cls.__name__, set(class_names.values()))
+            if callable(getattr(env, "get_reward", None)):
+                fn = _env_reward(cls, inspect.iscoroutinefunction(env.get_reward), class_names[cls], self.call_on)
+                self.reward_sources.append(RewardSource(name=fn.__name__, fn=fn))
+            if callable(getattr(env, "get_step_rewards", None)):
+                fn = _env_step_rewards(cls, class_names[cls], self.call_on)
                 self.process_sources.append(RewardSource(name=fn.__name__, fn=fn))
 
     @property
@@ -153,11 +176,23 @@ class Toolbox:
                               f"environment_factory; expected one of {list(self.factories)}")
         return name
 
-    def start(self, rows: list[dict[str, Any]]) -> tuple[list[Any] | None, list[str | None], list[Any]]:
+    def call_on(self, env: Any, fn: Callable[[], Any]) -> Any:
+        """fn() on the environment instance's thread when the last start() was threaded, else here."""
+        thread = self._threads.get(id(env)) if self.threaded else None
+        if thread is None:  # not threaded, or not one of the pool's instances
+            return fn()
+        return thread.call(fn, None, f"{type(env).__name__}.{getattr(fn, '__name__', 'call')}")
+
+    def _thread_of(self, env: Any) -> ToolThread:
+        return self._threads.setdefault(id(env), ToolThread(f"groupwise {type(env).__name__}"))
+
+    def start(self, rows: list[dict[str, Any]], threaded: bool = False
+              ) -> tuple[list[Any] | None, list[str | None], list[Any]]:
         """One environment instance per row (pooled: reused across batches, new ones made only when a batch needs
-        more at once), each reset with its row. Returns (instances, or None without environments; each row's
-        environment name; what each reset() returned)."""
+        more at once), each reset with its row (on the instance's thread when `threaded`: with a tool timeout).
+        Returns (instances, or None without environments; each row's environment name; what each reset() returned)."""
         names = [self.environment_of(r, i) for i, r in enumerate(rows)] if self.factories else [None] * len(rows)
+        self.threaded = threaded
         if not self.factories:
             return None, names, [None] * len(rows)
         taken: dict[str | None, int] = {}
@@ -170,14 +205,25 @@ class Toolbox:
             taken[name] = k + 1
         observations = []
         for env, row in zip(envs, rows):
-            kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else row
-            observations.append(env.reset(**kwargs))
+            kwargs = {k: v for k, v in row.items() if not (k == "environment" and self.multi)
+                      and not (k == "prompt" and isinstance(v, EmptyPrompt))}  # TRL: a defaulted prompt is not passed
+            if threaded and (thread := self._thread_of(env)).busy:  # a call whose caller gave up still runs there
+                thread.abandon()  # (a reward that timed out): reset on a fresh thread
+            observations.append(self.call_on(env, lambda env=env, kwargs=kwargs: env.reset(**kwargs)))
         return envs, names, observations
 
     def tools_of(self, env: Any) -> dict[str, Callable]:
         """A rollout's tools by name: the standalone ones, then its environment's methods bound to its instance."""
         return {getattr(fn, "__name__", repr(fn)): fn for fn in self.standalone + (env_methods(env) if env is not None
                                                                                     else [])}
+
+    def threads_of(self, env: Any) -> dict[str, ToolThread]:
+        """The thread each of a rollout's tools runs on (with a tool timeout): its environment's, or the standalone
+        tools' (by name, as tools_of)."""
+        own = self._thread_of(env) if env is not None else None
+        threads = {getattr(fn, "__name__", repr(fn)): self._standalone_thread for fn in self.standalone}
+        threads.update({m.__name__: own for m in (env_methods(env) if env is not None else [])})
+        return threads
 
     def placeholder_dataset(self, args, prompts_per_generation: int) -> list[dict[str, Any]]:
         """TRL: without a train_dataset an environment owns the data (its reset() returns the prompt): one
@@ -207,7 +253,11 @@ def with_observation(prompt: list[dict], observation: Any) -> list[dict]:
 
 
 def default_train_dataset(train_dataset, toolbox: Toolbox | None, args, prompts_per_generation: int):
-    """train_dataset as given, or, when it is None and an environment owns the data, TRL's placeholder."""
-    if train_dataset is not None or toolbox is None or not toolbox.has_environments:
+    """train_dataset as given; with environments, marked so that its rows may lack a prompt (TRL 1.16: an empty user
+    turn, which reset() completes; groupwise.data.EnvironmentPrompts); when it is None and an environment owns the
+    data, TRL's placeholder."""
+    if toolbox is None or not toolbox.has_environments:
         return train_dataset
-    return toolbox.placeholder_dataset(args, prompts_per_generation)
+    if train_dataset is None:
+        return toolbox.placeholder_dataset(args, prompts_per_generation)
+    return EnvironmentPrompts(train_dataset, stream=is_stream(train_dataset))

@@ -159,10 +159,13 @@ class Agent:
             if not is_conversational(row["prompt"]):
                 raise ConfigError(f"tools need conversational prompts (lists of {{'role', 'content'}} messages); row "
                                   f"{i} has {row['prompt']!r:.80}: wrap it as [{{'role': 'user', 'content': …}}]")
-        envs, names, observations = self.toolbox.start(rows)
+        threaded = self.tool_timeout is not None  # each instance's reset, tools, … on its own thread
+        envs, names, observations = self.toolbox.start(rows, threaded=threaded)
         prompts = [with_observation(r["prompt"], obs) for r, obs in zip(rows, observations)]
         schemas = [self.toolbox.schemas[name] for name in names]
         tools = [self.toolbox.tools_of(env) for env in envs] if envs is not None else [self.toolbox.tools_of(None)] * N
+        threads = [self.toolbox.threads_of(env) for env in (envs if envs is not None else [None] * N)] \
+            if threaded else [None] * N
         rendered: dict[str, list[int]] = {}  # a group's G rows share one prompt: render it once
         prompt_ids = []
         for p, s, name in zip(prompts, schemas, names):
@@ -178,7 +181,7 @@ class Agent:
         starts = [getattr(env, "start_turn", None) for env in envs] if envs is not None else [None] * N
         for i, ids in enumerate(completion_ids):
             if ids and callable(starts[i]):
-                starts[i]()  # the environment's turn 1 (a turn that is a step: it has a turn end)
+                self.toolbox.call_on(envs[i], starts[i])  # the environment's turn 1 (a step: it has a turn end)
         calls, failures, timeouts = [0] * N, [0] * N, [0] * N
         positions = self._positions(model)
         active = [i for i in range(N) if completions[i][-1].get("tool_calls")] if self.toolbox.has_tools else []
@@ -186,7 +189,7 @@ class Agent:
         while active and iteration < self.max_iterations:
             extended: dict[int, list[int]] = {}  # row → prompt + completion + tool suffix, for the rows that go on
             for i in active:
-                done = run_tool_calls(completions[i][-1]["tool_calls"], tools[i], self.tool_timeout)
+                done = run_tool_calls(completions[i][-1]["tool_calls"], tools[i], self.tool_timeout, threads[i])
                 calls[i] += done.calls
                 failures[i] += done.failures
                 timeouts[i] += done.timeouts
@@ -214,7 +217,7 @@ class Agent:
                     completions[i].append(message)
                     turn_ends[i].append(len(completion_ids[i]) - 1)
                     if callable(starts[i]):
-                        starts[i]()  # before this turn's calls run, in the next round
+                        self.toolbox.call_on(envs[i], starts[i])  # before this turn's calls run, in the next round
                     if message.get("tool_calls"):
                         active.append(i)
             iteration += 1
