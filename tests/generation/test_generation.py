@@ -174,3 +174,22 @@ def test_backends_return_the_log_probs_they_sampled_with(tokenizer, backend):
     assert (out.logprobs[real] < 0).all()
     assert gen(model, ids, mask).logprobs is None  # not computed unless asked
     gen.update_weights(model)  # in-process backends sample from the policy itself: a no-op that must exist
+
+
+@pytest.mark.parametrize("greedy,logprobs", [(False, True), (True, False)])
+def test_transformers_generator_sets_the_outputs_in_its_generation_config(tokenizer, tiny_model, greedy, logprobs):
+    """generate() deprecates output arguments passed next to a generation_config (a warning on every run, "will be
+    removed"): return_dict_in_generate and output_logits belong in the config, which the caller's
+    generation_kwargs cannot turn off either."""
+    gen = TransformersGenerator(max_completion_length=4, temperature=0.7, top_p=1.0, top_k=0, min_p=None,
+                                repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_ids=[tokenizer.eos_token_id],
+                                generation_kwargs={"return_dict_in_generate": False})
+    seen = []
+    original = tiny_model.generate
+    tiny_model.generate = lambda **kw: seen.append(kw) or original(**kw)
+    ids, mask = encode_prompts(["ab", "c"], tokenizer, None)
+    out = gen(tiny_model, ids, mask, greedy=greedy, logprobs=logprobs)
+    assert set(seen[0]) == {"input_ids", "attention_mask", "generation_config"}
+    assert seen[0]["generation_config"].output_logits is logprobs
+    assert (out.logprobs is not None) is logprobs and out.completion_ids.size(0) == 2

@@ -5,7 +5,9 @@
 - All rows decode in one batch; rows that finish leave it (the cache is compacted once a tenth of the batch
   has finished, so the copy is amortised).
 - The KV cache grows by doubling a preallocated buffer and writing into it, instead of concatenating a new tensor
-  at every step (transformers' DynamicLayer).
+  at every step (transformers' DynamicLayer). Other cache layers keep their own logic: sliding-window layers, and
+  the convolution / recurrent states of hybrid models (Qwen3.5, LFM2, Falcon-H1, …), which are shared and dropped
+  with their rows (select_rows). A model keeping such state in its modules (RecurrentGemma) is refused.
 - Logits are processed by transformers' own processors, in generate()'s order (repetition penalty, temperature,
   top-k, top-p, min-p), and sampled with torch.multinomial as generate() does; greedy equals generate() token for
   token (tested).
@@ -42,8 +44,13 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from groupwise.generation import Generated
 from groupwise.generation.fused_linear import FusedProjections
-from groupwise.generation.static import StaticState, advance, fused_pick, open_slot
+from groupwise.generation.static import StaticState, advance, check_static, fused_pick, open_slot
 from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
+
+try:  # the recurrent / convolution states of hybrid models (Qwen3.5, LFM2, Jamba, …)
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # an older transformers: no such layers
+    LinearAttentionCacheLayerMixin = ()
 
 
 class GrowingLayer(DynamicLayer):
@@ -92,6 +99,17 @@ def _growing_cache(model) -> DynamicCache:
     # plain full-attention layers grow in place; other layer kinds (sliding window, …) keep their own logic
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def select_rows(cache: DynamicCache, indices: torch.Tensor) -> None:
+    """Keep the cache rows `indices` (in that order, repeats allowed). A layer holding recurrent or convolution states
+    (a hybrid model's linear-attention layers, alone or with attention keys/values) has no batch_select_indices that
+    reaches those states: its reorder_cache selects every state it holds, keys and values included."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.reorder_cache(indices)
+        else:
+            layer.batch_select_indices(indices)
 
 
 def penalty_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -174,11 +192,7 @@ class FastGenerator:
                              f"{self.compile}, device {prompt_ids.device.type}): set generation_compile=True, or "
                              "drop generation_fuse_projections")
         if static:
-            impl = getattr(model.config, "_attn_implementation", None)
-            if impl not in ("sdpa", "eager"):
-                raise ValueError(f"generation_compile needs attn_implementation 'sdpa' or 'eager' (the model uses "
-                                 f"{impl!r}): set generation_compile=False, or load the model with "
-                                 "attn_implementation='sdpa'")
+            check_static(model)
         with eval_mode(model):
             G, cache, logits = self._prefill(model, prompt_ids, prompt_mask)
             decode = self._decode_static if static else self._decode_eager
@@ -198,6 +212,11 @@ class FastGenerator:
                              "'transformers' for this model")
         out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask),
                     past_key_values=cache, use_cache=True, **extra)
+        if any(isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.is_conv_states_initialized.values())
+               and not any(layer.is_recurrent_states_initialized.values()) for layer in cache.layers):
+            # (RecurrentGemma): the rows' states live in the model's modules, out of reach of sharing and dropping rows
+            raise ValueError(f"{type(model).__name__} keeps its recurrent state outside the cache, which the fast "
+                             "sampler cannot share or reorder: use generation_backend='transformers' for this model")
         logits = out.logits[:, -1, :].float()  # (B, V)
         return G, cache, logits.repeat_interleave(G, dim=0) if G > 1 else logits
 
@@ -224,7 +243,7 @@ class FastGenerator:
         eos = self.eos.to(device)
         processors = self.greedy_processors if greedy else self.sample_processors
         if G > 1:
-            cache.batch_repeat_interleave(G)
+            select_rows(cache, torch.arange(N // G, device=device).repeat_interleave(G))
         tokens, logps = self._outputs(N, device, want_logprobs)
         # full ids of the active rows, kept only when a processor reads them (the repetition penalty)
         seq = penalty_ids(prompt_ids, prompt_mask) if len(self.greedy_processors) else prompt_ids[:, :0]
@@ -243,7 +262,7 @@ class FastGenerator:
                 break
             if finished.float().mean() >= self.compact_fraction:  # drop finished rows from the batch
                 keep = (~finished).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
+                select_rows(cache, keep)
                 rows, seq, mask, nxt, next_pos = rows[keep], seq[keep], mask[keep], nxt[keep], next_pos[keep]
                 finished = finished[keep]
             if seq.size(1):
@@ -330,6 +349,11 @@ class FastGenerator:
             # and the states built on them, are stale
             self._projections = None
             self._static = {k: v for k, v in self._static.items() if k[0] != id(model)}
+        if not all(type(layer) is GrowingLayer for layer in prefill.layers):
+            kinds = sorted({type(layer).__name__ for layer in prefill.layers if type(layer) is not GrowingLayer})
+            raise ValueError(f"generation_compile: {type(model).__name__} has cache layers other than full attention "
+                             f"({', '.join(kinds)}: sliding window or recurrent): set generation_compile=False for "
+                             "this model")
         first = prefill.layers[0] if prefill.layers else None
         # (the attention implementation decides the mask's kind: boolean for sdpa, additive for eager)
         key = (id(model), N, L, str(device), None if first is None else first.keys.dtype, grouped,
@@ -339,9 +363,6 @@ class FastGenerator:
             return self._static[key]
         while len(self._static) >= self.keep_shapes:  # free the least recently used shape's buffers first
             self._static.pop(next(iter(self._static)))
-        if not all(type(layer) is GrowingLayer for layer in prefill.layers):
-            raise ValueError(f"{type(model).__name__} has cache layers other than full attention (sliding window "
-                             "or recurrent): set generation_compile=False for this model")
         mode = self.compile_mode
         if mode is not None and not grouped:
             # rows that are not groups of one prompt (the later turns of a tool loop, evaluation): their number

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import GenerationConfig
 
@@ -22,10 +24,17 @@ class TransformersGenerator:
         common = dict(max_new_tokens=max_completion_length, pad_token_id=pad_token_id, eos_token_id=eos_token_ids,
                       repetition_penalty=repetition_penalty)
         sample = dict(common, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-        # generation_kwargs override the fields above (TRL); the log-probs stay at the configured temperature (TRL)
+        # generation_kwargs override the fields above (TRL); the log-probs stay at the configured temperature (TRL).
+        # The outputs' form is set in the configs (generate() deprecates output arguments next to a config).
         self.temperature = temperature
-        self.sample_config = GenerationConfig(**{**sample, **(generation_kwargs or {})})
-        self.greedy_config = GenerationConfig(**{**common, **(generation_kwargs or {}), "do_sample": False})
+        out = dict(return_dict_in_generate=True, output_logits=False)
+        self.sample_config = GenerationConfig(**{**sample, **(generation_kwargs or {}), **out})
+        self.greedy_config = GenerationConfig(**{**common, **(generation_kwargs or {}), **out, "do_sample": False})
+        self.configs = {}  # (greedy, logprobs) → config
+        for greedy, config in ((False, self.sample_config), (True, self.greedy_config)):
+            self.configs[greedy, False] = config
+            self.configs[greedy, True] = copy.deepcopy(config)
+            self.configs[greedy, True].output_logits = True
 
     def update_weights(self, model) -> None:
         """Samples from the policy module itself: new weights are already there."""
@@ -34,8 +43,7 @@ class TransformersGenerator:
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
         with eval_mode(model):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                 generation_config=self.greedy_config if greedy else self.sample_config,
-                                 output_logits=logprobs, return_dict_in_generate=True)
+                                 generation_config=self.configs[greedy, logprobs])
         ids = out.sequences[:, prompt_ids.size(1):]  # (N, T)
         if not logprobs:
             return Generated(ids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import NamedTuple
 
 import torch
@@ -80,7 +81,7 @@ class StaticState:
         self._graphs = device.type == "cuda" and compile_mode is not None
         text = model.config.get_text_config(decoder=True)
         self.grouped = (impl == "sdpa" and getattr(text, "attn_logit_softcapping", None) is None
-                        and _register_grouped_attention())
+                        and dispatches_attention(model) and _register_grouped_attention())
         # the Triton decode kernel (boolean mask: sdpa models) where it can run, unless turned off
         self.kernel = self.grouped and attention_kernel is not False and decode_attention.prepare(device)
         if attention_kernel and not self.kernel:
@@ -121,6 +122,39 @@ class StaticState:
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
         self._fused(model, self.cache, self.b, temperature, greedy, pad)
+
+
+def check_static(model) -> None:
+    """Refuse, in one line naming the fix, a model the static loop would decode wrongly or fail on: its attention
+    must read the loop's 4-D mask over the whole buffer (sdpa or eager), take its positions from position_ids, and
+    have no window of its own."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"generation_compile needs attn_implementation 'sdpa' or 'eager' (the model uses {impl!r}): "
+                         "set generation_compile=False, or load the model with attn_implementation='sdpa'")
+    text = model.config.get_text_config(decoder=True)
+    name = type(model).__name__
+    if getattr(text, "alibi", False):  # Falcon with ALiBi builds its bias from a 2-D attention mask
+        raise ValueError(f"generation_compile: {name} uses ALiBi position biases, which the static decode loop "
+                         "does not build: set generation_compile=False for this model")
+    if "local" in (getattr(text, "attention_layers", None) or ()):  # GPT-Neo: a window cut from the key length
+        raise ValueError(f"generation_compile: {name} has local (windowed) attention layers, which the static "
+                         "decode loop does not mask: set generation_compile=False for this model")
+
+
+def dispatches_attention(model) -> bool:
+    """Does every attention module of the model call the function transformers' AttentionInterface registers under
+    config._attn_implementation? Models that test `_attn_implementation == "sdpa"` themselves (Falcon) would read
+    the grouped attention's name as eager attention and add the boolean mask to their scores."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    found = False
+    for module in base.modules():
+        cls = type(module)
+        if cls.__name__.endswith("Attention") and cls.__module__.startswith("transformers"):
+            found = True
+            if not hasattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS"):
+                return False
+    return found
 
 
 def decode_step(model, cache, ids, pos_ids, mask):

@@ -42,6 +42,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -330,6 +331,7 @@ class VLLMServerGenerator:
     def __init__(self, args, client: VLLMServerClient, *, pad_token_id: int):
         self.args, self.client, self.pad_token_id = args, client, pad_token_id
         self.synced = False  # the server holds the policy's current weights
+        self.logprobs_checked = False  # the server's logprobs mode was read (on the first call asking for log-probs)
 
     def update_weights(self, model) -> None:
         """Push the policy's current weights to the server (full tensors; a LoRA policy merged)."""
@@ -343,11 +345,23 @@ class VLLMServerGenerator:
     def close(self) -> None:
         self.client.close_communicator()
 
+    def _check_logprobs_mode(self) -> None:
+        """The importance correction compares the trainer's log-probs with the server's, which must be taken after
+        the temperature (vLLM's default, raw_logprobs, is before it): a warning otherwise, as TRL 1.16 gives."""
+        mode = (self.client.get_server_info().get("model_config") or {}).get("logprobs_mode")
+        if mode is not None and mode != "processed_logprobs":
+            warnings.warn(f"The vLLM server at {self.client.base_url} runs with `--logprobs-mode {mode}`, which biases "
+                          "the importance sampling correction. Restart it with `--logprobs-mode processed_logprobs`, "
+                          "or set vllm_importance_sampling_correction=False.", stacklevel=2)
+
     @torch.no_grad()
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
         args = self.args
         if not self.synced:  # the server loaded the checkpoint; the policy may differ (a resumed run, adapters)
             self.update_weights(model)
+        if logprobs and not self.logprobs_checked:
+            self.logprobs_checked = True
+            self._check_logprobs_mode()
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         n = 1 if greedy else repeats(prompts, (args.num_generations, args.num_generations_eval))
         extra = sampling_fields(args, greedy)
