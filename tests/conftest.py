@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,11 @@ def base_dir(tmp_path, tokenizer):
     toy.build_model(tokenizer, seed=0, hidden_size=32).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def training_lines(path) -> list[str]:
+    """metrics.jsonl's lines without the end-of-training line (train_runtime, …; logged last by every train())."""
+    return [x for x in Path(path).read_text().splitlines() if '"train_runtime"' not in x]
 
 
 def small_args(tmp_path, **kw):

@@ -19,6 +19,7 @@ from groupwise.tasks import toy
 from groupwise.types import Round
 from groupwise.update import UpdateContext, micro_batch_loss
 from tests.agents_support import TOKENIZER, Opening, call, context, multiply, two_calls, user
+from tests.conftest import training_lines
 
 
 def _grads(model) -> torch.Tensor:
@@ -127,7 +128,9 @@ class IncrementEnv:  # TRL's documented environment (grpo_trainer.md, "Environme
 
 def test_an_environment_owns_the_data_and_the_reward_without_a_dataset(tmp_path):
     model = toy.build_model(TOKENIZER, seed=0, hidden_size=32, max_positions=1024)
-    trainer = GRPOTrainer(model, args=_args(tmp_path), processing_class=TOKENIZER, environment_factory=IncrementEnv)
+    eval_rows = [{"level": 1}, {"level": 2}]  # no prompt: the environment's reset() supplies it (TRL), in eval too
+    trainer = GRPOTrainer(model, args=_args(tmp_path), processing_class=TOKENIZER, environment_factory=IncrementEnv,
+                          eval_dataset=eval_rows)
     assert [s.name for s in trainer.reward_sources] == ["IncrementEnv"]
     opening = lambda p: call("increment", step=int(p.split("counter by ")[1][0])) + "<|im_end|>"  # noqa: E731
     trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx,
@@ -136,6 +139,8 @@ def test_an_environment_owns_the_data_and_the_reward_without_a_dataset(tmp_path)
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["rewards/IncrementEnv/mean"] for h in logged] == [1.0, 1.0]  # get_reward, weight 1
     assert all(h["tools/call_frequency"] == 1.0 for h in logged)
+    assert trainer.evaluate()["eval_rewards/IncrementEnv/mean"] == 1.0
+    assert trainer.evaluate(eval_dataset=eval_rows[:1])["eval_rewards/IncrementEnv/mean"] == 1.0
 
 
 def test_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
@@ -173,6 +178,6 @@ def test_two_processes_run_their_own_tool_loops_and_sum_the_tool_metrics(tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     calls = [json.loads((tmp_path / f"result_{r}.json").read_text())["calls"] for r in (0, 1)]
     assert calls == [[2, 2, 2] * 2, [2] * 2]
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "metrics.jsonl")]
     # 2 rollouts × 2 calls on rank 0, none on rank 1: 4 calls over 4 rollouts, the 2 calls to 'nope' failed
     assert [(x["tools/call_frequency"], x["tools/failure_frequency"]) for x in lines] == [(1.0, 0.5)] * 2

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from groupwise.tasks import calculator as C
+from tests.conftest import training_lines
 
 
 # ---- problems -----------------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def test_two_training_steps_with_the_environment(tmp_path):
 
     trainer = calculator_trainer({**SMALL, "output_dir": str(tmp_path / "out")})
     trainer.train()
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "out" / "metrics.jsonl")]
     train = [x for x in lines if "tools/call_frequency" in x]
     assert [x["step"] for x in train] == [1, 2]
     assert all(x["tools/call_frequency"] > 0.5 and x["tools/failure_frequency"] < 0.5 for x in train)
@@ -254,7 +255,7 @@ def test_cli_runs_the_builtin_demo(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["train", "builtin:calculator", "--max_steps", "1", "--num_generations", "4",
                  "--per_device_train_batch_size", "8", "--output_dir", str(out)]) == 0
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(out / "metrics.jsonl")]
     assert [x["step"] for x in lines if "eval_rewards/CalculatorEnv/mean" in x] == [0, 1]
     assert "builtin:calculator" in capsys.readouterr().out
     assert main(["train", "builtin:nope"]) == 2
@@ -274,5 +275,5 @@ def test_per_turn_process_supervision(tmp_path):
     assert trainer.args.step_split == "turn"
     assert [s.name for s in trainer.process_sources] == ["CalculatorEnv.get_step_rewards"]
     trainer.train()
-    line = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    line = [json.loads(x) for x in training_lines(tmp_path / "metrics.jsonl")][-1]
     assert line["process/steps_per_completion"] > 2 and line["process/CalculatorEnv.get_step_rewards/errors"] == 0

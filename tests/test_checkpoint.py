@@ -6,7 +6,7 @@ import torch
 from groupwise import GRPOTrainer
 from groupwise.rewards import RewardFunctionError
 from groupwise.tasks import toy
-from tests.conftest import small_args
+from tests.conftest import small_args, training_lines
 
 
 def _run(tmp_path, tokenizer, out, crash_on_round=None, resume=None, **kw):
@@ -51,7 +51,7 @@ def test_resume_is_bitwise_exact(tmp_path, tokenizer, kw, save_at):
         assert torch.equal(a, b), f"{n} differs after resume"
     sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(x)["step"] for x in training_lines(out / "metrics.jsonl")]
     assert steps == list(range(1, straight.global_step + 1))  # no duplicated lines after resume
 
     def rows(run):  # completions.jsonl: a round resumed in its middle logs its rows, log_extra columns included
@@ -72,7 +72,7 @@ def test_a_resume_between_log_lines_logs_the_lines_of_the_straight_run(tmp_path,
 
     def lines(out):
         return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/") and k != "run_id"}
-                for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+                for x in training_lines(tmp_path / out / "metrics.jsonl")]
 
     straight, resumed = lines("straight"), lines("crashed")
     assert [x["step"] for x in resumed] == [3, 6]
@@ -114,3 +114,27 @@ def test_a_save_is_flushed_to_disk_before_the_rename(tmp_path, tokenizer, monkey
     assert {os.path.basename(s) for s in synced if os.path.dirname(s) == tmp} == files
     assert synced.index(tmp) > max(i for i, s in enumerate(synced) if os.path.dirname(s) == tmp)  # folder after files
     assert synced[-1] == str(tmp_path / "run")  # the rename itself
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, tokenizer):
+    """A run saved checkpoints 1-4; resumed from checkpoint-2, it abandons 3 and 4. They are renamed, kept whole, so
+    that after a crash before the resumed run's next save, resume_from_checkpoint=True continues from checkpoint-2
+    (it used to pick the abandoned checkpoint-4, a finished run, and refuse), and the rotation cannot keep them over
+    the resumed branch's checkpoints."""
+    from safetensors.torch import load_file
+
+    from groupwise.checkpoint import verify_checkpoint
+
+    out = tmp_path / "run"
+    _run(tmp_path, tokenizer, "run", max_steps=4, save_steps=1)
+    with pytest.warns(UserWarning, match="set aside, not deleted: checkpoint-3.abandoned, checkpoint-4.abandoned"):
+        _run(tmp_path, tokenizer, "run", crash_on_round=1, resume=str(out / "checkpoint-2"), max_steps=4, save_steps=1)
+    names = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint"))
+    assert names == ["checkpoint-1", "checkpoint-2", "checkpoint-3.abandoned", "checkpoint-4.abandoned"]
+    verify_checkpoint(out / "checkpoint-4.abandoned")
+    t = _run(tmp_path, tokenizer, "run", resume=True, max_steps=4, save_steps=1, save_total_limit=2)
+    assert t.global_step == 4 and sorted(p.name for p in out.glob("checkpoint-?")) == ["checkpoint-3", "checkpoint-4"]
+    # the resumed branch is the straight run, replayed exactly
+    new, old = load_file(out / "checkpoint-4" / "model.safetensors"), load_file(out / "checkpoint-4.abandoned" /
+                                                                                "model.safetensors")
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)

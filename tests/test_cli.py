@@ -6,6 +6,7 @@ import pytest
 
 from groupwise.cli import main, parse_overrides
 from groupwise.config import ConfigError
+from tests.conftest import training_lines
 
 
 def test_parse_overrides():
@@ -31,14 +32,14 @@ def test_train_from_yaml_with_overrides_then_resume(tmp_path, model_dir):
     cfg = _config(tmp_path, model_dir)
     assert main(["train", cfg, "--max_steps", "2", "--save_steps", "1"]) == 0
     run = tmp_path / "run"
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(x)["step"] for x in training_lines(run / "metrics.jsonl")] == [1, 2]
     assert (run / "checkpoint-2" / "model.safetensors").exists()
     assert main(["train", cfg, "--max_steps", "3", "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in training_lines(run / "metrics.jsonl")] == [1, 2, 3]
     # true (YAML's boolean, or the quoted string a script passes on) resumes the newest checkpoint, as transformers
     assert main(["train", cfg, "--max_steps", "4", "--resume_from_checkpoint", "true"]) == 0
     assert main(["train", cfg, "--max_steps", "5", "--resume_from_checkpoint", "'True'"]) == 0
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [json.loads(x)["step"] for x in training_lines(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
 def test_resume_from_a_checkpoint_that_is_not_there_is_named_before_the_model_loads(tmp_path, model_dir, capsys,
@@ -83,7 +84,7 @@ def test_process_supervision_from_the_command_line(tmp_path, model_dir):
     cfg = _config(tmp_path, model_dir, supervision="process", reward_funcs=[], score_truncated_step=True,
                   process_reward_funcs=["tests.test_trainer:_steps_with_letter"])
     assert main(["train", cfg, "--max_steps", "1"]) == 0
-    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    line = json.loads(training_lines(tmp_path / "run" / "metrics.jsonl")[-1])
     assert "process/step_reward_mean" in line and "reward" not in line
 
 
@@ -95,7 +96,7 @@ def test_demo_runs_two_steps(tmp_path, capsys):
     assert main(["train", "--max_steps", "2", "--output_dir", str(out)]) == 0
     assert (out / "checkpoint-2" / "model.safetensors").exists()
     assert (out / "reward_accuracy.png").stat().st_size > 1000
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(out / "metrics.jsonl")]
     evals = [x for x in lines if "eval_rewards/accuracy/mean" in x]
     assert [x["step"] for x in evals] == [0, 2]
     assert 0.15 <= evals[0]["eval_rewards/accuracy/mean"] <= 0.5  # the shipped warm start leaves room for RL
@@ -112,7 +113,7 @@ def test_builtin_task_brings_its_step_rewards(tmp_path):
                  "--supervision", "process", "--max_steps", "1", "--num_generations", "4",
                  "--per_device_train_batch_size", "8", "--max_completion_length", "16", "--max_prompt_length", "null",
                  "--output_dir", str(out), "--save_steps", "0"]) == 0
-    line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    line = json.loads(training_lines(out / "metrics.jsonl")[-1])
     assert "process/step_correct/errors" in line and "rewards/accuracy/mean" in line
     assert main(["train", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", "builtin:nope"]) == 2
 
@@ -145,13 +146,13 @@ def test_config_run_of_the_calculator_task(tmp_path):
               "--save_steps", "0", "--per_device_eval_batch_size", "8"]
     assert main([*common, "--eval_dataset_name", "builtin:calculator", "--eval_strategy", "steps", "--eval_steps",
                  "1", "--output_dir", str(out)]) == 0
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(out / "metrics.jsonl")]
     train = [x for x in lines if "rewards/CalculatorEnv/mean" in x]
     assert train and train[-1]["tools/call_frequency"] > 0
     assert any("eval_rewards/CalculatorEnv/mean" in x for x in lines)  # held-out problems, through the tool loop
     # process supervision reads the environment's per-turn rewards: with step_split turn it trains ...
     assert main([*common, "--supervision", "process", "--step_split", "turn", "--output_dir", str(tmp_path / "p")]) == 0
-    line = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])
+    line = json.loads(training_lines(tmp_path / "p" / "metrics.jsonl")[-1])
     assert line["process/CalculatorEnv.get_step_rewards/errors"] == 0 and line["process/steps_per_completion"] > 2
     # ... and with a text split it is refused before the model loads, naming the fix
     assert main([*common, "--supervision", "process", "--output_dir", str(tmp_path / "q")]) == 2

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import training_lines
+
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 ROOT = Path(__file__).parents[1]
 
@@ -47,4 +49,4 @@ def test_two_process_training_run(tmp_path):
     assert results[0]["world"] == 2 and results[0]["checksum"] == results[1]["checksum"]  # replicas stay in sync
     ckpt = tmp_path / "checkpoint-2"
     assert (ckpt / "rng_state_0.safetensors").exists() and (ckpt / "rng_state_1.safetensors").exists()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # only the main process writes
+    assert len(training_lines(tmp_path / "metrics.jsonl")) == 2  # only the main process writes

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import training_lines
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "trl"
 
 
@@ -23,7 +25,7 @@ def _run(script: str, cwd: Path) -> None:
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+    return [json.loads(x) for x in training_lines(path)]
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from groupwise.cli import main
 from groupwise.core.advantages import outcome_advantages
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.tasks import toy
-from tests.conftest import small_args
+from tests.conftest import small_args, training_lines
 
 ROOT = Path(__file__).parents[1]
 
@@ -277,7 +277,7 @@ def test_reward_timeout_scores_the_call_nan_and_goes_on(tmp_path, tokenizer):
     start = time.perf_counter()
     with pytest.warns(RuntimeWarning, match=r"'slow_once' did not return within reward_timeout=0.5 s: its 8 rows"):
         t.train()
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "run" / "metrics.jsonl")]
     assert lines[0]["rewards/slow_once/errors"] == 8.0 and lines[1]["rewards/slow_once/errors"] == 0.0
     assert time.perf_counter() - start < 30
 
@@ -347,7 +347,7 @@ def test_a_new_run_refuses_another_runs_output_dir(tmp_path, tokenizer, model_di
     assert code == 2 and "already holds a run" in line and "overwrite_output_dir=True" in line
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before  # untouched
     assert main(["train", cfg, "--overwrite_output_dir", "--max_steps", "1", "--save_steps", "0"]) == 0
-    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [json.loads(x)["step"] for x in training_lines(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 
 def test_rotation_only_deletes_this_runs_checkpoints(tmp_path, tokenizer):
@@ -378,10 +378,13 @@ def test_torn_metrics_line_is_skipped_on_resume_and_lines_carry_the_run_id(tmp_p
     t.train()
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"step": 3, "loss/pol')  # the crash came mid-write
-    with pytest.warns(RuntimeWarning, match=r"line 3 is not valid JSON \(a crash mid-write\?\); dropped"):
+    # lines 1-3: steps 1, 2 and the end-of-training line (at step 2)
+    with pytest.warns(RuntimeWarning, match=r"line 4 is not valid JSON \(a crash mid-write\?\); dropped"):
         _trainer(tmp_path, tokenizer, max_steps=3).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2, 3] and {x["run_id"] for x in lines} == {t.run_id}
+    assert [(x["step"], "train_runtime" in x) for x in lines] == [(1, False), (2, False), (2, True), (3, False),
+                                                                  (3, True)]
+    assert {x["run_id"] for x in lines} == {t.run_id}
 
 
 # ---- 6. faults during saves; corrupted or mismatched checkpoints ------------------------------------------------------
@@ -536,4 +539,4 @@ def test_resume_leaves_other_runs_metrics_lines_alone(saved, tmp_path, tokenizer
     _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2).train(
         resume_from_checkpoint=str(saved / "checkpoint-2"))
     lines = metrics.read_text().splitlines()
-    assert foreign in lines and [json.loads(x)["step"] for x in lines if x != foreign] == [1, 2, 3]
+    assert foreign in lines and [json.loads(x)["step"] for x in training_lines(metrics) if x != foreign] == [1, 2, 3]

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import training_lines
+
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 ROOT = Path(__file__).parents[1]
 
@@ -94,7 +96,7 @@ def test_bad_fsdp_value_fails_before_anything_loads():
 @pytest.mark.slow
 def test_fsdp2_bf16_trains_finite(tmp_path):
     _run(tmp_path / "bf16", max_steps=2, save_steps=0, fsdp="full_shard", bf16=True)
-    lines = [json.loads(x) for x in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "bf16" / "metrics.jsonl")]
     assert all(x["loss"] == x["loss"] and abs(x["grad_norm"]) < float("inf") for x in lines)
     weights = _weights(tmp_path / "bf16")
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from groupwise import GRPOTrainer
 from groupwise.tasks import toy
-from tests.conftest import small_args
+from tests.conftest import small_args, training_lines
 
 
 def _trainer(tmp_path, model, tokenizer, funcs=(toy.letter_reward,), data=None, **kw):
@@ -41,7 +41,7 @@ def test_outputs_metrics_and_loadable_checkpoint(tmp_path, tokenizer, tiny_model
                  eval_steps=None)
     t.train()
     out = tmp_path / "out"
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(out / "metrics.jsonl")]
     assert [x["step"] for x in lines] == [1, 2]
     for key in ("reward", "rewards/letter_reward/mean", "rewards/letter_reward/errors", "loss", "kl",
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "completions/mean_length", "completions/clipped_ratio", "time/step"):
@@ -138,7 +138,7 @@ def test_eval_dataset_is_logged(tmp_path, tokenizer, tiny_model):
                                                                       eval_strategy="steps", eval_on_start=True),
                     train_dataset=toy.dataset(16), eval_dataset=toy.dataset(5, seed=3), processing_class=tokenizer)
     t.train()
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "out" / "metrics.jsonl")]
     evals = [x for x in lines if "eval_reward" in x]
     assert [x["step"] for x in evals] == [0, 1, 2]
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from groupwise import GRPOTrainer
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.tasks import toy
-from tests.conftest import small_args
+from tests.conftest import small_args, training_lines
 
 
 def _length(completions, **_):
@@ -67,7 +67,7 @@ def test_trainer_state_log_metric_and_log_extra_reach_reward_functions(tmp_path,
     t = _trainer(tmp_path, tokenizer, funcs=[curriculum], max_steps=2)
     t.train()
     assert seen == [(0, 2), (1, 2)]  # called before steps 1 and 2
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "run" / "metrics.jsonl")]
     assert [x["curriculum/progress"] for x in lines] == [0.0, 0.5]
     rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {r["step"] for r in rows} == {1, 2}  # 8 completions per logged step
@@ -113,7 +113,8 @@ def test_callbacks_see_the_events_and_can_stop_the_run(tmp_path, tokenizer):
     assert t.global_step == 2 and t.state.global_step == 2  # stopped by the callback, not by max_steps
     # a callback's stop is not the end of the schedule: no evaluation or save that was not due (transformers)
     assert recorder.events == [("on_train_begin", 0), ("on_step_end", 1), ("on_step_end", 2), ("on_train_end", 2)]
-    assert [x["loss"] == x["loss"] for x in recorder.logs] == [True, True]  # on_log every step
+    assert [x["loss"] == x["loss"] for x in recorder.logs[:2]] == [True, True]  # on_log every step
+    assert "train_runtime" in recorder.logs[2] and len(recorder.logs) == 3  # then the end-of-training line
     assert not (tmp_path / "run" / "checkpoint-2").exists()
 
 
@@ -161,10 +162,13 @@ def test_callback_flow_flags_events_and_list_as_transformers(tmp_path, tokenizer
 def test_state_log_history_survives_resume_and_save_model_loads(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=2)
     t.train()
-    assert [x["step"] for x in t.state.log_history] == [1, 2] and "reward" in t.state.log_history[0]
+    assert [x["step"] for x in t.state.log_history] == [1, 2, 2] and "reward" in t.state.log_history[0]
+    assert "train_runtime" in t.state.log_history[2]  # the end-of-training line
     resumed = _trainer(tmp_path, tokenizer, max_steps=3)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    assert [x["step"] for x in resumed.state.log_history] == [1, 2, 3]
+    # the first call's end line is not part of the resumed history (transformers: the checkpoint's state)
+    assert [x["step"] for x in resumed.state.log_history] == [1, 2, 3, 3]
+    assert ["train_runtime" in x for x in resumed.state.log_history] == [False, False, False, True]
     rows = [json.loads(x)["step"] for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert rows == [1] * 8 + [2] * 8 + [3] * 8  # completions survive resume without duplicates
     resumed.save_model(str(tmp_path / "final"))
@@ -185,24 +189,102 @@ def test_warmup_steps_as_transformers_reads_it():
 def test_logging_first_step_data_seed_and_disable_tqdm(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, max_steps=3, logging_steps=5, logging_first_step=True, disable_tqdm=True)
     t.train()
-    lines = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x)["step"] for x in training_lines(tmp_path / "run" / "metrics.jsonl")]
     assert lines == [1, 3] and t._bar.disable  # step 1 (first), step 3 (last); no progress bar
     order = lambda **kw: _trainer(tmp_path, tokenizer, **kw).sampler.next_round()  # noqa: E731
     assert order(seed=1, data_seed=7) == order(seed=2, data_seed=7)  # the prompt order follows data_seed alone
     assert order(seed=1, data_seed=7) != order(seed=1, data_seed=8)
 
 
-def test_run_name_names_the_wandb_run(tmp_path, monkeypatch):
+class _FakeRun:
+    """What the wandb tracker calls on a run: log, summary, define_metric, finish."""
+
+    def __init__(self, **kw):
+        self.init, self.logged, self.summary, self.defined, self.finished = kw, [], {}, [], False
+
+    def log(self, metrics):
+        self.logged.append(metrics)
+
+    def define_metric(self, name, **kw):
+        self.defined.append((name, kw))
+
+    def finish(self):
+        self.finished = True
+
+
+class _FakeWriter:
+    """torch.utils.tensorboard.SummaryWriter's calls, recorded."""
+    made: list = []
+
+    def __init__(self, log_dir):
+        self.log_dir, self.scalars, self.texts = log_dir, [], []
+        _FakeWriter.made.append(self)
+
+    def add_scalar(self, k, v, step):
+        self.scalars.append((k, v, step))
+
+    def add_text(self, k, v):
+        self.texts.append(k)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_trackers_get_transformers_names_and_the_end_of_training_line(tmp_path, tokenizer, monkeypatch):
+    """As transformers' WandbCallback / TensorBoardCallback: `x` → `train/x`, `eval_x` → `eval/x`; wandb steps on
+    `train/global_step` and keeps train_runtime / train_loss / … in the run summary; TensorBoard writes under
+    output_dir/runs/<date>_<host>. run_name names the wandb run. The end-of-training line (transformers' speed
+    metrics) is logged once, to log_history, on_log and metrics.jsonl, and is train()'s `.metrics`."""
     import sys
     import types
 
-    from groupwise.logging import MetricsLogger
+    runs = []
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: runs.append(_FakeRun(**kw))
+                                                                    or runs[-1]))
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=_FakeWriter))
+    _FakeWriter.made = []
+    seen = []
 
-    seen = {}
-    fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or types.SimpleNamespace(log=None, finish=None))
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    MetricsLogger(str(tmp_path), ["wandb"], enabled=True, config={"run_name": "exp-7"})
-    assert seen["name"] == "exp-7"
+    class Spy(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            seen.append(dict(logs))
+
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=2, report_to=["wandb", "tensorboard"],
+                      run_name="exp-7", eval_strategy="steps", eval_steps=2)
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args, callbacks=[Spy],
+                    train_dataset=toy.dataset(12), eval_dataset=toy.dataset(2), processing_class=tokenizer)
+    result = t.train()
+    run, writer = runs[0], _FakeWriter.made[0]
+    assert run.init["name"] == "exp-7" and run.finished and ("train/global_step", {}) in run.defined
+    # step 1, step 2, its evaluation, the end line (its epoch; the rest is summary), as transformers logs them
+    assert [m["train/global_step"] for m in run.logged] == [1, 2, 2, 2] and set(run.logged[3]) == {
+        "train/epoch", "train/time/elapsed", "train/global_step"}
+    assert "train/loss" in run.logged[0] and "train/reward" in run.logged[0] and "loss" not in run.logged[0]
+    assert "eval/reward" in run.logged[2] and "eval/completions/mean_length" in run.logged[2]
+    assert set(run.summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second",
+                                "train_loss", "total_flos"}
+    assert not any("train/train_runtime" in m for m in run.logged)  # the summary is not a series
+    assert writer.log_dir.startswith(str(tmp_path / "run" / "runs") + "/") and writer.texts == ["args"]
+    assert ("train/loss", run.logged[0]["train/loss"], 1) in writer.scalars
+    assert ("train/train_runtime", run.summary["train_runtime"], 2) in writer.scalars
+    # the end-of-training line: 2 steps × per_device_train_batch_size 8 × 1 process = 16 samples
+    end = seen[-1]
+    assert set(end) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                        "train_loss", "epoch"} and end == result.metrics
+    assert end["train_steps_per_second"] == pytest.approx(2 / end["train_runtime"], rel=1e-2)
+    assert end["train_samples_per_second"] == pytest.approx(16 / end["train_runtime"], rel=1e-2)
+    losses = [h["loss"] for h in t.state.log_history if "loss" in h]
+    assert end["train_loss"] == pytest.approx(sum(losses) / 2) == result.training_loss
+    assert t.state.log_history[-1] == {**end, "step": 2}
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["train_runtime"] == end["train_runtime"] and "time/elapsed" in lines[-1]
+    # 6 × non-embedding parameters × tokens seen (prompt + completion, every process), μ = 1
+    assert end["total_flos"] == pytest.approx(6 * t.model.num_parameters(exclude_embeddings=True) *
+                                              t.state.num_input_tokens_seen)
 
 
 def test_trl_trainer_attributes(tmp_path, tokenizer):

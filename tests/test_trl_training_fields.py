@@ -17,7 +17,7 @@ from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.checkpoint import CheckpointError
 from groupwise.config_base import ConfigError
 from groupwise.tasks import toy
-from tests.conftest import small_args
+from tests.conftest import small_args, training_lines
 
 
 def _length(completions, **_):
@@ -37,7 +37,7 @@ def _inner(optimizer):
 
 
 def _metric_steps(folder: Path, key: str | None = None) -> list[int]:
-    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(folder / "metrics.jsonl")]
     return [x["step"] for x in lines if key is None or key in x]
 
 
@@ -103,12 +103,12 @@ def test_logged_learning_rate_is_the_rate_the_step_used_at_the_logging_step(tmp_
     2.5e-4 at step 4 (the window's mean would be 8.75e-4 / 3.75e-4). warmup_steps 1: step 1 uses 0. warmup_ratio
     0.1 of 15 steps: ⌈1.5⌉ = 2 warm-up steps (transformers 4 rounds up)."""
     _trainer(tmp_path, tokenizer, max_steps=4, logging_steps=2, learning_rate=1e-3, lr_scheduler_type="linear").train()
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in training_lines(tmp_path / "run" / "metrics.jsonl")]
     assert [(x["step"], x["learning_rate"]) for x in lines] == [(2, pytest.approx(7.5e-4)), (4, pytest.approx(2.5e-4))]
     assert "lr" not in lines[0] and "loss" in lines[0]
     _trainer(tmp_path, tokenizer, output_dir=str(tmp_path / "w"), max_steps=2, learning_rate=1e-3, warmup_steps=1,
              lr_scheduler_type="linear").train()
-    assert json.loads((tmp_path / "w" / "metrics.jsonl").read_text().splitlines()[0])["learning_rate"] == 0.0
+    assert json.loads(training_lines(tmp_path / "w" / "metrics.jsonl")[0])["learning_rate"] == 0.0
     assert GRPOConfig(warmup_ratio=0.1).warmup(15) == 2
     with pytest.raises(ConfigError, match="lr_scheduler_type='reduce_lr_on_plateau' is not one of"):
         GRPOConfig(lr_scheduler_type="reduce_lr_on_plateau")
@@ -119,7 +119,7 @@ def test_evaluate_takes_transformers_arguments(tmp_path, tokenizer):
     call is logged (state.log_history) as transformers' evaluate() logs."""
     t = _trainer(tmp_path, tokenizer, max_steps=1)
     out = t.evaluate(eval_dataset=toy.dataset(2), metric_key_prefix="test", ignore_keys=["completions/mean_length"])
-    assert set(out) == {"test_reward", "test_rewards/_length/mean"} and t.state.log_history[-1]["test_reward"] == \
+    assert set(out) == {"test_reward", "test_rewards/_length/mean", "epoch"} and t.state.log_history[-1]["test_reward"] == \
         out["test_reward"]
     both = t.evaluate(eval_dataset={"a": toy.dataset(2), "b": toy.dataset(3)})
     assert "eval_a_reward" in both and "eval_b_completions/mean_length" in both
@@ -266,7 +266,7 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
     assert ("create_repo", "me/tiny-grpo", False) in _FakeHub.calls
     with pytest.raises(TypeError, match=r"unexpected arguments \['datset_name'\]"):
         t.push_to_hub(datset_name="x")
-    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    logged = json.loads(training_lines(tmp_path / "run" / "metrics.jsonl")[0])
     assert "hf_test" not in json.dumps(logged)  # the token never reaches the logs
 
 
@@ -398,7 +398,7 @@ def test_train_result_and_reporting_helpers_as_trl_scripts_use_them(tmp_path, to
     t.save_metrics("train", result.metrics)
     t.save_state()
     out = tmp_path / "run"
-    assert json.loads((out / "all_results.json").read_text())["global_step"] == 2
+    assert json.loads((out / "all_results.json").read_text())["train_loss"] == pytest.approx(result.training_loss)
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 2
     assert t.model is t.unwrapped  # trainer.model is the Hugging Face model, as in TRL
     again = _trainer(tmp_path, tokenizer, max_steps=3)

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from groupwise.config_base import ConfigError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
 MANIFEST = "checksums.json"
 
 
@@ -85,12 +86,13 @@ def verify_checkpoint(folder: str | Path) -> None:
 
 
 def run_outputs(output_dir: str | Path) -> list[Path]:
-    """What a previous run left in output_dir: checkpoint-N folders and metrics.jsonl."""
+    """What a previous run left in output_dir: checkpoint-N folders (set aside ones too), metrics.jsonl and
+    completions.jsonl."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir()
-                  if CHECKPOINT_RE.match(p.name) or p.name in ("metrics.jsonl", "completions.jsonl"))
+    return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or SET_ASIDE_RE.match(p.name)
+                  or p.name in ("metrics.jsonl", "completions.jsonl"))
 
 
 def latest_checkpoint(output_dir: str | Path) -> str:
@@ -115,6 +117,27 @@ def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | Non
         raise CheckpointError(f"resume_from_checkpoint={folder!r} {why}: not a checkpoint written by groupwise; "
                               "give a checkpoint-N folder of a run, or true for the newest one in output_dir")
     return folder
+
+
+def set_aside_later(output_dir: str | Path, step: int, run_id: str | None) -> list[Path]:
+    """Resuming run `run_id` at `step`: its checkpoints of later steps in output_dir belong to the branch the resume
+    abandons. Left in place, resume_from_checkpoint=True would pick them after a crash, and the rotation
+    (save_total_limit) would keep them and delete the resumed branch's. They are renamed checkpoint-N.abandoned
+    (-2, -3, … if taken), kept whole; other runs' checkpoints are left alone. Returns the new names."""
+    root = Path(output_dir)
+    later = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                   if (m := CHECKPOINT_RE.match(p.name)) and int(m.group(1)) > step and _run_id_of(p) == run_id)
+    moved = []
+    for _, path in later:
+        target, k = path.with_name(path.name + ".abandoned"), 1
+        while target.exists():
+            k += 1
+            target = path.with_name(f"{path.name}.abandoned-{k}")
+        path.rename(target)
+        moved.append(target)
+    if moved:
+        _sync_dir(root)
+    return moved
 
 
 def check_json_state(state: Any, what: str) -> None:

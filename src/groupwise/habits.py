@@ -5,24 +5,25 @@ reads the trainer's args, dist, state, tokenizer and models."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError
 from groupwise.hub import check_card, push_folder, write_model_card
+from groupwise.logging import speed_metrics
 
 
 class TrainResult(dict):
     """What train() returns: the last logged metrics (a dict), also readable as transformers' TrainOutput —
-    `.global_step`, `.training_loss` (the mean `loss` of this run's steps) and `.metrics` (with train_runtime
-    and train_loss), so TRL scripts' `train_result.metrics` works."""
+    `.global_step`, `.training_loss` (the mean `loss` of this call's steps) and `.metrics` (the end-of-training
+    line: train_runtime, train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch), so TRL
+    scripts' `train_result.metrics` works."""
 
-    def __init__(self, last: dict[str, float], global_step: int, training_loss: float, runtime: float):
+    def __init__(self, last: dict[str, float], global_step: int, training_loss: float, metrics: dict[str, float]):
         super().__init__(last)
-        self.global_step, self.training_loss = global_step, training_loss
-        self.metrics = {"train_runtime": runtime, "train_loss": training_loss, "epoch": last.get("epoch", 0.0),
-                        "global_step": global_step}
+        self.global_step, self.training_loss, self.metrics = global_step, training_loss, metrics
 
 
 class TransformersHabits:
@@ -88,27 +89,52 @@ class TransformersHabits:
             lambda: push_folder(self.args, out, commit_message, token=token, revision=revision, private=private)
             if self.dist.is_main else None, "push_to_hub")
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """transformers' Trainer.log: `logs` (with the epoch, once training has begun) to state.log_history (with the
+        step) and the callbacks' on_log; during and after train() also to metrics.jsonl (with `time/elapsed`) and the
+        trackers. `start_time` is accepted for transformers' signature."""
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        if getattr(self, "_logger", None) is not None:
+            self._logger.log(self.global_step, {**logs, **self._elapsed()})
+        self.state.log_history.append({**logs, "step": self.global_step})
+        self._event("on_log", logs=logs)
+
+    def _summary(self) -> dict[str, float]:
+        """transformers' end-of-training line (speed, total_flos, train_loss: the mean loss of this call's steps),
+        logged like any other."""
+        args, steps = self.args, self.global_step - self._first_step
+        samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size
+        summary = {**speed_metrics(time.perf_counter() - self._started, steps, samples),
+                   "total_flos": self.state.total_flos,
+                   "train_loss": self._loss_sum / self._loss_steps if self._loss_steps else float("nan")}
+        self.log(summary)
+        return summary
+
+    def _flos(self, tokens: float) -> float:
+        """transformers' estimate for training on `tokens` tokens (all processes'), 6 × the policy's parameters
+        without the embeddings × tokens, for each of the num_iterations passes over them."""
+        count = getattr(self.unwrapped, "num_parameters", None)
+        params = count(exclude_embeddings=True) if count else sum(p.numel() for p in self.unwrapped.parameters())
+        return 6.0 * params * tokens * self.args.num_iterations
+
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """transformers' Trainer.evaluate(): groupwise.evaluation.evaluate (greedy, or num_generations_eval samples
         per prompt with mean@k / pass@k) on `eval_dataset` (default: the trainer's; a dict: each dataset, its
         metrics prefixed with `metric_key_prefix`_<name>). The metrics, named `metric_key_prefix`_<TRL name>, are
         logged (metrics.jsonl during training, state.log_history, on_log) and passed to on_evaluate."""
-        from groupwise.data import PromptData
         from groupwise.evaluation import evaluate
 
         if isinstance(eval_dataset, dict):
             return {k: v for name, data in eval_dataset.items()
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        data = self.eval_data if eval_dataset is None else PromptData(eval_dataset, "eval_dataset")
+        data = self.eval_data if eval_dataset is None else self._eval_data(eval_dataset)
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
         raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in raw.items() if k not in (ignore_keys or ())}
-        if getattr(self, "_logger", None) is not None:  # during (or after) train(): metrics.jsonl and trackers
-            self._logger.log(self.global_step, {**metrics, **self._elapsed()})
-        self.state.log_history.append({**metrics, "step": self.global_step})
-        self._event("on_log", logs=metrics)
+        self.log(metrics)  # with the epoch, as transformers' evaluate() returns it
         self._event("on_evaluate", metrics=metrics)
         return metrics
 

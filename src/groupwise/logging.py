@@ -18,27 +18,74 @@ if TYPE_CHECKING:
     from groupwise.types import Round
 
 
+def tracker_names(metrics: dict) -> dict:
+    """The names transformers' tracker callbacks give a log line: `eval_x` → `eval/x`, `test_x` → `test/x`, any
+    other `x` → `train/x`."""
+    def name(k: str) -> str:
+        for prefix in ("eval", "test"):
+            if k.startswith(prefix + "_"):
+                return f"{prefix}/{k[len(prefix) + 1:]}"
+        return "train/" + k
+    return {name(k): v for k, v in metrics.items()}
+
+
+def speed_metrics(runtime: float, steps: int, samples: float) -> dict[str, float]:
+    """The speed part of transformers' end-of-training line (train_runtime first: END_OF_TRAINING marks the line),
+    rounded as transformers rounds it."""
+    out = {END_OF_TRAINING: round(runtime, 4)}
+    if runtime > 0:
+        out.update(train_samples_per_second=round(samples / runtime, 3), train_steps_per_second=round(steps / runtime, 3))
+    return out
+
+
+END_OF_TRAINING = "train_runtime"  # the key only the end-of-training line has
+
+# the end-of-training values that wandb keeps in the run's summary rather than as a series (transformers)
+SUMMARY_ONLY = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
+
+
 def _tensorboard(output_dir: str, config: dict):
+    """transformers' TensorBoardCallback: a folder per run, output_dir/runs/<date>_<host> (or $TENSORBOARD_LOGGING_DIR),
+    the config as text, scalars under tracker_names."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
         raise ImportError("report_to=['tensorboard'] needs `pip install groupwise[tensorboard]`") from e
-    writer = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+    import socket
+    from datetime import datetime
+
+    folder = os.getenv("TENSORBOARD_LOGGING_DIR") or str(
+        Path(output_dir) / "runs" / f"{datetime.now().strftime('%b%d_%H-%M-%S')}_{socket.gethostname()}")
+    writer = SummaryWriter(log_dir=os.path.expanduser(folder))
+    writer.add_text("args", json.dumps(config, indent=2, default=str))
 
     def log(step, metrics):
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)):
+        for k, v in tracker_names(metrics).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
                 writer.add_scalar(k, v, step)
+        writer.flush()
     return log, writer.close
 
 
 def _wandb(output_dir: str, config: dict):
+    """transformers' WandbCallback: series under tracker_names against `train/global_step`; the end-of-training
+    values (SUMMARY_ONLY) in the run's summary."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
     run = wandb.init(config=config, name=config.get("run_name"), resume="allow")
-    return (lambda step, metrics: run.log(metrics, step=step)), run.finish
+    if getattr(run, "define_metric", None):
+        run.define_metric("train/global_step")
+        run.define_metric("*", step_metric="train/global_step", step_sync=True)
+
+    def log(step, metrics):
+        for k in SUMMARY_ONLY:
+            if k in metrics:
+                run.summary[k] = metrics[k]
+        run.log({**tracker_names({k: v for k, v in metrics.items() if k not in SUMMARY_ONLY}),
+                 "train/global_step": step})
+    return log, run.finish
 
 
 # GRPOConfig.log_level / log_level_replica: transformers' names; "passive" leaves the levels as they are
@@ -159,7 +206,7 @@ def trim_jsonl(path: Path, resume_step: int, run_id: str | None) -> list[dict]:
         if mine and record.get("step", 0) > resume_step:
             continue
         keep.append(line)
-        if mine:
+        if mine and END_OF_TRAINING not in record:  # an earlier train() call's end: not in the resumed history
             records.append(record)
     tmp = path.with_name(path.name + ".tmp")  # a crash while rewriting leaves the old file whole
     tmp.write_text("".join(line + "\n" for line in keep))

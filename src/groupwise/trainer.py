@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import uuid
+import warnings
 from collections import defaultdict
 
 import torch
@@ -18,9 +19,9 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
 from groupwise.callbacks import CallbackHandler, default_flow
-from groupwise.agents import Toolbox, build_agent, default_train_dataset
+from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
 from groupwise.checkpoint import (RESUME_FIELDS, check_pending, check_resume, claim_output_dir,
-                                  load_checkpoint, read_state, resume_folder, save_checkpoint)
+                                  load_checkpoint, read_state, resume_folder, save_checkpoint, set_aside_later)
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -84,7 +85,7 @@ class GRPOTrainer(TransformersHabits):
         if isinstance(eval_dataset, dict):
             raise ConfigError("eval_dataset is a dict of datasets: pass one here (evaluated during training), and "
                               "evaluate the others with trainer.evaluate(eval_dataset={name: dataset, …})")
-        self.eval_data = PromptData(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.eval_data = self._eval_data(eval_dataset) if eval_dataset is not None else None
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
             asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
             raise ConfigError(f"{asked} needs an eval_dataset (on the command line: eval_dataset_name), or turn it off")
@@ -161,6 +162,10 @@ class GRPOTrainer(TransformersHabits):
         self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
         self._event("on_init_end")
+
+    def _eval_data(self, dataset) -> PromptData:
+        """An eval dataset (the constructor's or evaluate()'s); with environments its rows may lack a prompt."""
+        return PromptData(environment_prompts(dataset, self.toolbox), "eval_dataset")
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_optimization(self, policy):
@@ -260,10 +265,11 @@ class GRPOTrainer(TransformersHabits):
                         self._after_step(rollout, done, metrics)
                         if self._finished():
                             break
+                summary = self._summary()
             finally:  # also when the run stops on an error or a signal: trackers flushed, progress bar closed
                 self._bar.close()
                 self._logger.close()
-        return self._end()
+        return self._end(summary)
 
     # ---- phases -------------------------------------------------------------------------------------------------
     def _begin(self) -> None:
@@ -276,6 +282,7 @@ class GRPOTrainer(TransformersHabits):
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
                          disable=bool(args.disable_tqdm) or not shows)
         self._started = self._tick = time.perf_counter()
+        self._first_step = self.global_step  # this call's steps, for the end-of-training speed line
         self._last: dict[str, float] = {}
         self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
         self._event("on_train_begin")
@@ -294,6 +301,7 @@ class GRPOTrainer(TransformersHabits):
         rollout = R.collect(self.rollout_ctx, self.sampling_model)
         self._span = (start, self.sampler.progress())
         self.state.num_input_tokens_seen += int(rollout.metrics["num_tokens"])  # TRL logs the running total
+        self.state.total_flos += self._flos(rollout.metrics["num_tokens"])
         rollout.metrics["num_tokens"] = float(self.state.num_input_tokens_seen)
         rollout.metrics["time/rollout"] = time.perf_counter() - self._tick  # generate + rewards + logprobs
         return rollout
@@ -376,13 +384,9 @@ class GRPOTrainer(TransformersHabits):
 
     def _log(self, rollout: Rollout) -> None:
         last = window_summary(self._window, self.args.logging_nan_inf_filter)
-        last["epoch"] = self.state.epoch
-        last.update(self._elapsed())
-        self._logger.log(self.global_step, last)
         self._window.clear()
+        self.log(last)
         self._last = last
-        self.state.log_history.append({**last, "step": self.global_step})
-        self._event("on_log", logs=last)
         rows = self._round_rows(rollout)
         self._logger.log_completions(self.global_step, rows)
         self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
@@ -415,7 +419,7 @@ class GRPOTrainer(TransformersHabits):
         """TRL's `log_extra` reward keyword: a column of completions.jsonl, one value per completion of the call."""
         self._extra[column].extend(values)
 
-    def _end(self) -> TrainResult:
+    def _end(self, summary: dict[str, float]) -> TrainResult:
         self._event("on_train_end")
         if self.args.push_to_hub and getattr(self, "_pushed_at", None) != self.global_step:  # not pushed at this step
             self.push_to_hub()
@@ -423,8 +427,7 @@ class GRPOTrainer(TransformersHabits):
         if self.dist.is_main:
             tqdm.write(f"groupwise: {self.global_step} optimizer steps, {self.skipped_steps} skipped as non-finite; "
                        f"outputs in {self.args.output_dir}")
-        loss = self._loss_sum / self._loss_steps if self._loss_steps else float("nan")
-        return TrainResult(self._last, self.global_step, loss, time.perf_counter() - self._started)
+        return TrainResult(self._last, self.global_step, summary["train_loss"], summary)
 
     def _elapsed(self) -> dict[str, float]:
         return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
@@ -447,7 +450,8 @@ class GRPOTrainer(TransformersHabits):
                  "round_step": round_step if pending is not None else 0,
                  "round_metrics": round_metrics if pending is not None else None,
                  "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None,
-                 "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen}
+                 "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen,
+                 "total_flos": self.state.total_flos}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
                                model=self.sampling_model if sharded else self.unwrapped,
@@ -464,6 +468,11 @@ class GRPOTrainer(TransformersHabits):
                                   sharded_model=self.unwrapped if self.dist.sharding is not None else None,
                                   scheduler=self.scheduler,
                                   ref_model=self.reference.copy if self.reference is not None else None)
+        moved = self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
+            self.args.output_dir, state["global_step"], state.get("run_id")), "setting aside the abandoned checkpoints")
+        if moved:
+            warnings.warn(f"resumed at step {state['global_step']}: the later checkpoints in output_dir were set "
+                          f"aside, not deleted: {', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
@@ -471,6 +480,7 @@ class GRPOTrainer(TransformersHabits):
         self.consecutive_skipped = state.get("consecutive_skipped", 0)
         self._window = defaultdict(list, state.get("window", {}))  # the metrics since the last log line
         self.state.num_input_tokens_seen = state.get("num_input_tokens_seen", 0)
+        self.state.total_flos = state.get("total_flos", 0.0)
         self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))
         self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
         if pending is None:

@@ -8,7 +8,7 @@
     sandbox_uids.py  the uid of its own each sandbox call gets when the trainer runs as root
 """
 
-from groupwise.agents.tools import Toolbox, default_train_dataset
+from groupwise.agents.tools import Toolbox, default_train_dataset, environment_prompts
 from groupwise.agents.turns import Agent, Turns, build_agent
 
-__all__ = ["Agent", "Toolbox", "Turns", "build_agent", "default_train_dataset"]
+__all__ = ["Agent", "Toolbox", "Turns", "build_agent", "default_train_dataset", "environment_prompts"]

@@ -256,8 +256,14 @@ def default_train_dataset(train_dataset, toolbox: Toolbox | None, args, prompts_
     """train_dataset as given; with environments, marked so that its rows may lack a prompt (TRL 1.16: an empty user
     turn, which reset() completes; groupwise.data.EnvironmentPrompts); when it is None and an environment owns the
     data, TRL's placeholder."""
-    if toolbox is None or not toolbox.has_environments:
-        return train_dataset
-    if train_dataset is None:
+    if toolbox is not None and toolbox.has_environments and train_dataset is None:
         return toolbox.placeholder_dataset(args, prompts_per_generation)
-    return EnvironmentPrompts(train_dataset, stream=is_stream(train_dataset))
+    return environment_prompts(train_dataset, toolbox)
+
+
+def environment_prompts(dataset, toolbox: Toolbox | None):
+    """A train or eval dataset as given; with environments, marked so that its rows may lack a `prompt` (TRL 1.16
+    defaults it for every row it generates from, evaluation included)."""
+    if dataset is None or toolbox is None or not toolbox.has_environments:
+        return dataset
+    return EnvironmentPrompts(dataset, stream=is_stream(dataset))
