@@ -151,10 +151,32 @@ def run(out: Path) -> None:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
 
 
+def replica(out: Path) -> None:
+    """LoRA with generation_dtype: each process's sampling replica against the policy it trains (DDP broadcasts
+    rank 0's weights; every process builds its own adapter), when the first optimizer step begins."""
+    from groupwise import GRPOTrainer
+
+    tok = toy.build_tokenizer()
+    args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
+                      max_steps=1, save_steps=0, learning_rate=1e-2, use_peft=True, lora_target_modules=["q_proj"],
+                      generation_dtype="float32")
+    seen = {}
+
+    class Compare:
+        def on_step_begin(self, args, state, control, **kw):
+            policy = dict(t.unwrapped.named_parameters())
+            seen["same"] = all(torch.equal(p, policy[n]) for n, p in t.sampling_model.named_parameters())
+
+    t = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                    train_dataset=toy.dataset(16), processing_class=tok, callbacks=[Compare()])
+    t.train()
+    (out / f"result_{t.dist.rank}.json").write_text(json.dumps(seen))
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     if mode.startswith("fault_"):
         fault(out, mode.removeprefix("fault_"))
     else:
-        {"same": same, "train": train, "run": run}[mode](out)
+        {"same": same, "train": train, "run": run, "replica": replica}[mode](out)

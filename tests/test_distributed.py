@@ -50,3 +50,11 @@ def test_two_process_training_run(tmp_path):
     ckpt = tmp_path / "checkpoint-2"
     assert (ckpt / "rng_state_0.safetensors").exists() and (ckpt / "rng_state_1.safetensors").exists()
     assert len(training_lines(tmp_path / "metrics.jsonl")) == 2  # only the main process writes
+
+
+@pytest.mark.slow
+def test_each_process_samples_its_first_round_from_the_policy_it_trains(tmp_path):
+    """A LoRA adapter is built on every process (its A matrices drawn from the process's seed); DDP gives every
+    process rank 0's, but a generation_dtype replica copied before that kept process 1's own until step 1."""
+    _launch(2, "replica", tmp_path)
+    assert [json.loads((tmp_path / f"result_{r}.json").read_text())["same"] for r in (0, 1)] == [True, True]

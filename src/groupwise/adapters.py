@@ -3,8 +3,13 @@
 - `GRPOTrainer(..., peft_config=LoraConfig(...))` (TRL's argument) or, in a config, TRL's `use_peft` with `lora_r`,
   `lora_alpha`, `lora_dropout`, `lora_target_modules`, … wrap the policy with `peft.get_peft_model`; a model that
   is already a PeftModel is trained as it is. Only the adapter's parameters train.
-- The reference policy of the KL term (β > 0) is the same model with its adapters disabled: no copy of the weights
-  (`Reference`). A full fine-tune's reference is a frozen copy.
+- The reference policy of the KL term (β > 0) is the initial policy (DeepSeekMath Alg. 1: π_ref ← π_θ before the
+  updates), with no copy of the base weights (`Reference`): adapters that groupwise created are disabled (they
+  start at zero: the base model is the initial policy, as in TRL); a PeftModel passed in (an adapter trained
+  before, e.g. by SFT) has its initial adapter tensors put back for the reference pass (TRL's frozen "ref" copy of
+  the adapter). A full fine-tune's reference is a frozen copy.
+- `merged` hands a sampler the merged weights and restores the frozen base bit for bit; `check_passed_model` refuses
+  a passed-in model whose adapters cannot train or resume here.
 - Checkpoints hold the adapter (`adapter_model.safetensors`, loadable with `PeftModel.from_pretrained`) next to the
   optimizer, scheduler and RNG state; `export_merged` writes base + adapter merged, loadable with
   `AutoModelForCausalLM.from_pretrained`.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+_CREATED: weakref.WeakSet = weakref.WeakSet()  # PeftModels whose adapters `wrap` created (fresh: the base is π_ref)
 
 
 def _peft():
@@ -49,7 +56,10 @@ def peft_config_from_args(args: GRPOConfig):
         return None
     peft = _peft()
     kwargs = {"target_parameters": args.lora_target_parameters} if args.lora_target_parameters else {}
-    return peft.LoraConfig(task_type=args.lora_task_type, r=args.lora_r, target_modules=args.lora_target_modules,
+    targets = args.lora_target_modules
+    if isinstance(targets, (list, tuple)) and list(targets) == ["all-linear"]:
+        targets = "all-linear"  # peft reads the shortcut from a string only; TRL's ModelConfig unwraps the list
+    return peft.LoraConfig(task_type=args.lora_task_type, r=args.lora_r, target_modules=targets,
                            lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
                            use_rslora=args.use_rslora, use_dora=args.use_dora,
                            modules_to_save=args.lora_modules_to_save, **kwargs)
@@ -62,27 +72,116 @@ def wrap(model: torch.nn.Module, peft_config, *, gradient_checkpointing: bool) -
     if is_peft_model(model):
         raise ConfigError("the model is already a PeftModel: pass it without peft_config / use_peft (its adapters "
                           "train as they are)")
-    wrapped = peft.get_peft_model(model, peft_config)
+    if not isinstance(peft_config, peft.PeftConfig):  # TRL's check (a dict from a config file, say)
+        raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig), got "
+                        f"{type(peft_config).__name__}; in a config file use use_peft with the lora_* fields")
+    _refuse_prompt_learning(peft_config, "peft_config")
+    try:
+        wrapped = peft.get_peft_model(model, peft_config)
+    except ValueError as e:
+        if "not found in the base model" not in str(e):
+            raise
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"LoRA target modules {getattr(peft_config, 'target_modules', None)!r} match no module of "
+                          f"{type(model).__name__}: set lora_target_modules (LoraConfig.target_modules) to a list of "
+                          f"its module names, e.g. {names[:8]}, or 'all-linear' (a plain string is a regular "
+                          "expression matched against full module names)") from None
     if gradient_checkpointing:
         wrapped.enable_input_require_grads()
+    _CREATED.add(wrapped)
     return wrapped
 
 
-class Reference:
-    """π_ref of the KL term: `model` evaluated inside `context()`. For a PeftModel: the policy itself with its
-    adapters disabled (no second copy of the weights); otherwise a frozen copy of the initial policy."""
+def _refuse_prompt_learning(config, what: str) -> None:
+    """Prompt-learning methods (prompt / prefix / p-tuning) live in PeftModel.forward, which adds virtual tokens; the
+    log-prob pass (modeling.PolicyForLogps) runs the decoder itself, so they would get no gradient."""
+    if getattr(config, "is_prompt_learning", False):
+        raise ConfigError(f"{what} is a {type(config).__name__}, a prompt-learning method (virtual tokens added by "
+                          "PeftModel.forward), which groupwise's log-prob pass does not run: use an adapter inside "
+                          "the layers (LoraConfig / use_peft, IA3Config, LoHaConfig, …)")
 
-    def __init__(self, model: torch.nn.Module, adapters_off: bool):
-        self.model, self.adapters_off = model, adapters_off
+
+def check_passed_model(model: torch.nn.Module) -> None:
+    """A model object passed to the trainer, before anything is built around it. Adapters that transformers added
+    (model.add_adapter / load_adapter) make save_pretrained write the adapter only, which a full fine-tune's resume
+    cannot read: refused. A PeftModel must be trainable here: not a prompt-learning method
+    (`_refuse_prompt_learning`), and with adapter tensors to train (PeftModel.from_pretrained loads an adapter
+    frozen unless is_trainable=True, and the optimizer would then get no parameters)."""
+    if getattr(model, "_hf_peft_config_loaded", False) and not is_peft_model(model):
+        raise ConfigError("the model carries adapters added by transformers (model.add_adapter / load_adapter), "
+                          "which groupwise does not checkpoint or resume: pass the model without them and "
+                          "peft_config=LoraConfig(…), or wrap it with peft.get_peft_model")
+    if not is_peft_model(model):
+        return
+    for config in model.peft_config.values():
+        _refuse_prompt_learning(config, "the PeftModel's adapter")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("the PeftModel has no trainable parameters (PeftModel.from_pretrained loads an adapter for "
+                          "inference): load it with PeftModel.from_pretrained(base, path, is_trainable=True)")
+
+
+@contextlib.contextmanager
+def merged(model: torch.nn.Module):
+    """A PeftModel with its adapters merged into the base weights for the block (weights handed to a sampler that
+    serves the base architecture), the base weights restored exactly afterwards: peft's unmerge subtracts the
+    update again, and (W + ΔW) − ΔW ≠ W in floating point, so merging at every weight sync would move the frozen
+    base (π_ref with adapters off, and what a resume reloads) a little at every optimizer step. Costs one copy of
+    the adapted base layers' weights while the block runs. Other models pass through unchanged."""
+    if not is_peft_model(model):
+        yield model
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    saved = [(p, p.detach().clone()) for m in model.modules() if isinstance(m, BaseTunerLayer)
+             for p in m.get_base_layer().parameters(recurse=False)]
+    model.merge_adapter()
+    try:
+        yield model
+    finally:
+        model.unmerge_adapter()
+        with torch.no_grad():
+            for p, original in saved:
+                p.copy_(original)
+
+
+class Reference:
+    """π_ref of the KL term, the initial policy: `model` evaluated inside `context()`. For a PeftModel: the policy
+    itself (no second copy of the base weights), with the adapters groupwise created disabled, or with the initial
+    values of a passed-in adapter's trainable tensors (`initial`) put back for the block; otherwise a frozen copy."""
+
+    def __init__(self, model: torch.nn.Module, adapters_off: bool, initial: dict[str, torch.Tensor] | None = None):
+        self.model, self.adapters_off, self.initial = model, adapters_off, initial
 
     @classmethod
     def of(cls, policy: torch.nn.Module, device) -> Reference:
         if is_peft_model(policy):
-            return cls(policy, adapters_off=True)
+            if policy in _CREATED:  # fresh adapters (LoRA's B = 0): disabled, the base model is the initial policy
+                return cls(policy, adapters_off=True)
+            # an adapter trained before (TRL keeps a frozen "ref" copy of it): its initial tensors, as they are now
+            return cls(policy, adapters_off=True, initial={n: p.detach().clone() for n, p in
+                                                           policy.named_parameters() if p.requires_grad})
         return cls(copy.deepcopy(policy).eval().requires_grad_(False).to(device), adapters_off=False)
 
     def context(self):
-        return self.model.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+        if not self.adapters_off:
+            return contextlib.nullcontext()
+        return self._initial_adapter() if self.initial is not None else self.model.disable_adapter()
+
+    @contextlib.contextmanager
+    def _initial_adapter(self):
+        """The passed-in adapter's initial tensors in place of the trained ones for the block, then the trained
+        ones back, bit for bit (no_grad: the reference pass builds no graph)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            trained = {n: params[n].detach().clone() for n in self.initial}
+            for n, t in self.initial.items():
+                params[n].copy_(t)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, t in trained.items():
+                    params[n].copy_(t)
 
     @property
     def copy(self) -> torch.nn.Module | None:
@@ -107,12 +206,45 @@ def load_adapter(model: torch.nn.Module, folder: Path, source: str) -> None:
     if not path.exists():
         raise CheckpointError(f"{source} holds no {ADAPTER_WEIGHTS}: it was not saved from a LoRA run; resume it "
                               "without peft_config / use_peft")
-    result = _peft().set_peft_model_state_dict(model, load_file(str(path)))
+    _check_adapter_config(model, folder, source)
+    try:
+        result = _peft().set_peft_model_state_dict(model, load_file(str(path)))
+    except RuntimeError as e:  # shapes differ: torch lists every tensor, one line is enough
+        first = next((x.strip() for x in str(e).splitlines() if "size mismatch" in x), str(e).splitlines()[0])
+        raise CheckpointError(f"{source}: the adapter does not match the model ({first}): resume with the same "
+                              "LoRA configuration") from None
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k or "modules_to_save" in k]
     if unexpected or missing:
         raise CheckpointError(f"{source}: the adapter does not match the model (missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}): resume with the same LoRA configuration")
+
+
+# adapter_config.json fields that change what the adapter computes: a resume must keep them (lora_dropout is
+# not one: disable_dropout zeroes it, and the run's own settings decide that)
+RESUME_ADAPTER_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "target_modules",
+                         "target_parameters", "modules_to_save", "bias", "lora_bias", "fan_in_fan_out", "rank_pattern",
+                         "alpha_pattern", "layers_to_transform", "exclude_modules")
+
+
+def _check_adapter_config(model: torch.nn.Module, folder: Path, source: str) -> None:
+    """The saved adapter's configuration against the model's: equal shapes do not mean an equal adapter (a
+    different lora_alpha or use_rslora scales it differently, and the run would go on silently changed)."""
+    import json
+
+    from groupwise.checkpoint import CheckpointError
+
+    def norm(v):
+        return sorted(map(str, v)) if isinstance(v, (list, tuple, set, frozenset)) else v
+
+    path = folder / ADAPTER_CONFIG
+    if not path.exists():
+        raise CheckpointError(f"{source} holds no {ADAPTER_CONFIG}: resume from a checkpoint of a LoRA run")
+    saved, current = json.loads(path.read_text()), model.peft_config["default"].to_dict()
+    for key in RESUME_ADAPTER_FIELDS:
+        if key in saved and key in current and norm(saved[key]) != norm(current[key]):
+            raise CheckpointError(f"resume: the adapter's {key} is {saved[key]!r} in {source} but {current[key]!r} "
+                                  "now; resume with the same LoRA configuration (peft_config / lora_* fields)")
 
 
 def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False) -> str:

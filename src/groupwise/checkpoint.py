@@ -366,7 +366,7 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     if not rng_file.exists():
         raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
                                 f"{dist.world_size} processes?")
-    from groupwise.adapters import is_peft_model, load_adapter
+    from groupwise.adapters import ADAPTER_WEIGHTS, is_peft_model, load_adapter
 
     if sharded_model is not None:  # FSDP2: this process's shards, exactly (the consolidated copy is for users)
         from groupwise.sharding import load_local, optimizer_from_local
@@ -384,6 +384,9 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
         if (path / "model_shard_0.safetensors").exists():
             raise CheckpointError(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
                                   f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
+        if (path / ADAPTER_WEIGHTS).exists():
+            raise CheckpointError(f"{folder} holds a LoRA adapter ({ADAPTER_WEIGHTS}), not the model: resume it "
+                                  "with the run's peft_config / use_peft")
         load_model_weights(model, _model_weights(path), folder)
         optimizer.load_state_dict(_optimizer_from_files(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))

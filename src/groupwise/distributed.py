@@ -34,7 +34,13 @@ class Distributed:
         ddp = {k: v for k, v in (ddp_kwargs or {}).items() if v is not None}
         if ddp:
             handlers.append(DistributedDataParallelKwargs(**ddp))
-        # bf16 False leaves accelerate's own setting (an `accelerate launch` config's mixed_precision) in charge
+        # bf16 False leaves accelerate's own setting (an `accelerate launch` config's mixed_precision) in charge.
+        # accelerate keeps one mixed-precision setting per process and refuses another ("restart your runtime"), or
+        # keeps an earlier trainer's bf16 when this one asks for nothing: its state is reset first, as transformers'
+        # TrainingArguments does (the process group, PartialState, stays)
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
         self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else None, kwargs_handlers=handlers)
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):

@@ -55,6 +55,12 @@ def resolve(fsdp: str | None) -> Sharding | None:
         if version != "2":
             raise ConfigError(f"the accelerate config asks for FSDP version {version}: groupwise shards with FSDP2; "
                               "set fsdp_version: 2 in the accelerate config file")
+        for env, key, fix in (("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", "groupwise keeps the shards on the "
+                               "accelerator"), ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing",
+                               "set gradient_checkpointing: true in the groupwise config instead")):
+            if os.environ.get(env, "false").lower() in ("1", "true"):
+                raise ConfigError(f"the accelerate config sets {key}: true, which groupwise's FSDP2 does not apply "
+                                  f"({fix}): set {key}: false in the accelerate config file")
         reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in ("1", "true", "full_shard")
         return Sharding(reshard_after_forward=reshard)
     return None

@@ -287,7 +287,8 @@ class GRPOTrainer(TransformersHabits):
         self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
         self._event("on_train_begin")
         self._event("on_epoch_begin")
-        if self.global_step:  # resumed: the sampler must see the restored weights
+        # resumed, or a replica (generation_dtype, fsdp) copied before DDP synced the processes' weights: refresh
+        if self.global_step or self._replica is not None:
             self._weights_changed()
         if args.eval_on_start and self.global_step == 0:
             self.evaluate()
@@ -383,10 +384,9 @@ class GRPOTrainer(TransformersHabits):
             self.push_to_hub(commit_message=f"groupwise: step {self.global_step}")
 
     def _log(self, rollout: Rollout) -> None:
-        last = window_summary(self._window, self.args.logging_nan_inf_filter)
+        self._last = last = window_summary(self._window, self.args.logging_nan_inf_filter)
         self._window.clear()
         self.log(last)
-        self._last = last
         rows = self._round_rows(rollout)
         self._logger.log_completions(self.global_step, rows)
         self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
@@ -471,8 +471,8 @@ class GRPOTrainer(TransformersHabits):
         moved = self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
             self.args.output_dir, state["global_step"], state.get("run_id")), "setting aside the abandoned checkpoints")
         if moved:
-            warnings.warn(f"resumed at step {state['global_step']}: the later checkpoints in output_dir were set "
-                          f"aside, not deleted: {', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
+            warnings.warn(f"resumed at step {state['global_step']}: the later checkpoints in output_dir were set aside, "
+                          f"not deleted: {', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])

@@ -41,12 +41,12 @@ def _vllm():
 @contextlib.contextmanager
 def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The policy's parameters under the names vLLM loads, as TRL 1.16 walks an unsharded model (tied weights once):
-    a LoRA policy merged while the caller reads them (then unmerged), adapters and `modules_to_save`'s originals
-    left out."""
-    peft = hasattr(model, "merge_adapter")
-    if peft:
-        model.merge_adapter()
-    try:
+    a LoRA policy merged while the caller reads them (groupwise.adapters.merged: the frozen base is restored bit for
+    bit afterwards), adapters and `modules_to_save`'s originals left out."""
+    from groupwise.adapters import is_peft_model, merged
+
+    peft = is_peft_model(model)
+    with merged(model):
         prefix = getattr(model, "prefix", "lora_") if peft else None
         named = []
         for name, param in model.named_parameters():
@@ -57,9 +57,6 @@ def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch
                 name = name.replace("modules_to_save.default.", "")
             named.append((name.replace("_checkpoint_wrapped_module.", ""), param.data))
         yield named
-    finally:
-        if peft:
-            model.unmerge_adapter()
 
 
 def sampling_fields(args, greedy: bool) -> dict:
