@@ -1,8 +1,6 @@
-"""`groupwise train [CONFIG.yaml] [--field value …]` — fields as in GRPOConfig plus the run fields below.
-
-Run fields: model_name_or_path, dataset_name (a .jsonl/.json/.csv/.parquet file, a saved dataset folder,
-`builtin:<task>` or a hub name), dataset_split, eval_dataset_name, eval_split, reward_funcs (list of
-`package.module:function` paths or reward-model paths), process_reward_funcs (step-reward functions). With no config and no model, `groupwise train` runs the
+"""`groupwise train [CONFIG.yaml] [--field value …]` — the role of `trl grpo --config CONFIG.yaml`: GRPOConfig's
+fields plus the run fields of groupwise.script_args (TRL's ScriptArguments / ModelConfig / DatasetMixtureConfig names:
+model_name_or_path, dataset_name, reward_funcs, …). With no config and no model, `groupwise train` runs the
 built-in demo; `groupwise train builtin:<task> [--field value …]` runs that built-in task's demo
 (groupwise.demo.DEMOS: arithmetic, calculator).
 """
@@ -11,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
+import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -23,20 +20,23 @@ from groupwise.config import ConfigError, GRPOConfig, load_yaml
 from groupwise.config_base import check_location, check_model_location, reject_unknown
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
+from groupwise.script_args import (QUANTIZATION, RUN_FIELDS, builtin_task, check_run_fields, load_dataset_spec,
+                                   load_run_datasets, model_init_kwargs, refuse_quantization, reward_specs)
 
-RUN_FIELDS = {
-    "model_name_or_path": "Policy: a local folder or hub id loadable with AutoModelForCausalLM.",
-    "dataset_name": "Prompts: .jsonl/.json/.csv/.parquet file, a save_to_disk folder, builtin:<task> or a hub name.",
-    "dataset_split": "Split of dataset_name (default 'train').",
-    "eval_dataset_name": "Evaluation prompts, same forms as dataset_name.",
-    "eval_split": "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems; builtin:toy has none).",
-    "reward_funcs": "List of 'package.module:function' paths or reward-model paths (builtin tasks bring theirs).",
-    "process_reward_funcs": "List of step-reward sources (supervision process / both): 'package.module:function' paths, PRM folders written by `groupwise prm train`, or {path: …, kind: …} mappings.",
-}
+__all__ = ["RUN_FIELDS", "build_run", "builtin_task", "load_dataset_spec", "main", "parse_overrides"]
+
+TRAIN_USAGE = """usage: groupwise train [CONFIG.yaml | --config CONFIG.yaml] [--field value …] [--debug]
+       groupwise train builtin:<task> [--field value …]      (a built-in task's demo: arithmetic, calculator)
+       groupwise train [--field value …]                     (no model_name_or_path: the built-in demo)
+
+Fields: every GRPOConfig field (`groupwise fields` lists them with help and defaults) and the run fields below,
+from CONFIG.yaml and the command line (which wins): --field value, --field=value, --flag (true), --no_flag (false),
+--field a b c (a list). Exit codes: 0 done, 2 a configuration or input error, 1 the run stopped on an error."""
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, Any]:
-    """`--key value`, `--key=value`, bare `--flag` (= true); values parsed as YAML scalars/lists."""
+    """`--key value`, `--key=value`, bare `--flag` (= true), `--key v1 v2 …` (a list, as TRL's parser reads list
+    fields); values parsed as YAML scalars/lists."""
     out: dict[str, Any] = {}
     i = 0
     while i < len(tokens):
@@ -44,29 +44,21 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
         if not tok.startswith("--"):
             raise ConfigError(f"unexpected argument {tok!r}: fields are given as --name value")
         key, eq, value = tok[2:].partition("=")
-        if not eq:
-            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-                value, i = tokens[i + 1], i + 1
-            else:
-                value = "true"
-        try:
-            out[key.replace("-", "_")] = yaml.safe_load(value)
-        except yaml.YAMLError:  # not a YAML scalar or list (e.g. a control character): the plain string
-            out[key.replace("-", "_")] = value
+        values = [value] if eq else []
+        while not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            values.append(tokens[i + 1])
+            i += 1
+        parsed = [_scalar(v) for v in values] or [True]
+        out[key.replace("-", "_")] = parsed[0] if len(parsed) == 1 else parsed
         i += 1
     return out
 
 
-def builtin_task(name: str):
-    """The task module of `builtin:<task>` (groupwise.tasks.TASKS), or None for any other dataset name."""
-    if not name.startswith("builtin:"):
-        return None
-    from groupwise.tasks import TASKS
-
-    task = name.split(":", 1)[1]
-    if task not in TASKS:
-        raise ConfigError(f"dataset_name={name!r}: unknown built-in task; choose from {sorted(TASKS)}")
-    return TASKS[task]
+def _scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:  # not a YAML scalar or list (e.g. a control character): the plain string
+        return text
 
 
 def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
@@ -85,57 +77,48 @@ def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
     return run_demo(values, task)
 
 
-def load_dataset_spec(name: str, split: str | None, *, default: str = "train"):
-    """The rows of dataset_name / eval_dataset_name: `split` as given, or `default` (train for training, test for
-    evaluation) where the dataset has splits."""
-    task = builtin_task(name)
-    if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
-        if "split" not in inspect.signature(task.dataset).parameters:
-            if split is not None:
-                raise ConfigError(f"{name!r} has no train/test split: leave dataset_split / eval_split unset "
-                                  "(its rows are the same either way)")
-            return task.dataset()
-        split = split or default
-        if split not in ("train", "test"):
-            raise ConfigError(f"split {split!r} of {name!r}: built-in tasks have the splits 'train' and 'test'")
-        return task.dataset(split=split)
-    import datasets
-
-    path = Path(name)
-    if path.is_dir():
-        data = datasets.load_from_disk(str(path))
-        return data[split or default] if isinstance(data, datasets.DatasetDict) else data
-    if path.is_file():
-        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
-        if kind is None:
-            raise ConfigError(f"dataset_name={name!r}: unsupported file type {path.suffix!r}")
-        if path.stat().st_size == 0:
-            raise ConfigError(f"dataset {name!r} is empty: give a file with at least one row")
-        return datasets.load_dataset(kind, data_files=str(path), split="train")
-    return datasets.load_dataset(name, split=split or default)
+def negations(values: dict[str, Any]) -> dict[str, Any]:
+    """TRL's parser: a bare `--no_<flag>` turns off a boolean field (here any boolean GRPOConfig or run field)."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(GRPOConfig)}
+    types.update({name: annotation for name, (annotation, _, _) in RUN_FIELDS.items()})
+    out = {}
+    for key, value in values.items():
+        name = key[3:]
+        if key.startswith("no_") and key not in types and value is True and "bool" in types.get(name, ""):
+            key, value = name, False
+        out[key] = value
+    return out
 
 
 def build_run(values: dict[str, Any]):
-    """Split a flat mapping into run fields and a GRPOConfig (validated before anything loads)."""
-    known = set(RUN_FIELDS) | {f.name for f in dataclasses.fields(GRPOConfig)}
-    reject_unknown(values, known | set(GRPOConfig.UNSUPPORTED), owner="groupwise train")
-    run = {k: values[k] for k in RUN_FIELDS if k in values}
-    for key in ("reward_funcs", "process_reward_funcs"):  # one spec given as a string is a list of one
-        if isinstance(run.get(key), str):
-            run[key] = [run[key]]
-        elif run.get(key) is not None and not isinstance(run[key], list):
-            raise ConfigError(f"{key}={run[key]!r}: give a list of 'package.module:function' paths or reward-model "
-                              "paths (or one as a string)")
-    args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS})
+    """Split a flat mapping into the run fields (checked, TRL's defaults filled in) and a GRPOConfig (validated before
+    anything loads), whose model_init_kwargs gain model_revision / attn_implementation / dtype (TRL's grpo script)."""
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED),
+                   owner="groupwise train")
+    refuse_quantization(values)
+    run = check_run_fields({k: values[k] for k in RUN_FIELDS if k in values})
+    args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS and k not in QUANTIZATION})
+    args.model_init_kwargs = model_init_kwargs(run, args.model_init_kwargs)
     return run, args
 
 
 def cmd_train(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(TRAIN_USAGE + "\n\nrun fields:")
+        for name, (_, default, help_text) in RUN_FIELDS.items():
+            print(f"  {name:28s} {help_text}" + (f" (default {default!r})" if default is not None else ""))
+        return 0
     if argv and argv[0].startswith("builtin:"):  # a built-in task's demo: its shipped policy, data and rewards
-        return run_builtin_demo(argv[0], parse_overrides(argv[1:]))
+        return run_builtin_demo(argv[0], negations(parse_overrides(argv[1:])))
     config_path = argv[0] if argv and not argv[0].startswith("--") else None
+    overrides = parse_overrides(argv[1:] if config_path else argv)
+    if "config" in overrides:  # TRL's spelling: trl grpo --config CONFIG.yaml
+        if config_path is not None:
+            raise ConfigError(f"two configs: {config_path!r} and --config {overrides['config']!r}; give one")
+        config_path = str(overrides.pop("config"))
     values = load_yaml(config_path) if config_path else {}
-    values.update(parse_overrides(argv[1:] if config_path else argv))
+    values = negations({**values, **overrides})
     if "model_name_or_path" not in values:
         given = sorted(set(values) & set(RUN_FIELDS))
         if given:
@@ -147,26 +130,28 @@ def cmd_train(argv: list[str]) -> int:
     run, args = build_run(values)
     # everything that names a file is checked before anything loads
     check_model_location(run["model_name_or_path"], "model_name_or_path")
-    dataset_name = run.get("dataset_name")
-    if not dataset_name:
-        raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name)")
+    dataset_name = run["dataset_name"]
+    if not dataset_name and not run["datasets"]:
+        raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name), "
+                          "or TRL's datasets: mixture")
     for field in ("dataset_name", "eval_dataset_name"):
-        if run.get(field) and builtin_task(run[field]) is None:
+        if run[field] and builtin_task(run[field]) is None:
             check_location(run[field], field)
-    for i, spec in enumerate(run.get("reward_funcs") or []):
-        resolve_spec(spec, f"reward_funcs[{i}]")
-    for i, spec in enumerate(run.get("process_reward_funcs") or []):
+    if os.getcwd() not in sys.path:  # reward modules of the working directory import, as in TRL (and `python -m`)
+        sys.path.insert(0, os.getcwd())
+    specs = reward_specs(run)
+    for i, spec in enumerate(specs):
+        where = "reward_model_name_or_path" if i == 0 and run["reward_model_name_or_path"] else f"reward_funcs[{i}]"
+        resolve_spec(spec, where)
+    for i, spec in enumerate(run["process_reward_funcs"] or []):
         resolve_process_spec(spec, f"process_reward_funcs[{i}]")
     if not args.resume_from_checkpoint and not args.overwrite_output_dir:
         claim_output_dir(args.output_dir, overwrite=False)  # refuses only; deleting is the trainer's, on one process
     resume_folder(args.resume_from_checkpoint, args.output_dir)  # a checkpoint that is not there, named now
-    train_data = load_dataset_spec(dataset_name, run.get("dataset_split"))
-    eval_data = None
-    if run.get("eval_dataset_name"):
-        eval_data = load_dataset_spec(run["eval_dataset_name"], run.get("eval_split"), default="test")
-    task = builtin_task(dataset_name)  # a built-in task brings its reward (and step-reward) functions
-    reward_funcs = run.get("reward_funcs") or (task.REWARD_FUNCS if task else None)
-    process_funcs = run.get("process_reward_funcs") or None
+    train_data, eval_data = load_run_datasets(run, args)
+    task = builtin_task(dataset_name) if dataset_name and not run["datasets"] else None
+    reward_funcs = specs or (task.REWARD_FUNCS if task else None)  # a built-in task brings its reward functions
+    process_funcs = run["process_reward_funcs"] or None
     if not process_funcs and task is not None and args.supervision != "outcome":
         process_funcs = getattr(task, "PROCESS_REWARD_FUNCS", None)
     # a task whose environment owns its rewards (get_reward, get_step_rewards) brings it: TRL's environment_factory
@@ -179,6 +164,7 @@ def cmd_train(argv: list[str]) -> int:
                           eval_dataset=eval_data, process_reward_funcs=process_funcs,
                           environment_factory=environment_factory)
     trainer.train()
+    trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
     return 0
 
 
@@ -259,8 +245,8 @@ def _main(argv: list[str]) -> int:
     if command == "export":
         return cmd_export(rest)
     if command == "fields":
-        for k, v in RUN_FIELDS.items():
-            print(f"{k:32s} {v}")
+        for name, (_, default, help_text) in RUN_FIELDS.items():
+            print(f"{name:32s} {help_text} (default {default!r})")
         for name, help_text, default, choices in GRPOConfig.describe():
             print(f"{name:32s} {help_text} (default {default!r})")
             for choice in choices:

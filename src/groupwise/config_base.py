@@ -183,6 +183,9 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
+    for key in values:
+        if not isinstance(key, str):  # `1: x`, or `on:` / `no:`, which YAML 1.1 reads as booleans
+            raise ConfigError(f"{path}: {key!r} is not a field name (a YAML key that is not text; quote it)")
     return values
 
 
@@ -193,12 +196,15 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
     """Check a value against the field's annotation (e.g. 'float | None'); YAML/CLI strings such as '1e-3'
     become numbers. A mismatch is a ConfigError naming the field."""
     allowed = [a.strip() for a in annotation.split("|")]
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("none", "null") and "None" in allowed and "str" not in allowed:
+        value = None  # TRL's parser reads 'None' as None for such fields
     if value is None:
         if "None" in allowed:
             return None
         raise ConfigError(f"{name} must not be None")
-    if "bool" in allowed and isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"  # 'True' from a quoted YAML value or a script's argument parser
+    if "bool" in allowed and text in ("true", "false"):
+        return text == "true"  # 'True' from a quoted YAML value or a script's argument parser
     for a in allowed:
         t = _SCALARS.get(a)
         if t is bool and isinstance(value, bool):
@@ -210,9 +216,11 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
         if t is str and isinstance(value, str):
             return value
         if a.startswith("list") and isinstance(value, (list, tuple)):
+            if a == "list[float]":  # YAML 1.1 reads 1e-3 as a string, in a list too
+                return [_number(v) if isinstance(v, str) else v for v in value]
             return list(value)
-        if a.startswith("dict") and isinstance(value, dict):
-            return value
+        if a.startswith("dict") and isinstance(value, dict):  # `min_lr: 1e-7` in a YAML mapping is text too
+            return {k: float(v) if isinstance(v, str) and _YAML11_MISSED_FLOAT.match(v) else v for k, v in value.items()}
     if isinstance(value, str):  # '1e-3' from YAML 1.1 or the command line; a dict as JSON text (TRL parses it)
         if any(a.startswith("dict") for a in allowed) and value.lstrip().startswith("{"):
             try:
@@ -229,7 +237,23 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
                     continue
                 if a == "float" or number.is_integer():
                     return _SCALARS[a](number)
+    if "str" in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # `run_name: 2024`, `--output_dir 123`: a name that YAML read as a number
+    listed = next((a for a in allowed if a.startswith("list")), None)
+    if listed and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return coerce(name, listed, [value])  # `--lora_modules_to_save lm_head`: a list of one, as TRL's parser
     raise ConfigError(f"{name}={value!r} must be of type {annotation}")
+
+
+# numbers in exponent form that YAML 1.1 (PyYAML) reads as strings: 1e-7, 5E3, 1.0e5 (it wants a '.' and a sign)
+_YAML11_MISSED_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def reject_unknown(kwargs: dict[str, Any], known: set[str], owner: str) -> None:
@@ -237,6 +261,6 @@ def reject_unknown(kwargs: dict[str, Any], known: set[str], owner: str) -> None:
     for key in kwargs:
         if key in known:
             continue
-        close = difflib.get_close_matches(key, sorted(known), n=1)
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{owner}: unknown field {key!r}{hint}")

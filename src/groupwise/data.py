@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError
-from groupwise.text import prompt_token_ids
+from groupwise.text import is_conversational, prompt_token_ids
 
 
 def prompt_problem(prompt: Any) -> str | None:
@@ -25,7 +25,30 @@ def prompt_problem(prompt: Any) -> str | None:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 return f"message {j} that is not a {{'role': str, 'content': str}} dict: {m!r:.80}"
         return None
-    return f"a {type(prompt).__name__}, not a string or a list of chat messages"
+    if prompt is None:
+        return "no prompt (None)"
+    return f"a prompt of type {type(prompt).__name__}, not a string or a list of chat messages"
+
+
+def token_ids(name: str, first: int, prompts: list, tokenizer, chat_template_kwargs: dict | None) -> list[list[int]]:
+    """prompt_token_ids of rows first, first + 1, …; a conversation the tokenizer cannot template (no chat template,
+    or a template that refuses it, e.g. a system message) is a ConfigError naming the row."""
+    try:
+        return prompt_token_ids(prompts, tokenizer, chat_template_kwargs)
+    except Exception as e:  # noqa: BLE001 — the chat template's errors (ValueError, jinja2 TemplateError, …)
+        for k, prompt in enumerate(prompts):
+            if not is_conversational(prompt):
+                continue
+            if getattr(tokenizer, "chat_template", None) is None and "chat_template" not in (chat_template_kwargs or {}):
+                raise ConfigError(f"{name} row {first + k} is a conversation (a list of messages) but the tokenizer has "
+                                  "no chat template: use a chat model's tokenizer, set tokenizer.chat_template, or give "
+                                  "the prompts as strings") from None
+            try:
+                prompt_token_ids([prompt], tokenizer, chat_template_kwargs)
+            except Exception as row_error:  # noqa: BLE001
+                raise ConfigError(f"{name} row {first + k}: the tokenizer's chat template fails on it "
+                                  f"({type(row_error).__name__}: {' '.join(str(row_error).split())[:200]})") from e
+        raise
 
 
 def _tokens_kept(n: int, max_prompt_length: int | None) -> tuple[int, bool]:
@@ -78,6 +101,9 @@ class PromptData:
             data = data.data
         if data is None:
             raise ConfigError(f"{name} is required")
+        if isinstance(data, dict) and hasattr(data, "column_names"):  # a DatasetDict / IterableDatasetDict
+            raise ConfigError(f"{name} is a {type(data).__name__} with the splits {sorted(data)}: pass one split, "
+                              f"e.g. {name}=dataset[{next(iter(data), 'train')!r}]")
         columns = getattr(data, "column_names", None)
         if columns is None:
             if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
@@ -123,7 +149,7 @@ class PromptData:
         with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
             for lo in range(0, total, 512):
                 chunk = [p for _, p in zip(range(512), prompts)]
-                for k, ids in enumerate(prompt_token_ids(chunk, tokenizer, chat_template_kwargs)):
+                for k, ids in enumerate(token_ids(self.name, lo, chunk, tokenizer, chat_template_kwargs)):
                     n = len(ids)
                     if n == 0:
                         raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
@@ -264,7 +290,7 @@ class StreamData:
 
     def _check_length(self, i: int, prompt, *, tokenizer, max_prompt_length, max_completion_length, truncate_prompt,
                       max_positions, chat_template_kwargs=None) -> None:
-        n = len(prompt_token_ids([prompt], tokenizer, chat_template_kwargs)[0])
+        n = len(token_ids(self.name, i, [prompt], tokenizer, chat_template_kwargs)[0])
         if n == 0:
             raise ConfigError(f"{self.name} row {i} encodes to zero tokens: {prompt!r:.80}")
         kept, cut = _tokens_kept(n, max_prompt_length)

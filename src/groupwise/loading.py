@@ -19,13 +19,50 @@ from groupwise.rewards.sources import check_reward_columns, resolve_spec
 from groupwise.text import ensure_pad_token
 
 
+# the dtypes a policy given as a path may load in (TRL's create_model_from_path), besides "auto" and None
+MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def policy_init_kwargs(args: GRPOConfig) -> dict:
+    """from_pretrained kwargs of a policy given as a path, as TRL builds them (create_model_from_path):
+    model_init_kwargs (torch_dtype read as dtype), with dtype float32 unless given — TRL's default, where
+    from_pretrained alone would keep the checkpoint's dtype ('auto') — and a dtype name as the torch dtype;
+    trust_remote_code from the config unless given. A bad dtype is a ConfigError, before anything loads."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if "torch_dtype" in kwargs:  # transformers' former name
+        if "dtype" in kwargs and kwargs["dtype"] != kwargs["torch_dtype"]:
+            raise ConfigError(f"model_init_kwargs has dtype={kwargs['dtype']!r} and torch_dtype="
+                              f"{kwargs['torch_dtype']!r}: give one")
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    dtype = kwargs.setdefault("dtype", "float32")
+    if isinstance(dtype, str) and dtype in MODEL_DTYPES:
+        kwargs["dtype"] = MODEL_DTYPES[dtype]
+    elif not (dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype)):
+        raise ConfigError(f"model_init_kwargs dtype={dtype!r} is not one of {['auto', *MODEL_DTYPES]}")
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+def _from_pretrained(auto, model: str, what: str, **kwargs):
+    """auto.from_pretrained(model), its failure (no tokenizer files, an unknown architecture, no network) one
+    ConfigError naming the model, before the weights load."""
+    try:
+        return auto.from_pretrained(model, **kwargs)
+    except (OSError, ValueError) as e:
+        fix = " (save it there with tokenizer.save_pretrained, or pass processing_class)" if what == "tokenizer" else ""
+        raise ConfigError(f"model {model!r}: cannot load its {what}{fix}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}") from e
+
+
 def load_tokenizer(model, processing_class, args: GRPOConfig):
     """The policy's tokenizer and its max positions (from the model's config), before the weights load."""
     from transformers import AutoConfig, AutoTokenizer
 
     if isinstance(model, str):
-        config = AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-        tokenizer = processing_class or AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        revision = (args.model_init_kwargs or {}).get("revision")  # the config and tokenizer of the same revision
+        hub = {"trust_remote_code": args.trust_remote_code, **({"revision": revision} if revision else {})}
+        config = _from_pretrained(AutoConfig, model, "config", **hub)
+        tokenizer = processing_class or _from_pretrained(AutoTokenizer, model, "tokenizer", **hub)
     else:
         config, tokenizer = model.config, processing_class
         if tokenizer is None:
@@ -33,7 +70,10 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
             if not name:
                 raise ConfigError("the model was passed as an object: pass its tokenizer as processing_class")
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    ensure_pad_token(tokenizer)
+    try:
+        ensure_pad_token(tokenizer)
+    except ValueError as e:  # neither a pad nor an EOS token: the run cannot batch prompts
+        raise ConfigError(str(e)) from None
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return tokenizer, getattr(text_config, "max_position_embeddings", None)
 
@@ -42,8 +82,7 @@ def load_policy(model, args: GRPOConfig):
     from transformers import AutoModelForCausalLM
 
     if isinstance(model, str):
-        kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
-        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        policy = AutoModelForCausalLM.from_pretrained(model, **policy_init_kwargs(args))
     else:
         policy = model
     if args.disable_dropout:
@@ -141,6 +180,7 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
     if isinstance(model, str):
         check_model_location(model, "model")
+        policy_init_kwargs(args)  # a bad dtype, named now
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
