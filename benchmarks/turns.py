@@ -90,7 +90,7 @@ def main() -> None:
           "Held-out greedy accuracy (%, 200 problems, final answer through the tool loop), mean ± std over seeds.\n",
           *tables]
     md += ["", "At the last logged step (training rollouts, mean ± std over seeds) and the run's wall time:", "",
-           "| supervision | tools/call_frequency | tools/failure_frequency | reward/CalculatorEnv/mean | seconds |",
+           "| supervision | tools/call_frequency | tools/failure_frequency | rewards/CalculatorEnv/mean | seconds |",
            "|---|---|---|---|---|"]
     for sup, rs in runs.items():
         md.append(f"| {sup} | {mean_sd([last(r, 'tools/call_frequency') for r in rs], 1, 2)} | "

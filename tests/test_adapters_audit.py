@@ -210,8 +210,6 @@ def test_resume_refuses_another_lora_configuration_by_field(tmp_path, base_dir):
     trainer("c").train(resume_from_checkpoint=ckpt)  # the same configuration ('all-linear' resolved alike) resumes
 
 
-@pytest.mark.xfail(strict=True, reason="needs loading.py: check_combinations calls adapters.check_passed_model(model) "
-                                       "for a model object")
 def test_the_trainer_refuses_a_frozen_peft_model_before_training(tmp_path, tokenizer):
     _trained_adapter(tokenizer).save_pretrained(tmp_path / "sft")
     frozen = PeftModel.from_pretrained(toy.build_model(tokenizer, seed=0, hidden_size=32), str(tmp_path / "sft"))

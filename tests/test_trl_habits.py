@@ -324,3 +324,7 @@ def test_reward_names_and_tokenizers_as_trl(tmp_path, tokenizer):
     assert sources[1].tokenizer.get_vocab() == tokenizer.get_vocab()
     rewards, _ = compute_rewards(sources[:1], ["p"], ["abc"], [[0]], {})
     assert rewards[0, 0].item() == 6.0
+    # a reward model given as a path loads with model_init_kwargs, as TRL loads it
+    from_path = load_reward_sources([str(tmp_path / "rm")], model_init_kwargs={"dtype": "bfloat16"})[0]
+    assert from_path.model.dtype == torch.bfloat16 and from_path.name == "rm"
+    assert load_reward_sources([str(tmp_path / "rm")])[0].model.dtype == torch.float32

@@ -366,11 +366,44 @@ def test_logging_nan_inf_filter():
     assert _mean([1.0, math.nan, 3.0], "measured") == 2.0  # other metrics: NaN = not measured
 
 
-def test_log_unique_prompts_prints_one_row_per_prompt(tmp_path, tokenizer, capsys):
-    t = _trainer(tmp_path, tokenizer, max_steps=1, log_completions=True, log_unique_prompts=True)
+def test_log_completions_prints_a_sample_and_writes_trl_s_completions_tables(tmp_path, tokenizer, capsys, monkeypatch):
+    """As TRL: num_completions_to_print rows drawn at random are printed (not the first ones; the run's random state
+    is not moved); output_dir/completions/completions_<step>.parquet holds every row (step, prompt, completion, one
+    column per reward function, log_extra columns, advantage); wandb gets the `completions` table, one row per
+    prompt under log_unique_prompts."""
+    import random
+    import sys
+    import types
+
+    import pandas as pd
+
+    tables = []
+    fake = types.SimpleNamespace(init=lambda **kw: types.SimpleNamespace(log=lambda m: tables.append(m.get(
+        "completions")), summary={}, finish=lambda: None), Table=lambda dataframe: dataframe)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def tagged(completions, log_extra, **_):
+        log_extra("tag", [f"row{i}" for i in range(len(completions))])
+        return [float(len(c)) for c in completions]
+
+    t = _trainer(tmp_path, tokenizer, funcs=(tagged,), max_steps=2, log_completions=True, num_completions_to_print=3,
+                 log_unique_prompts=True, report_to=["wandb"])
+    before = random.getstate()
     t.train()
-    out = capsys.readouterr().out + capsys.readouterr().err
-    assert out.count("prompt: ") == 2  # 2 prompts × G = 4 completions, one row each
+    assert random.getstate() == before
+    out = capsys.readouterr().out
+    assert out.count("prompt: ") == 6  # 3 of the 8 rows at each of the 2 steps
+    frame = pd.read_parquet(tmp_path / "run" / "completions" / "completions_00002.parquet")
+    assert list(frame.columns) == ["step", "prompt", "completion", "tagged", "tag", "advantage"]
+    assert len(frame) == 8 and set(frame["step"]) == {2} and list(frame["tag"]) == [f"row{i}" for i in range(8)]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()][8:]
+    assert list(frame["completion"]) == [r["completion"] for r in rows]
+    assert list(frame["advantage"]) == pytest.approx([r["advantage"] for r in rows])
+    assert [len(x) for x in tables if x is not None] == [2, 2]  # 2 prompts × G = 4: one row per prompt
+    # the printed sample is drawn from its own generator: the same rows every time, the global state untouched
+    printed = [line for line in out.splitlines() if line.startswith("completion: ")]
+    assert printed[3:] == [f"completion: {r['completion']}" for r in random.Random(2).sample(rows, 3)]
+    assert printed[3:] != [f"completion: {r['completion']}" for r in rows[:3]]
 
 
 def test_ddp_fields_reach_accelerate_and_switches_apply(tmp_path, tokenizer, monkeypatch):
@@ -550,8 +583,15 @@ def test_a_backend_without_sampling_log_probs_under_the_correction_says_what_to_
 
     t = _trainer(tmp_path, tokenizer, generation_dtype="bfloat16", max_steps=1)
     sample = t.rollout_ctx.generator
-    t.rollout_ctx = dataclasses.replace(  # a backend that returns no log-probs
-        t.rollout_ctx, generator=lambda *a, **kw: Generated(sample(*a, **kw).completion_ids))
+
+    class NoLogprobs:  # a backend that returns no log-probs
+        def update_weights(self, model):
+            sample.update_weights(model)
+
+        def __call__(self, *a, **kw):
+            return Generated(sample(*a, **kw).completion_ids)
+
+    t.rollout_ctx = dataclasses.replace(t.rollout_ctx, generator=NoLogprobs())
     with pytest.raises(ValueError, match="generation_backend='fast' returned no sampling log-probs, which the "
                                          "importance-sampling correction needs.*vllm_importance_sampling_correction"):
         t.train()

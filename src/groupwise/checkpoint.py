@@ -86,13 +86,13 @@ def verify_checkpoint(folder: str | Path) -> None:
 
 
 def run_outputs(output_dir: str | Path) -> list[Path]:
-    """What a previous run left in output_dir: checkpoint-N folders (set aside ones too), metrics.jsonl and
-    completions.jsonl."""
+    """What a previous run left in output_dir: checkpoint-N folders (set aside ones too), metrics.jsonl,
+    completions.jsonl and the completions/ tables."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or SET_ASIDE_RE.match(p.name)
-                  or p.name in ("metrics.jsonl", "completions.jsonl"))
+                  or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
 
 
 def latest_checkpoint(output_dir: str | Path) -> str:

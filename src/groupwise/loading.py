@@ -8,7 +8,7 @@ import importlib.util
 import torch
 
 from groupwise.config import GRPOConfig
-from groupwise.adapters import is_peft_model
+from groupwise.adapters import check_passed_model, is_peft_model
 from groupwise.config_base import ConfigError, check_model_location
 from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from groupwise.core.supervision import SUPERVISIONS
@@ -201,6 +201,8 @@ def refuse_trainer_arguments(**given) -> None:
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,
                        world_size: int = 1) -> None:
     """Combinations of features that do not work together (yet), refused before any model loads."""
+    if isinstance(model, torch.nn.Module):  # adapters that cannot train or resume here (groupwise.adapters)
+        check_passed_model(model)
     lora = peft_config is not None or args.use_peft or is_peft_model(model)
     if args.use_vllm and args.vllm_mode == "server" and world_size > 1:
         raise ConfigError(f"vllm_mode='server' with {world_size} training processes is not supported yet (TRL "

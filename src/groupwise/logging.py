@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import math
+import random
 import sys
 import warnings
 from pathlib import Path
@@ -64,7 +65,7 @@ def _tensorboard(output_dir: str, config: dict):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 writer.add_scalar(k, v, step)
         writer.flush()
-    return log, writer.close
+    return Opened(log, writer.close)
 
 
 def _wandb(output_dir: str, config: dict):
@@ -85,7 +86,7 @@ def _wandb(output_dir: str, config: dict):
                 run.summary[k] = metrics[k]
         run.log({**tracker_names({k: v for k, v in metrics.items() if k not in SUMMARY_ONLY}),
                  "train/global_step": step})
-    return log, run.finish
+    return Opened(log, run.finish, lambda frame: run.log({"completions": wandb.Table(dataframe=frame)}))
 
 
 # GRPOConfig.log_level / log_level_replica: transformers' names; "passive" leaves the levels as they are
@@ -105,8 +106,15 @@ def set_log_level(level: str) -> None:
     logging.getLogger("groupwise").setLevel(value)
 
 
+class Opened(NamedTuple):
+    """A tracker opened for a run."""
+    log: Callable  # (step, metrics)
+    close: Callable
+    table: Callable | None = None  # (DataFrame): TRL's `completions` table, for trackers that show tables
+
+
 class Tracker(NamedTuple):
-    open: Callable[[str, dict], tuple[Callable, Callable]]  # (output_dir, config) → (log, close)
+    open: Callable[[str, dict], Opened]  # (output_dir, config)
     module: str  # what it needs installed
 
 
@@ -156,8 +164,8 @@ class MetricsLogger:
         clean = _finite(metrics)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "run_id": self.run_id, **clean}) + "\n")
-        for log, _ in self.trackers:
-            log(step, metrics)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
         """completions.jsonl: one line per completion of the logged step (prompt, completion, rewards, advantage)."""
@@ -167,10 +175,35 @@ class MetricsLogger:
             for row in rows:
                 f.write(json.dumps({"step": step, "run_id": self.run_id, **_finite(row)}, default=str) + "\n")
 
+    def log_table(self, step: int, rows: list[dict], unique_prompts: bool) -> None:
+        """log_completions, as TRL: the step's completions table (step, prompt, completion, each reward function, the
+        log_extra columns, advantage) to output_dir/completions/completions_<step>.parquet, and to the trackers
+        that show tables (wandb's `completions`), there one row per prompt when unique_prompts (log_unique_prompts)."""
+        if not self.enabled or not rows:
+            return
+        import pandas as pd
+
+        frame = pd.DataFrame(completion_table(step, rows))
+        folder = self.path.parent / "completions"
+        folder.mkdir(exist_ok=True)
+        try:
+            frame.to_parquet(folder / f"completions_{step:05d}.parquet")
+        except (TypeError, ValueError) as e:  # pyarrow's errors: mixed content types inside messages
+            warnings.warn(f"completions table of step {step}: {e}; its prompt and completion columns are written as "
+                          "JSON text", RuntimeWarning, stacklevel=2)
+            for column in ("prompt", "completion"):
+                frame[column] = [v if isinstance(v, str) else json.dumps(v, default=str) for v in frame[column]]
+            frame.to_parquet(folder / f"completions_{step:05d}.parquet")
+        if unique_prompts:
+            frame = frame[~frame["prompt"].astype(str).duplicated()]
+        for tracker in self.trackers:
+            if tracker.table is not None:
+                tracker.table(frame)
+
     def close(self) -> None:
         """Close the trackers; later lines (evaluate() after train()) go to metrics.jsonl only."""
-        for _, close in self.trackers:
-            close()
+        for tracker in self.trackers:
+            tracker.close()
         self.trackers = []
 
 
@@ -267,13 +300,27 @@ def window_mean(values: list[float], mode: str) -> float:
     return sum(kept) / len(kept) if kept else float("nan")
 
 
-def print_rows(step: int, rows: list[dict], limit: int | None, unique_prompts: bool = False) -> None:
-    """log_completions: the round's completions.jsonl rows (all processes') as a table."""
-    if unique_prompts:  # one row per prompt: its first completion (TRL's log_unique_prompts)
-        first: dict[str, dict] = {}
-        for row in rows:
-            first.setdefault(repr(row["prompt"]), row)
-        rows = list(first.values())
+# completions.jsonl's row fields; any other key of a row is a log_extra column
+ROW_FIELDS = ("prompt", "completion", "reward", "advantage", "rewards", "steps")
+
+
+def completion_table(step: int, rows: list[dict]) -> dict[str, list]:
+    """TRL's completions table from completions.jsonl rows: step, prompt, completion, one column per reward function,
+    the log_extra columns, advantage."""
+    names = list(rows[0].get("rewards", {}))
+    extra = [k for k in rows[0] if k not in ROW_FIELDS]
+    return {"step": [step] * len(rows), "prompt": [r["prompt"] for r in rows],
+            "completion": [r["completion"] for r in rows], **{n: [r["rewards"][n] for r in rows] for n in names},
+            **{k: [r.get(k) for r in rows] for k in extra}, "advantage": [r["advantage"] for r in rows]}
+
+
+def print_rows(step: int, rows: list[dict], limit: int | None) -> None:
+    """log_completions: `limit` (num_completions_to_print; None: all) of the round's rows (all processes'), drawn at
+    random as TRL draws them; from a generator seeded by the step, so printing never moves the run's random state."""
+    if limit is not None and limit <= 0:
+        return
+    if limit is not None and limit < len(rows):
+        rows = random.Random(step).sample(rows, limit)
     print_completions(step, [r["prompt"] for r in rows], [r["completion"] for r in rows],
                       [r["reward"] for r in rows], [r["advantage"] for r in rows], limit,
                       steps=None if rows and "steps" not in rows[0] else [r["steps"] for r in rows])

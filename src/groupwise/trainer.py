@@ -146,7 +146,8 @@ class GRPOTrainer(TransformersHabits):
         env_rewards, env_steps = (self.toolbox.reward_sources, self.toolbox.process_sources) if self.toolbox else ([], [])
         env_steps = env_steps if SUPERVISIONS[args.supervision].process else []  # outcome only: not read
         self.reward_sources = (load_reward_sources(reward_funcs, reward_processing_classes, device=self.dist.device,
-                                                   trust_remote_code=args.trust_remote_code) if reward_funcs else []) + env_rewards
+                                                   trust_remote_code=args.trust_remote_code,
+                                                   model_init_kwargs=args.model_init_kwargs) if reward_funcs else []) + env_rewards
         self.process_sources = (load_process_reward_sources(process_reward_funcs, device=self.dist.device,
                                 trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
         self.trained, self.optimizer, self.scheduler = self._build_optimization(policy)
@@ -155,8 +156,7 @@ class GRPOTrainer(TransformersHabits):
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
                                                 train_dataloader=None, eval_dataloader=None)
         self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler, self._event)
-        self.skipped_steps = 0
-        self.consecutive_skipped = 0
+        self.skipped_steps = self.consecutive_skipped = 0
         self._loss_sum, self._loss_steps = 0.0, 0  # this run's policy losses, for TrainResult.training_loss
         self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
         self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
@@ -393,8 +393,8 @@ class GRPOTrainer(TransformersHabits):
                                ("reward", "process/step_reward_mean", "loss", "completions/mean_length")
                                if k in last})
         if self.args.log_completions and rows and self.dist.is_main:
-            print_rows(self.global_step, rows, self.args.num_completions_to_print,
-                       unique_prompts=self.args.log_unique_prompts)
+            print_rows(self.global_step, rows, self.args.num_completions_to_print)
+            self._logger.log_table(self.global_step, rows, unique_prompts=self.args.log_unique_prompts)
 
     def _round_rows(self, rollout: Rollout) -> list[dict]:
         """The round's completions.jsonl rows, every process's (gathered once per round; a round restored from a

@@ -177,8 +177,10 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
 
 
 def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False,
-                        device=None) -> list[RewardSource]:
-    """Accepts a callable, a `"package.module:function"` path, a reward-model path or a loaded model (or a list)."""
+                        device=None, model_init_kwargs: dict | None = None) -> list[RewardSource]:
+    """Accepts a callable, a `"package.module:function"` path, a reward-model path or a loaded model (or a list).
+    A reward model given as a path loads with `model_init_kwargs` (TRL: the policy's, dtype / revision /
+    attn_implementation …; its tokenizer from the same revision)."""
     if not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]
     if not reward_funcs:
@@ -195,9 +197,10 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
         if isinstance(spec, str):  # a reward model on disk or the hub
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1,
-                                                                       trust_remote_code=trust_remote_code)
-            tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+            kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+            model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1, **kwargs)
+            revision = {"revision": kwargs["revision"]} if kwargs.get("revision") else {}
+            tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=kwargs["trust_remote_code"], **revision)
             sources.append(_model_source(spec.rstrip("/").split("/")[-1], model, tok, device))
         elif isinstance(spec, torch.nn.Module):
             name = getattr(getattr(spec, "config", None), "_name_or_path", "") or ""
@@ -227,7 +230,7 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
 
 def _model_source(name, model, tok, device) -> RewardSource:
     model.eval().requires_grad_(False)
-    if device is not None:
+    if device is not None and getattr(model, "hf_device_map", None) is None:  # a device_map placed it already
         model.to(device)
     ensure_pad_token(tok, f"the tokenizer of reward model {name!r}")
     if getattr(model.config, "pad_token_id", None) is None:
