@@ -138,3 +138,30 @@ def test_resuming_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path, t
     new, old = load_file(out / "checkpoint-4" / "model.safetensors"), load_file(out / "checkpoint-4.abandoned" /
                                                                                 "model.safetensors")
     assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+
+
+def test_resuming_on_another_dataset_of_the_same_size_warns(tmp_path, tokenizer):
+    """The checkpoint keeps a digest of the train dataset (its length and up to 64 rows spread over it); a resume on
+    different rows of the same size used to continue silently, on the same prompt order over other prompts."""
+    import warnings
+
+    from groupwise.data import PromptData
+
+    rows = toy.dataset(12)
+    other = [dict(r, prompt=r["prompt"] + " please") for r in rows]
+    assert PromptData(rows, "d").fingerprint() == PromptData([dict(r) for r in rows], "d").fingerprint()
+    assert PromptData(rows, "d").fingerprint() != PromptData(other, "d").fingerprint()
+    assert PromptData(rows, "d").fingerprint() != PromptData(rows[:11], "d").fingerprint()
+
+    def trainer(data, **kw):
+        args = small_args(tmp_path, output_dir=str(tmp_path / "run"), **kw)
+        return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                           train_dataset=data, processing_class=tokenizer)
+
+    trainer(rows, max_steps=1, save_steps=1).train()
+    ckpt = str(tmp_path / "run" / "checkpoint-1")
+    with pytest.warns(UserWarning, match="train_dataset is not the one .*checkpoint-1 was trained on"):
+        trainer(other, max_steps=2).train(resume_from_checkpoint=ckpt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*train_dataset is not the one")
+        trainer(rows, max_steps=2).train(resume_from_checkpoint=ckpt)

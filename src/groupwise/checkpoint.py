@@ -407,8 +407,9 @@ RESUME_FIELDS = {
 }
 
 
-def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int) -> None:
-    """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads)."""
+def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None) -> None:
+    """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads); warn when
+    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint)."""
     if state.get("model_only"):
         raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model only (no "
                               "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
@@ -423,6 +424,10 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
         if getattr(args, name) != saved:
             raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(args, name)!r} now; resume "
                                   f"with the same value ({RESUME_FIELDS.get(name, 'the run depends on it')})")
+    if data is not None and state.get("data") not in (None, data):
+        warnings.warn(f"resume: train_dataset is not the one {path} was trained on (its rows differ): the run "
+                      "continues its prompt order over these rows; resume with the same dataset to continue exactly",
+                      UserWarning, stacklevel=3)
 
 
 def check_pending(path: str, pending: dict[str, torch.Tensor], args) -> None:

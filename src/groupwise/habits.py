@@ -89,6 +89,9 @@ class TransformersHabits:
             lambda: push_folder(self.args, out, commit_message, token=token, revision=revision, private=private)
             if self.dist.is_main else None, "push_to_hub")
 
+    def _elapsed(self) -> dict[str, float]:
+        return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """transformers' Trainer.log: `logs` (with the epoch, once training has begun) to state.log_history (with the
         step) and the callbacks' on_log; during and after train() also to metrics.jsonl (with `time/elapsed`) and the

@@ -429,9 +429,6 @@ class GRPOTrainer(TransformersHabits):
                        f"outputs in {self.args.output_dir}")
         return TrainResult(self._last, self.global_step, summary["train_loss"], summary)
 
-    def _elapsed(self) -> dict[str, float]:
-        return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
-
     def _maybe_sync_ref(self) -> None:
         args = self.args
         if args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
@@ -443,7 +440,7 @@ class GRPOTrainer(TransformersHabits):
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
         state = {"global_step": self.global_step, "max_steps": self.max_steps, "sampler": self.sampler.state_dict(),
-                 "epochs_done": self._epochs_done,
+                 "epochs_done": self._epochs_done, "data": self.train_data.fingerprint(),
                  "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "consecutive_skipped": self.consecutive_skipped, "window": dict(self._window),
@@ -463,7 +460,8 @@ class GRPOTrainer(TransformersHabits):
 
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
-        check_resume(path, state, self.args, world_size=self.dist.world_size, max_steps=self.max_steps)
+        check_resume(path, state, self.args, world_size=self.dist.world_size, max_steps=self.max_steps,
+                     data=self.train_data.fingerprint())
         pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
                                   sharded_model=self.unwrapped if self.dist.sharding is not None else None,
                                   scheduler=self.scheduler,
