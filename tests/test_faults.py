@@ -55,6 +55,14 @@ def _trainer(tmp_path, tokenizer, out="run", reward=_length, **kw):
 
 
 # ---- 1. configuration errors: exit 2, one line naming the field or file, before anything loads ---------------------
+def test_trl_s_dotted_reward_path_imports_the_function():
+    """TRL's grpo script reads `my_lib.rewards.custom_reward` as module + function; 'module:function' too."""
+    from groupwise.rewards.sources import resolve_spec
+
+    assert resolve_spec("tests.test_faults._length", "reward_funcs[0]") is _length
+    assert resolve_spec("tests.test_faults:_length", "reward_funcs[0]") is _length
+
+
 @pytest.mark.parametrize("override, first_line", [
     (["--learning_rate", "nan"], "learning_rate must be a finite number, got nan"),
     (["--beta", "inf"], "beta must be a finite number, got inf"),
@@ -62,8 +70,7 @@ def _trainer(tmp_path, tokenizer, out="run", reward=_length, **kw):
     (["--max_steps", "-5"], "max_steps must be ≥ -1, got -5"),
     (["--model_name_or_path", "./no/such/model"], "model_name_or_path='./no/such/model' does not exist"),
     (["--dataset_name", "data/trian.jsonl"], "dataset_name='data/trian.jsonl' does not exist"),
-    (["--reward_funcs", "[tests.test_faults._length]"],
-     "reward_funcs[0]='tests.test_faults._length' looks like a Python path: write it 'tests.test_faults:_length'"),
+    (["--reward_funcs", "[tests.test_faults.nothing]"], "reward_funcs[0]='tests.test_faults.nothing': cannot import it"),
     (["--reward_funcs", "[tests.test_faults:nothing]"], "reward_funcs[0]='tests.test_faults:nothing': cannot import it"),
     (["--output_dir", "a\x00b"], "output_dir='a\\x00b' is not a usable folder name"),
 ])

@@ -119,16 +119,18 @@ class RewardSource:
 
 _MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-SPEC_FORMS = "'package.module:function', a local reward-model folder, or a hub id 'org/name'"
+SPEC_FORMS = "'package.module:function' (or TRL's 'package.module.function'), a local reward-model folder, or a hub id 'org/name'"
 
 
 def resolve_spec(spec: Any, where: str) -> Any:
-    """A reward spec as given in a config: 'package.module:function' → the imported object; a local folder or a hub
-    id → the string; anything else (a callable, a model) unchanged. Checked strictly, before any model loads."""
+    """A reward spec as given in a config: 'package.module:function' or TRL's 'package.module.function' (a dotted
+    name that is not a local path) → the imported object; a local folder or a hub id → the string; anything else (a
+    callable, a model) unchanged. Checked strictly, before any model loads."""
     if not isinstance(spec, str):
         return spec
-    if _MODULE_PATH.match(spec):
-        module, _, attr = spec.partition(":")
+    dotted = _DOTTED.match(spec) and not os.path.exists(spec)  # TRL's `my_lib.rewards.custom_reward`
+    if _MODULE_PATH.match(spec) or dotted:
+        module, _, attr = spec.rpartition(".") if dotted else spec.partition(":")
         try:
             obj = importlib.import_module(module)
             for part in attr.split("."):
@@ -136,10 +138,6 @@ def resolve_spec(spec: Any, where: str) -> Any:
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"{where}={spec!r}: cannot import it ({type(e).__name__}: {e})") from None
         return obj
-    if _DOTTED.match(spec) and not os.path.exists(spec):
-        module, _, fn = spec.rpartition(".")
-        raise ConfigError(f"{where}={spec!r} looks like a Python path: write it '{module}:{fn}' "
-                          f"(accepted: {SPEC_FORMS})")
     try:
         check_location(spec, where)
     except ConfigError as e:
