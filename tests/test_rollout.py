@@ -44,7 +44,8 @@ def test_process_advantages_through_the_rollout_by_hand(tokenizer):
 def test_round_metrics_follow_trls_definitions_by_hand():
     """Two groups of G = 2. Completion lengths (EOS included) 3, 4 (truncated: no EOS), 1, 2; prompt tokens 2 each.
     completions/*: mean 10/4 = 2.5, min 1, max 4, clipped 1/4; terminated (3, 1, 2): mean 2, min 1, max 3.
-    num_tokens: 4·2 + 10 = 18. Rewards [[1, 1], [0, 3]]: reward = 5/4 = 1.25; reward_std with Bessel's
+    num_tokens: 4·2 + 10 = 18. Function f scores [1, 1, NaN, 3], g scores 0 everywhere (weights 1):
+    rewards [[1, 1], [0, 3]]: reward = 5/4 = 1.25; reward_std with Bessel's
     correction: squares (0.0625·2 + 1.5625 + 3.0625) = 4.75 over 3 → √1.58333 = 1.258306 (population would be
     1.089725); group 0 has no spread: frac_reward_zero_std = 1/2. rewards/f/std of [1, 1, NaN, 3]: mean 5/3,
     squares (4/9·2 + 16/9) = 24/9 over 2 → √(4/3) = 1.154701."""
@@ -52,8 +53,8 @@ def test_round_metrics_follow_trls_definitions_by_hand():
     mask = (torch.arange(4) < torch.tensor([[3], [4], [1], [2]])).long()
     comp = Completions(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long), ids, mask,
                        torch.tensor([False, True, False, False]), ["q"] * 4, ["c"] * 4, {})
-    per_func = torch.tensor([[[1.0], [1.0]], [[float("nan")], [3.0]]])
-    scores = Scores(per_func, torch.tensor([[1.0, 1.0], [0.0, 3.0]]), ("f",), torch.zeros(1))
+    per_func = torch.tensor([[[1.0, 0.0], [1.0, 0.0]], [[float("nan"), 0.0], [3.0, 0.0]]])
+    scores = Scores(per_func, torch.tensor([[1.0, 1.0], [0.0, 3.0]]), ("f", "g"), torch.zeros(2))
     ctx = R.RolloutContext(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4), tokenizer=None,
                            generator=None, dist=Distributed(), eos_token_ids=[2])
     m = R.round_metrics(ctx, Round(comp, torch.zeros(4), scores.rewards.view(-1), None, None, None, scores))
@@ -63,3 +64,24 @@ def test_round_metrics_follow_trls_definitions_by_hand():
             m["completions/max_terminated_length"]) == (2, 1, 3)
     assert m["reward"] == 1.25 and abs(m["reward_std"] - 1.258306) < 1e-6 and m["frac_reward_zero_std"] == 0.5
     assert abs(m["rewards/f/mean"] - 5 / 3) < 1e-6 and abs(m["rewards/f/std"] - 1.154701) < 1e-6
+
+
+def test_reward_metric_is_the_weighted_sum_under_either_aggregation():
+    """TRL logs reward / reward_std of Σ_f w_f r_f whatever multi_objective_aggregation is (normalize_then_sum's
+    summed z-scores, which feed the advantages, have mean 0 by construction). Two groups of G = 2, F = 2, weights
+    [1, 0.5]: rows (1, 0), (3, 2), (0, 1), (0, 5) ⇒ Σ w r = 1, 4, 0.5, 2.5: mean 2; squares about the mean
+    1 + 4 + 2.25 + 0.25 = 7.5 over 3 (Bessel) ⇒ reward_std √2.5 = 1.581139."""
+    from groupwise.rewards import combine_rewards
+
+    per_func = torch.tensor([[[1.0, 0.0], [3.0, 2.0]], [[0.0, 1.0], [0.0, 5.0]]])
+    comp = Completions(torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.long),
+                       torch.tensor([[5, 2]] * 4), torch.ones(4, 2, dtype=torch.long), torch.zeros(4, dtype=torch.bool),
+                       ["q"] * 4, ["c"] * 4, {})
+    for aggregation in ("sum_then_normalize", "normalize_then_sum"):
+        args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, reward_weights=[1.0, 0.5],
+                          multi_objective_aggregation=aggregation)
+        ctx = R.RolloutContext(args=args, tokenizer=None, generator=None, dist=Distributed(), eos_token_ids=[2])
+        rewards = combine_rewards(per_func, ctx.reward_weights, aggregation=aggregation)
+        scores = Scores(per_func, rewards, ("f", "g"), torch.zeros(2))
+        m = R.round_metrics(ctx, Round(comp, torch.zeros(4), rewards.view(-1), None, None, None, scores))
+        assert m["reward"] == 2.0 and abs(m["reward_std"] - 1.581139) < 1e-6, aggregation

@@ -22,6 +22,7 @@ from groupwise.core.importance import sampling_weights
 from groupwise.core.supervision import SUPERVISIONS, token_advantages
 from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
+from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.process import compute_step_rewards
 from groupwise.rewards.steps import StepSplitter
 from groupwise.text import (completion_masks, encode_prompts, is_conversational, pad_rows, pad_to_multiple,
@@ -62,15 +63,18 @@ class RolloutContext:
 
     @property
     def reward_weights(self) -> torch.Tensor:  # (F,)
-        weights = list(self.args.reward_weights or [])
-        # reward_weights covers reward_funcs; the rest (an environment's get_reward, appended last) weighs 1 (TRL)
-        return torch.tensor(weights + [1.0] * (len(self.reward_sources) - len(weights)), dtype=torch.float)
+        return _weights(self.args.reward_weights, len(self.reward_sources))
 
     @property
     def process_weights(self) -> torch.Tensor:  # (F_p,)
-        weights = list(self.args.process_reward_weights or [])
-        # process_reward_weights covers process_reward_funcs; an environment's get_step_rewards (appended last) weighs 1
-        return torch.tensor(weights + [1.0] * (len(self.process_sources) - len(weights)), dtype=torch.float)
+        return _weights(self.args.process_reward_weights, len(self.process_sources))
+
+
+def _weights(given: list[float] | None, n: int) -> torch.Tensor:  # (n,)
+    """reward_weights covers reward_funcs (process_reward_weights process_reward_funcs); the rest (an environment's
+    get_reward / get_step_rewards, appended last) weighs 1 (TRL)."""
+    weights = list(given or [])
+    return torch.tensor(weights + [1.0] * (n - len(weights)), dtype=torch.float)
 
 
 # ---- the one call ---------------------------------------------------------------------------------------------------
@@ -391,9 +395,10 @@ def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad
 # ---- metrics --------------------------------------------------------------------------------------------------------
 def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     """TRL's names and meanings: completions/* (lengths in generated tokens, over all processes; the terminated
-    ones end with EOS, 0 when none does), reward / reward_std / rewards/<f>/mean|std (std with Bessel's
-    correction, NaN left out), frac_reward_zero_std (groups whose rewards are all equal), tools/*; and
-    num_tokens, the round's prompt + completion tokens (the trainer makes it the running total TRL logs).
+    ones end with EOS, 0 when none does), reward / reward_std (of Σ_f w_f r_f, whatever the
+    multi_objective_aggregation) / rewards/<f>/mean|std (std with Bessel's correction, NaN left out),
+    frac_reward_zero_std (groups whose combined rewards are all equal), tools/*; and num_tokens, the round's
+    prompt + completion tokens (the trainer makes it the running total TRL logs).
     groupwise's own: rewards/<f>/errors, process/*, tools/timeout_frequency."""
     dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
     lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
@@ -415,8 +420,12 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
         m.update(_tool_metrics(ctx, comp))
     if scores is None:
         return m
-    m["reward"] = float(torch.nanmean(scores.rewards))
-    m["reward_std"] = _nanstd(scores.rewards)
+    # TRL's reward: the weighted sum of the functions' values, whatever multi_objective_aggregation feeds the
+    # advantages (with normalize_then_sum, scores.rewards is the sum of z-scores, whose mean is 0 by construction)
+    per_func = scores.per_func
+    reward = weighted_nansum(per_func, _weights(ctx.args.reward_weights, per_func.size(-1)).to(per_func.dtype))
+    m["reward"] = float(torch.nanmean(reward))
+    m["reward_std"] = _nanstd(reward)
     m["frac_reward_zero_std"] = float((_spread(scores.rewards.unsqueeze(-1)) < 1e-6).float().mean())
     for f, name in enumerate(scores.names):
         col = scores.per_func[..., f]

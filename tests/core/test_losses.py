@@ -232,6 +232,18 @@ def test_bias_corrected_kl_has_the_same_value_and_the_extra_gradient():
     assert out[False][1] == pytest.approx(0.0632121, abs=1e-6) and out[True][1] == pytest.approx(0.1, abs=1e-6)
 
 
+def test_kl_metric_is_the_term_beta_multiplies_as_trl_logs_it():
+    """TRL logs `kl` = masked mean of per_token_kl *after* the bias correction (ρ·k3). Off-policy, one real token
+    (the second is padding): log π = −1, log π_θold = −1.5, log π_ref = −2 ⇒ ρ = e^{0.5} = 1.648721,
+    k3 = e^{−1} − (−1) − 1 = 0.367879; logged kl: plain 0.367879, corrected ρ·k3 = e^{−0.5} = 0.606531."""
+    lp, old, ref = torch.tensor([[-1.0, -3.0]]), torch.tensor([[-1.5, -3.0]]), torch.tensor([[-2.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    _, plain = policy_loss(lp, old, torch.zeros(1), mask, beta=0.1, ref_logps=ref)
+    _, corrected = policy_loss(lp, old, torch.zeros(1), mask, beta=0.1, ref_logps=ref, use_bias_correction_kl=True)
+    assert plain["kl"].item() == pytest.approx(0.367879, abs=1e-6)
+    assert corrected["kl"].item() == pytest.approx(0.606531, abs=1e-6)
+
+
 def _trl_loss(logps, old, adv, mask, *, loss_type, level, beta, ref, bias_kl, eps_low, eps_high, delta,
               tau_pos, tau_neg, max_len):
     """TRL 1.16's GRPOTrainer._compute_loss for one micro-batch, one process, no accumulation (transcribed from its

@@ -127,7 +127,8 @@ def policy_loss(
     loss_mask: torch.Tensor | None = None,  # (N, T) extra 0/1 mask on the policy term (top-entropy tokens)
     is_weights: torch.Tensor | None = None,  # (N, T) or (N, 1) sampler correction (groupwise.core.importance)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Return (scalar loss, metrics) — metrics (detached, TRL's names): `kl` when β ≠ 0, and the objective's
+    """Return (scalar loss, metrics) — metrics (detached, TRL's names): `kl` when β ≠ 0 (the mean of the per-token KL
+    term β multiplies: k3, or ρ·k3 with `use_bias_correction_kl`, as TRL), and the objective's
     (clip: `clip_ratio/low_mean`, `high_mean`, `region_mean`, `low_min`, `high_max`; cispo: `cispo_clip_ratio`)."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
@@ -163,8 +164,10 @@ def policy_loss(
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         kl = k3(logps, ref_logps)  # (N, T)
-        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)
-        metrics["kl"] = _masked_mean(kl.detach(), mask)
+        if use_bias_correction_kl:
+            kl = kl * ratio
+        per_token = per_token + beta * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)  # the term β multiplies, as TRL logs it (ρ·k3 when corrected)
     loss = aggregate(per_token, mask, kind.aggregation, max_completion_length=max_completion_length,
                      num_items_in_batch=num_items_in_batch)
 
