@@ -37,7 +37,7 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
     "test_split_size": ("float | None", None, "Hold out this share (< 1) or number of rows of the training rows, seeded, as the evaluation rows (TRL DatasetMixtureConfig)."),
     "eval_dataset_name": ("str | None", None, "Evaluation prompts, same forms as dataset_name."),
     "eval_split": ("str | None", None, "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems; builtin:toy has none); without eval_dataset_name, the split of dataset_name evaluated (default dataset_test_split)."),
-    "reward_funcs": ("list | None", None, "List of 'package.module:function' paths, reward-model paths, or TRL's built-in name accuracy_reward (builtin tasks bring theirs)."),
+    "reward_funcs": ("list | None", None, "List of 'package.module:function' (or TRL's 'package.module.function') paths, reward-model paths, or TRL's built-in name accuracy_reward (builtin tasks bring theirs)."),
     "reward_model_name_or_path": ("str | None", None, "A reward model scored before reward_funcs (TRL GRPOScriptArguments)."),
     "process_reward_funcs": ("list | None", None, "List of step-reward sources (supervision process / both): 'package.module:function' paths, PRM folders written by `groupwise prm train`, or {path: …, kind: …} mappings."),
     "ignore_bias_buffers": ("bool", False, "Kept for TRL configs: TRL's grpo script does not read it either."),
