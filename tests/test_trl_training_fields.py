@@ -622,3 +622,21 @@ def test_export_names_what_is_wrong(tmp_path, capsys):
 
     assert main(["export", str(tmp_path / "nope"), "--merge", str(tmp_path / "out")]) == 2  # a configuration error
     assert f"export: '{tmp_path / 'nope'}' is not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_a_completions_table_pyarrow_cannot_write_is_written_with_json_text_and_a_warning(tmp_path):
+    """Prompts of mixed kinds in one step (a string, a conversation) are no parquet column: the table is still
+    written, its prompt / completion columns as JSON text, with a warning naming the step."""
+    import pandas as pd
+
+    from groupwise.logging import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), [], enabled=True, config={})
+    rows = [{"prompt": "plain", "completion": "a", "reward": 1.0, "advantage": 0.5, "rewards": {"f": 1.0}},
+            {"prompt": [{"role": "user", "content": "chat"}], "completion": "b", "reward": 0.0, "advantage": -0.5,
+             "rewards": {"f": 0.0}}]
+    with pytest.warns(RuntimeWarning, match="completions table of step 3: .*written as JSON text"):
+        logger.log_table(3, rows, unique_prompts=False)
+    frame = pd.read_parquet(tmp_path / "completions" / "completions_00003.parquet")
+    assert list(frame["prompt"]) == ["plain", '[{"role": "user", "content": "chat"}]']
+    assert list(frame["f"]) == [1.0, 0.0] and list(frame["advantage"]) == [0.5, -0.5]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from groupwise.config_base import ConfigError, check_location, coerce, reject_unknown
+from groupwise.loading import MODEL_DTYPES
 
 # name: (annotation, default, help); the annotation is checked as GRPOConfig checks its fields (config_base.coerce)
 RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
@@ -46,7 +47,6 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
 # TRL ModelConfig's bitsandbytes fields: loadable at TRL's default; any other value asks for quantization
 QUANTIZATION = {"load_in_8bit": False, "load_in_4bit": False, "bnb_4bit_quant_type": "nf4",
                 "use_bnb_nested_quant": False, "bnb_4bit_quant_storage": None}
-MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 MIXTURE_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
 # TRL's reward-function registry of `trl grpo` (trl/scripts/grpo.py): the ones groupwise has, or None
 TRL_REWARDS = {"accuracy_reward": "groupwise.rewards:accuracy_reward", "reasoning_accuracy_reward": None,
@@ -73,8 +73,8 @@ def check_run_fields(run: dict[str, Any]) -> dict[str, Any]:
     out["dataset_split"] = out["dataset_split"] or out["dataset_train_split"]
     if out["torch_dtype"] is not None:
         out["dtype"] = out["torch_dtype"]
-    if out["dtype"] is not None and out["dtype"] not in MODEL_DTYPES:
-        raise ConfigError(f"dtype={out['dtype']!r} is not one of {list(MODEL_DTYPES)}")
+    if out["dtype"] is not None and out["dtype"] not in ("auto", *MODEL_DTYPES):
+        raise ConfigError(f"dtype={out['dtype']!r} is not one of {['auto', *MODEL_DTYPES]}")
     if out["ignore_bias_buffers"]:
         warnings.warn("ignore_bias_buffers=True has no effect (TRL's grpo script does not read it either)", stacklevel=3)
     size = out["test_split_size"]
