@@ -165,3 +165,20 @@ def test_resuming_on_another_dataset_of_the_same_size_warns(tmp_path, tokenizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*train_dataset is not the one")
         trainer(rows, max_steps=2).train(resume_from_checkpoint=ckpt)
+
+
+def test_a_checkpoint_saved_before_the_round_fields_were_filled_in_resumes():
+    """Checkpoints written before GRPOConfig filled in steps_per_generation / generation_batch_size (as TRL does)
+    recorded None for both; they are derived from fields the resume compares too, so None matches. A value that
+    differs still refuses."""
+    from groupwise import GRPOConfig
+    from groupwise.checkpoint import CheckpointError, RESUME_FIELDS, check_resume
+
+    args = GRPOConfig(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2)
+    config = {k: getattr(args, k) for k in RESUME_FIELDS}
+    state = {"world_size": 1, "global_step": 2, "config": {**config, "steps_per_generation": None,
+                                                           "generation_batch_size": None}}
+    check_resume("ckpt", state, args, world_size=1, max_steps=8)
+    with pytest.raises(CheckpointError, match=r"steps_per_generation is 4 in ckpt but 2 now"):
+        check_resume("ckpt", {**state, "config": {**config, "steps_per_generation": 4}}, args, world_size=1,
+                     max_steps=8)

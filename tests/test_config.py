@@ -68,6 +68,33 @@ def test_layout_counts_completions_like_trl(monkeypatch):
     assert GRPOConfig(per_device_train_batch_size=2, num_generations=4).layout(world_size=2).prompts_per_generation == 1
 
 
+@pytest.mark.parametrize("given", [{}, dict(steps_per_generation=4), dict(generation_batch_size=24),
+                                   dict(steps_per_generation=2, generation_batch_size=12)])
+def test_round_fields_are_filled_in_as_trl_fills_them(given):
+    # per_device 6 × 1 process; gradient_accumulation_steps 2: neither given → steps 2, batch 6 × 2 = 12;
+    # steps 4 → batch 24; batch 24 → steps 24 / 6 = 4; both given and agreeing → kept
+    kw = dict(per_device_train_batch_size=6, num_generations=3, gradient_accumulation_steps=2, **given)
+    ours = GRPOConfig(**kw)
+    expected = {(): (2, 12), ("steps_per_generation",): (4, 24), ("generation_batch_size",): (4, 24),
+                ("steps_per_generation", "generation_batch_size"): (2, 12)}[tuple(given)]
+    assert (ours.steps_per_generation, ours.generation_batch_size) == expected
+    trl = pytest.importorskip("trl")
+    if len(given) < 2:  # TRL refuses both at once; a dump of its own carries both
+        theirs = trl.GRPOConfig(output_dir="unused", report_to="none", bf16=False, **kw)
+        assert (theirs.steps_per_generation, theirs.generation_batch_size) == expected
+
+
+def test_filled_round_fields_follow_the_real_process_count_and_later_edits():
+    c = GRPOConfig(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2)
+    assert (c.steps_per_generation, c.generation_batch_size) == (2, 8)  # filled for 1 process
+    # the trainer's 2 processes: derived again, 4 × 2 × 2 = 16 (not a disagreement with the 8 filled for 1)
+    assert c.layout(world_size=2).generation_batch_size == 16 and c.generation_batch_size == 16
+    c.steps_per_generation = 4  # set after construction: now the user's value, the batch follows it
+    assert (c.layout(world_size=1).generation_batch_size, c.generation_batch_size) == (16, 16)
+    b = GRPOConfig(per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
+    assert b.layout(world_size=2).steps_per_generation == 2 and b.steps_per_generation == 2  # 16 / (4 × 2)
+
+
 def test_yaml_round_trip(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("num_generations: 4\nper_device_train_batch_size: 8\nlearning_rate: 1e-5\nloss_type: grpo\n")

@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from groupwise.config_base import ConfigError
+from groupwise.layout import ROUND_FIELDS
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
@@ -421,6 +422,8 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
         raise CheckpointError(f"{path} is at step {state['global_step']}, which is not before max_steps={max_steps}: "
                               "raise max_steps to train further")
     for name, saved in state.get("config", {}).items():
+        if saved is None and name in ROUND_FIELDS:
+            continue  # saved before the layout was filled in: derived from fields compared here too
         if getattr(args, name) != saved:
             raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(args, name)!r} now; resume "
                                   f"with the same value ({RESUME_FIELDS.get(name, 'the run depends on it')})")

@@ -25,6 +25,7 @@ from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS, SHAPING_GENERATION_KWARGS
+from groupwise.layout import BatchLayout, fill as fill_layout
 from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers, installed_trackers
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
@@ -428,60 +429,11 @@ class GRPOConfig(StrictConfig):
             options["scale"] = fixed
         return options
 
-    def layout(self, world_size: int) -> "BatchLayout":
-        """Resolve the batch arithmetic for `world_size` processes; raises ConfigError naming the fields."""
-        per_round = self.per_device_train_batch_size * world_size
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            # TRL's __post_init__ fills in both (a dumped TRL config carries both): fine when they agree
-            if self.generation_batch_size != per_round * self.steps_per_generation:
-                raise ConfigError(
-                    f"steps_per_generation={self.steps_per_generation} and generation_batch_size="
-                    f"{self.generation_batch_size} disagree with per_device_train_batch_size × processes = {per_round}: "
-                    "set one of them")
-            steps = self.steps_per_generation
-        elif self.generation_batch_size is not None:
-            if self.generation_batch_size % per_round:
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} must be divisible by "
-                    f"per_device_train_batch_size × processes = {per_round}")
-            steps = self.generation_batch_size // per_round
-        else:
-            steps = self.steps_per_generation or self.gradient_accumulation_steps
-        gen_batch = per_round * steps
-        if gen_batch % self.num_generations:
-            raise ConfigError(
-                f"the generation batch (per_device_train_batch_size={self.per_device_train_batch_size} × "
-                f"{world_size} process(es) × steps_per_generation={steps} = {gen_batch} completions) must be divisible "
-                f"by num_generations={self.num_generations}; valid per_device_train_batch_size values here: "
-                f"{[b for b in range(1, 4 * self.num_generations + 1) if b * world_size * steps % self.num_generations == 0][:6]}")
-        if self.dynamic_sampling and (gen_batch // world_size) % self.num_generations:
-            raise ConfigError(
-                f"dynamic_sampling needs whole groups on each process: {gen_batch // world_size} completions per "
-                f"process is not a multiple of num_generations={self.num_generations}")
-        if (steps * self.num_iterations) % self.gradient_accumulation_steps:
-            raise ConfigError(
-                f"steps_per_generation × num_iterations = {steps * self.num_iterations} must be a multiple of "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, so an optimizer step never spans two "
-                "generation batches")
-        return BatchLayout(world_size, steps, gen_batch, gen_batch // self.num_generations, self.num_generations,
-                           self.per_device_train_batch_size)
+    def layout(self, world_size: int) -> BatchLayout:
+        """Resolve the batch arithmetic for `world_size` processes, filling in `steps_per_generation` /
+        `generation_batch_size` as TRL does (groupwise.layout); raises ConfigError naming the fields."""
+        return fill_layout(self, world_size)
 
 
 def _default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == name)
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How a generation round is laid out (TRL semantics: batch sizes count completions)."""
-
-    world_size: int
-    steps_per_generation: int  # micro-batches per process per round
-    generation_batch_size: int  # completions per round, all processes
-    prompts_per_generation: int  # B of the round, all processes
-    num_generations: int  # G
-    micro_batch_size: int  # completions per micro-batch per process
-
-    @property
-    def local_rows(self) -> int:
-        return self.generation_batch_size // self.world_size
