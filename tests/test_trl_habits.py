@@ -76,6 +76,23 @@ def test_trainer_state_log_metric_and_log_extra_reach_reward_functions(tmp_path,
     assert first["reward"] == first["rewards"]["curriculum"] and isinstance(first["advantage"], float)
 
 
+def test_the_completions_reward_column_is_the_weighted_sum_under_normalize_then_sum(tmp_path, tokenizer):
+    """completions.jsonl's `reward` is the `reward` metric's quantity, Σ_f w_f r_f of the raw values, under either
+    aggregation; under normalize_then_sum it was the sum of z-scores (mean 0 in every group), which is not a reward.
+    Per row: length (say 3) × 1 + the constant 2 × 0.5 = 3 + 1 = 4."""
+    def two(completions, **_):
+        return [2.0] * len(completions)
+
+    t = _trainer(tmp_path, tokenizer, funcs=[_length, two], max_steps=1, reward_weights=[1.0, 0.5],
+                 multi_objective_aggregation="normalize_then_sum")
+    t.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 8
+    for r in rows:
+        assert r["rewards"]["two"] == 2.0
+        assert r["reward"] == r["rewards"]["_length"] * 1.0 + 1.0
+
+
 class Recorder(TrainerCallback):
     def __init__(self, stop_at=None):
         self.events, self.logs, self.stop_at = [], [], stop_at

@@ -328,7 +328,7 @@ def print_rows(step: int, rows: list[dict], limit: int | None) -> None:
 
 def completion_rows(rnd: Round, names: list[str], extra: dict[str, list]) -> list[dict]:
     """This process's rows of a logged round for completions.jsonl: prompt, completion, each reward function's value
-    (`names`), the combined reward, the first token's advantage, step rewards, and the `log_extra` columns that have
+    (`names`), TRL's reward (Σ w·r), the first token's advantage, step rewards, and the `log_extra` columns that have
     one value per row."""
     n = len(rnd.completions.prompts)
     first_token = rnd.first_token_advantages()

@@ -70,6 +70,13 @@ class RolloutContext:
         return _weights(self.args.process_reward_weights, len(self.process_sources))
 
 
+def trl_reward(ctx: RolloutContext, scores: Scores) -> torch.Tensor:  # (B, G)
+    """TRL's `reward`: the weighted sum of the functions' values, whatever multi_objective_aggregation feeds the
+    advantages (with normalize_then_sum, scores.rewards is the sum of z-scores, whose mean is 0 by construction)."""
+    per_func = scores.per_func
+    return weighted_nansum(per_func, _weights(ctx.args.reward_weights, per_func.size(-1)).to(per_func.dtype))
+
+
 def _weights(given: list[float] | None, n: int) -> torch.Tensor:  # (n,)
     """reward_weights covers reward_funcs (process_reward_weights process_reward_funcs); the rest (an environment's
     get_reward / get_step_rewards, appended last) weighs 1 (TRL)."""
@@ -131,7 +138,7 @@ def sample_round(ctx: RolloutContext, model, clock: PhaseClock | None = None) ->
         scores = score(ctx, comp) if ctx.reward_sources else None  # outcome rewards (B, G)
         step_scores = score_steps(ctx, comp) if ctx.process_sources else None  # step rewards [B][G][K]
     n = len(rows)
-    rewards = torch.full((n,), float("nan")) if scores is None else ctx.dist.shard(scores.rewards.flatten())
+    rewards = torch.full((n,), float("nan")) if scores is None else ctx.dist.shard(trl_reward(ctx, scores).flatten())
     per_func = None if scores is None else ctx.dist.shard(scores.per_func.flatten(0, 1))  # (N, F)
     steps = None
     if step_scores is not None:
@@ -420,10 +427,7 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
         m.update(_tool_metrics(ctx, comp))
     if scores is None:
         return m
-    # TRL's reward: the weighted sum of the functions' values, whatever multi_objective_aggregation feeds the
-    # advantages (with normalize_then_sum, scores.rewards is the sum of z-scores, whose mean is 0 by construction)
-    per_func = scores.per_func
-    reward = weighted_nansum(per_func, _weights(ctx.args.reward_weights, per_func.size(-1)).to(per_func.dtype))
+    reward = trl_reward(ctx, scores)
     m["reward"] = float(torch.nanmean(reward))
     m["reward_std"] = _nanstd(reward)
     m["frac_reward_zero_std"] = float((_spread(scores.rewards.unsqueeze(-1)) < 1e-6).float().mean())

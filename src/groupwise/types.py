@@ -78,7 +78,7 @@ class Round:
 
     completions: Completions
     advantages: torch.Tensor  # (N,) outcome, or (N, T) token-level
-    rewards: torch.Tensor  # (N,) combined outcome reward of each row, NaN when there is none
+    rewards: torch.Tensor  # (N,) TRL's reward of each row: Σ_f w_f r_f of the raw values, NaN when nothing scored
     per_func: torch.Tensor | None  # (N, F) each outcome reward function's value, NaN = unscored
     steps: list[list[tuple[str, float]]] | None  # (N)[K_i] (step text, step reward), process supervision
     signal: torch.Tensor | None  # (N / G,) bool per local group: a learning signal? (dynamic sampling only)
