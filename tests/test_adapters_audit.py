@@ -227,3 +227,26 @@ def test_a_lora_checkpoint_resumed_without_lora_names_the_fix(tmp_path, base_dir
     trainer("a", use_peft=True, lora_target_modules=["q_proj"]).train()
     with pytest.raises(ConfigError, match="holds a LoRA adapter.*peft_config / use_peft"):
         trainer("b").train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+
+
+def test_an_adapter_folder_given_as_the_model_names_the_fix(tmp_path, tokenizer, base_dir):
+    """An SFT run's output folder holds only the adapter; transformers cannot read it as a model ("Unrecognized
+    model", in TRL too). The error names the base (from adapter_config.json) and both ways on, and the first one
+    it names trains."""
+    adapter_dir = tmp_path / "sft_adapter"
+    model = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model.peft_config["default"].base_model_name_or_path = base_dir
+    model.save_pretrained(adapter_dir)
+    with pytest.raises(ConfigError, match=rf"model='{adapter_dir}' holds a PEFT adapter \(adapter_config.json\), not a "
+                                          rf"model: .*PeftModel.from_pretrained\(AutoModelForCausalLM.from_pretrained"
+                                          rf"\('{base_dir}'\), '{adapter_dir}', is_trainable=True\)"):
+        GRPOTrainer(str(adapter_dir), [_length], args=small_args(tmp_path), train_dataset=toy.dataset(8),
+                    processing_class=tokenizer)
+    from transformers import AutoModelForCausalLM
+
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter_dir),
+                                       is_trainable=True)
+    t = GRPOTrainer(policy, [_length], args=small_args(tmp_path, max_steps=1), train_dataset=toy.dataset(8),
+                    processing_class=tokenizer)
+    assert t.train().global_step == 1

@@ -303,3 +303,13 @@ def test_every_field_of_trl_grpo_script_is_a_run_field_with_trl_default():
                 assert QUANTIZATION[f.name] == default, f.name
             else:
                 assert f.name in ours, f.name
+
+
+def test_an_adapter_folder_as_model_name_or_path_is_one_line_exit_2(tmp_path, model_dir, capsys, fake):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "org/base"}')
+    assert main(["train", _cfg(tmp_path, model_dir, model_name_or_path=str(adapter))]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds a PEFT adapter" in err and "from_pretrained('org/base')" in err
+    assert not fake

@@ -129,7 +129,7 @@ def cmd_train(argv: list[str]) -> int:
         return run_demo(values)
     run, args = build_run(values)
     # everything that names a file is checked before anything loads
-    check_model_location(run["model_name_or_path"], "model_name_or_path")
+    check_model_location(run["model_name_or_path"], "model_name_or_path", policy=True)
     dataset_name = run["dataset_name"]
     if not dataset_name and not run["datasets"]:
         raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name), "

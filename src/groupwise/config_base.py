@@ -158,16 +158,27 @@ def check_location(value: str, field: str) -> str:
     return "hub"
 
 
-def check_model_location(value: str, field: str) -> str:
+def check_model_location(value: str, field: str, *, policy: bool = False) -> str:
     """check_location for a model: a local folder must also hold a saved model (config.json, a PEFT adapter's
-    adapter_config.json, or a .gguf file), so that a wrong folder is named before anything loads."""
+    adapter_config.json, or a .gguf file), so that a wrong folder is named before anything loads. A `policy` may not
+    be an adapter folder alone: transformers cannot read its config (TRL fails there with "Unrecognized model")."""
     where = check_location(value, field)
     folder = os.path.expanduser(value)
     if where == "local" and os.path.isdir(folder):
-        names = os.listdir(folder)
-        if not ({"config.json", "adapter_config.json"} & set(names) or any(n.endswith(".gguf") for n in names)):
+        names = set(os.listdir(folder))
+        if not ({"config.json", "adapter_config.json"} & names or any(n.endswith(".gguf") for n in names)):
             raise ConfigError(f"{field}={value!r} is a folder without config.json: not a saved model (write one "
                               "with model.save_pretrained(folder), or give a checkpoint folder of a run)")
+        if policy and "adapter_config.json" in names and "config.json" not in names:
+            try:
+                with open(os.path.join(folder, "adapter_config.json")) as f:
+                    base = json.load(f).get("base_model_name_or_path") or "<base model>"
+            except (OSError, ValueError, AttributeError):
+                base = "<base model>"
+            raise ConfigError(
+                f"{field}={value!r} holds a PEFT adapter (adapter_config.json), not a model: to train the adapter "
+                f"further pass PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {value!r}, "
+                f"is_trainable=True) as the model; to train a new adapter give {base!r} with a peft_config")
     return where
 
 

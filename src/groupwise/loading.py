@@ -179,7 +179,7 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     if not isinstance(model, (str, torch.nn.Module)):
         raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
     if isinstance(model, str):
-        check_model_location(model, "model")
+        check_model_location(model, "model", policy=True)
         policy_init_kwargs(args)  # a bad dtype, named now
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
