@@ -4,6 +4,7 @@ tokenizer (and the model's positions) before the weights, the policy, its EOS id
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
@@ -12,6 +13,7 @@ from groupwise.adapters import check_passed_model, is_peft_model
 from groupwise.config_base import ConfigError, check_model_location
 from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from groupwise.core.supervision import SUPERVISIONS
+from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES
@@ -94,6 +96,13 @@ def load_policy(model, args: GRPOConfig):
             policy.enable_input_require_grads()  # a frozen base would leave checkpointed blocks without gradients
     if args.cast_lm_head_to_fp32:
         cast_head_to_fp32(policy)
+    unapplied = unapplied_generation_config(policy, args)
+    if unapplied:
+        names = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
+        warnings.warn(f"the model's generation_config sets {names}, which generation_backend="
+                      f"'{args.generation_backend}' does not apply (model.generate() would): set generation_backend="
+                      "'transformers' to sample with it, or unset it on model.generation_config to silence this",
+                      UserWarning, stacklevel=3)
     policy.train()
     return policy
 

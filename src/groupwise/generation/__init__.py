@@ -58,6 +58,7 @@ class Backend:
     target: str  # "module:Class", imported on first use
     generation_kwargs: bool  # accepts GRPOConfig.generation_kwargs (extra GenerationConfig fields)
     summary: str
+    model_generation_config: bool = False  # applies the model's own generation_config (generate() merges it)
 
     def load(self) -> type:
         module, _, name = self.target.partition(":")
@@ -68,7 +69,7 @@ BACKENDS: dict[str, Backend] = {
     "fast": Backend("groupwise.generation.fast:FastGenerator", generation_kwargs=False,
                     summary="groupwise's sampler: prompt prefilled once per group, finished rows leave the batch"),
     "transformers": Backend("groupwise.generation.hf:TransformersGenerator", generation_kwargs=True,
-                            summary="model.generate, the reference"),
+                            summary="model.generate, the reference", model_generation_config=True),
     "vllm": Backend("groupwise.generation.vllm:VLLMColocateGenerator", generation_kwargs=True,
                     summary="vLLM (use_vllm=True): an engine in each process (vllm_mode 'colocate') or a vLLM "
                             "server's client ('server', generation/vllm_server.py); weights pushed after every "
@@ -80,6 +81,29 @@ BACKENDS: dict[str, Backend] = {
 SHAPING_GENERATION_KWARGS = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                              "max_length": "max_completion_length", "num_return_sequences": "num_generations",
                              "n": "num_generations"}
+
+
+# logits processors a model's generation_config may switch on, which model.generate() applies (it merges the model's
+# generation_config into the one passed in) and the other backends do not; value: the field's off value
+MODEL_PROCESSOR_FIELDS = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+                          "begin_suppress_tokens": None, "min_new_tokens": None, "min_length": 0, "typical_p": 1.0,
+                          "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "sequence_bias": None, "forced_bos_token_id": None,
+                          "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "top_h": None,
+                          "watermarking_config": None, "guidance_scale": None, "min_p": None}
+
+
+def unapplied_generation_config(model, args) -> dict[str, object]:
+    """The fields of the model's generation_config that change sampling, which model.generate() (and TRL's
+    transformers path) would apply and `args.generation_backend` does not. min_p counts only when the config leaves
+    it unset (GRPOConfig.min_p set is applied by every backend)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or BACKENDS[args.generation_backend].model_generation_config:
+        return {}
+    found = {k: getattr(config, k, off) for k, off in MODEL_PROCESSOR_FIELDS.items()}
+    found = {k: v for k, v in found.items() if v is not None and v != MODEL_PROCESSOR_FIELDS[k]}
+    if args.min_p is not None:
+        found.pop("min_p", None)
+    return found
 
 
 def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int]) -> Generator:
