@@ -54,14 +54,20 @@ def test_fsdp2_trains_like_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_crash_and_resume_is_bitwise_exact(tmp_path):
-    _run(tmp_path / "straight", max_steps=4, save_steps=2, fsdp="full_shard")
-    _run(tmp_path / "crashed", max_steps=4, save_steps=2, fsdp="full_shard", crash_after=2)
+    """With a sharded reference that TR-DPO moves every step (its shards are in the checkpoint) and the KL term."""
+    kw = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_model=True, ref_model_sync_steps=1,
+              ref_model_mixup_alpha=0.5)
+    _run(tmp_path / "straight", **kw)
+    _run(tmp_path / "crashed", crash_after=2, **kw)
     assert (tmp_path / "crashed" / "checkpoint-2").is_dir() and not (tmp_path / "crashed" / "weights.safetensors").exists()
-    _run(tmp_path / "crashed", max_steps=4, save_steps=2, fsdp="full_shard",
-         resume=str(tmp_path / "crashed" / "checkpoint-2"))
+    assert (tmp_path / "crashed" / "checkpoint-2" / "ref_model_shard_1.safetensors").exists()
+    _run(tmp_path / "crashed", resume=str(tmp_path / "crashed" / "checkpoint-2"), **kw)
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "crashed")
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    kl = [[json.loads(x)["kl"] for x in training_lines(tmp_path / run / "metrics.jsonl")][-2:]
+          for run in ("straight", "crashed")]
+    assert kl[0] == kl[1] and kl[0][1] > 0  # the resumed reference is the straight run's (steps 1-2: no signal)
 
 
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
@@ -95,9 +101,12 @@ def test_bad_fsdp_value_fails_before_anything_loads():
 
 @pytest.mark.slow
 def test_fsdp2_bf16_trains_finite(tmp_path):
-    _run(tmp_path / "bf16", max_steps=2, save_steps=0, fsdp="full_shard", bf16=True)
+    """With β > 0 the reference is sharded as the policy is, with the same mixed precision: at step 1 π_ref = π_θ
+    in value and in numerics, KL exactly 0 (an unsharded float32 copy under autocast gave 1.6e-7)."""
+    _run(tmp_path / "bf16", max_steps=2, save_steps=0, fsdp="full_shard", bf16=True, beta=0.04)
     lines = [json.loads(x) for x in training_lines(tmp_path / "bf16" / "metrics.jsonl")]
     assert all(x["loss"] == x["loss"] and abs(x["grad_norm"]) < float("inf") for x in lines)
+    assert lines[0]["kl"] == 0.0
     weights = _weights(tmp_path / "bf16")
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
 

@@ -151,6 +151,19 @@ class Reference:
 
     def __init__(self, model: torch.nn.Module, adapters_off: bool, initial: dict[str, torch.Tensor] | None = None):
         self.model, self.adapters_off, self.initial = model, adapters_off, initial
+        self.root: torch.nn.Module | None = None  # set by shard(): the FSDP2 root whose forward gives log-probs
+
+    def shard(self, dist, chunk_tokens: int) -> None:
+        """FSDP2: shard the frozen copy as the policy is sharded (the same units and mixed precision), so that π_ref's
+        forward has π_θ's numerics (at step 0 they are equal, KL 0) and each process holds 1 / world of it."""
+        from groupwise.modeling import PolicyForLogps
+
+        self.root = dist.fully_shard(PolicyForLogps(self.model, chunk_tokens), self.model)
+
+    @property
+    def logps_model(self) -> torch.nn.Module:
+        """What computes π_ref's log-probs (groupwise.modeling.batched_logps)."""
+        return self.root if self.root is not None else self.model
 
     @classmethod
     def of(cls, policy: torch.nn.Module, device) -> Reference:
@@ -191,7 +204,8 @@ class Reference:
     @torch.no_grad()
     def mix(self, policy: torch.nn.Module, alpha: float) -> None:
         """TR-DPO (Gorbatovski et al. 2024), TRL's sync_ref_model: ref ← α·policy + (1−α)·ref, parameter by
-        parameter (`policy`: the trained weights in full precision)."""
+        parameter (`policy`: the trained weights in full precision; sharded alike when the copy is sharded, so each
+        process mixes its own shards)."""
         for ref_p, p in zip(self.copy.parameters(), policy.parameters()):
             ref_p.mul_(1 - alpha).add_(p.detach().to(ref_p.dtype), alpha=alpha)
 

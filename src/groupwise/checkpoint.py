@@ -10,7 +10,8 @@ checkpoint-N/
   ref_model.safetensors                             the reference model, when TR-DPO moves it
   model_shard_<rank>.safetensors, optimizer_<rank>.*  each process's shards, when the run is sharded (FSDP2); the
                                                     optimizer.* files are then absent and model.safetensors is the
-                                                    consolidated model
+                                                    consolidated model; ref_model_shard_<rank>.safetensors
+                                                    replaces ref_model.safetensors
   checksums.json                                    sha256 of every other file, written last
 The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
 checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
@@ -267,6 +268,8 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
 
         save_file(local_tensors(sharded_model.state_dict()), str(tmp / f"model_shard_{dist.rank}.safetensors"))
         _optimizer_to_files(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
+        if ref_model is not None:  # sharded alike (adapters.Reference.shard): each process its shards
+            save_file(local_tensors(ref_model.state_dict()), str(tmp / f"ref_model_shard_{dist.rank}.safetensors"))
     if dist.is_main:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
@@ -276,7 +279,7 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
             if sharded_model is None:  # sharded runs wrote optimizer_<rank>.* above
                 _optimizer_to_files(opt_state, tmp)
             _write_json(tmp / "scheduler.json", scheduler.state_dict())
-        if ref_model is not None and not model_only:
+        if ref_model is not None and not model_only and sharded_model is None:
             save_file({k: v.detach().cpu().clone() for k, v in ref_model.state_dict().items()},  # tied: copies
                       str(tmp / "ref_model.safetensors"))
     dist.barrier()
@@ -391,7 +394,11 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
         load_model_weights(model, _model_weights(path), folder)
         optimizer.load_state_dict(_optimizer_from_files(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
-    if ref_model is not None and (path / "ref_model.safetensors").exists():
+    if ref_model is not None and (path / f"ref_model_shard_{dist.rank}.safetensors").exists():
+        from groupwise.sharding import load_local
+
+        load_local(ref_model, load_file(str(path / f"ref_model_shard_{dist.rank}.safetensors")), folder)
+    elif ref_model is not None and (path / "ref_model.safetensors").exists():
         ref_model.load_state_dict(load_file(str(path / "ref_model.safetensors")))
     _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
     pending_file = path / f"rollout_{dist.rank}.safetensors"

@@ -77,6 +77,12 @@ class Distributed:
 
         return shard(root, model, self.sharding, self.device, bf16=self.accelerator.mixed_precision == "bf16")
 
+    def autocast(self):
+        """The training forward's precision around another forward (π_ref's): accelerate's autocast, or nothing
+        under FSDP2, whose mixed-precision policy casts the gathered weights itself (the policy is not wrapped by
+        accelerate there)."""
+        return contextlib.nullcontext() if self.sharding is not None else self.accelerator.autocast()
+
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
 

@@ -321,8 +321,8 @@ def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float
         if metrics is not None:
             metrics.update(_sampling_metrics(ctx, stats))
     if ctx.reference is not None:  # β > 0 only; with LoRA: the policy with its adapters disabled
-        with ctx.reference.context(), ctx.dist.accelerator.autocast():  # the trainer's precision, as π_θ
-            ref = batched_logps(ctx.reference.model, input_ids, attention_mask, T, temperature=args.temperature,
+        with ctx.reference.context(), ctx.dist.autocast():  # the trainer's precision, as π_θ
+            ref = batched_logps(ctx.reference.logps_model, input_ids, attention_mask, T, temperature=args.temperature,
                                 batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
     return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref, weights)
 

@@ -6,7 +6,8 @@ applies `fully_shard` itself, the same way on GPUs and on CPU (gloo), where acce
 
 - every decoder layer (the model's `_no_split_modules` classes) is one FSDP unit; the root unit is the log-prob
   wrapper (`PolicyForLogps`), so the embeddings, final norm and output head are gathered around every forward that
-  computes log-probs: training, π_θold and π_ref all go through it;
+  computes log-probs: training and π_θold go through it; the reference model (β > 0) is a frozen copy sharded the
+  same way, with the same mixed precision, so π_ref's forward has π_θ's numerics and costs 1 / world of its weights;
 - generation runs on a full, unsharded replica of the policy on each process, refreshed from the shards after every
   optimizer step (one all-gather of the weights per step): sampling then needs no collective, and processes may
   finish their rows at different times. Memory: the replica costs one full copy of the weights per process, while

@@ -181,6 +181,8 @@ class GRPOTrainer(TransformersHabits):
             if self._replica is None:
                 self._replica = copy.deepcopy(policy).to(self.dist.device).eval().requires_grad_(False)
             trained = self.dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
+            if self.reference is not None:  # π_ref sharded alike: π_θ's numerics, 1 / world of the memory
+                self.reference.shard(self.dist, args.logprob_chunk_tokens)
             optimizer = build_optimizer(policy, args)
             return trained, optimizer, build_schedule(optimizer, args, self.max_steps)
         if optimizer is None:
@@ -432,10 +434,8 @@ class GRPOTrainer(TransformersHabits):
     def _maybe_sync_ref(self) -> None:
         args = self.args
         if args.sync_ref_model and self.global_step % args.ref_model_sync_steps == 0:
-            # the trained weights in full precision: the policy itself, or with fsdp the replica (same dtype; fsdp
-            # with generation_dtype refuses sync_ref_model)
-            self.reference.mix(self.sampling_model if self.dist.sharding is not None else self.unwrapped,
-                               args.ref_model_mixup_alpha)
+            # the trained weights in full precision (with fsdp the policy's shards and the reference's alike)
+            self.reference.mix(self.unwrapped, args.ref_model_mixup_alpha)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
