@@ -30,6 +30,7 @@ def _config(name, tok):
         "falcon": lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **ids),
         "falcon_alibi": lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                           alibi=True, **ids),
+        "mistral_window": lambda: transformers.MistralConfig(**small, num_key_value_heads=2, sliding_window=4),
         "gpt_neo": lambda: transformers.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, window_size=4,
                                                      attention_types=[[["global", "local"], 1]], **ids),
     }[name]()
@@ -125,3 +126,26 @@ def test_static_loop_refuses_what_it_cannot_decode_in_one_line(name, why):
     # the eager loop serves them (equal to generate())
     assert torch.equal(_fast(tok, group_size=1)(model, ids, mask, greedy=True).completion_ids,
                        _generate(model, tok, ids, mask))
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "falcon_alibi", "qwen3_5", "mistral_window"])
+def test_by_default_on_cuda_the_models_the_static_loop_cannot_serve_decode_with_the_eager_loop(name):
+    """generation_compile unset means "the static loop on CUDA where it serves the model": the models it refuses
+    are sampled by the eager loop, named once in a warning (they used to fail at the first generation, after the
+    model had loaded). generation_compile=True keeps the error. The decision reads the config and an empty cache,
+    so it is checked here without a GPU."""
+    import warnings
+
+    tok = toy.build_tokenizer()
+    model, cuda = _model(name, tok), torch.device("cuda")
+    auto = _fast(tok, group_size=1)
+    with pytest.warns(UserWarning, match=rf"^generation_compile: {type(model).__name__} .*; generation_compile is "
+                                         "unset, so the eager decode loop samples"):
+        assert auto._use_static(model, cuda) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert auto._use_static(model, cuda) is False  # once per model
+    with pytest.raises(ValueError, match="set generation_compile=False for this model$"):
+        _fast(tok, compile=True, group_size=1)._use_static(model, cuda)
+    llama = toy.build_model(tok, seed=0, hidden_size=32)
+    assert auto._use_static(llama, cuda) is True and auto._use_static(llama, torch.device("cpu")) is False

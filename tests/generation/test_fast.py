@@ -224,7 +224,7 @@ def test_compiled_cuda_graph_loop_equals_generate_and_the_eager_loop(tokenizer):
     ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12"] for _ in range(4)], tokenizer, None)
     ids, mask = ids.cuda(), mask.cuda()
     gen = _fast(tokenizer, group_size=4)  # compile=None: static and compiled on CUDA
-    assert gen._use_static(ids.device)
+    assert gen._use_static(model, ids.device)
     for _ in range(2):  # the second call replays the captured graph
         assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
     assert [state.kernel for state in gen._static.values()] == [True]  # attention by the Triton decode kernel

@@ -16,7 +16,8 @@
 
 Two decode loops share the prefill and the sampling code:
 - eager (the default off CUDA): the cache grows in place and finished rows leave the batch;
-- static (`compile=True`, the default on CUDA; GRPOConfig.generation_compile): every shape is fixed for the whole
+- static (`compile=True`; the default on CUDA for the models it serves, see static.static_refusal; GRPOConfig.
+  generation_compile): every shape is fixed for the whole
   completion, as gpt-fast and transformers' static cache do — the KV cache is one preallocated (N, H, L, D) buffer
   per layer written at a position held in a tensor, the attention mask is a preallocated 4-D mask with one column
   opened per step, and the inputs are buffers updated in place. The decode step (one forward of N tokens) is then
@@ -35,6 +36,8 @@ Two decode loops share the prefill and the sampling code:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -44,7 +47,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from groupwise.generation import Generated
 from groupwise.generation.fused_linear import FusedProjections
-from groupwise.generation.static import StaticState, advance, check_static, fused_pick, open_slot
+from groupwise.generation.static import StaticState, advance, fused_pick, open_slot, static_refusal
 from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
 
 try:  # the recurrent / convolution states of hybrid models (Qwen3.5, LFM2, Jamba, …)
@@ -153,6 +156,7 @@ class FastGenerator:
                              None if compile_mode == "eager" else compile_mode)
         # static-loop buffers by shape, least recently used first; two shapes: training's and evaluation's batch
         self._static: dict[tuple, StaticState] = {}
+        self._warned: set[int] = set()  # models named in the warning that the static loop cannot serve them
         self.keep_shapes = 2
         self.pad_token_id, self.eos = pad_token_id, torch.tensor(eos_token_ids)
         self.group_size, self.compact_fraction = group_size, compact_fraction
@@ -186,20 +190,32 @@ class FastGenerator:
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
-        static = self._use_static(prompt_ids.device)
+        static = self._use_static(model, prompt_ids.device)
         if self.fuse_projections and not static:
             raise ValueError(f"fuse_projections needs the static decode loop, which is off here (generation_compile "
-                             f"{self.compile}, device {prompt_ids.device.type}): set generation_compile=True, or "
-                             "drop generation_fuse_projections")
-        if static:
-            check_static(model)
+                             f"{self.compile}, device {prompt_ids.device.type}, {type(model).__name__}): set "
+                             "generation_compile=True, or drop generation_fuse_projections")
         with eval_mode(model):
             G, cache, logits = self._prefill(model, prompt_ids, prompt_mask)
             decode = self._decode_static if static else self._decode_eager
             return decode(model, prompt_ids, prompt_mask, G, cache, logits, greedy, logprobs)
 
-    def _use_static(self, device: torch.device) -> bool:
-        return self.compile if self.compile is not None else device.type == "cuda"
+    def _use_static(self, model, device: torch.device) -> bool:
+        """compile True: the static loop, or the error saying why this model cannot use it; None (the default): the
+        static loop on CUDA for the models it serves, the eager loop for the others (named in a warning, once)."""
+        if self.compile is False or (self.compile is None and device.type != "cuda"):
+            return False
+        refusal = static_refusal(model, _growing_cache(model).layers)
+        if refusal is None:
+            return True
+        if self.compile:
+            raise ValueError(refusal)
+        if id(model) not in self._warned:
+            self._warned.add(id(model))
+            warnings.warn(f"{refusal.split(': set generation_compile=False')[0]}; generation_compile is unset, so "
+                          "the eager decode loop samples (set generation_compile=False to say so)", UserWarning,
+                          stacklevel=3)
+        return False
 
     def _prefill(self, model, prompt_ids, prompt_mask):
         """One forward over one row per group; returns (G, the cache of the B unique rows, logits (N, V))."""
@@ -349,11 +365,9 @@ class FastGenerator:
             # and the states built on them, are stale
             self._projections = None
             self._static = {k: v for k, v in self._static.items() if k[0] != id(model)}
-        if not all(type(layer) is GrowingLayer for layer in prefill.layers):
-            kinds = sorted({type(layer).__name__ for layer in prefill.layers if type(layer) is not GrowingLayer})
-            raise ValueError(f"generation_compile: {type(model).__name__} has cache layers other than full attention "
-                             f"({', '.join(kinds)}: sliding window or recurrent): set generation_compile=False for "
-                             "this model")
+        refusal = static_refusal(model, prefill.layers)  # the prefill's own layers (checked from the config before)
+        if refusal is not None:
+            raise ValueError(refusal)
         first = prefill.layers[0] if prefill.layers else None
         # (the attention implementation decides the mask's kind: boolean for sdpa, additive for eager)
         key = (id(model), N, L, str(device), None if first is None else first.keys.dtype, grouped,

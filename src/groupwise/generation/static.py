@@ -124,22 +124,32 @@ class StaticState:
         self._fused(model, self.cache, self.b, temperature, greedy, pad)
 
 
-def check_static(model) -> None:
-    """Refuse, in one line naming the fix, a model the static loop would decode wrongly or fail on: its attention
-    must read the loop's 4-D mask over the whole buffer (sdpa or eager), take its positions from position_ids, and
-    have no window of its own."""
+def static_refusal(model, cache_layers: list | None = None) -> str | None:
+    """Why the static loop cannot decode `model` (one line naming the fix), or None: its attention must read the
+    loop's 4-D mask over the whole buffer (sdpa or eager), take its positions from position_ids, and have no window
+    of its own; its cache (`cache_layers`, a prefill's or an empty cache's) must hold full-attention layers only."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
-        raise ValueError(f"generation_compile needs attn_implementation 'sdpa' or 'eager' (the model uses {impl!r}): "
-                         "set generation_compile=False, or load the model with attn_implementation='sdpa'")
+        return (f"generation_compile needs attn_implementation 'sdpa' or 'eager' (the model uses {impl!r}): set "
+                "generation_compile=False, or load the model with attn_implementation='sdpa'")
     text = model.config.get_text_config(decoder=True)
     name = type(model).__name__
     if getattr(text, "alibi", False):  # Falcon with ALiBi builds its bias from a 2-D attention mask
-        raise ValueError(f"generation_compile: {name} uses ALiBi position biases, which the static decode loop "
-                         "does not build: set generation_compile=False for this model")
+        return (f"generation_compile: {name} uses ALiBi position biases, which the static decode loop does not "
+                "build: set generation_compile=False for this model")
     if "local" in (getattr(text, "attention_layers", None) or ()):  # GPT-Neo: a window cut from the key length
-        raise ValueError(f"generation_compile: {name} has local (windowed) attention layers, which the static "
-                         "decode loop does not mask: set generation_compile=False for this model")
+        return (f"generation_compile: {name} has local (windowed) attention layers, which the static decode loop "
+                "does not mask: set generation_compile=False for this model")
+    from transformers.cache_utils import DynamicLayer
+
+    from groupwise.generation.fast import GrowingLayer
+
+    other = sorted({type(layer).__name__ for layer in cache_layers or ()
+                    if type(layer) not in (GrowingLayer, DynamicLayer)})
+    if other:
+        return (f"generation_compile: {name} has cache layers other than full attention ({', '.join(other)}: "
+                "sliding window or recurrent): set generation_compile=False for this model")
+    return None
 
 
 def dispatches_attention(model) -> bool:
