@@ -95,3 +95,49 @@ def test_prm_train_help_lists_the_fields(capsys):
     for name, help_text, _, _ in PRMTrainConfig.describe():
         assert f"{name:32s} {help_text}" in out
     assert "max_length" in out and "Tokens kept per example" in out
+
+
+def _gpt2_dir(tmp_path, tokenizer, n_positions):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=16, n_layer=1, n_head=2,
+                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_base_model_with_fewer_positions_than_max_length(tmp_path, tokenizer):
+    # GPT-2 with 16 positions, max_length 1024 (the default): a 5-char prompt + 3 steps of 4 chars + "\n" = 20
+    # tokens indexed past the position table (IndexError). The input now stops at 16 tokens: steps 1–2 (separators
+    # at 9 and 14) are trained on, step 3 (19) is not, and scoring reads the same 16 (recorded max_length)
+    from groupwise.prm_train import train_prm
+
+    rows = [{"prompt": "q: ab", "steps": ["abcd", "xbcd", "abca"], "labels": [1, 0, 1]}] * 8
+    cfg = PRMTrainConfig(model_name_or_path=_gpt2_dir(tmp_path, tokenizer, 16), output_dir=str(tmp_path / "prm"),
+                         train_file=_write(tmp_path / "train.jsonl", rows), eval_file=_write(tmp_path / "e.jsonl", rows))
+    metrics = train_prm(cfg)
+    assert metrics["eval/steps"] == 16.0  # 8 rows × the 2 steps that fit
+    assert json.loads((tmp_path / "prm" / "groupwise_prm.json").read_text())["max_length"] == 16
+    prm = load_prm(str(tmp_path / "prm"))
+    assert prm.max_length == 16 and prm(prompts=["q: ab"], completions=[""], steps=[rows[0]["steps"]])[0][2] is None
+
+
+def test_batches_without_a_labelled_step_are_skipped(tmp_path, model_dir):
+    # max_length 12: "q:" + "abc\n" + "xbc\n" = 10 tokens fit; a 20-char prompt leaves no step inside the limit.
+    # 6 training rows, 3 of each, batch size 1, 2 epochs: 6 updates, not 12 — a batch with no labelled step made
+    # a NaN loss (0 / 0) and still moved the weights through AdamW's momentum
+    from groupwise.prm_train import train_prm
+
+    short = {"prompt": "q:", "steps": ["abc", "xbc"], "labels": [1, 0]}
+    long_ = {"prompt": "q" * 20, "steps": ["abc"], "labels": [1]}
+    cfg = dict(model_name_or_path=model_dir, output_dir=str(tmp_path / "prm"), max_length=12,
+               per_device_train_batch_size=1, num_train_epochs=2, eval_file=_write(tmp_path / "e.jsonl", [short]))
+    metrics = train_prm(PRMTrainConfig(train_file=_write(tmp_path / "t.jsonl", [short, long_] * 3), **cfg))
+    assert metrics["train/steps"] == 6.0 and metrics["train/examples"] == 6.0
+    # nothing fits at all: an error naming max_length instead of a run that trains on nothing
+    with pytest.raises(ConfigError, match=r"no step of .*t2.jsonl fits in max_length=12 tokens"):
+        train_prm(PRMTrainConfig(train_file=_write(tmp_path / "t2.jsonl", [long_] * 3), **cfg))

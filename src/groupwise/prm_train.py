@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError, StrictConfig, option
 from groupwise.modeling import eval_mode
-from groupwise.rewards.prm import PRM_CONFIG, build_prm_input
+from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
 from groupwise.text import ensure_pad_token, pad_rows
 
 
@@ -86,10 +86,11 @@ def read_step_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _encode(rows, tokenizer, cfg: PRMTrainConfig):
+def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None):
     out = []
     for r in rows:
-        ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator, max_length=cfg.max_length)
+        ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator,
+                                         max_length=max_length or cfg.max_length)
         labels = [-100] * len(ids)
         for p, lbl in zip(positions, r["labels"]):
             labels[p] = lbl
@@ -154,7 +155,12 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         trust_remote_code=cfg.trust_remote_code)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    train_enc, eval_enc = _encode(train_rows, tokenizer, cfg), _encode(eval_rows, tokenizer, cfg)
+    # a base model with fewer positions than max_length (BERT-like: 512) would index past its position table
+    max_length = min(cfg.max_length, position_limit(model, tokenizer) or cfg.max_length)
+    train_enc, eval_enc = (_encode(r, tokenizer, cfg, max_length) for r in (train_rows, eval_rows))
+    if not any(lbl != -100 for _, labels in train_enc for lbl in labels):
+        raise ConfigError(f"no step of {cfg.train_file} fits in max_length={max_length} tokens (prompt + steps): "
+                          "nothing to train on; raise max_length or shorten the prompts")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     steps = cfg.num_train_epochs * math.ceil(len(train_enc) / cfg.per_device_train_batch_size)
     before = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
@@ -164,13 +170,15 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         rng.shuffle(train_enc)
         model.train()
         for ids, mask, labels in _batches(train_enc, cfg.per_device_train_batch_size, tokenizer.pad_token_id):
+            bar.update(1)
+            if not (labels != -100).any():  # every step cut by max_length: no loss (0/0 = NaN), and no update,
+                continue  # since AdamW's momentum would still move the weights
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            bar.update(1)
             if step % cfg.logging_steps == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
     bar.close()
@@ -181,7 +189,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     tokenizer.save_pretrained(out)
     # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
     (out / PRM_CONFIG).write_text(json.dumps({"kind": "token_classification", "separator": cfg.separator,
-                                              "positive_label": 1, "max_length": cfg.max_length}, indent=2))
+                                              "positive_label": 1, "max_length": max_length}, indent=2))
     metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
                "train/examples": float(len(train_enc)), "train/steps": float(step)}
     (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))

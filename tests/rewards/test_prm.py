@@ -78,7 +78,8 @@ def test_prefix_classification_leaves_steps_cut_by_max_length_unscored(tokenizer
     model.register_forward_hook(lambda m, args, kwargs, out: rows_seen.append(kwargs["input_ids"].shape),
                                 with_kwargs=True)
     prm = PrefixClassificationPRM(model, tokenizer, max_length=8)
-    got = prm(prompts=["q:"], completions=[""], steps=[["ab", "cd", "ef", "gh"]])
+    with pytest.warns(RuntimeWarning, match=r"steps past max_length=8 tokens \(prompt \+ steps\) are unscored"):
+        got = prm(prompts=["q:"], completions=[""], steps=[["ab", "cd", "ef", "gh"]])
     ids, pos = build_prm_input(tokenizer, "q:", ["ab", "cd", "ef", "gh"], "\n")
     assert pos == [4, 7, 10, 13]
     expected = [float(model(input_ids=torch.tensor([ids[:n]])).logits[0, 0]) for n in (5, 8)]
@@ -103,7 +104,62 @@ def test_load_prm_from_folder_with_recorded_kind(tmp_path, tokenizer):
     (tmp_path / "groupwise_prm.json").write_text(json.dumps({"kind": "token_classification", "separator": "\n"}))
     prm = load_prm(str(tmp_path))
     assert isinstance(prm, TokenClassificationPRM) and prm.separator == "\n"
-    assert prm.max_length is None  # a file from before max_length was recorded still loads
+    # a file from before max_length was recorded still loads; its inputs stop at the model's position limit
+    assert prm.max_length == model.config.max_position_embeddings == 2048
     assert len(prm(prompts=["a"], completions=[""], steps=[["b", "c"]])[0]) == 2
     with pytest.raises(ValueError, match="PRM kind"):
         load_prm(str(tmp_path), kind="value_head")
+
+
+def _gpt2_token_classifier(tokenizer, n_positions):
+    from transformers import GPT2Config, GPT2ForTokenClassification
+
+    torch.manual_seed(0)
+    return GPT2ForTokenClassification(GPT2Config(
+        vocab_size=len(tokenizer), n_positions=n_positions, n_embd=16, n_layer=1, n_head=2, num_labels=2,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id)).eval()
+
+
+def test_a_prm_without_max_length_stops_at_its_position_limit(tokenizer):
+    # GPT-2 (absolute positions) with 16 of them. Char tokenizer, no BOS: "q: 1+1" = 6 tokens, then "1+1=2" + "\n"
+    # = 6 (separator at 11), "so the answer" + "\n" = 14 (separator at 25), "ok" + "\n" (28): 29 tokens. Without a
+    # max_length the whole input went in and position 16 indexed past the table (IndexError on CPU, a device-side
+    # assert on GPU); now the input stops at 16 tokens, step 1 is scored on them and steps 2–3 are unscored (None)
+    model = _gpt2_token_classifier(tokenizer, 16)
+    prm = TokenClassificationPRM(model, tokenizer)
+    assert prm.max_length == 16
+    steps = ["1+1=2", "so the answer", "ok"]
+    ids, pos = build_prm_input(tokenizer, "q: 1+1", steps, "\n")
+    assert pos == [11, 25, 28] and len(ids) == 29
+    with pytest.warns(RuntimeWarning, match=r"steps past max_length=16 tokens \(prompt \+ steps\) are unscored"):
+        got = prm(prompts=["q: 1+1", "q: 1+1"], completions=["", ""], steps=[steps, steps[:1]])
+    expected = float(torch.softmax(model(input_ids=torch.tensor([ids[:16]])).logits[0, 11], -1)[1])
+    assert got[0][0] == pytest.approx(expected, abs=1e-5) and got[0][1:] == [None, None]
+    assert got[1] == pytest.approx([expected], abs=1e-5)
+    assert TokenClassificationPRM(model, tokenizer, max_length=12).max_length == 12  # a given max_length wins
+
+
+def test_load_prm_in_another_dtype(tmp_path, tokenizer):
+    model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prm = load_prm(str(tmp_path), kind="token_classification", dtype="bfloat16")  # was: TypeError from the PRM
+    assert prm.model.dtype == torch.bfloat16
+    [row] = prm(prompts=["a"], completions=[""], steps=[["b", "c"]])
+    assert len(row) == 2 and all(isinstance(v, float) and 0 < v < 1 for v in row)
+    assert load_prm(str(tmp_path), kind="token_classification").model.dtype == torch.float32
+    with pytest.raises(ConfigError, match="dtype='bf17' is not a torch dtype"):
+        load_prm(str(tmp_path), kind="token_classification", dtype="bf17")
+
+
+def test_a_one_label_token_classifier_scores_its_logit(tokenizer):
+    # a softmax over one label is 1.0 whatever the model says: every step scored 1, no signal. With one label the
+    # score is the logit at the judged position, as PrefixClassificationPRM reads a one-label head
+    model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=1)).eval()
+    got = TokenClassificationPRM(model, tokenizer)(prompts=PROMPTS, completions=["", ""], steps=STEPS)
+    for p, s, row in zip(PROMPTS, STEPS, got):
+        ids, pos = build_prm_input(tokenizer, p, s, "\n")
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
+        assert row == pytest.approx([float(logits[i]) for i in pos], abs=1e-5)
+    assert len({round(v, 6) for row in got for v in row}) > 1

@@ -82,3 +82,30 @@ def test_a_prm_folder_given_as_a_string(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]='.*other' is a folder without "
                                           r"groupwise_prm.json: give a PRM as \{path: .*, kind: "):
         load_process_reward_sources([str(tmp_path / "other")])
+
+
+def test_step_rewards_given_as_tensors_or_arrays():
+    # a PRM wrapper's natural output: one 1-d tensor / array of step rewards per completion, or one (N, K) tensor
+    # when every completion has K steps; read as lists, as an outcome function's tensor is (was: "returned tensor(…)
+    # rewards for row 0")
+    import numpy as np
+
+    per_row = lambda steps, **_: [torch.tensor([0.25, 0.5]), np.array([1.0])]  # noqa: E731
+    rewards, _ = _run([per_row], [["s1", "s2"], ["t1"]])
+    assert rewards == [[0.25, 0.5], [1.0]]
+    rewards, _ = _run([lambda steps, **_: torch.tensor([[0.25], [0.75]])], [["s"], ["t"]])
+    assert rewards == [[0.25], [0.75]]
+    with pytest.raises(RewardFunctionError, match=r"returned 1 rewards for row 0, which has 2 steps"):
+        _run([lambda steps, **_: [torch.tensor([1.0])]], [["a", "b"]])
+
+
+def test_a_prm_hub_id_given_as_a_string_is_named_before_anything_loads(tmp_path):
+    # "org/name" was resolved as an outcome reward model: AutoModelForSequenceClassification downloaded and loaded
+    # it (gigabytes for a 7B PRM), and only then a TypeError said it was a bare model
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]='some-org/some-prm' is not a step-reward "
+                                          r"function: give a PRM as \{path: some-org/some-prm, kind: "):
+        load_process_reward_sources(["some-org/some-prm"])
+    file = tmp_path / "prm.bin"
+    file.write_text("")
+    with pytest.raises(ConfigError, match="is not a step-reward function"):
+        load_process_reward_sources([str(file)])

@@ -161,3 +161,19 @@ def test_bad_splitter_settings():
         StepSplitter("tag")
     with pytest.raises(ValueError, match="step_split='lines'"):
         StepSplitter("lines")
+
+
+def test_a_delimiter_that_is_a_special_token(tokenizer):
+    # step_split="delimiter" with "<extra_0>" a special token: decoding with skip_special_tokens=True dropped it, so
+    # "a=1<extra_0>b=2<extra_0><eos>" (tokens 0..8) was one step "a=1b=2" ending at the EOS. Now as in tag mode:
+    # "a=1" ends at its delimiter (3), "b=2" at the EOS (8)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
+    sep = tokenizer.convert_tokens_to_ids("<extra_0>")
+    a, b = (tokenizer(t, add_special_tokens=False).input_ids for t in ("a=1", "b=2"))
+    ids = a + [sep] + b + [sep, tokenizer.eos_token_id]
+    s = StepSplitter("delimiter", delimiter="<extra_0>").split(ids, tokenizer, ends_with_eos=True, truncated=False)
+    assert s.texts == ("a=1", "b=2") and s.ends == (3, 8)
+    # a plain delimiter decodes as before (special tokens dropped from the text, boundaries unmoved)
+    ids = tokenizer("a=1\nb=2", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    s = StepSplitter().split(ids, tokenizer, ends_with_eos=True, truncated=False)
+    assert s.texts == ("a=1", "b=2") and s.ends == (3, 7)

@@ -25,7 +25,8 @@ The estimators (`ESTIMATORS`, chosen by GRPOConfig.advantage_estimator):
             (Hu et al. 2025). Here the batch statistics are over rewards (completions or steps); the paper's
             implementations whiten over tokens, which weighs long completions more.
 `std="population"` is the 1/n definition of DeepSeekMath's std(·); `std="unbiased"` is Bessel's 1/(n−1).
-Statistics are computed in float64, so rewards of very different magnitude (1e20 next to 0) keep their signal.
+Statistics, and process supervision's step values and token lookup, are computed in float64 (one cast to float32
+at the end), so rewards of very different magnitude (1e20 next to 0) keep their signal.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ ESTIMATORS: dict[str, Estimator] = {
 
 def normalize_rewards(rewards: torch.Tensor, estimator: str = "grpo", **options) -> torch.Tensor:
     """(B, G, K) rewards with NaN → (B, G, K) normalised rewards r̃ (float32), 0 where the reward is NaN."""
+    return _normalize64(rewards, estimator, **options).float()
+
+
+def _normalize64(rewards: torch.Tensor, estimator: str = "grpo", **options) -> torch.Tensor:
+    """normalize_rewards in float64: the step values built from r̃ (suffix sums) stay exact before the one cast."""
     try:
         est = ESTIMATORS[estimator]
     except KeyError:
@@ -134,7 +140,7 @@ def normalize_rewards(rewards: torch.Tensor, estimator: str = "grpo", **options)
     r = rewards.double()
     valid = ~torch.isnan(r)
     out = est.normalize(torch.where(valid, r, torch.zeros_like(r)), valid, **options)
-    return torch.where(valid, out, torch.zeros_like(out)).float()
+    return torch.where(valid, out, torch.zeros_like(out))
 
 
 def pack_steps(ragged: Sequence[Sequence[Sequence[float | None]]], *, fill: float = float("nan"),
@@ -168,7 +174,7 @@ def outcome_advantages(
 def _suffix_sum(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **options) -> torch.Tensor:
     """DeepSeekMath §4.1.3: every step reward of the group normalised together, r̃_{i,j}; step j's value is the
     suffix sum Σ_{j' ≥ j} r̃_{i,j'}. (B, G, K) → (B, G, K)."""
-    normalized = normalize_rewards(rewards, estimator, **options)  # 0 on padding and NaN
+    normalized = _normalize64(rewards, estimator, **options)  # 0 on padding and NaN
     return normalized.flip(-1).cumsum(-1).flip(-1)
 
 
@@ -193,7 +199,7 @@ def _step_return(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **
                           torch.full_like(rewards, float("nan")))
     B, G, K = returns.shape
     per_index = returns.permute(0, 2, 1).reshape(B * K, G, 1)  # one group per (prompt, step index)
-    normalized = normalize_rewards(per_index, estimator, **options)  # 0 where the completion has no such step
+    normalized = _normalize64(per_index, estimator, **options)  # 0 where the completion has no such step
     return normalized.view(B, K, G).permute(0, 2, 1)
 
 
@@ -257,9 +263,11 @@ def process_advantages(
         return torch.zeros(B, G, num_tokens)
     ends = pack_steps(step_ends, fill=num_tokens, dtype=torch.long)  # padding lands in a spare column T
     exists = ends < num_tokens  # (B, G, K): completion g has a step j
-    value = STEP_ADVANTAGES[form].value(rewards, exists, estimator, **options).float()  # (B, G, K), 0 past K_i
-    # step j's value minus step j+1's at step j's last token; a reverse cumulative sum over t then gives every
-    # token of step j the value of step j (and 0 after the last step)
-    jump = value - torch.nn.functional.pad(value[..., 1:], (0, 1))
-    out = torch.zeros(B, G, num_tokens + 1).scatter_add_(-1, ends, jump)[..., :num_tokens]
-    return out.flip(-1).cumsum(-1).flip(-1)
+    value = STEP_ADVANTAGES[form].value(rewards, exists, estimator, **options).double()  # (B, G, K), 0 past K_i
+    # token t belongs to the first step j with end_j ≥ t (ends are ascending, padding = T sorts last); tokens after
+    # the last step find only padding, whose value is 0. A lookup, not a difference of running sums, so a step's
+    # value is exact whatever the magnitude of its neighbours' (a float32 cumsum of jumps lost 1 next to 1e8)
+    first = torch.searchsorted(ends.reshape(B * G, -1).contiguous(),
+                               torch.arange(num_tokens).expand(B * G, num_tokens).contiguous())  # (B·G, T) in [0, K]
+    padded = torch.nn.functional.pad(value.reshape(B * G, -1), (0, 1))  # (B·G, K + 1), column K = 0
+    return padded.gather(-1, first.clamp(max=padded.size(-1) - 1)).view(B, G, num_tokens).float()

@@ -5,7 +5,7 @@ Every kind reads one input built by `build_prm_input`: prompt tokens, then for e
 separator's tokens; the step is judged at one position inside its separator.
 
 TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_label) at the separator's last token
-                         (what `groupwise prm train` produces).
+                         (what `groupwise prm train` produces); with one label, that label's logit.
 StepTagPRM               AutoModelForCausalLM with a step tag (Math-Shepherd: separator " ки\\n", labels "+"/"-");
                          score = P(good) / (P(good) + P(bad)) of the next token predicted at the tag.
 PrefixClassificationPRM  AutoModelForSequenceClassification applied to each prefix (prompt + steps 1..j);
@@ -15,6 +15,7 @@ PrefixClassificationPRM  AutoModelForSequenceClassification applied to each pref
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,16 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
     return ids, positions
 
 
+def position_limit(model, tokenizer=None) -> int | None:
+    """The most tokens `model` takes: config.max_position_embeddings (GPT-2's n_positions maps to it), else the
+    tokenizer's model_max_length when it is a real limit (transformers writes a huge sentinel when unknown)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:
+        return limit
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**7 else None
+
+
 class _PRM:
     kind = ""
 
@@ -61,7 +72,10 @@ class _PRM:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         ensure_pad_token(tokenizer, "the PRM's tokenizer")
-        self.separator, self.batch_size, self.max_length = separator, batch_size, max_length
+        # no max_length: the PRM's own position limit, so a long prompt + steps leaves its last steps unscored
+        # instead of indexing past the position table (an IndexError, a device-side assert on GPU)
+        self.separator, self.batch_size = separator, batch_size
+        self.max_length = position_limit(model, tokenizer) if max_length is None else max_length
         self.__name__ = name or f"prm_{self.kind}"
 
     def to(self, device) -> "_PRM":
@@ -77,6 +91,11 @@ class _PRM:
         with torch.inference_mode():
             for lo in range(0, len(prompts), self.batch_size):
                 out += self._score(prompts[lo:lo + self.batch_size], steps[lo:lo + self.batch_size])
+        if any(v is None for row in out for v in row):  # visible, not a silent advantage of 0 (rollout turns
+            # None into NaN, left out of the statistics); one text per PRM, so Python shows it once, not every round
+            warnings.warn(f"PRM {self.__name__!r}: steps past max_length={self.max_length} tokens (prompt + steps) "
+                          "are unscored (left out of the step statistics, advantage 0 from them); raise max_length "
+                          "up to the PRM's context, or shorten the prompts", RuntimeWarning, stacklevel=2)
         return out
 
     def _inputs(self, prompts, steps, judge_offset=-1):
@@ -104,12 +123,14 @@ class TokenClassificationPRM(_PRM):
 
     def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
         super().__init__(model, tokenizer, **kw)
-        self.positive_label = _check_positive_label(positive_label, model.config.num_labels)
+        n = model.config.num_labels  # one label: the score is that logit (a softmax over one label is always 1)
+        self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
 
     def _score(self, prompts, steps):
         ids, mask, positions = self._inputs(prompts, steps)
-        probs = torch.softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), -1)[..., self.positive_label]
-        return self._per_step(probs, positions, steps)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # (n, L, num_labels)
+        scores = logits[..., 0] if logits.size(-1) == 1 else torch.softmax(logits, -1)[..., self.positive_label]
+        return self._per_step(scores, positions, steps)
 
 
 class StepTagPRM(_PRM):
@@ -177,9 +198,17 @@ _AUTO = {"token_classification": "AutoModelForTokenClassification", "step_tag": 
          "prefix_classification": "AutoModelForSequenceClassification"}
 
 
-def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = False, **options) -> _PRM:
-    """Load a PRM from a local folder or the hub. `kind` defaults to the one recorded by `groupwise prm train`."""
+def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = False, dtype: str | None = None,
+             **options) -> _PRM:
+    """Load a PRM from a local folder or the hub. `kind` defaults to the one recorded by `groupwise prm train`;
+    `dtype` ("bfloat16", "float16", "float32", "auto"; default float32) is the weights' dtype, scores are computed
+    from float32 logits whatever it is."""
     import transformers
+
+    if dtype is not None and dtype != "auto":
+        if not isinstance(getattr(torch, str(dtype).replace("torch.", ""), None), torch.dtype):
+            raise ConfigError(f"PRM dtype={dtype!r} is not a torch dtype (bfloat16, float16, float32 or auto)")
+        dtype = getattr(torch, str(dtype).replace("torch.", ""))
 
     recorded = {}
     cfg = Path(path) / PRM_CONFIG
@@ -189,7 +218,8 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
     recorded.pop("kind", None)
     if kind not in PRM_KINDS:
         raise ValueError(f"PRM kind {kind!r} is not one of {sorted(PRM_KINDS)} (set `kind` for {path})")
-    model = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                               **({} if dtype is None else {"dtype": dtype}))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     name = options.pop("name", None) or Path(path).name or kind
     return PRM_KINDS[kind](model, tokenizer, name=name, **{**recorded, **options})

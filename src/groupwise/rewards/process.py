@@ -58,10 +58,23 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
             return {"path": spec}  # kind, separator, positive label, max_length recorded there
         raise ConfigError(f"{where}={spec!r} is a folder without {PRM_CONFIG}: give a PRM as {{path: {spec}, kind: "
                           "token_classification | step_tag | prefix_classification}")
-    return resolve_spec(spec, where)
+    resolved = resolve_spec(spec, where)
+    if isinstance(resolved, str):  # a hub id or a file: read as an outcome reward model, it loaded, then failed
+        raise ConfigError(f"{where}={spec!r} is not a step-reward function: give a PRM as {{path: {spec}, kind: "
+                          "token_classification | step_tag | prefix_classification}")
+    return resolved
+
+
+def _as_list(values: Any) -> Any:
+    """A tensor or numpy array (1-d: one completion's step rewards; 2-d: every completion's) as nested lists, as an
+    outcome reward function's tensor is read; anything else unchanged."""
+    return values.tolist() if hasattr(values, "tolist") and getattr(values, "ndim", 0) in (1, 2) else values
 
 
 def _validate(name: str, out: Any, steps: list[list[str]]) -> list[list[float]]:
+    out = _as_list(out)
+    if isinstance(out, (list, tuple)):
+        out = [_as_list(v) for v in out]
     if not isinstance(out, (list, tuple)) or len(out) != len(steps):
         got = len(out) if hasattr(out, "__len__") else type(out).__name__
         raise RewardFunctionError(f"process reward function {name!r} returned {got} entries for {len(steps)} "

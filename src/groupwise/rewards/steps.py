@@ -74,6 +74,9 @@ class StepSplitter:
             raise ConfigError(f"step_split={mode!r} is not one of {list(SPLIT_MODES)}")
         self.regex = SPLIT_MODES[mode].check(step_delimiter=delimiter, step_pattern=pattern, step_tag=step_tag)
         self.mode, self.step_tag = mode, step_tag
+        # the literal text that ends a step, kept in the decoded text even when it is a special token
+        self.marker = step_tag if mode == "tag" else delimiter if mode == "delimiter" else None
+        self._special_marker: dict[tuple[int, int], bool] = {}
 
     @classmethod
     def from_config(cls, args) -> "StepSplitter":
@@ -116,7 +119,7 @@ class StepSplitter:
     def split(self, token_ids: list[int], tokenizer, *, ends_with_eos: bool, truncated: bool) -> Steps:
         """Steps of one completion. `token_ids` excludes padding; its last token is the EOS when ends_with_eos."""
         text_ids = token_ids[:-1] if ends_with_eos else token_ids
-        dropped = self._dropped_ids(text_ids, tokenizer) if self.mode == "tag" else None
+        dropped = self._dropped_ids(text_ids, tokenizer) if self._keeps_special_marker(tokenizer) else None
         decode = _PrefixDecoder(text_ids, tokenizer, dropped)
         pieces = self.split_text(decode.text)
         if not pieces:
@@ -131,11 +134,27 @@ class StepSplitter:
         final_open = pieces[-1][1] == -1
         return Steps(tuple(texts), tuple(ends), truncated_last=final_open and truncated)
 
+    def _keeps_special_marker(self, tokenizer) -> bool:
+        """Tag mode always; delimiter mode when the delimiter is (or holds) a special token, such as "<extra_0>",
+        which decoding with skip_special_tokens=True would drop, leaving one step per completion."""
+        if self.mode == "tag":
+            return True
+        if self.mode != "delimiter":
+            return False
+        key = (id(tokenizer), len(tokenizer))  # once per tokenizer (and vocabulary), not per completion
+        if key not in self._special_marker:
+            ids = set(tokenizer(self.marker, add_special_tokens=False)["input_ids"])
+            self._special_marker[key] = bool(ids & set(tokenizer.all_special_ids)) or any(
+                tokenizer.decode([i], skip_special_tokens=True) != tokenizer.decode([i], skip_special_tokens=False)
+                for i in ids)
+        return self._special_marker[key]
+
     def _dropped_ids(self, ids: list[int], tokenizer) -> frozenset[int]:
-        """Tag mode: the special tokens among `ids` that decoding with skip_special_tokens=True drops, except the
-        step tag's own tokens, which must stay in the text even when the tag is a special token (e.g. "<extra_0>")."""
+        """Tag mode (or a special-token delimiter): the special tokens among `ids` that decoding with
+        skip_special_tokens=True drops, except the marker's own tokens, which must stay in the text even when the
+        marker is a special token (e.g. "<extra_0>")."""
         special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-        tag_ids = set(tokenizer(self.step_tag, add_special_tokens=False)["input_ids"])
+        tag_ids = set(tokenizer(self.marker, add_special_tokens=False)["input_ids"])
         return frozenset(i for i in (set(ids) & special) - tag_ids
                          if tokenizer.decode([i], skip_special_tokens=True)
                          != tokenizer.decode([i], skip_special_tokens=False))
