@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from groupwise.agents import sandbox
+from groupwise.agents import sandbox, sandbox_uids
 from groupwise.agents.execution import call_with_timeout
 from groupwise.agents.sandbox import run_python
 
@@ -236,6 +236,38 @@ def test_as_root_the_code_cannot_write_the_trainers_files(tmp_path):
     assert r.returncode == 1 and "PermissionError" in r.stderr
     assert not target.exists()
     assert any(tag.startswith("own-uid:") for tag in r.isolation)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the code runs with that user's own permissions")
+def test_as_root_the_code_cannot_read_the_trainers_private_files(tmp_path):
+    # where the interpreter lives in a directory closed to others (/root/.pyenv, mode 0700), the code used to keep
+    # CAP_DAC_READ_SEARCH to start at all, so it could read every file: ~/.cache/huggingface/token, ~/.ssh, ...
+    secret = tmp_path / "token"
+    secret.write_text("hf_secret")
+    os.chmod(secret, 0o600)
+    os.chmod(tmp_path, 0o755)
+    r = run_python(f"print(open({str(secret)!r}).read())")
+    assert "hf_secret" not in r.stdout and "PermissionError" in r.stderr, r
+    plan = sandbox_uids.hide_plan(False, sandbox._CHILD_ENV_BASE, "/tmp")
+    if plan is not None:  # the directory that kept the interpreter from the code's uid is covered, not read past
+        assert "read-all-files" not in r.isolation and [f"hidden:{top}" for top, _ in plan] == [
+            tag for tag in r.isolation if tag.startswith("hidden:")]
+        top, kept = plan[0]
+        listing = run_python(f"import os\nprint(os.listdir({top!r}))").stdout
+        assert set(eval(listing)) == {os.path.relpath(d, top).split("/")[0] for d in kept}
+    site = run_python("import jinja2\nprint(jinja2.__name__)", site_packages=True, timeout_s=20)
+    assert site.ok and site.stdout == "jinja2\n", site  # the installed packages are still importable
+
+
+def test_a_directory_tree_deeper_than_the_recursion_limit_is_removed():
+    # shutil.rmtree recurses once per level: a mkdir/chdir loop made run_python raise RecursionError in the trainer
+    # and leave the tree on disk
+    depth = sys.getrecursionlimit() + 500
+    r = run_python(f"import os\nprint(os.getcwd())\nfor _ in range({depth}):\n    os.mkdir('d')\n    os.chdir('d')\n"
+                   "    open('f', 'w').close()\nprint('deep')", timeout_s=20)
+    workdir, done = r.stdout.splitlines()
+    assert r.ok and done == "deep", r
+    assert os.path.basename(workdir).startswith("groupwise-sandbox-") and not os.path.lexists(workdir)
 
 
 def test_concurrent_calls_from_a_thread_pool():

@@ -8,7 +8,8 @@ the caller's thread, the main thread (as in TRL). Tools are trusted user code; m
 here (a tool that runs code must hand it to `sandbox.run_python`).
 
 As in TRL: the sync calls run in call order, then the `async def` ones of the turn run concurrently (each on its own
-event loop, in a thread of its own) and their results follow the sync ones; a call is `fn(**arguments)` (arguments
+event loop, in a thread of its own) and their results follow the sync ones (an async call whose arguments do not
+bind is an error in call order, as in TRL, which makes each coroutine there); a call is `fn(**arguments)` (arguments
 that are not a mapping are Python's TypeError, as in TRL); a result becomes the message `{"role": "tool", "name":
 name, "content": str(result)}`; an unknown tool, an unsupported call type or an exception becomes
 `str({"error": message})` (for an exception `str(e)`) and counts as a failure. groupwise's differences: a list is
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from groupwise.agents.parsing import encodable
 from groupwise.rewards.sources import RewardTimeout, is_async
 from groupwise.rewards.sources import call_with_timeout as timed_call
 
@@ -113,16 +115,26 @@ def _text(value: Any) -> str | None:
         return None
 
 
+def _error_text(name: str, error: BaseException) -> str:
+    """str(error) (TRL), or a message naming the tool when that raises."""
+    text = _text(error)
+    if text is None:
+        return f"tool {name!r} raised {type(error).__name__}, whose message cannot be turned into text"
+    return text
+
+
 def tool_content(name: str, value: Any) -> tuple[str | list, str | None]:
     """A tool's result as message content: a list of content blocks (each a dict with a "type") as is, anything
-    else str(value). (content, None), or (an error message naming the tool, "exception") when str() fails."""
+    else str(value), lone surrogates kept as their escapes (a tool that repeats a model-written "\\ud800"; the
+    tokenizer could not encode it). (content, None), or (an error message naming the tool, "exception") when str()
+    fails."""
     if isinstance(value, list) and value and all(isinstance(b, dict) and "type" in b for b in value):
         return value, None
     text = _text(value)
     if text is None:
         return str({"error": f"tool {name!r} returned a {type(value).__name__} that cannot be turned into text "
                              "(its __str__ raised); return a string"}), "exception"
-    return text, None
+    return encodable(text), None
 
 
 def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
@@ -144,10 +156,7 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
     except RewardTimeout:
         return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"
     except (Exception, SystemExit) as e:  # TRL: str(e); reported to the model, never raised
-        text = _text(e)
-        if text is None:
-            text = f"tool {name!r} raised {type(e).__name__}, whose message cannot be turned into text"
-        return str({"error": text}), "exception"
+        return str({"error": _error_text(name, e)}), "exception"
     return tool_content(name, value)
 
 
@@ -171,7 +180,13 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
             failures += 1
             done.append((name, str({"error": f"Tool {name} not found."})))
         elif is_async(fn):
-            pending.append((name, fn, arguments))
+            try:  # TRL makes the coroutine here: bad arguments are an error in call order, before the async results
+                coroutine = fn(**arguments)
+            except Exception as e:  # noqa: BLE001 — reported to the model, as in TRL
+                failures += 1
+                done.append((name, str({"error": _error_text(name, e)})))
+            else:
+                pending.append((name, lambda coroutine=coroutine: coroutine, {}))
         else:
             content, error = call_tool(fn, name, arguments, timeout, (threads or {}).get(name))
             failures += error is not None

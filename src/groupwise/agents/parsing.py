@@ -55,9 +55,27 @@ def validate_tool_calls(tool_calls: Any) -> None:
             func["arguments"] = {}
 
 
+def encodable(value: Any) -> Any:
+    """`value` with every string (dict keys included) made encodable as UTF-8: a lone surrogate, which a JSON escape
+    such as "\\ud800" in the model's tool call decodes to, becomes that escape as text. The tokenizer cannot encode
+    such a string, so it would stop the run when a tool message that repeats it is rendered."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {encodable(k): encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [encodable(v) for v in value]
+    return value
+
+
 def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | None = None) -> dict[str, Any]:
     """One assistant message from the generated `ids` (see the module docstring); never raises on bad output. No
-    tokens (a turn cut to nothing) is an empty message; JSON nested too deep to parse (RecursionError) is text."""
+    tokens (a turn cut to nothing) is an empty message; JSON nested too deep to parse (RecursionError) is text.
+    Strings the JSON escapes made unencodable (lone surrogates) are kept as their escapes (`encodable`)."""
     if not ids:
         return {"role": "assistant", "content": ""}
     try:
@@ -70,6 +88,7 @@ def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | N
             parsed["content"] = ""
         if "tool_calls" in parsed:
             validate_tool_calls(parsed["tool_calls"])
+            parsed = encodable(parsed)
     except (ValueError, TypeError, RecursionError):
         parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     return parsed

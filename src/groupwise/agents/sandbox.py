@@ -28,8 +28,13 @@ reported as missing, never claimed):
     SANDBOX_UID_BASE on, with a lock file per uid so concurrent calls and processes never share one), so the limit
     is exact and the trainer's own uid is untouched. Dropping root also means the code cannot write root's files
     nor signal any process but its own. If that uid cannot read the interpreter (e.g. Python under /root, mode
-    0700), the code keeps CAP_DAC_READ_SEARCH (it can *read* every file, it still cannot write them); reported as
-    "read-all-files". The program also runs with no_new_privs, so set-uid binaries cannot give root back.
+    0700), the program gets a mount namespace of its own where each directory closed to others on the
+    interpreter's paths (e.g. /root) is an empty tmpfs with only the interpreter's directories (its prefixes, its
+    executable's links, its sys.path) bound back in, so it can neither read nor list anything else there (the
+    trainer's ~/.cache/huggingface/token, ~/.ssh, ...); reported as "hidden:<dir>". Only when that does not work
+    (checked once per process) does the code keep CAP_DAC_READ_SEARCH (it can then *read* every file, it still
+    cannot write them); reported as "read-all-files". The program also runs with no_new_privs, so set-uid binaries
+    cannot give root back.
   - other users, with an unprivileged user namespace: the count is per namespace, so the limit is exact too (the
     code keeps the user's uid, and so the user's file permissions).
   - other users without one (or without a pid namespace): the code would run as the trainer's own user, able to
@@ -54,12 +59,13 @@ reported as missing, never claimed):
 * The temporary directory is deleted after the call.
 
 Not contained: filesystem *reads* (the code can read whatever its uid can: for a non-root trainer, everything the
-trainer's user can), writes outside the temp dir to places its uid may write (for a non-root trainer: everything the
-trainer's user can write; as root, only world-writable places such as /tmp), information in /proc, and total
-memory/disk as noted above. Use a container or VM for adversarial isolation.
+trainer's user can; as root, what others may read, outside the hidden directories), writes outside the temp dir to
+places its uid may write (for a non-root trainer: everything the trainer's user can write; as root, only
+world-writable places such as /tmp), information in /proc, and total memory/disk as noted above. Use a container
+or VM for adversarial isolation.
 
 What works on the machine this was written on (Linux 6.18, running as root, Debian 12, Python 3.11): pid and
-network namespaces (unshare as root), a per-call uid (with read-all-files, because the interpreter lives under
+network namespaces (unshare as root), a per-call uid (with hidden:/root, because the interpreter lives under
 /root), RLIMIT_NPROC exact for that uid.
 
 `groupwise.agents.execution.call_with_timeout(fn, kwargs, timeout_s)` is the other half: it runs a *trusted* tool (a
@@ -83,7 +89,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from groupwise.agents.sandbox_uids import SANDBOX_UID_BASE, SANDBOX_UID_COUNT, _ClaimedUid, _kill_uid, _read_cap_needed
+from groupwise.agents.sandbox_uids import SANDBOX_UID_BASE, SANDBOX_UID_COUNT, _access_plan, _ClaimedUid, _kill_uid
 
 __all__ = ["SANDBOX_UID_BASE", "SANDBOX_UID_COUNT", "SandboxResult", "run_python"]
 
@@ -106,9 +112,10 @@ class SandboxResult:
     each (the first ones), with *_truncated telling whether more was written. isolation: the mechanisms that were
     actually in force (see the module docstring): always "subprocess", "rlimits", "empty-env", "temp-dir"; then
     "user-namespace" / "pid-namespace" / "net-namespace" for each namespace obtained; how the process limit is made
-    per-sandbox: "own-uid:<uid>" (root), "nproc-per-namespace" or "nproc-relative"; "read-all-files" (see above);
-    "subreaper-cleanup" when leftovers are killed by the reaper alone; ("not-started",) when the deadline came
-    before the supervisor had set anything up. network: "netns", "python-socket-patch" or "allowed".
+    per-sandbox: "own-uid:<uid>" (root), "nproc-per-namespace" or "nproc-relative"; "hidden:<dir>" or
+    "read-all-files" (see above); "subreaper-cleanup" when leftovers are killed by the reaper alone;
+    ("not-started",) when the deadline came before the supervisor had set anything up. network: "netns",
+    "python-socket-patch" or "allowed".
     pid: the supervisor's pid on the host, which is also the session and process-group id of the call.
     """
 
@@ -175,9 +182,59 @@ def _remove_tree(path: str) -> None:
             func(p)
         except OSError:
             pass
-    shutil.rmtree(path, onerror=retry)
-    if os.path.exists(path):
-        shutil.rmtree(path, ignore_errors=True)
+    try:
+        shutil.rmtree(path, onerror=retry)
+    except RecursionError:      # the code made a tree deeper than Python's recursion limit (a mkdir/chdir loop)
+        pass
+    if os.path.lexists(path):
+        _remove_deep(path)
+
+
+def _remove_deep(path: str) -> None:
+    """Remove the tree at `path` iteratively and fd-relative, so its depth and PATH_MAX do not matter: one directory
+    fd open at a time, back up through "..", which nothing moves any more (the call's processes are dead). Best
+    effort: stops at the first entry that cannot be removed."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    names: list[str] = []
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        while True:
+            sub = None
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        sub = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if sub is not None:
+                try:
+                    child = os.open(sub, flags, dir_fd=fd)
+                except PermissionError:  # a directory the code made unreadable (same-user mode)
+                    os.chmod(sub, 0o700, dir_fd=fd)
+                    child = os.open(sub, flags, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                names.append(sub)
+                if os.geteuid() != 0:
+                    os.chmod(fd, 0o700)  # writable, so that its entries can be removed (same-user mode)
+            elif names:
+                parent = os.open("..", flags, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(names.pop(), dir_fd=fd)
+            else:
+                break
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _exited(pid: int) -> bool:
@@ -217,11 +274,22 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
     if timeout_s <= 0 or cpu_s < 1 or memory_mb < 32 or max_processes < 1 or max_output_chars < 0 or max_file_mb < 0:
         raise ValueError("run_python: timeout_s > 0, cpu_s >= 1, memory_mb >= 32, max_processes >= 1, "
                          "max_output_chars >= 0 and max_file_mb >= 0 are required")
-    t0 = time.monotonic()
+    return _run(code, timeout_s, cpu_s, memory_mb, max_processes, max_output_chars, max_file_mb, network,
+                site_packages, allow_same_user, access=...)
+
+
+def _run(code: str, timeout_s: float, cpu_s: int, memory_mb: int, max_processes: int, max_output_chars: int,
+         max_file_mb: int, network: bool, site_packages: bool, allow_same_user: bool, access: Any) -> SandboxResult:
+    """run_python; `access`: how a uid of its own reaches the interpreter (sandbox_uids._access_plan; ...: ask it)."""
     claimed = _ClaimedUid() if os.geteuid() == 0 and _OWN_UID else None
     workdir = status_r = proc = None
     try:
-        read_all = claimed is not None and _read_cap_needed(claimed.uid, site_packages, _CHILD_ENV_BASE)
+        if claimed is not None and access is ...:  # once per process (cached): not counted in timeout_s
+            access = _access_plan(claimed.uid, site_packages, _CHILD_ENV_BASE,
+                                  lambda plan: _hide_works(plan, site_packages))
+        t0 = time.monotonic()
+        read_all = claimed is not None and access == "read-all-files"
+        hide = access if claimed is not None and isinstance(access, list) else None
         workdir = tempfile.mkdtemp(prefix="groupwise-sandbox-")
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
@@ -231,7 +299,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
         flags = [sys.executable, "-I", "-B", "-u", "-X", "utf8"] + ([] if site_packages else ["-S"])
         status_r, status_w = os.pipe()
         cfg = {"status_fd": status_w, "host_pid": os.getpid(), "network": network, "use_namespaces": _USE_NAMESPACES,
-               "uid": claimed.uid if claimed else None, "read_all_files": read_all,
+               "uid": claimed.uid if claimed else None, "read_all_files": read_all, "hide": hide,
                "cpu_s": int(cpu_s), "memory_mb": int(memory_mb), "max_processes": int(max_processes),
                "max_file_mb": int(max_file_mb), "max_open_files": _MAX_OPEN_FILES, "env": env,
                "argv": flags + ["main.py"], "argv_socket_patch": flags + ["-c", _SOCKET_PATCH],
@@ -243,7 +311,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
                                     pass_fds=(status_w,))
         finally:
             os.close(status_w)
-        return _watch(proc, status_r, claimed.uid if claimed else None, read_all, t0, timeout_s, cpu_s,
+        return _watch(proc, status_r, claimed.uid if claimed else None, read_all, hide, t0, timeout_s, cpu_s,
                       max_output_chars)
     finally:
         if proc is not None:
@@ -261,8 +329,16 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
             _remove_tree(workdir)
 
 
-def _watch(proc: subprocess.Popen, status_r: int, uid: int | None, read_all: bool, t0: float, timeout_s: float,
-           cpu_s: int, max_output_chars: int) -> SandboxResult:
+def _hide_works(plan: list, site_packages: bool) -> bool:
+    """Does the interpreter start (and import ctypes) in a sandbox whose mount namespace follows `plan`?"""
+    try:
+        return _run("import ctypes, json, decimal", 30.0, 5, 512, 8, 1000, 1, False, site_packages, False, plan).ok
+    except (OSError, RuntimeError):  # e.g. mounts refused: the setup fails closed, the code did not run
+        return False
+
+
+def _watch(proc: subprocess.Popen, status_r: int, uid: int | None, read_all: bool, hide: list | None, t0: float,
+           timeout_s: float, cpu_s: int, max_output_chars: int) -> SandboxResult:
     out, err, status = _Capture(max_output_chars), _Capture(max_output_chars), _Capture(1 << 16)
     captures = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status}
     deadline = t0 + timeout_s
@@ -337,6 +413,7 @@ def _watch(proc: subprocess.Popen, status_r: int, uid: int | None, read_all: boo
         isolation.append({"uid": f"own-uid:{uid}", "userns": "nproc-per-namespace", "relative": "nproc-relative"}[mode])
         if read_all:
             isolation.append("read-all-files")
+        isolation += [f"hidden:{top}" for top, _ in hide or ()]
         if "pid" not in setup["namespaces"] and mode != "uid":
             isolation.append("subreaper-cleanup")
     else:                                    # killed at the deadline before the supervisor had set anything up

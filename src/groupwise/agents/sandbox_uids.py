@@ -5,6 +5,7 @@ kills that go with them. Moved out of sandbox.py, which uses them."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import stat
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 # uids run_python may use when the trainer runs as root: SANDBOX_UID_BASE .. + SANDBOX_UID_COUNT - 1 (uids no
 # account should have; override with GROUPWISE_SANDBOX_UID_BASE when they clash, or to fit a user namespace's map)
@@ -22,7 +24,7 @@ SANDBOX_UID_COUNT = 4096
 
 _UID_LOCK = threading.Lock()
 _UIDS_IN_USE: set[int] = set()
-_READ_CAP_NEEDED: dict[bool, bool] = {}
+_READ_CAP_NEEDED: dict[bool, Any] = {}  # site_packages → _access_plan's answer
 _NEXT_UID = os.getpid() * 7919
 
 
@@ -122,19 +124,82 @@ def _kill_uid(uid: int, budget_s: float = 2.0) -> None:
         time.sleep(0.002)
 
 
-def _read_cap_needed(uid: int, site_packages: bool, env: dict[str, str]) -> bool:
-    """Can `uid` start this interpreter (and import ctypes) on its own? If not, the program keeps
-    CAP_DAC_READ_SEARCH."""
+def _can_run(uid: int, site_packages: bool, env: dict[str, str]) -> bool:
+    """Can `uid` start this interpreter (and import ctypes) on its own?"""
+    argv = [sys.executable, "-I", "-B"] + ([] if site_packages else ["-S"]) + ["-c", "import ctypes, json, decimal"]
+    try:
+        return subprocess.run(argv, user=uid, group=uid, extra_groups=[], cwd="/", env=dict(env),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _closed_to_others(path: str) -> str | None:
+    """The top-most directory on `path` (an absolute real path) that a uid of no account cannot traverse
+    (no o+x), or None."""
+    parts = path.strip("/").split("/")
+    for k in range(1, len(parts) + 1):
+        d = "/" + "/".join(parts[:k])
+        try:
+            st = os.stat(d)
+        except OSError:
+            return None
+        if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
+            return d
+    return None
+
+
+def hide_plan(site_packages: bool, env: dict[str, str], workdir_parent: str) -> list[tuple[str, list[str]]] | None:
+    """What the program's mount namespace needs so that the interpreter runs without reading past permissions:
+    [(a directory closed to others, e.g. /root, covered by an empty tmpfs; [the directories under it the interpreter
+    needs — its prefixes, its executable's links, its sys.path — bound back in])]. None when there is none, or when
+    the sandbox's own directory would be hidden."""
+    argv = [sys.executable, "-I", "-B"] + ([] if site_packages else ["-S"]) + [
+        "-c", "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.executable] + sys.path))"]
+    try:
+        out = subprocess.run(argv, cwd="/", env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=30, check=True).stdout
+        paths = json.loads(out)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    link, chain = sys.executable, []
+    for _ in range(40):  # the directory of every symlink the exec of the interpreter goes through, and the binary's
+        chain.append(os.path.realpath(os.path.dirname(os.path.abspath(link))))
+        if not os.path.islink(link):
+            break
+        link = os.path.join(os.path.dirname(link), os.readlink(link))
+    needed = set(chain)
+    for p in paths:
+        real = os.path.realpath(p) if isinstance(p, str) and p else None
+        if real and os.path.exists(real):
+            needed.add(real if os.path.isdir(real) else os.path.dirname(real))  # a directory, or a zip's
+    if _closed_to_others(os.path.realpath(workdir_parent)) is not None:
+        return None
+    plan: dict[str, list[str]] = {}
+    for d in sorted(needed, key=len):  # parents first
+        top = _closed_to_others(d)
+        if top is None:
+            continue
+        if top == "/":
+            return None
+        kept = plan.setdefault(top, [])
+        if not any(d == k or d.startswith(k + "/") for k in kept):
+            kept.append(d)
+    return sorted(plan.items()) or None
+
+
+def _access_plan(uid: int, site_packages: bool, env: dict[str, str], probe) -> Any:
+    """How the program of `uid` reaches the interpreter: None (it can on its own); a hide plan (`hide_plan`) that
+    `probe(plan)` showed to work; or "read-all-files" (it keeps CAP_DAC_READ_SEARCH: the last resort)."""
     with _UID_LOCK:
         if site_packages in _READ_CAP_NEEDED:
             return _READ_CAP_NEEDED[site_packages]
-    argv = [sys.executable, "-I", "-B"] + ([] if site_packages else ["-S"]) + ["-c", "import ctypes, json, decimal"]
-    try:
-        ok = subprocess.run(argv, user=uid, group=uid, extra_groups=[], cwd="/", env=dict(env),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            timeout=30).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
+    if _can_run(uid, site_packages, env):
+        mode = None
+    else:
+        plan = hide_plan(site_packages, env, tempfile.gettempdir())
+        mode = plan if plan is not None and probe(plan) else "read-all-files"
     with _UID_LOCK:
-        _READ_CAP_NEEDED[site_packages] = not ok
-    return not ok
+        _READ_CAP_NEEDED[site_packages] = mode
+    return mode

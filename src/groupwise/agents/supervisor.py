@@ -12,7 +12,9 @@ libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ul
 libc.unshare.argtypes = [ctypes.c_int]
 PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 8, 36, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH = 47, 2, 2
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 0x4000, 1 << 18
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
 def check(ret):
     if ret != 0:
@@ -51,6 +53,23 @@ def children_of(pid):
                 out.append(int(p))
     return out
 
+def hide(plan):
+    """The program's own mount namespace: each directory closed to others (e.g. /root, where the interpreter may
+    live) covered by an empty tmpfs, with only the directories the interpreter needs bound back in (as root, before
+    the privilege drop). The program's uid cannot undo it (no CAP_SYS_ADMIN; mounts a user namespace inherits are
+    locked)."""
+    check(libc.unshare(CLONE_NEWNS))
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None))
+    umask = os.umask(0o022)                       # the directories made on the tmpfs: traversable by the program
+    for top, dirs in plan:
+        fds = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for d in dirs]   # before they are covered
+        check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"mode=0755,size=64k"))
+        for d, fd in fds:
+            os.makedirs(d, 0o755, exist_ok=True)
+            check(libc.mount(("/proc/self/fd/%d" % fd).encode(), d.encode(), None, MS_BIND | MS_REC, None))
+            os.close(fd)
+    os.umask(umask)
+
 class Stop(Exception):
     pass
 
@@ -63,6 +82,8 @@ def run_program(parent):
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         uid = cfg["uid"]
+        if cfg["hide"]:
+            hide(cfg["hide"])
         if uid is not None:
             if cfg["read_all_files"]:
                 prctl(PR_SET_KEEPCAPS, 1)

@@ -209,7 +209,11 @@ class Toolbox:
                       and not (k == "prompt" and isinstance(v, EmptyPrompt))}  # TRL: a defaulted prompt is not passed
             if threaded and (thread := self._thread_of(env)).busy:  # a call whose caller gave up still runs there
                 thread.abandon()  # (a reward that timed out): reset on a fresh thread
-            observations.append(self.call_on(env, lambda env=env, kwargs=kwargs: env.reset(**kwargs)))
+            observation = self.call_on(env, lambda env=env, kwargs=kwargs: env.reset(**kwargs))
+            if observation is not None and not isinstance(observation, (str, list)):
+                raise TypeError(f"{type(env).__name__}.reset() returned a {type(observation).__name__}: return None, "
+                                "or a string (or a list of content blocks) to append to the prompt's last message")
+            observations.append(observation)
         return envs, names, observations
 
     def tools_of(self, env: Any) -> dict[str, Callable]:

@@ -1,0 +1,115 @@
+"""Model output and environment values that used to stop the run or reorder TRL's tool messages (groupwise.agents):
+JSON escapes that decode to unencodable strings, async calls whose arguments do not bind, reset() values that are
+not text, and eval rows without a prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from groupwise import rollout as R
+from groupwise.agents import Toolbox, environment_prompts
+from groupwise.agents.execution import run_tool_calls
+from groupwise.agents.parsing import parse_response
+from groupwise.data import PromptData
+from tests.agents_support import TOKENIZER, context, multiply, user
+
+TOOL = "<|im_start|>tool"
+PROMPT = TOKENIZER("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+
+
+def echo(text: str) -> str:
+    """
+    Repeats its text.
+
+    Args:
+        text: The text.
+    """
+    return text
+
+
+def raw(name_json: str, arguments_json: str) -> str:
+    """A tool call written with JSON escapes as they are (json.dumps would escape the backslash)."""
+    return f'<tool_call>{{"name": {name_json}, "arguments": {arguments_json}}}</tool_call><|im_end|>'
+
+
+@pytest.mark.parametrize("turn, tool_message", [
+    (raw('"echo"', '{"text": "a\\ud800b"}'), "a\\ud800b"),  # a tool that repeats its argument
+    (raw('"multiply"', '{"\\udfff": 1}'), "unexpected keyword argument"),  # a TypeError naming the argument
+    (raw('"\\ud800"', "{}"), "Tool \\\\ud800 not found."),  # an unknown tool whose name is a lone surrogate
+])
+def test_a_lone_surrogate_in_a_tool_call_does_not_stop_the_run(turn, tool_message):
+    # json.loads("\"\\ud800\"") is a str the tokenizer cannot encode; rendering a tool message (or the dummy call's
+    # name) that carries it raised TypeError in apply_chat_template and stopped the run (as it stops TRL's)
+    ctx, _ = context(lambda p: "done<|im_end|>" if TOOL in p else turn, tools=(echo, multiply))
+    comp = R.generate(ctx, None, [{"prompt": user("hi")}] * 2)
+    messages = comp.completions[0]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"] and messages[-1]["content"] == "done"
+    assert tool_message in messages[1]["content"]
+    for m in messages:  # every string of the conversation can be encoded (logged, rendered, tokenized)
+        str(m).encode("utf-8")
+        m.get("tool_calls") and str(m["tool_calls"]).encode("utf-8")
+
+
+def test_a_lone_surrogate_is_kept_as_its_escape_in_the_parsed_call():
+    ids = TOKENIZER(raw('"echo"', '{"text": "\\ud83d"}'), add_special_tokens=False)["input_ids"]
+    message = parse_response(TOKENIZER, ids, PROMPT)
+    assert message["tool_calls"][0]["function"] == {"name": "echo", "arguments": {"text": "\\ud83d"}}
+    ok = TOKENIZER(raw('"echo"', '{"text": "\\ud83d\\ude00"}'), add_special_tokens=False)["input_ids"]  # a valid pair
+    assert parse_response(TOKENIZER, ok, PROMPT)["tool_calls"][0]["function"]["arguments"] == {"text": "\U0001F600"}
+
+
+def test_a_tool_that_returns_a_lone_surrogate_is_text_the_tokenizer_can_encode():
+    out = run_tool_calls([{"type": "function", "function": {"name": "echo", "arguments": {"text": "x\udc80"}}}],
+                         {"echo": echo}, 30.0)
+    assert out.messages[0]["content"] == "x\\udc80" and out.failures == 0
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_an_async_call_whose_arguments_do_not_bind_is_an_error_in_call_order_as_in_trl(timeout):
+    # TRL calls async_tool_dict[name](**arguments) in the call loop: a TypeError there is appended in call order,
+    # before the sync results that follow it; only the coroutines' own results come after the sync ones
+    calls = [{"type": "function", "function": {"name": "async_add", "arguments": {"a": 1}}},
+             {"type": "function", "function": {"name": "async_add", "arguments": {"a": 1, "b": 2}}},
+             {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}},
+             {"type": "function", "function": {"name": "async_add", "arguments": [1]}}]
+    out = run_tool_calls(calls, {"async_add": async_add, "multiply": multiply}, timeout)
+    contents = [m["content"] for m in out.messages]
+    assert contents[0] == str({"error": "async_add() missing 1 required positional argument: 'b'"})
+    assert contents[1] == "12"
+    assert contents[2].startswith("{'error': ") and "argument after ** must be a mapping, not list" in contents[2]
+    assert contents[3] == "3"
+    assert (out.calls, out.failures) == (4, 2)
+
+
+class Numbered:
+    def reset(self, **row):
+        return 7  # not text
+
+    def noop(self) -> str:
+        """
+        Does nothing.
+        """
+        return ""
+
+
+def test_reset_returning_something_else_than_text_is_an_error_naming_the_class():
+    toolbox = Toolbox(environment_factory=Numbered)
+    with pytest.raises(TypeError, match=r"Numbered.reset\(\) returned a int: return None, or a string"):
+        toolbox.start([{"prompt": user("hi")}])
+
+
+def test_eval_rows_may_lack_a_prompt_with_an_environment():
+    toolbox = Toolbox(environment_factory=Numbered)
+    data = PromptData(environment_prompts([{"problem": "1 + 2"}], toolbox), "eval_dataset")
+    assert data[0]["prompt"] == [{"role": "user", "content": ""}]
