@@ -109,6 +109,10 @@ def test_load_prm_from_folder_with_recorded_kind(tmp_path, tokenizer):
     assert len(prm(prompts=["a"], completions=[""], steps=[["b", "c"]])[0]) == 2
     with pytest.raises(ValueError, match="PRM kind"):
         load_prm(str(tmp_path), kind="value_head")
+    # another kind would get this kind's recorded options (StepTagPRM: TypeError on positive_label)
+    with pytest.raises(ValueError, match=r"trained by `groupwise prm train` as a token_classification PRM .*kind="
+                                         r"'step_tag' cannot read it"):
+        load_prm(str(tmp_path), kind="step_tag")
 
 
 def _gpt2_token_classifier(tokenizer, n_positions):

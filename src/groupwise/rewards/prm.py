@@ -214,10 +214,13 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
     cfg = Path(path) / PRM_CONFIG
     if cfg.exists():
         recorded = json.loads(cfg.read_text())
-    kind = kind or recorded.pop("kind", None)
-    recorded.pop("kind", None)
-    if kind not in PRM_KINDS:
-        raise ValueError(f"PRM kind {kind!r} is not one of {sorted(PRM_KINDS)} (set `kind` for {path})")
+    saved = recorded.pop("kind", None)
+    if (kind or saved) not in PRM_KINDS:
+        raise ValueError(f"PRM kind {kind or saved!r} is not one of {sorted(PRM_KINDS)} (set `kind` for {path})")
+    if kind is not None and saved is not None and kind != saved:  # its recorded options are the saved kind's
+        raise ConfigError(f"{path} was trained by `groupwise prm train` as a {saved} PRM ({PRM_CONFIG}); kind="
+                          f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
+    kind = kind or saved
     model = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code,
                                                                **({} if dtype is None else {"dtype": dtype}))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
