@@ -105,6 +105,26 @@ def test_environment_step_rewards_score_each_turn_and_reach_only_that_turns_toke
     assert (adv[:, e[2] + 1:] == 0).all()  # after the last turn: nothing
 
 
+def test_an_environment_giving_one_reward_too_many_is_an_error_unless_its_last_turn_was_cut():
+    """get_step_rewards counts every assistant turn; only a last turn cut by the length budget and left unscored
+    (score_truncated_step=False) is dropped from the steps, and its reward with it. An environment that returns one
+    reward more than there are turns, with nothing cut, used to lose its last reward silently."""
+    from groupwise.rewards import RewardFunctionError
+
+    class OverCounting(Counter):
+        def get_step_rewards(self) -> list[float]:
+            return super().get_step_rewards() + [1.0]  # 4 rewards for 3 turns
+
+    ctx, _ = context(counting, tools=(), environment_factory=OverCounting, supervision="process", step_split="turn",
+                     reward_sources=())
+    toolbox = Toolbox([], OverCounting)
+    ctx = dataclasses.replace(ctx, process_sources=toolbox.process_sources, splitter=StepSplitter("turn"))
+    comp = R.generate(ctx, None, [{"prompt": user("count to 4"), "target": 4}, {"prompt": user("count"), "target": 3}])
+    assert not comp.truncated.any()
+    with pytest.raises(RewardFunctionError, match="OverCounting.get_step_rewards"):
+        R.score_steps(ctx, comp)
+
+
 def test_a_step_reward_function_scores_turns_too():
     def short_turns(steps, **_):
         return [[1.0 if len(t) < 40 else 0.0 for t in row] for row in steps]

@@ -236,7 +236,7 @@ def score(ctx: RolloutContext, comp: Completions) -> Scores:
 def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     """Split this process's completions into steps, score them, gather the round."""
     args, G, tok = ctx.args, ctx.args.num_generations, ctx.tokenizer
-    steps = []
+    steps, dropped = [], []
     turns = ctx.splitter.turns  # step_split="turn": the assistant turns are the steps
     if turns and comp.turn_ends is None:
         raise ValueError("step_split='turn' needs multi-turn rollouts: pass tools= or environment_factory= to "
@@ -247,13 +247,14 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
             s = ctx.splitter.split_turns(ids, tool_masks[i], comp.turn_ends[i], tok, truncated=cut)
         else:
             s = ctx.splitter.split(ids, tok, ends_with_eos=not cut, truncated=cut)
-        if s.truncated_last and not args.score_truncated_step:
+        dropped.append(s.truncated_last and not args.score_truncated_step)
+        if dropped[-1]:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
         steps.append(s)
     texts = [list(s.texts) for s in steps]
     rewards, errors = ctx.dist.run_together(lambda: compute_step_rewards(
         ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions, texts, comp.columns,
-        on_error=args.on_reward_error, timeout=args.reward_timeout, extra=ctx.reward_kwargs),
+        on_error=args.on_reward_error, timeout=args.reward_timeout, extra=ctx.reward_kwargs, dropped_last=dropped),
         "a process reward function")
     gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()

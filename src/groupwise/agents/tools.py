@@ -79,16 +79,16 @@ def _env_step_rewards(env_type: type, name: str, call_on: Callable) -> Callable:
     whose environment is exactly that class — one reward per assistant turn; when the last turn was cut by the
     length budget and is not scored (score_truncated_step=False), its reward is left out — and None per step for
     the others."""
-    def get_step_rewards(environments, steps, **_):
+    def get_step_rewards(environments, steps, dropped_last, **_):
         out = []
-        for env, row_steps in zip(environments, steps):
+        for env, row_steps, dropped in zip(environments, steps, dropped_last):
             if type(env) is not env_type:
                 out.append([None] * len(row_steps))
                 continue
             values = list(call_on(env, env.get_step_rewards))
-            if len(values) == len(row_steps) + 1:  # the truncated last turn, dropped from the steps
+            if dropped and len(values) == len(row_steps) + 1:  # the truncated last turn, dropped from the steps
                 values = values[:-1]
-            out.append(values)
+            out.append(values)  # any other count is an error naming the function (rewards.process._validate)
         return out
     get_step_rewards.__name__ = f"{name}.get_step_rewards"
     return get_step_rewards
@@ -154,7 +154,7 @@ class Toolbox:
                 self.reward_sources.append(RewardSource(name=fn.__name__, fn=fn))
             if callable(getattr(env, "get_step_rewards", None)):
                 fn = _env_step_rewards(cls, class_names[cls], self.call_on)
-                self.process_sources.append(RewardSource(name=fn.__name__, fn=fn))
+                self.process_sources.append(RewardSource(name=fn.__name__, fn=fn, takes_dropped_last=True))
 
     @property
     def has_environments(self) -> bool:

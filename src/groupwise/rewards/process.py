@@ -104,14 +104,16 @@ def compute_step_rewards(
     on_error: str = "raise",
     timeout: float | None = None,
     extra: dict[str, Any] | None = None,  # passed to every function, as for outcome rewards
+    dropped_last: list[bool] | None = None,  # (N) to the sources that take it (RewardSource.takes_dropped_last)
 ) -> tuple[list[list[float]], torch.Tensor]:  # (N)[K_i] combined step rewards (NaN = unscored), (F,) errors
     n = len(prompts)
     per_func: list[list[list[float]]] = []
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):
         def call(lo, hi, src=src):
+            dropped = {"dropped_last": (dropped_last or [False] * n)[lo:hi]} if src.takes_dropped_last else {}
             out = src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi], steps=steps[lo:hi],
-                         **{k: v[lo:hi] for k, v in columns.items()}, **(extra or {}))
+                         **{k: v[lo:hi] for k, v in columns.items()}, **(extra or {}), **dropped)
             if inspect.isawaitable(out):  # an async step-reward function
                 out = run_async(out, timeout, f"process reward function {src.name!r}")
             return _validate(src.name, out, steps[lo:hi])

@@ -115,6 +115,9 @@ class RewardSource:
     fn: Callable[..., Any] | None = None  # a plain callable …
     model: torch.nn.Module | None = None  # … or an AutoModelForSequenceClassification (score = logits[:, 0])
     tokenizer: Any = None
+    # a step-reward function that also takes `dropped_last` (per completion: was its last step, cut by the length
+    # budget, left out of `steps`? score_truncated_step=False); an environment's get_step_rewards counts every turn
+    takes_dropped_last: bool = False
 
 
 _MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
