@@ -119,8 +119,11 @@ def test_evaluate_takes_transformers_arguments(tmp_path, tokenizer):
     call is logged (state.log_history) as transformers' evaluate() logs."""
     t = _trainer(tmp_path, tokenizer, max_steps=1)
     out = t.evaluate(eval_dataset=toy.dataset(2), metric_key_prefix="test", ignore_keys=["completions/mean_length"])
-    assert set(out) == {"test_reward", "test_rewards/_length/mean", "epoch"} and t.state.log_history[-1]["test_reward"] == \
-        out["test_reward"]
+    # transformers' speed metrics too: 2 prompts, one batch of per_device_eval_batch_size (16) prompts
+    assert set(out) == {"test_reward", "test_rewards/_length/mean", "epoch", "test_runtime", "test_samples_per_second",
+                        "test_steps_per_second"} and t.state.log_history[-1]["test_reward"] == out["test_reward"]
+    assert out["test_samples_per_second"] == pytest.approx(2 / out["test_runtime"], rel=1e-2)
+    assert out["test_steps_per_second"] == pytest.approx(1 / out["test_runtime"], rel=1e-2)
     both = t.evaluate(eval_dataset={"a": toy.dataset(2), "b": toy.dataset(3)})
     assert "eval_a_reward" in both and "eval_b_completions/mean_length" in both
     with pytest.raises(ConfigError, match="evaluate\\(\\) needs an eval_dataset"):

@@ -5,13 +5,21 @@ whether to log, evaluate and save (transformers' DefaultFlowCallback): its flags
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
+
+# the flags transformers' CallbackHandler clears before an event's callbacks run (the event is where they are acted on)
+CLEARED = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
+           "on_step_begin": ("should_log", "should_evaluate", "should_save"), "on_log": ("should_log",),
+           "on_evaluate": ("should_evaluate",), "on_save": ("should_save",)}
 
 
 class CallbackHandler:
     """The trainer's callbacks, in order. A class is instantiated (as transformers does); events are called with
-    transformers' arguments, and a returned TrainerControl replaces the trainer's."""
+    transformers' arguments and clear the flags transformers' handler clears (CLEARED); a returned TrainerControl's
+    flags are copied into the trainer's own (transformers replaces the object: the same flags, and the trainer's
+    loop keeps reading the object it holds)."""
 
     def __init__(self, callbacks, **objects: Any):
         self.callbacks: list = []
@@ -38,13 +46,19 @@ class CallbackHandler:
         self.pop_callback(callback)
 
     def fire(self, name: str, args, state, control, **kwargs):
+        for flag in CLEARED.get(name, ()):
+            setattr(control, flag, False)
         for callback in self.callbacks:
             method = getattr(callback, name, None)
             if method is None:
                 continue
             result = method(args, state, control, **self.objects, **kwargs)
-            if result is not None:
-                control = result
+            if result is not None and result is not control:
+                if not isinstance(result, type(control)):
+                    raise TypeError(f"{type(callback).__name__}.{name} returned a {type(result).__name__}: return the "
+                                    f"TrainerControl it was given (or None)")
+                for field in dataclasses.fields(control):
+                    setattr(control, field.name, getattr(result, field.name))
         return control
 
 

@@ -245,7 +245,7 @@ class GRPOConfig(StrictConfig):
     eval_steps: int | float | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps; < 1: that fraction of max_steps, rounded up; as transformers).", default=None, gt=0)
     eval_on_start: bool = option("Also evaluate before the first optimizer step (a sanity check, transformers).", default=False)
     eval_delay: float = option("Do not evaluate (eval_strategy 'steps' / 'epoch') before this many optimizer steps / epochs.", default=0, ge=0)
-    num_generations_eval: int | None = option("Completions sampled per eval prompt (None: greedy, one per prompt). With k ≥ 2 evaluation samples at the training temperature and logs mean@k and pass@k per reward function.", default=None, ge=1)
+    num_generations_eval: int | None = option("Completions sampled per eval prompt (None: greedy, one per prompt). With k ≥ 1 evaluation samples at the training temperature and logs mean@k and pass@k per reward function.", default=None, ge=1)
     per_device_eval_batch_size: int = option("Prompts per generation batch during evaluation.", default=16, ge=1)
 
     UNSUPPORTED = TRL_NOT_SUPPORTED

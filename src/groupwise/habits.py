@@ -5,6 +5,7 @@ reads the trainer's args, dist, state, tokenizer and models."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -94,8 +95,9 @@ class TransformersHabits:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """transformers' Trainer.log: `logs` (with the epoch, once training has begun) to state.log_history (with the
-        step) and the callbacks' on_log; during and after train() also to metrics.jsonl (with `time/elapsed`) and the
-        trackers. `start_time` is accepted for transformers' signature."""
+        step) and the callbacks' on_log; during train() also to metrics.jsonl (with `time/elapsed`) and the trackers,
+        after train() to metrics.jsonl only (the trackers are closed). `start_time` is accepted for transformers'
+        signature."""
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         if getattr(self, "_logger", None) is not None:
@@ -132,14 +134,31 @@ class TransformersHabits:
         if isinstance(eval_dataset, dict):
             return {k: v for name, data in eval_dataset.items()
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        data = self.eval_data if eval_dataset is None else self._eval_data(eval_dataset)
+        data = self.eval_data if eval_dataset is None else self._checked_eval_data(eval_dataset)
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
+        start = time.perf_counter()
         raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in raw.items() if k not in (ignore_keys or ())}
+        # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process
+        per_step = self.args.per_device_eval_batch_size * self.dist.world_size
+        metrics.update(speed_metrics(time.perf_counter() - start, math.ceil(len(data) / per_step), len(data),
+                                     metric_key_prefix))
         self.log(metrics)  # with the epoch, as transformers' evaluate() returns it
         self._event("on_evaluate", metrics=metrics)
         return metrics
+
+    def _checked_eval_data(self, dataset):
+        """A dataset given to evaluate(), its prompt lengths checked as the constructor checks eval_dataset's
+        (truncate_prompt: cut with a warning or an error; room for max_completion_length in the model's positions)."""
+        data, args = self._eval_data(dataset), self.args
+        config = getattr(self.unwrapped, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
+                           max_completion_length=args.max_completion_length, truncate_prompt=args.truncate_prompt,
+                           max_positions=getattr(text, "max_position_embeddings", None),
+                           chat_template_kwargs=args.chat_template_kwargs)
+        return data
 
     # transformers' callback list (groupwise.callbacks.CallbackHandler)
     def add_callback(self, callback) -> None:

@@ -155,12 +155,13 @@ def as_list(funcs) -> list:
 
 
 def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list,
-                 toolbox=None, data=None) -> tuple[list, list]:
+                 toolbox=None, data=(None, None)) -> tuple[list, list]:
     """What can be checked before a model loads: the model argument (a local path must exist), reward specs
     (imported or located), counts against weights and against what the supervision variant reads (the toolbox's
     environments' get_reward are outcome rewards not counted by reward_weights, as in TRL; their get_step_rewards
     step rewards not counted by process_reward_weights), and step_split="turn" against the toolbox (tools or
-    environments given). Returns the reward and step-reward specs with 'module:function' strings imported."""
+    environments given), reward keywords against the (train, eval) data's columns. Returns the reward and
+    step-reward specs with 'module:function' strings imported."""
     env_rewards = len(toolbox.reward_sources) if toolbox is not None else 0
     # an environment's get_step_rewards is read only by a supervision variant that uses step rewards
     env_step_rewards = len(toolbox.process_sources) if toolbox is not None and SUPERVISIONS[args.supervision].process else 0
@@ -193,8 +194,9 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
-    if data is not None:  # the training data (PromptData / StreamData): reward keywords against its columns
-        check_reward_columns(reward_funcs, data.columns(), args.remove_unused_columns)
+    for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
+        if rows is not None:
+            check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, name)
     return reward_funcs, [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                           for i, s in enumerate(process_reward_funcs)]
 

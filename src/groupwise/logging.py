@@ -30,12 +30,13 @@ def tracker_names(metrics: dict) -> dict:
     return {name(k): v for k, v in metrics.items()}
 
 
-def speed_metrics(runtime: float, steps: int, samples: float) -> dict[str, float]:
-    """The speed part of transformers' end-of-training line (train_runtime first: END_OF_TRAINING marks the line),
-    rounded as transformers rounds it."""
-    out = {END_OF_TRAINING: round(runtime, 4)}
+def speed_metrics(runtime: float, steps: int, samples: float, prefix: str = "train") -> dict[str, float]:
+    """transformers' speed metrics: of the end-of-training line (train_runtime first: END_OF_TRAINING marks the
+    line), or of an evaluation (`prefix` = its metric_key_prefix), rounded as transformers rounds them."""
+    out = {f"{prefix}_runtime": round(runtime, 4)}
     if runtime > 0:
-        out.update(train_samples_per_second=round(samples / runtime, 3), train_steps_per_second=round(steps / runtime, 3))
+        out.update({f"{prefix}_samples_per_second": round(samples / runtime, 3),
+                    f"{prefix}_steps_per_second": round(steps / runtime, 3)})
     return out
 
 

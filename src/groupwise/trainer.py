@@ -95,7 +95,8 @@ class GRPOTrainer(TransformersHabits):
         if len(self.optimizers) != 2:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
-                                                           as_list(process_reward_funcs), self.toolbox, self.train_data)
+                                                           as_list(process_reward_funcs), self.toolbox,
+                                                           (self.train_data, self.eval_data))
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
                            optimizers=self.optimizers, world_size=self.dist.world_size)
@@ -359,11 +360,12 @@ class GRPOTrainer(TransformersHabits):
         control.should_training_stop, should_log, should_evaluate, should_save, signalled = flags
         if should_log:
             self._log(rollout)
-        if should_evaluate and self.eval_data is not None:  # then save (transformers' order)
+        if self.dist.any(should_evaluate or control.should_evaluate) and self.eval_data is not None:  # on_log may ask
             self.evaluate()
-        if should_save:
+        if should_save := self.dist.any(should_save or control.should_save):  # then save; on_evaluate may ask
             self._save_round(rollout, done)
         control.should_log = control.should_save = control.should_evaluate = False
+        control.should_training_stop = self.dist.any(control.should_training_stop)  # on_evaluate may ask, on one
         last_step = self._finished()
         if signalled and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM

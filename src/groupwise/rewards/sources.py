@@ -154,9 +154,11 @@ REWARD_KEYWORDS = {"prompts", "completions", "completion_ids", "trainer_state", 
                    "environments"}
 
 
-def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool) -> None:
+def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool,
+                         dataset: str = "train_dataset") -> None:
     """Before the model loads: a reward function with a required parameter that no call will fill (not one of
-    REWARD_KEYWORDS, not a dataset column) would fail at the first scoring. columns None: not known (a stream)."""
+    REWARD_KEYWORDS, not a column of `dataset`) would fail at the first scoring. columns None: not known (a
+    stream)."""
     if columns is None:
         return
     given = REWARD_KEYWORDS | ({c for c in columns if c != "prompt"} if not remove_unused_columns else set())
@@ -173,7 +175,7 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
         if need:
             name = getattr(fn, "__name__", type(fn).__name__)
             why = ("remove_unused_columns=True passes only the prompt: set it False" if remove_unused_columns and
-                   need[0] in columns else f"train_dataset has no column {need[0]!r} (columns: {sorted(columns)})")
+                   need[0] in columns else f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})")
             raise ConfigError(f"reward_funcs[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
 
 

@@ -1,0 +1,237 @@
+"""trainer.evaluate() and evaluation during training, against transformers' / TRL's semantics: the callbacks'
+TrainerControl handling, a dataset given to evaluate() checked as the constructor's, hand-worked mean@k / pass@k,
+evaluation leaving the training's random streams, sampler and train/eval mode alone, and two processes evaluating
+an eval set that does not split evenly (every row scored once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback, TrainerControl
+
+from groupwise import GRPOTrainer
+from groupwise.callbacks import CallbackHandler
+from groupwise.config_base import ConfigError
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+ROOT = Path(__file__).parents[1]
+
+
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(tmp_path, tokenizer, funcs=(_length,), eval_data=None, model=None, callbacks=None, **kw):
+    kw.setdefault("output_dir", str(tmp_path / "run"))
+    return GRPOTrainer(model or toy.build_model(tokenizer, seed=0, hidden_size=32), list(funcs),
+                       args=small_args(tmp_path, **kw), train_dataset=toy.dataset(12), eval_dataset=eval_data,
+                       processing_class=tokenizer, callbacks=callbacks)
+
+
+def _eval_steps(trainer) -> list[int]:
+    return [h["step"] for h in trainer.state.log_history if "eval_reward" in h]
+
+
+# ---- callbacks' TrainerControl ----------------------------------------------------------------------------------------
+class _NewControlAtStep1(TrainerCallback):
+    """Returns a fresh TrainerControl instead of the one it was given (transformers takes the returned object)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            return TrainerControl(should_evaluate=True)
+        return None
+
+
+def test_a_returned_new_trainer_control_acts_at_that_step(tmp_path, tokenizer):
+    # before the fix the trainer read the flags of the object it held, so the evaluation came one step late (step 2)
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=3, callbacks=[_NewControlAtStep1])
+    t.train()
+    assert _eval_steps(t) == [1]
+
+    class Wrong(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            return True
+
+    t = _trainer(tmp_path, tokenizer, max_steps=1, callbacks=[Wrong], output_dir=str(tmp_path / "w"))
+    with pytest.raises(TypeError, match="Wrong.on_step_begin returned a bool: return the TrainerControl"):
+        t.train()
+
+
+def test_events_clear_the_flags_transformers_clears():
+    """transformers' CallbackHandler: on_step_begin clears log / evaluate / save, on_log / on_evaluate / on_save their
+    own flag, on_train_begin should_training_stop, on_epoch_begin should_epoch_stop — before the callbacks run."""
+    seen = {}
+
+    class Spy(TrainerCallback):
+        def __getattribute__(self, name):
+            if name.startswith("on_"):
+                return lambda args, state, control, **kw: seen.__setitem__(name, dict(vars(control)))
+            return super().__getattribute__(name)
+
+    handler = CallbackHandler([Spy()])
+    every = dict(should_training_stop=True, should_epoch_stop=True, should_save=True, should_evaluate=True,
+                 should_log=True)
+    for event, cleared in [("on_step_begin", {"should_log", "should_evaluate", "should_save"}),
+                           ("on_log", {"should_log"}), ("on_evaluate", {"should_evaluate"}), ("on_save", {"should_save"}),
+                           ("on_train_begin", {"should_training_stop"}), ("on_epoch_begin", {"should_epoch_stop"}),
+                           ("on_step_end", set())]:
+        control = TrainerControl(**every)
+        assert handler.fire(event, None, None, control) is control
+        assert {k for k, v in seen[event].items() if not v} == cleared, event
+
+
+def test_a_save_asked_for_in_an_evaluation_before_training_is_not_carried_into_step_1(tmp_path, tokenizer):
+    # eval_on_start's on_evaluate asks for a save; transformers clears it at on_step_begin (no save_strategy here)
+    class SaveAfterEval(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            control.should_save = True
+
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=2, eval_on_start=True, save_strategy="no",
+                 callbacks=[SaveAfterEval])
+    t.train()
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_flags_asked_for_in_on_log_and_on_evaluate_act_at_that_step(tmp_path, tokenizer):
+    # transformers' _maybe_log_save_evaluate: log, then `if control.should_evaluate`, then `if control.should_save`
+    class Ask(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs and state.global_step == 1:
+                control.should_evaluate = True
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            control.should_save = True  # "save when the eval metric improves"
+
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=2, save_strategy="no", callbacks=[Ask])
+    t.train()
+    assert _eval_steps(t) == [1]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+# ---- a dataset given to evaluate() ---------------------------------------------------------------------------------
+def test_evaluate_checks_a_given_dataset_as_the_constructor_checks_eval_dataset(tmp_path, tokenizer):
+    long_rows = [{"prompt": "repeat a:" * 10}]  # 90 characters: 90 tokens with the character tokenizer
+    t = _trainer(tmp_path, tokenizer, max_prompt_length=20, truncate_prompt="error")
+    with pytest.raises(ConfigError, match="eval_dataset row 0 has 90 prompt tokens > max_prompt_length=20"):
+        t.evaluate(eval_dataset=long_rows)  # before the fix: silently cut to 20 tokens and scored
+    with pytest.raises(ConfigError, match="eval_dataset row 0 has 90 prompt tokens > max_prompt_length=20"):
+        t.evaluate(eval_dataset={"long": long_rows})
+    small = toy.build_model(tokenizer, seed=0, hidden_size=32, max_positions=64)
+    t = _trainer(tmp_path, tokenizer, model=small, max_prompt_length=None)
+    with pytest.raises(ConfigError, match="the model's 64 positions"):
+        t.evaluate(eval_dataset=long_rows)  # 90 + 6 completion tokens > 64 positions
+    assert "eval_reward" in t.evaluate(eval_dataset=toy.dataset(2))
+
+
+# ---- mean@k and pass@k, by hand -------------------------------------------------------------------------------------
+# prompt i, sample j (k = 2 samples per prompt, contiguous in each reward call):
+#   solved: p0 [1, 0]        p1 [0, 0]        p2 [1, 1]
+#   graded: p0 [None, 0.5]   p1 [None, None]  p2 [2.0, -1.0]      (None: cannot score → NaN, left out)
+_SOLVED = [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+_GRADED = [[None, 0.5], [None, None], [2.0, -1.0]]
+
+
+def _by_sample(table):
+    def reward(completions, **kw):  # idx is an eval column only (the constructor checks train_dataset's columns)
+        return [table[i][j % 2] for j, i in enumerate(kw["idx"])]
+    return reward
+
+
+def test_mean_and_pass_at_k_hand_worked(tmp_path, tokenizer):
+    solved, graded = _by_sample(_SOLVED), _by_sample(_GRADED)
+    solved.__name__, graded.__name__ = "solved", "graded"
+    rows = [{"prompt": f"repeat {c}:", "idx": i} for i, c in enumerate("abc")]
+    t = _trainer(tmp_path, tokenizer, funcs=(solved, graded), eval_data=rows, num_generations_eval=2,
+                 per_device_eval_batch_size=2, reward_weights=[1.0, 2.0])  # calls: [p0 p0 p1 p1], [p2 p2]
+    out = t.evaluate()
+    # solved: mean@2 = (1+0+0+0+1+1)/6 = 0.5; pass@2 = mean(max(1,0), max(0,0), max(1,1)) = 2/3
+    assert out["eval_rewards/solved/mean@2"] == out["eval_rewards/solved/mean"] == pytest.approx(0.5)
+    assert out["eval_rewards/solved/pass@2"] == pytest.approx(2 / 3)
+    # graded: mean@2 over the 3 scored samples = (0.5 + 2 - 1)/3 = 0.5; pass@2 over the 2 prompts with a score:
+    # mean(0.5, 2.0) = 1.25 (p1, never scored, is left out)
+    assert out["eval_rewards/graded/mean@2"] == pytest.approx(0.5)
+    assert out["eval_rewards/graded/pass@2"] == pytest.approx(1.25)
+    # reward = Σ w·r over the scored terms, w = (1, 2): p0 [1, 0+1], p1 [0, 0], p2 [1+4, 1-2] → (1+1+0+0+5-1)/6 = 1
+    assert out["eval_reward"] == pytest.approx(1.0)
+
+
+# ---- evaluation leaves training alone ---------------------------------------------------------------------------------
+def test_sampled_evaluation_leaves_rng_sampler_mode_and_weights_untouched(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(3), num_generations_eval=2, disable_dropout=False)
+    t.sampler.next_round()
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(), t.sampler.state_dict())
+    weights = {k: v.clone() for k, v in t.unwrapped.state_dict().items()}
+    assert t.unwrapped.training
+    t.evaluate()
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2]) and t.sampler.state_dict() == before[3]
+    assert t.unwrapped.training  # generation ran in eval mode and gave the mode back
+    assert all(torch.equal(v, weights[k]) for k, v in t.unwrapped.state_dict().items())
+
+
+# ---- two processes ----------------------------------------------------------------------------------------------------
+def _worker(out: str) -> None:
+    """Run under torch.distributed.run: 5 eval prompts over the processes (3 + 2 with two), greedy and k = 2."""
+    tokenizer = toy.build_tokenizer()
+    scored: list[int] = []
+
+    def index(completions, **kw):
+        scored.extend(kw["idx"])
+        return [float(i) for i in kw["idx"]]
+
+    rows = [{"prompt": f"repeat {c}:", "idx": i} for i, c in enumerate("abcde")]
+    out_dir = Path(out)
+    args = small_args(out_dir, output_dir=str(out_dir / "run"), per_device_eval_batch_size=1)
+    trainer = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length, index], args=args,
+                          train_dataset=toy.dataset(12), eval_dataset=rows, processing_class=tokenizer)
+    greedy = trainer.evaluate()
+    trainer.args.num_generations_eval = 2
+    sampled = trainer.evaluate()
+    rank = trainer.dist.rank
+    (out_dir / f"eval_{rank}.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled, "scored": scored}))
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_every_row_once(tmp_path):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for n, folder in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+        folder.mkdir()
+        cmd = [sys.executable, __file__, str(folder)] if n == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__, str(folder)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    one = json.loads((tmp_path / "one" / "eval_0.json").read_text())
+    two = [json.loads((tmp_path / "two" / f"eval_{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(two[0]["scored"] + two[1]["scored"]) == sorted(one["scored"])  # no row twice, none left out
+    assert sorted(two[0]["scored"]) == [0, 0, 0, 2, 2, 2, 4, 4, 4] and sorted(two[1]["scored"]) == [1, 1, 1, 3, 3, 3]
+    # eval_rewards/index/mean = (0+1+2+3+4)/5 = 2 on every process, greedy and sampled; pass@2 of a constant is it
+    for result in (one, *two):
+        assert result["greedy"]["eval_rewards/index/mean"] == result["sampled"]["eval_rewards/index/pass@2"] == 2.0
+        assert result["greedy"]["eval_reward"] == pytest.approx(one["greedy"]["eval_reward"])  # same greedy texts
+        assert result["greedy"]["eval_completions/mean_length"] == one["greedy"]["eval_completions/mean_length"]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
+
+
+def test_an_eval_dataset_without_a_column_a_reward_function_needs_is_named_before_training(tmp_path, tokenizer):
+    """letter_reward needs the `letter` column: checked on eval_dataset as on train_dataset, before the model loads
+    (it crashed at the first evaluation, after training steps)."""
+    from groupwise import ConfigError
+
+    rows = [{"prompt": r["prompt"]} for r in toy.dataset(4)]
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\] 'letter_reward' needs the keyword 'letter': "
+                                          r"eval_dataset has no column 'letter' \(columns: \['prompt'\]\)"):
+        GRPOTrainer("no/such-model", [toy.letter_reward], args=small_args(tmp_path, remove_unused_columns=False),
+                    train_dataset=toy.dataset(8), eval_dataset=rows)
