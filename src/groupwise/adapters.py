@@ -158,7 +158,7 @@ class Reference:
         forward has π_θ's numerics (at step 0 they are equal, KL 0) and each process holds 1 / world of it."""
         from groupwise.modeling import PolicyForLogps
 
-        self.root = dist.fully_shard(PolicyForLogps(self.model, chunk_tokens), self.model)
+        self.root = dist.fully_shard(PolicyForLogps(self.model, chunk_tokens), self.model, frozen=True)
 
     @property
     def logps_model(self) -> torch.nn.Module:

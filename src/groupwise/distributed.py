@@ -71,11 +71,12 @@ class Distributed:
     def prepare(self, *objs):
         return self.accelerator.prepare(*objs)
 
-    def fully_shard(self, root: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    def fully_shard(self, root: torch.nn.Module, model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
         """FSDP2 over all processes (groupwise.sharding): `model`'s decoder layers, then `root`."""
         from groupwise.sharding import shard
 
-        return shard(root, model, self.sharding, self.device, bf16=self.accelerator.mixed_precision == "bf16")
+        return shard(root, model, self.sharding, self.device, bf16=self.accelerator.mixed_precision == "bf16",
+                     frozen=frozen)
 
     def autocast(self):
         """The training forward's precision around another forward (π_ref's): accelerate's autocast, or nothing

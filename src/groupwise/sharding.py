@@ -68,10 +68,12 @@ def resolve(fsdp: str | None) -> Sharding | None:
 
 
 def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, device: torch.device,
-          bf16: bool = False) -> torch.nn.Module:
+          bf16: bool = False, frozen: bool = False) -> torch.nn.Module:
     """fully_shard every decoder layer of `model`, then `root` (the module whose forward runs: PolicyForLogps).
     bf16: FSDP2's mixed precision (float32 sharded master weights, gathered and computed in bfloat16, gradients
-    reduced in float32), as accelerate sets it up for an FSDP2 bf16 launch."""
+    reduced in float32), as accelerate sets it up for an FSDP2 bf16 launch. frozen: a model that never runs a
+    backward (the reference), resharded after every forward whatever the strategy (shard_grad_op keeps the gathered
+    weights for the backward, which would then never come: a full copy would stay)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -83,9 +85,10 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
                           "it cannot be sharded layer by layer")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
+    reshard = frozen or sharding.reshard_after_forward
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=policy)
-    fully_shard(root, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     return root
 
 
