@@ -144,6 +144,29 @@ def test_a_prm_without_max_length_stops_at_its_position_limit(tokenizer):
     assert TokenClassificationPRM(model, tokenizer, max_length=12).max_length == 12  # a given max_length wins
 
 
+def test_the_position_limit_is_also_the_tokenizers(tokenizer):
+    """RoBERTa-like models declare max_position_embeddings = 514 but number positions from padding_idx + 1 = 2, so
+    only 512 tokens fit: a tiny RoBERTa with 18 declared positions takes 16 tokens; 18 index past its table. Their
+    tokenizers say 512 (here 16): the smaller limit is the one taken."""
+    import copy
+
+    from transformers import RobertaConfig, RobertaForTokenClassification
+
+    torch.manual_seed(0)
+    model = RobertaForTokenClassification(RobertaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=18, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, num_labels=2, pad_token_id=1)).eval()
+    model(input_ids=torch.full((1, 16), 5))  # 16 tokens fit
+    with pytest.raises((IndexError, RuntimeError), match="out of"):
+        model(input_ids=torch.full((1, 17), 5))  # position 18 of a table of 18
+    tok = copy.deepcopy(tokenizer)
+    tok.model_max_length = 16
+    prm = TokenClassificationPRM(model, tok)
+    assert prm.max_length == 16
+    with pytest.warns(RuntimeWarning, match="steps past max_length=16"):
+        assert prm(prompts=["q: 1+1"], completions=[""], steps=[["1+1=2", "so the answer", "ok"]])[0][1:] == [None, None]
+
+
 def test_load_prm_in_another_dtype(tmp_path, tokenizer):
     model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2))
     model.save_pretrained(tmp_path)

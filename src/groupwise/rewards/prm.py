@@ -55,13 +55,14 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
 
 
 def position_limit(model, tokenizer=None) -> int | None:
-    """The most tokens `model` takes: config.max_position_embeddings (GPT-2's n_positions maps to it), else the
-    tokenizer's model_max_length when it is a real limit (transformers writes a huge sentinel when unknown)."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and limit > 0:
-        return limit
-    limit = getattr(tokenizer, "model_max_length", None)
-    return limit if isinstance(limit, int) and 0 < limit < 10**7 else None
+    """The most tokens `model` takes: the smaller of config.max_position_embeddings (GPT-2's n_positions maps to it)
+    and the tokenizer's model_max_length when that is a real limit (transformers writes a huge sentinel when
+    unknown). Both count: RoBERTa-like models declare 514 positions but number them from padding_idx + 1, so 512
+    tokens fit, which their tokenizers say."""
+    limits = [getattr(getattr(model, "config", None), "max_position_embeddings", None),
+              getattr(tokenizer, "model_max_length", None)]
+    limits = [n for n in limits if isinstance(n, int) and 0 < n < 10**7]
+    return min(limits) if limits else None
 
 
 class _PRM:
