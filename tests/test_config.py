@@ -91,6 +91,14 @@ def test_filled_round_fields_follow_the_real_process_count_and_later_edits():
     assert c.layout(world_size=2).generation_batch_size == 16 and c.generation_batch_size == 16
     c.steps_per_generation = 4  # set after construction: now the user's value, the batch follows it
     assert (c.layout(world_size=1).generation_batch_size, c.generation_batch_size) == (16, 16)
+    import dataclasses
+
+    # a copy carries both filled-in values as given: a one-line error that names the way out
+    with pytest.raises(ConfigError, match=r"disagree .*dataclasses.replace .*pass steps_per_generation=None, "
+                                          r"generation_batch_size=None with the change"):
+        dataclasses.replace(c, per_device_train_batch_size=8)
+    copy = dataclasses.replace(c, per_device_train_batch_size=8, steps_per_generation=None, generation_batch_size=None)
+    assert (copy.steps_per_generation, copy.generation_batch_size) == (2, 16)
     b = GRPOConfig(per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
     assert b.layout(world_size=2).steps_per_generation == 2 and b.steps_per_generation == 2  # 16 / (4 × 2)
 

@@ -57,7 +57,9 @@ def resolve(args, world_size: int) -> BatchLayout:
             raise ConfigError(
                 f"steps_per_generation={user['steps_per_generation']} and generation_batch_size="
                 f"{user['generation_batch_size']} disagree with per_device_train_batch_size × processes = "
-                f"{per_round}: set one of them")
+                f"{per_round}: set one of them (a config copied with dataclasses.replace or rebuilt from to_dict() "
+                "carries both as filled in for its old batch fields: pass steps_per_generation=None, "
+                "generation_batch_size=None with the change)")
         steps = user["steps_per_generation"]
     elif "generation_batch_size" in user:
         if user["generation_batch_size"] % per_round:
