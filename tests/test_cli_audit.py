@@ -245,6 +245,11 @@ def test_yaml_types_a_trl_user_writes():
     assert c.lr_scheduler_kwargs == {"min_lr": 1e-7, "note": "1e"} and c.lora_modules_to_save == ["lm_head"]
     with pytest.raises(ConfigError, match=r"reward_weights must be a list of finite numbers, got \['x'\]"):
         GRPOConfig(reward_weights=["x"])
+    # `eval_strategy: no` (YAML 1.1's false): TRL's "no"; the choices still apply to what it becomes
+    c = GRPOConfig(**yaml.safe_load("eval_strategy: no\nsave_strategy: no\nlogging_strategy: no"))
+    assert (c.eval_strategy, c.save_strategy, c.logging_strategy) == ("no", "no", "no")
+    with pytest.raises(ConfigError, match="lr_scheduler_type='no' is not one of"):
+        GRPOConfig(lr_scheduler_type=False)
 
 
 def test_a_tokenizer_without_pad_or_eos_is_a_configuration_error(tmp_path, tokenizer):

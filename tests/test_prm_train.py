@@ -73,6 +73,16 @@ def test_a_missing_train_file_is_named(tmp_path, model_dir, capsys):
     assert f"train_file='{tmp_path / 'steps.jsonl'}' does not exist" in capsys.readouterr().err
 
 
+def test_a_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
+    # it was a hub lookup, then a 77-line traceback and exit 1
+    good = _write(tmp_path / "ok.jsonl", [{"prompt": "q", "steps": ["a", "b"], "labels": [1, 0]}] * 4)
+    assert main(["prm", "train", "--model_name_or_path", str(tmp_path / "no-model"), "--train_file", good,
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("groupwise: configuration error: model_name_or_path=") and "does not exist" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_trl_stepwise_supervision_rows_are_read(tmp_path):
     # TRL's shape (prompt, completions, labels as bools) and groupwise's (steps, 0/1) give the same rows
     p = _write(tmp_path / "trl.jsonl", [{"prompt": "q", "completions": ["a", "b"], "labels": [True, False]},

@@ -250,6 +250,8 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
                     return _SCALARS[a](number)
     if "str" in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # `run_name: 2024`, `--output_dir 123`: a name that YAML read as a number
+    if "str" in allowed and "bool" not in allowed and value is False:
+        return "no"  # `eval_strategy: no`: YAML 1.1 reads the word as false; the field's choices still apply
     listed = next((a for a in allowed if a.startswith("list")), None)
     if listed and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return coerce(name, listed, [value])  # `--lora_modules_to_save lm_head`: a list of one, as TRL's parser

@@ -2,7 +2,7 @@
 multi-step arithmetic task, from the tiny warm-started policy shipped in the package. Offline, CPU, minutes.
 
 Evaluates held-out greedy accuracy, trains, evaluates again, prints a before/after table and writes
-metrics.jsonl (eval_rewards/accuracy/mean at step 0 and at the end), the final checkpoint and reward_accuracy.png.
+metrics.jsonl (eval_rewards/accuracy/mean at step 0, every 50 steps and at the end), the final checkpoint and reward_accuracy.png.
 Any GRPOConfig field can be overridden: `groupwise train --supervision outcome --max_steps 50`.
 
 `groupwise train builtin:<task>` runs the demo of that built-in task (DEMOS): `builtin:arithmetic` is the default

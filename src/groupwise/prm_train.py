@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from groupwise.config_base import ConfigError, StrictConfig, option
+from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
 from groupwise.modeling import eval_mode
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
 from groupwise.text import ensure_pad_token, pad_rows
@@ -134,6 +134,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
 
     if not Path(cfg.train_file).is_file():
         raise ConfigError(f"train_file={cfg.train_file!r} does not exist: give a JSONL of prompt, steps, labels")
+    check_model_location(cfg.model_name_or_path, "model_name_or_path")  # a wrong folder, named before anything
     rows = read_step_jsonl(cfg.train_file)  # data errors surface before any model loads
     rng = random.Random(cfg.seed)
     if cfg.eval_file:

@@ -35,7 +35,7 @@ from groupwise.text import ensure_pad_token, is_conversational
 
 # GRPOConfig.on_reward_error: what an exception in a reward function does (call_isolating_rows)
 ON_REWARD_ERROR = {"raise": "stop, naming the function and the first failing row",
-                   "nan": "score the failing rows NaN (unscored) and count them in reward/<func>/errors"}
+                   "nan": "score the failing rows NaN (unscored) and count them in rewards/<func>/errors"}
 
 
 class RewardFunctionError(RuntimeError):
