@@ -231,8 +231,9 @@ def test_two_environment_classes_with_one_name_keep_their_own_reward_sources():
     assert [s.name for s in toolbox.process_sources] == ["Env.get_step_rewards", "Env_2.get_step_rewards"]
     envs = [A(), B()]
     assert [s.fn(environments=envs) for s in toolbox.reward_sources] == [[1.0, None], [None, 2.0]]
-    assert [s.fn(environments=envs, steps=[["t"], ["t"]]) for s in toolbox.process_sources] == [
-        [[1.0], [None]], [[None], [2.0]]]
+    assert all(s.takes_dropped_last for s in toolbox.process_sources)
+    assert [s.fn(environments=envs, steps=[["t"], ["t"]], dropped_last=[False, False])
+            for s in toolbox.process_sources] == [[[1.0], [None]], [[None], [2.0]]]
 
 
 class Problems:
