@@ -134,7 +134,7 @@ class TransformersHabits:
         if isinstance(eval_dataset, dict):
             return {k: v for name, data in eval_dataset.items()
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        data = self.eval_data if eval_dataset is None else self._checked_eval_data(eval_dataset)
+        data = self.eval_data if eval_dataset is None else self._check_lengths(self._eval_data(eval_dataset))
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
         start = time.perf_counter()
@@ -148,16 +148,13 @@ class TransformersHabits:
         self._event("on_evaluate", metrics=metrics)
         return metrics
 
-    def _checked_eval_data(self, dataset):
-        """A dataset given to evaluate(), its prompt lengths checked as the constructor checks eval_dataset's
-        (truncate_prompt: cut with a warning or an error; room for max_completion_length in the model's positions)."""
-        data, args = self._eval_data(dataset), self.args
-        config = getattr(self.unwrapped, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    def _check_lengths(self, data):
+        """Prompt lengths of a dataset (the constructor's, or one given to evaluate()): truncate_prompt cuts with a
+        warning or is an error; room for max_completion_length in the model's positions. Returns `data`."""
+        args = self.args
         data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
-                           max_completion_length=args.max_completion_length, truncate_prompt=args.truncate_prompt,
-                           max_positions=getattr(text, "max_position_embeddings", None),
-                           chat_template_kwargs=args.chat_template_kwargs)
+                           max_completion_length=args.max_completion_length, max_positions=self._max_positions,
+                           truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
         return data
 
     # transformers' callback list (groupwise.callbacks.CallbackHandler)

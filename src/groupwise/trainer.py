@@ -130,12 +130,10 @@ class GRPOTrainer(TransformersHabits):
         self._extra: dict[str, list] = defaultdict(list)  # log_extra columns of the current round
         self._rows: list[dict] | None = None  # the current round's completions.jsonl rows, once gathered
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
-        self.tokenizer, max_positions = load_tokenizer(model, processing_class, args)
+        self.tokenizer, self._max_positions = load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
             if data is not None:  # a stream checks each row as it is read
-                data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
-                                   max_completion_length=args.max_completion_length, max_positions=max_positions,
-                                   truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs)
+                self._check_lengths(data)
         self.agent = build_agent(self.toolbox, self.tokenizer, args, (self.train_data, self.eval_data))  # tools
         policy = load_policy(model, args)
         if self.peft_config is not None:

@@ -365,9 +365,6 @@ class FastGenerator:
             # and the states built on them, are stale
             self._projections = None
             self._static = {k: v for k, v in self._static.items() if k[0] != id(model)}
-        refusal = static_refusal(model, prefill.layers)  # the prefill's own layers (checked from the config before)
-        if refusal is not None:
-            raise ValueError(refusal)
         first = prefill.layers[0] if prefill.layers else None
         # (the attention implementation decides the mask's kind: boolean for sdpa, additive for eager)
         key = (id(model), N, L, str(device), None if first is None else first.keys.dtype, grouped,
