@@ -176,6 +176,19 @@ def test_callback_flow_flags_events_and_list_as_transformers(tmp_path, tokenizer
     assert t.callback_handler.callbacks == []
 
 
+def test_resumed_history_drops_only_end_of_training_lines(tmp_path):
+    """trim_jsonl keeps an evaluation logged with metric_key_prefix="train" (it writes train_runtime too) and drops
+    only the end-of-training line (total_flos) and the steps after the checkpoint."""
+    from groupwise.logging import trim_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "reward": 0.5}, {"step": 1, "train_runtime": 0.3, "train_reward": 0.25},
+             {"step": 2, "train_runtime": 9.0, "total_flos": 1.0, "train_loss": 0.1}, {"step": 3, "reward": 0.7}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert trim_jsonl(path, resume_step=2, run_id=None) == lines[:2]
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:3]  # the end line stays in the file
+
+
 def test_state_log_history_survives_resume_and_save_model_loads(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, max_steps=2, save_steps=2)
     t.train()

@@ -31,8 +31,8 @@ def tracker_names(metrics: dict) -> dict:
 
 
 def speed_metrics(runtime: float, steps: int, samples: float, prefix: str = "train") -> dict[str, float]:
-    """transformers' speed metrics: of the end-of-training line (train_runtime first: END_OF_TRAINING marks the
-    line), or of an evaluation (`prefix` = its metric_key_prefix), rounded as transformers rounds them."""
+    """transformers' speed metrics: of the end-of-training line, or of an evaluation (`prefix` = its
+    metric_key_prefix), rounded as transformers rounds them."""
     out = {f"{prefix}_runtime": round(runtime, 4)}
     if runtime > 0:
         out.update({f"{prefix}_samples_per_second": round(samples / runtime, 3),
@@ -40,7 +40,8 @@ def speed_metrics(runtime: float, steps: int, samples: float, prefix: str = "tra
     return out
 
 
-END_OF_TRAINING = "train_runtime"  # the key only the end-of-training line has
+# the key only the end-of-training line has: not train_runtime, which evaluate(metric_key_prefix="train") also writes
+END_OF_TRAINING = "total_flos"
 
 # the end-of-training values that wandb keeps in the run's summary rather than as a series (transformers)
 SUMMARY_ONLY = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")

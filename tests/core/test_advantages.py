@@ -173,6 +173,10 @@ def test_process_bad_input():
         process_advantages([[[1.0, 2.0]]], [[[2, 1]]], num_tokens=3)
     with pytest.raises(ValueError, match="step ends"):
         process_advantages([[[1.0, 2.0]]], [[[1]]], num_tokens=3)
+    with pytest.raises(ValueError, match="step end 1.5 is not a whole token index"):
+        process_advantages([[[1.0, 2.0]]], [[[1.5, 2]]], num_tokens=3)  # int() would have ended step 1 at token 1
+    # a whole float (numpy / JSON) is the same index: one step ending at token 1 of 3, G = 1 so r̃ = 0 everywhere
+    assert process_advantages([[[1.0]]], [[[1.0]]], num_tokens=3).tolist() == [[[0.0, 0.0, 0.0]]]
 
 
 # ---- the estimator registry: RLOO and REINFORCE++-baseline ----------------------------------------------------------

@@ -253,6 +253,9 @@ def process_advantages(
             rs, es = step_rewards[b][g], step_ends[b][g]
             if len(rs) != len(es):
                 raise ValueError(f"prompt {b}, completion {g}: {len(rs)} step rewards but {len(es)} step ends")
+            if any(float(e) != int(e) for e in es):  # int() would silently move a step's end
+                bad = next(e for e in es if float(e) != int(e))
+                raise ValueError(f"prompt {b}, completion {g}: step end {bad!r} is not a whole token index")
             if any(not 0 <= int(e) < num_tokens for e in es):
                 bad = next(int(e) for e in es if not 0 <= int(e) < num_tokens)
                 raise ValueError(f"prompt {b}, completion {g}: step end {bad} outside [0, {num_tokens})")
