@@ -151,3 +151,41 @@ def test_batches_without_a_labelled_step_are_skipped(tmp_path, model_dir):
     # nothing fits at all: an error naming max_length instead of a run that trains on nothing
     with pytest.raises(ConfigError, match=r"no step of .*t2.jsonl fits in max_length=12 tokens"):
         train_prm(PRMTrainConfig(train_file=_write(tmp_path / "t2.jsonl", [long_] * 3), **cfg))
+
+
+def test_schedule_warmup_and_clipping(tmp_path, model_dir):
+    # 8 rows (eval_file given: none held out), batch 2, 1 epoch: 4 steps. linear with warmup_steps=2 (transformers):
+    # the rate of step k (0-based) is lr·k/2 while k < 2, then lr·(4 − k)/(4 − 2): 1e-3 × [0, 1/2, 1, 1/2]
+    from safetensors.torch import load_file
+
+    from groupwise.prm_train import train_prm
+
+    rows = _synthetic(8, 1)
+    cfg = dict(model_name_or_path=model_dir, train_file=_write(tmp_path / "t.jsonl", rows),
+               eval_file=_write(tmp_path / "e.jsonl", rows[:2]), per_device_train_batch_size=2, logging_steps=1)
+    train_prm(PRMTrainConfig(output_dir=str(tmp_path / "a"), learning_rate=1e-3, warmup_steps=2, **cfg))
+    log = [json.loads(x) for x in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == [1, 2, 3, 4]
+    assert [x["learning_rate"] for x in log] == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])
+    assert all(x["grad_norm"] > 0 and x["loss"] > 0 for x in log)
+    # clipping to norm 1e-12: Adam's first step moves each weight by lr·g/(|g| + 1e-8) with |g| ≤ 1e-12, so
+    # ≤ 0.1 × 1e-4 = 1e-5; unclipped the same step moves the new head's weights by about lr = 0.1
+    moved = {}
+    for name, clip in (("clipped", 1e-12), ("free", 0.0)):
+        train_prm(PRMTrainConfig(output_dir=str(tmp_path / name), learning_rate=0.1, lr_scheduler_type="constant",
+                                 max_grad_norm=clip, **{**cfg, "train_file": _write(tmp_path / "one.jsonl", rows[:2])}))
+        moved[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    start = load_file(str(tmp_path / "tiny-model" / "model.safetensors"))  # the base's weights the PRM shares
+    shared = [k for k in start if k in moved["clipped"] and start[k].shape == moved["clipped"][k].shape]
+    assert shared and max((moved["clipped"][k] - start[k]).abs().max().item() for k in shared) < 1e-4
+    assert max((moved["free"][k] - start[k]).abs().max().item() for k in shared) > 1e-2
+
+
+def test_the_example_config_reads():
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "prm.yaml"
+    cfg = PRMTrainConfig(**yaml.safe_load(path.read_text()))  # an unknown or mistyped field raises here
+    assert cfg.separator == "\n" and cfg.warmup_steps == 10

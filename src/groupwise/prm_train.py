@@ -37,11 +37,14 @@ class PRMTrainConfig(StrictConfig):
     separator: str = option("Text after each step; the step is judged at its last token.", default="\n")
     learning_rate: float = option("AdamW learning rate.", default=2e-5, gt=0)
     weight_decay: float = option("AdamW weight decay.", default=0.0, ge=0)
+    lr_scheduler_type: str = option("Learning-rate schedule over the run (transformers' names).", default="linear", choices=("linear", "cosine", "constant", "constant_with_warmup"))
+    warmup_steps: int = option("Optimizer steps over which the learning rate rises linearly from 0.", default=0, ge=0)
+    max_grad_norm: float = option("Clip the gradient to this global norm before each step (0: no clipping).", default=1.0, ge=0)
     num_train_epochs: int = option("Passes over the training examples.", default=1, ge=1)
     per_device_train_batch_size: int = option("Examples per optimizer step.", default=8, ge=1)
     max_length: int = option("Tokens kept per example (steps past it are not trained on).", default=1024, ge=1)
     seed: int = option("Seed of the split, the order and the head initialisation.", default=42)
-    logging_steps: int = option("Update the progress bar's loss every this many steps.", default=10, ge=1)
+    logging_steps: int = option("Every this many steps: the progress bar's loss, and a line of output_dir/train_log.jsonl (step, loss, grad_norm before clipping, learning_rate).", default=10, ge=1)
     trust_remote_code: bool = option("Allow the base model's repository to run its own code.", default=False)
 
     def validate(self) -> None:
@@ -130,7 +133,7 @@ def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str,
 
 
 def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
-    from transformers import AutoModelForTokenClassification, AutoTokenizer
+    from transformers import AutoModelForTokenClassification, AutoTokenizer, get_scheduler
 
     if not Path(cfg.train_file).is_file():
         raise ConfigError(f"train_file={cfg.train_file!r} does not exist: give a JSONL of prompt, steps, labels")
@@ -164,7 +167,12 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
                           "nothing to train on; raise max_length or shorten the prompts")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     steps = cfg.num_train_epochs * math.ceil(len(train_enc) / cfg.per_device_train_batch_size)
+    schedule = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
+                             num_training_steps=steps)
     before = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "train_log.jsonl").open("w")
     bar = tqdm(total=steps, desc="PRM")
     step = 0
     for _ in range(cfg.num_train_epochs):
@@ -177,15 +185,20 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
             loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+            lr = schedule.get_last_lr()[0]  # the rate this step uses
             optimizer.step()
+            schedule.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             if step % cfg.logging_steps == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
+                log.write(json.dumps({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
+                                      "learning_rate": lr}) + "\n")
+                log.flush()
     bar.close()
+    log.close()
     after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
