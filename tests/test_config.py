@@ -186,3 +186,17 @@ def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match=r"report_to='wandb' needs `pip install groupwise\[wandb\]`"):
         GRPOConfig(report_to=["wandb"])
     assert GRPOConfig(report_to="none").report_to == []
+
+
+def test_importance_sampling_bounds_checked_on_construction():
+    # TRL 1.16 refuses both at construction: every weight would be masked (or clamped to one value), or a
+    # truncate mode would clip nothing
+    with pytest.raises(ConfigError, match=r"vllm_importance_sampling_clip_min \(3.0\) must be less than "
+                                          r"vllm_importance_sampling_clip_max \(3.0\)"):
+        GRPOConfig(output_dir="o", vllm_importance_sampling_clip_min=3.0)
+    with pytest.raises(ConfigError, match="'token_truncate' clips the weights: set vllm_importance_sampling_clip_min"):
+        GRPOConfig(output_dir="o", vllm_importance_sampling_mode="token_truncate",
+                   vllm_importance_sampling_clip_max=None)
+    GRPOConfig(output_dir="o", vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None)
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
+        assert GRPOConfig(output_dir="o", vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0

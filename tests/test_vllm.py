@@ -5,6 +5,7 @@ contract — engine arguments, prompts in, tokens and log-probs out, weights pus
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -19,8 +20,13 @@ from tests.conftest import small_args
 STANDIN = str(Path(__file__).with_name("vllm_standin"))
 
 
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @pytest.fixture
 def vllm(monkeypatch):
+    for name in LAUNCHER:  # a plain `python train.py` (no torchrun); whatever the engine sets is undone after
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.syspath_prepend(STANDIN)
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     import vllm as standin
@@ -56,10 +62,75 @@ def test_colocate_trains_and_pushes_weights_every_step(tmp_path, base_dir, vllm)
     # when the engine starts, then after each optimizer step, it holds the policy's current weights
     assert pushed == [True, True, True]
     assert any(not torch.equal(before[n].cpu(), p) for n, p in engine.hf.named_parameters())  # and they did change
-    assert engine.prefix_cache_resets >= 2
+    assert engine.prefix_cache_resets == 3  # after each load
     # the engine samples with the policy's numerics: the importance weights are 1 up to float32 rounding
     assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
     assert abs(metrics["sampling/sampling_logp_difference/max"]) < 1e-4
+
+
+def test_colocate_builds_the_engine_as_trl_does(tmp_path, base_dir, vllm):
+    """TRL 1.16's LLM(...) arguments, and the launcher variables vLLM's external_launcher backend reads (RANK and
+    LOCAL_RANK unconditionally, MASTER_ADDR / MASTER_PORT for its env:// rendezvous): TRL sets them before building
+    the engine; without them a run not started by torchrun failed with KeyError: 'RANK' inside vLLM."""
+    args = small_args(tmp_path, use_vllm=True, max_completion_length=4, gradient_accumulation_steps=2)
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
+    t.rollout_ctx.generator(t.unwrapped, torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long))
+    (engine,) = vllm.ENGINES
+    # max_num_seqs = per_device_train_batch_size · tensor_parallel_size · steps_per_generation = 8 · 1 · 2
+    assert engine.kwargs == dict(tensor_parallel_size=1, gpu_memory_utilization=0.3, max_model_len=None,
+                                 max_num_seqs=16, enable_sleep_mode=False, model_impl="vllm",
+                                 distributed_executor_backend="external_launcher", seed=0,
+                                 max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+                                 trust_remote_code=False)
+    assert (engine.rank, engine.local_rank) == (0, 0) and os.environ["WORLD_SIZE"] == "1"
+    assert os.environ["MASTER_ADDR"] == "localhost" and int(os.environ["MASTER_PORT"]) > 0
+
+
+def test_colocate_keeps_the_launcher_s_variables(monkeypatch, vllm):
+    from groupwise.generation.vllm import launcher_environment
+
+    for name, value in dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", MASTER_ADDR="node0", MASTER_PORT="29511").items():
+        monkeypatch.setenv(name, value)
+    assert launcher_environment() == 3
+    assert [os.environ[n] for n in LAUNCHER] == ["3", "1", "4", "node0", "29511"]
+
+
+def test_a_hub_id_without_an_owner_reaches_vllm(tmp_path, base_dir, vllm):
+    """vLLM loads the policy from its name: a hub id such as "gpt2" has no "/" and is no local path, and was
+    refused as "a model built in memory"; only a model with no name at all is."""
+    from groupwise.generation.vllm import VLLMColocateGenerator
+
+    class Built(Exception):
+        pass
+
+    def llm(model, **kw):  # no download: the name reaching vLLM is the point
+        raise Built(model)
+
+    gen = VLLMColocateGenerator(small_args(tmp_path, use_vllm=True), pad_token_id=0)
+    model = toy.build_model(toy.build_tokenizer(), seed=0, hidden_size=32)
+    model.config._name_or_path = "gpt2"
+    vllm.LLM, real = llm, vllm.LLM
+    try:
+        with pytest.raises(Built, match="^gpt2$"):
+            gen._engine(model)
+    finally:
+        vllm.LLM = real
+    model.config._name_or_path = ""
+    with pytest.raises(ConfigError, match="not as a model built in memory"):
+        gen._engine(model)
+
+
+def test_the_engine_s_log_probs_reach_the_importance_correction(tmp_path, base_dir, vllm):
+    """The log-prob vLLM gives each sampled token (logprobs=0, processed: after the temperature) is what the
+    correction compares with the trainer's: were they lost (NaN), the weights would be 1 and the logged
+    difference 0 whatever the sampler did."""
+    args = small_args(tmp_path, use_vllm=True, max_completion_length=6, temperature=0.7)
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
+    comp = t._collect().round.completions
+    (engine,) = vllm.ENGINES
+    for row, mask, sampled in zip(comp.sampling_logps, comp.completion_mask.bool(), engine.sampled_logprobs,
+                                  strict=True):
+        assert torch.allclose(row[mask], torch.tensor(sampled)), (row, sampled)
 
 
 def test_colocate_with_lora_pushes_merged_weights(tmp_path, base_dir, vllm):

@@ -9,6 +9,7 @@ import copy
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -133,6 +134,22 @@ def test_a_completion_the_server_ends_without_eos_is_masked_to_its_length(tmp_pa
     check_masked_to_lengths(comp, server.llm.outputs, t.tokenizer.eos_token_id)
 
 
+def test_the_server_s_log_probs_reach_the_importance_correction(tmp_path, base_dir, server):
+    """`logprobs.token_logprobs` of each choice, prompt-major, is what the correction compares with the trainer's
+    log-probs: were they lost (NaN) the weights would be 1 and the logged difference 0 whatever the server did."""
+    args = _server_args(tmp_path, server.url, max_completion_length=6, temperature=0.7)
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
+    try:
+        comp = t._collect().round.completions
+    finally:
+        t.rollout_ctx.generator.close()
+    body = [b for _, p, b in server.requests if p == "/v1/completions"][-1]
+    assert body["temperature"] == 0.7 and body["logprobs"] == 0
+    for row, mask, sampled in zip(comp.sampling_logps, comp.completion_mask.bool(), server.llm.sampled_logprobs,
+                                  strict=True):
+        assert torch.allclose(row[mask], torch.tensor(sampled)), (row, sampled)
+
+
 @pytest.mark.parametrize("version", ["0.31.0+standin", "0.27.0"])
 def test_greedy_completions_from_the_server_equal_the_policy_s(tmp_path, base_dir, server, vllm, monkeypatch,
                                                                tokenizer, version):
@@ -206,6 +223,46 @@ def test_unreachable_server_fails_within_the_timeout_naming_url_and_fix(tmp_path
     message = str(e.value)
     assert f"http://127.0.0.1:{port}" in message and "after 1 s" in message
     assert "vllm serve" in message and "vllm_server_base_url" in message and "vllm_server_timeout" in message
+
+
+def test_a_port_that_does_not_speak_http_fails_naming_the_url(tmp_path):
+    """vllm_server_port pointing at something else (here a service that greets like SSH): http.client raises
+    BadStatusLine, an HTTPException and no OSError, which escaped the retry loop and every request as a bare
+    traceback. Now: retried until vllm_server_timeout, then the ConnectionError naming the URL and the fix."""
+    from groupwise.generation.vllm_server import VLLMServerClient
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.1)
+    url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ConnectionError) as e:
+            VLLMServerClient(url, connection_timeout=1.0)
+        assert time.monotonic() - start < 10
+        assert f"can't be reached at {url} after 1 s" in str(e.value) and "BadStatusLine" in str(e.value)
+        client = VLLMServerClient.__new__(VLLMServerClient)  # connected earlier; the port changed hands since
+        client.base_url, client.request_timeout = url, 5.0
+        with pytest.raises(ConnectionError, match=rf"vLLM server: GET {url}/v1/models failed: BadStatusLine"):
+            client._get("/v1/models")
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
 
 
 @pytest.mark.parametrize("kw, match", [

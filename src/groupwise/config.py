@@ -329,8 +329,18 @@ class GRPOConfig(StrictConfig):
             self.generation_backend = "vllm"
         elif self.generation_backend == "vllm":
             raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
-        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
+            warnings.warn("vllm_importance_sampling_cap is deprecated (TRL); use vllm_importance_sampling_clip_max",
+                          FutureWarning, stacklevel=2)
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ConfigError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "
+                              f"vllm_importance_sampling_clip_max ({hi}): lower the first or raise the second")
+        if (self.vllm_importance_sampling_correction and lo is None and hi is None
+                and self.vllm_importance_sampling_mode.endswith("_truncate")):
+            raise ConfigError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} clips the "
+                              "weights: set vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max")
         check_available(self.optim)
         resolve_sharding(self.fsdp)  # a bad fsdp string fails here, before anything loads
         parse_optim_args(self.optim_args)

@@ -76,3 +76,36 @@ def test_weights_scale_the_policy_term_not_the_kl():
     loss, _ = policy_loss(lp, lp, torch.ones(1), torch.ones(1, 1), beta=0.1, ref_logps=torch.tensor([[-2.0]]),
                           is_weights=torch.tensor([[2.0]]))
     assert loss.item() == pytest.approx(-2.0 + 0.1 * math.exp(-1), abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_truncation_without_a_bound_is_refused_as_trl_refuses_it(mode):
+    """TRL 1.16's GRPOConfig raises when a *_truncate mode has neither clip_min nor clip_max (its torch.clamp could
+    not run); groupwise returned the raw weights, e.g. exp(0.5) = 1.648721 for OLD/SAMPLING's first token, unclipped."""
+    with pytest.raises(ValueError, match=r"At least one of `vllm_importance_sampling_clip_min` or "
+                                         r"`vllm_importance_sampling_clip_max` must be set"):
+        sampling_weights(OLD, SAMPLING, MASK, mode=mode, clip_min=None, clip_max=None)
+    # a mask mode without bounds masks nothing: exp(Σd) = [1.648721, 1] per sequence (TRL: bounds −inf, +inf)
+    w, m = sampling_weights(OLD, SAMPLING, MASK, mode="sequence_mask", clip_min=None, clip_max=None)
+    assert torch.allclose(w, torch.tensor([[math.exp(0.5)], [1.0]])) and m["importance_sampling_ratio/max"] == w.max()
+
+
+@pytest.mark.parametrize("clip", [(2.0, 2.0), (3.0, 1.5)])
+def test_a_lower_bound_not_below_the_upper_is_refused_as_trl_refuses_it(clip):
+    """TRL: clip_min must be less than clip_max. groupwise masked every weight (w < 3 or w > 1.5 holds for all w:
+    [[0], [0]] for sequence_mask) or clamped them all to clip_max, silently."""
+    for mode in IS_MODES:
+        with pytest.raises(ValueError, match=rf"vllm_importance_sampling_clip_min \({clip[0]}\) must be less than "
+                                             rf"vllm_importance_sampling_clip_max \({clip[1]}\)"):
+            sampling_weights(OLD, SAMPLING, MASK, mode=mode, clip_min=clip[0], clip_max=clip[1])
+
+
+def test_metrics_by_hand_for_token_mask_with_a_lower_bound():
+    # d = [[0.5, 0], [0, (pad)]]; token weights exp(d) = [[1.648721, 1], [1, 1]], window [1.2, 1.5]:
+    # 1.648721 > 1.5 masked, the three 1s < 1.2 masked -> every real weight 0; masked fraction 3/3 = 1
+    w, m = sampling_weights(OLD, SAMPLING, MASK, mode="token_mask", clip_min=1.2, clip_max=1.5)
+    assert torch.equal(w[MASK.bool()], torch.zeros(3)) and m["importance_sampling_ratio/masked_fraction"] == 1.0
+    assert (m["importance_sampling_ratio/min"], m["importance_sampling_ratio/mean"],
+            m["importance_sampling_ratio/max"]) == (0.0, 0.0, 0.0)
+    # the padded token: d = 0, exp(0) = 1 < 1.2, masked as well (TRL masks the whole tensor; the loss mask drops it)
+    assert w[1, 1] == 0.0

@@ -17,6 +17,11 @@ transformers model on the CPU), with the weight-transfer group on gloo instead o
          /finish_weight_update            receive the packed broadcast into the engine's model (load_weights)
     POST /reset_prefix_cache              {"success": true}
 
+As vLLM: `token_ids` / `prompt_token_ids` are null unless the request sets `return_token_ids`, the tokens are
+"token_id:<id>" strings only with `return_tokens_as_token_ids`, and init_info / update_info must carry exactly the
+fields of vLLM's NCCLWeightTransferInitInfo / UpdateInfo for the stand-in's `vllm.__version__` ("packed" in the
+init info from 0.28, in each update's info before); unknown completion fields are refused (vLLM only warns).
+
 /server_info, /get_world_size and the weight endpoints are vLLM's development endpoints: with `dev_mode=False`
 they answer 404, as vLLM does without VLLM_SERVER_DEV_MODE=1. Every request is recorded in `requests` (method,
 path, JSON body) so tests can check the call sequence. Completions carry no text (groupwise reads token ids).
@@ -41,6 +46,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "logprobs", "seed",
             "stop_token_ids")
 IGNORED = ("model", "prompt", "return_token_ids", "return_tokens_as_token_ids", "stream", "echo")
+# NCCLWeightTransferInitInfo / UpdateInfo's fields ("packed" moved from the update to the init info in vLLM 0.28)
+INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+UPDATE_FIELDS = ("names", "dtype_names", "shapes", "packed_buffer_size_bytes", "packed_num_buffers")
+OPTIONAL_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
 
 
 class HTTPError(Exception):
@@ -136,25 +145,31 @@ class StandinServer:
                                         use_tqdm=False)
         eos = self.llm.hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
+        ids = bool(body.get("return_token_ids"))  # vLLM fills token_ids / prompt_token_ids only when asked
         choices = []
         for out in outputs:
             for c in out.outputs:
                 logprobs = None
                 if c.logprobs is not None:
-                    tokens = [f"token_id:{t}" for t in c.token_ids]
+                    as_ids = body.get("return_tokens_as_token_ids")
+                    tokens = [f"token_id:{t}" if as_ids else f"<{t}>" for t in c.token_ids]  # no tokenizer here
                     values = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
                     logprobs = {"tokens": tokens, "token_logprobs": values, "text_offset": [0] * len(tokens),
                                 "top_logprobs": [{tok: v} for tok, v in zip(tokens, values)]}
                 finish = "stop" if c.token_ids and c.token_ids[-1] in eos else "length"
                 choices.append({"index": len(choices), "text": "", "logprobs": logprobs, "finish_reason": finish,
-                                "prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(c.token_ids)})
+                                "prompt_token_ids": list(out.prompt_token_ids) if ids else None,
+                                "token_ids": list(c.token_ids) if ids else None})
         return {"id": f"cmpl-standin-{len(self.requests)}", "object": "text_completion", "model": self.model_name,
                 "choices": choices}
 
     def init_weight_transfer(self, body: dict) -> dict:
         if not self.weight_transfer:
             raise HTTPError(400, "no weight-transfer engine: start the server with --weight-transfer-config")
-        info = body["init_info"]
+        info = self._parse("init_info", body, INIT_FIELDS + (("packed",) if self._stateful() else ()))
+        if info["world_size"] != 2 or info["rank_offset"] != 1:  # one worker, after the trainer's rank 0
+            raise HTTPError(500, f"init_info: world_size {info['world_size']} / rank_offset {info['rank_offset']} "
+                                 "do not place the server's 1 worker after the trainer")
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
         # one worker: rank 0 of the server's workers is rank_offset in the trainer's group
@@ -162,6 +177,25 @@ class StandinServer:
                                                          int(info["rank_offset"]), int(info["world_size"]), "cpu")
         self.packed_in_init = info.get("packed")
         return {}
+
+    def _stateful(self) -> bool:
+        """vLLM ≥ 0.28: `packed` is an init-info field, no longer an update-info one."""
+        from packaging.version import Version
+
+        return Version(self.vllm.__version__) >= Version("0.28.0")
+
+    @staticmethod
+    def _parse(key: str, body: dict, fields: tuple[str, ...]) -> dict:
+        """vLLM builds its engine's init / update info dataclass from the dict (parse_init_info / parse_update_info):
+        a missing or unknown field is an error."""
+        info = body.get(key)
+        if not isinstance(info, dict):
+            raise HTTPError(400, f"the request body needs {key!r}")
+        required = {f for f in fields if f not in OPTIONAL_FIELDS}
+        if set(info) - set(fields) or required - set(info):
+            raise HTTPError(500, f"Invalid {key} for NCCLWeightTransferEngine: got {sorted(info)}, takes "
+                                 f"{sorted(fields)}")
+        return info
 
     def start_update(self) -> dict:
         self.updating = True
@@ -172,7 +206,9 @@ class StandinServer:
             raise HTTPError(400, "call /init_weight_transfer_engine first")
         if not self.updating:
             raise HTTPError(400, "call /start_weight_update first")
-        info = body["update_info"]
+        info = self._parse("update_info", body, UPDATE_FIELDS + (() if self._stateful() else ("packed",)))
+        if not len(info["names"]) == len(info["dtype_names"]) == len(info["shapes"]):
+            raise HTTPError(500, "update_info: `dtype_names` and `shapes` should be of the same size as `names`")
         packed = info.get("packed", self.packed_in_init)
         names, shapes, dtypes = info["names"], info["shapes"], [DTYPES[d] for d in info["dtype_names"]]
         loader = self.llm.llm_engine.model_executor.driver_worker.model_runner.model

@@ -37,6 +37,13 @@ def sampling_weights(
     modes: the share of weights set to 0) and sampling_logp_difference/mean|max (|d_t| over scored tokens)."""
     if mode not in IS_MODES:
         raise ValueError(f"importance sampling mode {mode!r} is not one of {IS_MODES}")
+    # TRL 1.16's GRPOConfig refuses both (a truncation with no bound, a window that masks every weight)
+    if mode.endswith("truncate") and clip_min is None and clip_max is None:
+        raise ValueError("At least one of `vllm_importance_sampling_clip_min` or `vllm_importance_sampling_clip_max` "
+                         "must be set when `vllm_importance_sampling_mode` is a `*_truncate` mode.")
+    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+        raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
+                         f"vllm_importance_sampling_clip_max ({clip_max}).")
     mask = mask.to(old_logps.dtype)
     diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)  # (N, T)
     sequence = mode.startswith("sequence")
@@ -45,8 +52,7 @@ def sampling_weights(
     hi = math.inf if clip_max is None else clip_max
     masked = torch.zeros_like(weights, dtype=torch.bool)
     if mode.endswith("truncate"):
-        if clip_min is not None or clip_max is not None:
-            weights = torch.clamp(weights, min=clip_min, max=clip_max)
+        weights = torch.clamp(weights, min=clip_min, max=clip_max)
     else:
         masked = (weights < lo) | (weights > hi)
         weights = weights.masked_fill(masked, 0.0)

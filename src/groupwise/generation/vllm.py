@@ -2,8 +2,11 @@
 on each process's device, sharing it with training.
 
 It follows the contract TRL 1.16's colocate mode uses with vLLM (docs/vllm.md): the engine is built with
-`LLM(model=<policy path>, tensor_parallel_size, gpu_memory_utilization, max_model_len, enable_sleep_mode,
-distributed_executor_backend="external_launcher", seed=<rank>, logprobs_mode="processed_logprobs")`, prompts go in
+`LLM(model=<policy path>, tensor_parallel_size, gpu_memory_utilization, max_model_len, max_num_seqs=
+per_device_train_batch_size · tensor_parallel_size · steps_per_generation, enable_sleep_mode, model_impl,
+distributed_executor_backend="external_launcher", seed=<rank> // tensor_parallel_size, max_num_batched_tokens=4096,
+logprobs_mode="processed_logprobs", trust_remote_code)` once RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT are set (launcher_environment: the external launcher reads them), prompts go in
 as `{"prompt_token_ids": ids}` with `SamplingParams(n=1, temperature, top_p, top_k, min_p, repetition_penalty,
 max_tokens, logprobs=0)` (updated with generation_kwargs), and after each optimizer step the policy's weights are
 loaded with `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` followed by
@@ -59,6 +62,29 @@ def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch
         yield named
 
 
+def launcher_environment() -> int:
+    """Set the variables vLLM's `external_launcher` backend reads, as TRL 1.16 sets them before building the engine:
+    RANK and LOCAL_RANK (read unconditionally: a KeyError without them), WORLD_SIZE, and MASTER_ADDR / MASTER_PORT
+    for its env:// rendezvous (localhost and a free port unless set, TRL's ensure_master_addr_port). torchrun sets
+    them all; a plain `python train.py` sets none. Returns this process's rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    os.environ["LOCAL_RANK"] = os.environ.get("LOCAL_RANK") or str(rank % max(1, torch.cuda.device_count()))
+    os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR") or "localhost"
+    if os.environ.get("MASTER_PORT", "").strip().lower() in ("", "0", "auto"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return rank
+
+
 def sampling_fields(args, greedy: bool) -> dict:
     """The sampling fields sent to vLLM (SamplingParams, or the server's request) for a GRPOConfig, as TRL sends
     them; generation_kwargs override them (TRL), and a greedy call (evaluation) stays greedy whatever they say."""
@@ -96,15 +122,18 @@ class VLLMColocateGenerator:
         path = getattr(getattr(model, "config", None), "_name_or_path", "") or getattr(model, "name_or_path", "")
         if hasattr(model, "get_base_model"):  # PEFT: the engine serves the base architecture
             path = model.get_base_model().config._name_or_path
-        if not path or not os.path.exists(path) and "/" not in path:
+        if not path:  # a model built in memory; a local directory or any hub id ("gpt2" too) is vLLM's to load
             raise ConfigError("use_vllm: vLLM loads the policy from a path; pass the model as a path (or hub id), "
                               "not as a model built in memory")
-        rank = int(os.environ.get("RANK", "0"))
-        self.llm = vllm.LLM(model=path, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        rank = launcher_environment()
+        tp = args.vllm_tensor_parallel_size
+        self.llm = vllm.LLM(model=path, tensor_parallel_size=tp,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                            max_model_len=args.vllm_max_model_length, enable_sleep_mode=args.vllm_enable_sleep_mode,
-                            distributed_executor_backend="external_launcher", seed=rank,
-                            logprobs_mode="processed_logprobs", model_impl=args.vllm_model_impl,
+                            max_model_len=args.vllm_max_model_length,
+                            max_num_seqs=args.per_device_train_batch_size * tp * (args.steps_per_generation or 1),
+                            enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+                            distributed_executor_backend="external_launcher", seed=rank // tp,
+                            max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
                             trust_remote_code=args.trust_remote_code)
         self._load(model)  # the engine starts from the policy as it is now (a resumed run's weights)
         return self.llm
@@ -128,6 +157,8 @@ class VLLMColocateGenerator:
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
         params = vllm.SamplingParams(n=1, logprobs=0, **sampling_fields(args, greedy))
         if self.asleep:  # a level-2 sleep discarded the weights: wake them, load the policy's, then the KV cache
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # TRL: "required to avoid OOM in some cases"
             llm.wake_up(tags=["weights"])
             self._load(model)
             llm.wake_up(tags=["kv_cache"])

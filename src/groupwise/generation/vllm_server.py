@@ -34,6 +34,7 @@ the stand-in engine over HTTP, its weight transfer runs a gloo group on the CPU)
 from __future__ import annotations
 
 import atexit
+import http.client
 import importlib.metadata
 import json
 import math
@@ -151,10 +152,16 @@ class VLLMServerClient:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             raise VLLMServerError(f"vLLM server: {method} {url} failed: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise ConnectionError(f"vLLM server: {method} {url} failed: {reason}") from e
-        return json.loads(body) if body.strip() else {}
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            # HTTPException: something answered that does not speak HTTP (a wrong port), or the connection broke
+            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
+            raise ConnectionError(f"vLLM server: {method} {url} failed: {reason} (is the vLLM server still running "
+                                  "there?)") from e
+        try:
+            return json.loads(body) if body.strip() else {}
+        except ValueError:
+            raise VLLMServerError(f"vLLM server: {method} {url} answered something that is not JSON: "
+                                  f"{body[:200]!r}") from None
 
     def _get(self, path: str, **kw) -> dict:
         return self._request("GET", path, **kw)
@@ -199,8 +206,8 @@ class VLLMServerClient:
                     last = f"HTTP {response.status}"
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}"
-            except (urllib.error.URLError, OSError) as e:
-                last = str(getattr(e, "reason", e))
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                last = str(getattr(e, "reason", None) or f"{type(e).__name__}: {e}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ConnectionError(

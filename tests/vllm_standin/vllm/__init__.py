@@ -1,16 +1,19 @@
 """An in-repo stand-in for the parts of vLLM's Python API that groupwise's vLLM backends call (vLLM itself needs
 a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a transformers model on the CPU:
 
-    LLM(model=path, tensor_parallel_size, gpu_memory_utilization, max_model_len, enable_sleep_mode,
-        distributed_executor_backend, seed, logprobs_mode, model_impl, trust_remote_code)
+    LLM(model=path, **engine_args)  (ENGINE_ARGS: an unknown name is a TypeError, as vLLM's EngineArgs(**kwargs);
+        distributed_executor_backend="external_launcher" reads RANK / LOCAL_RANK and, torch.distributed not being
+        initialized, needs MASTER_ADDR / MASTER_PORT, as vLLM's ExecutorWithExternalLauncher and env:// do)
     LLM.generate([{"prompt_token_ids": [...]}, ...], sampling_params=SamplingParams(...), use_tqdm=False)
         -> [RequestOutput(prompt_token_ids, outputs=[CompletionOutput(token_ids, logprobs=[{id: Logprob}])])]
     LLM.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])
     LLM.reset_prefix_cache(), LLM.sleep(level) (level 2 discards the weights), LLM.wake_up(tags)
 
-Sampling: temperature (0 = greedy), top-k, top-p; logprobs of the sampled token under the processed distribution
-(logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`) so tests can
-check that weights reach the engine.
+SamplingParams checks its fields' ranges as vLLM's _verify_args. Sampling: temperature (0 = greedy), top-k (top-p,
+min-p and the repetition penalty are accepted, not applied); logprobs of the sampled token under the processed
+distribution (logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`)
+and what it sampled (`outputs`, `sampled_logprobs`) so tests can check that weights reach the engine and log-probs
+the trainer.
 
 Server mode (tests/vllm_standin/serve.py serves this engine over HTTP) also uses, on the trainer's side:
     vllm.utils.network_utils.get_ip()
@@ -28,6 +31,17 @@ __version__ = "0.31.0+standin"
 ENGINES: list["LLM"] = []  # every engine built in this process (tests read them)
 
 
+# vLLM's EngineArgs fields the stand-in knows (LLM(**kwargs) builds EngineArgs(**kwargs): any other name is a
+# TypeError there too), and the values it checks
+ENGINE_ARGS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+               "max_num_batched_tokens", "enable_sleep_mode", "distributed_executor_backend", "seed", "logprobs_mode",
+               "model_impl", "trust_remote_code", "quantization", "dtype", "revision", "enforce_eager",
+               "enable_prefix_caching", "kv_cache_dtype")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+MODEL_IMPLS = ("auto", "vllm", "transformers", "terratorch")
+EXECUTORS = (None, "mp", "ray", "uni", "external_launcher")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -40,6 +54,17 @@ class SamplingParams:
     logprobs: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # generation also ends after these (kept in the output, as vLLM does)
+
+    def __post_init__(self):  # vLLM's SamplingParams._verify_args, for the fields above
+        checks = [(self.n >= 1, "n must be at least 1"), (self.temperature >= 0, "temperature must be non-negative"),
+                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"), (self.top_k >= -1, "top_k must be 0 (disable), "
+                  "or at least 1"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+                  (self.repetition_penalty > 0, "repetition_penalty must be greater than zero"),
+                  (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+                  (self.logprobs is None or self.logprobs >= -1, "logprobs must be non-negative or -1")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"{message}, got {self}")
 
 
 @dataclass
@@ -86,8 +111,27 @@ class _WeightLoader:
 
 class LLM:
     def __init__(self, model: str, **kwargs):
+        import os
+
         from transformers import AutoModelForCausalLM
 
+        unknown = sorted(set(kwargs) - set(ENGINE_ARGS))
+        if unknown:
+            raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        for name, allowed in (("logprobs_mode", LOGPROBS_MODES), ("model_impl", MODEL_IMPLS),
+                              ("distributed_executor_backend", EXECUTORS)):
+            if name in kwargs and kwargs[name] not in allowed:
+                raise ValueError(f"{name}={kwargs[name]!r} is not one of {allowed}")
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            # vLLM's ExecutorWithExternalLauncher reads os.environ["RANK"] / ["LOCAL_RANK"] and rendezvous env://
+            import torch.distributed as dist
+
+            self.rank, self.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+            if not dist.is_initialized():
+                for name in ("MASTER_ADDR", "MASTER_PORT"):
+                    if not os.environ.get(name):
+                        raise ValueError(f"Error initializing torch.distributed using env:// rendezvous: "
+                                         f"environment variable {name} expected, but not set")
         self.kwargs = kwargs
         self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
         self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
@@ -96,6 +140,7 @@ class LLM:
         self.asleep: set[str] = set()  # what sleep() put to sleep and wake_up() has not woken yet
         self.prefix_cache_resets = 0
         self.outputs: list[list[int]] = []  # the token ids of every completion of the last generate()
+        self.sampled_logprobs: list[list[float]] = []  # and the log-prob of each of their tokens
         runner = _Runner(self.hf, self)
         worker = type("Worker", (), {"model_runner": runner})()
         executor = type("Executor", (), {"driver_worker": worker})()
@@ -158,4 +203,6 @@ class LLM:
                 completions.append(CompletionOutput(k, seq[len(ids):], lps if p.logprobs is not None else None))
             out.append(RequestOutput(ids, completions))
         self.outputs = [c.token_ids for r in out for c in r.outputs]
+        self.sampled_logprobs = [[e[t].logprob for t, e in zip(c.token_ids, lps)] for c, lps in
+                                 ((c, c.logprobs) for r in out for c in r.outputs) if lps is not None]
         return out
