@@ -145,7 +145,10 @@ class _ThreadDist:
 
     def extreme(self, t, largest):
         fill = float("-inf") if largest else float("inf")
-        every = torch.stack(self.comm.allgather(self.rank, torch.nan_to_num(t.double(), nan=fill)))
+        # ±inf kept (nan_to_num's default would turn them into ±1.8e308), as Distributed.extreme: a micro-batch
+        # without tokens reports ±inf, which must come back as NaN
+        t = torch.nan_to_num(t.double(), nan=fill, posinf=float("inf"), neginf=float("-inf"))
+        every = torch.stack(self.comm.allgather(self.rank, t))
         out = every.max(0).values if largest else every.min(0).values
         return torch.where(out == fill, torch.full_like(out, float("nan")), out)
 
@@ -298,9 +301,8 @@ def test_every_loss_type_gives_trls_gradients_and_metrics_over_processes_and_mic
     off-policy π_θold), ragged completions and an empty one, β > 0: every step's gradient with respect to every
     token's log-prob equals the one TRL 1.16's GRPOTrainer._compute_loss gives under DDP and its accumulation.
     "token": token-level ratio and process-style (N, T) advantages, top-entropy mask, entropy bonus;
-    "sequence": GSPO's sequence ratio, bias-corrected KL and sequence-level sampler weights. The token counts of
-    every micro-batch are equal on both processes, so the logged metrics (TRL: token-weighted over processes,
-    groupwise: the mean over processes, docs/trl_compat.md) agree too."""
+    "sequence": GSPO's sequence ratio, bias-corrected KL and sequence-level sampler weights. The logged metrics
+    agree too (token-weighted over processes in both; unequal token counts per process: test_update_audit.py)."""
     pytest.importorskip("trl")
     W, mbs, spg, mu, ga = 2, 2, 2, 2, 2
     d, f, is_level = _case(loss_type, case)

@@ -49,16 +49,22 @@ class UpdateContext:
 def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int, num_iterations: int,
             gradient_accumulation_steps: int) -> list[list[TrainBatch]]:
     """Micro-batches in training order (μ passes over the batch), grouped into optimizer steps."""
+    rows = batch.input_ids.size(0)
+    if rows != micro_batch_size * steps_per_generation:  # rows past the last micro-batch would never be trained on
+        raise ValueError(f"a generation batch of {rows} rows per process is not steps_per_generation="
+                         f"{steps_per_generation} micro-batches of {micro_batch_size} rows")
     micro = [batch.rows(k * micro_batch_size, (k + 1) * micro_batch_size)
              for _ in range(num_iterations) for k in range(steps_per_generation)]
     k = gradient_accumulation_steps
     return [micro[i:i + k] for i in range(0, len(micro), k)]
 
 
-def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor | None
+def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor | None,
+                     counts: dict[str, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """The aggregated loss of one micro-batch (before accumulation/DP scaling), the mean entropy H̄ of the tokens the
-    policy term acts on (differentiable; None when entropy_coef = 0), and the metrics."""
+    policy term acts on (differentiable; None when entropy_coef = 0), and the metrics (this process's means; `counts`,
+    when given, is filled with what each mean divides by)."""
     args = ctx.args
     mask = mb.completion_mask
     bonus = args.entropy_coef != 0.0
@@ -73,8 +79,10 @@ def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
         sapo_temperature_neg=args.sapo_temperature_neg, importance_sampling_level=args.importance_sampling_level,
         beta=args.beta, ref_logps=mb.ref_logps, use_bias_correction_kl=args.use_bias_correction_kl,
         max_completion_length=args.max_completion_length, num_items_in_batch=num_items, loss_mask=loss_mask,
-        is_weights=mb.is_weights)
+        is_weights=mb.is_weights, metric_counts=counts)
     metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
+    if counts is not None:
+        counts["entropy"] = mask.sum()
     mean_entropy = None
     if bonus:  # over the tokens the policy term acts on (the top-entropy ones when top_entropy_quantile < 1), as TRL
         acting = mask if loss_mask is None else mask * loss_mask
@@ -94,10 +102,12 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
         scale = 1.0 / k
     sums: dict[str, float] = defaultdict(float)
     extremes: dict[str, list[float]] = defaultdict(list)  # per micro-batch, then over processes (EXTREMES)
+    weighted: dict[str, list[float]] = defaultdict(list)  # per micro-batch: this process's mean · count, count
     step_loss, step_total, finite = 0.0, 0.0, True
     for i, mb in enumerate(window):
         with dist.no_sync(model, skip_sync=i < k - 1):
-            loss, mean_entropy, metrics = micro_batch_loss(ctx, mb, num_items)
+            counts: dict[str, torch.Tensor] = {}
+            loss, mean_entropy, metrics = micro_batch_loss(ctx, mb, num_items, counts)
             total = loss * scale
             if mean_entropy is not None:  # L − c·H̄: each micro-batch's mean token entropy, averaged over the window
                 total = total - args.entropy_coef * mean_entropy / k
@@ -108,6 +118,8 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
         for name, value in metrics.items():
             if name in EXTREMES:
                 extremes[name].append(float(value))
+            elif name in counts:
+                weighted[name] += [float(value) * float(counts[name]), float(counts[name])]
             else:
                 sums[name] += float(value) / k
     params = [p for p in model.parameters() if p.requires_grad]
@@ -125,10 +137,15 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     ctx.optimizer.zero_grad(set_to_none=True)
     # average over processes: `loss` is Σ_i (ℓ_i·scale − c·H̄_i/k), the objective minimised (TRL's loss), whose mean
     # over ranks is the step's; policy_loss (logged with an entropy bonus, as TRL) leaves the bonus out
-    keys = ["loss", "policy_loss", *sorted(sums)]
-    values = dist.sum(torch.tensor([step_total, step_loss, *(sums[n] for n in keys[2:])],
-                                   device=dist.device)) / dist.world_size
-    out = dict(zip(keys, values.tolist()))
+    # and the means (kl, entropy, clip ratios): per micro-batch Σ_processes mean·count / Σ_processes count, TRL's
+    # global_masked_mean (token-weighted over processes), then the mean over the window's micro-batches
+    keys, means = ["loss", "policy_loss", *sorted(sums)], sorted(weighted)
+    dtype = torch.float32 if torch.device(dist.device).type == "mps" else torch.float64  # MPS has no float64
+    values = dist.sum(torch.tensor([step_total, step_loss, *(sums[n] for n in keys[2:]),
+                                    *(x for n in means for x in weighted[n])], device=dist.device, dtype=dtype))
+    out = dict(zip(keys, (values[:len(keys)] / dist.world_size).tolist()))
+    pairs = values[len(keys):].view(len(means), k, 2)  # (metric, micro-batch, [Σ mean·count, Σ count])
+    out.update(zip(means, (pairs[..., 0] / pairs[..., 1].clamp(min=1.0)).mean(-1).tolist()))
     if args.entropy_coef != 0.0:
         out["entropy_coef"] = args.entropy_coef
     else:

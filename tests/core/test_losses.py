@@ -55,9 +55,11 @@ def test_sapo_logs_no_clip_ratio_as_trl():
 
 
 def test_sequence_ratio_worked_example():
-    # sequence-level ratio by hand: sum log-ratio 2.0 → ratio e² = 7.389, clipped to 1.2, A = 1.24:
-    # min(7.389·1.24, 1.2·1.24) = 1.488. With a sequence of one token and log-ratio 2.0 the loss is −1.488.
-    loss, m = policy_loss(torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([1.24]), torch.ones(1, 1))
+    # the outcome seed's step 4–6 (one token here, so its "sum" of log-ratios and GSPO's mean agree; several tokens:
+    # test_losses_audit.test_gspo_sequence_ratio_is_the_mean_log_ratio_of_real_tokens_by_hand): log-ratio 2.0 →
+    # ratio e² = 7.389, clipped to 1.2, A = 1.24: min(7.389·1.24, 1.2·1.24) = 1.488, so the loss is −1.488.
+    loss, m = policy_loss(torch.tensor([[2.0]]), torch.zeros(1, 1), torch.tensor([1.24]), torch.ones(1, 1),
+                          importance_sampling_level="sequence")
     assert loss.item() == pytest.approx(-1.488, abs=1e-6)
     assert m["clip_ratio/region_mean"].item() == 1.0
 

@@ -44,10 +44,13 @@ def _sapo(ratio, logps, adv, *, sapo_temperature_pos, sapo_temperature_neg, **_)
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if x.size(-1) == 1:  # sequence-level quantities are (N, 1)
-        return x.float().mean()
-    return (x.float() * mask).sum() / mask.sum().clamp(min=1.0)
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's masked mean of a metric and what it divides by (its count: update.py weighs each process's mean by it,
+    so the logged value is TRL's global_masked_mean, token-weighted over processes)."""
+    if x.size(-1) == 1:  # sequence-level quantities are (N, 1): one value per sequence
+        return x.float().mean(), torch.tensor(float(x.size(0)), device=x.device)
+    count = mask.float().sum()
+    return (x.float() * mask).sum() / count.clamp(min=1.0), count
 
 
 def _sequence_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # (N,): each sequence's masked mean
@@ -63,8 +66,8 @@ def _clip_metrics(ratio, adv, mask, *, epsilon_low, epsilon_high):
     low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
     return {"clip_ratio/low_mean": _masked_mean(low, mask), "clip_ratio/high_mean": _masked_mean(high, mask),
             "clip_ratio/region_mean": _masked_mean(low | high, mask),
-            "clip_ratio/low_min": _sequence_means(low, mask).nan_to_num(float("inf")).min(),
-            "clip_ratio/high_max": _sequence_means(high, mask).nan_to_num(float("-inf")).max()}
+            "clip_ratio/low_min": (_sequence_means(low, mask).nan_to_num(float("inf")).min(), None),
+            "clip_ratio/high_max": (_sequence_means(high, mask).nan_to_num(float("-inf")).max(), None)}
 
 
 def _cispo_metrics(ratio, adv, mask, *, epsilon_high, **_):
@@ -76,7 +79,9 @@ def _cispo_metrics(ratio, adv, mask, *, epsilon_high, **_):
 class Objective:
     per_token: Callable[..., torch.Tensor]  # (ratio, logps, adv, **options) → (N, T) per-token loss
     options: tuple[str, ...]  # GRPOConfig fields it reads (setting another objective's field is a ConfigError)
-    metrics: Callable[..., dict] | None = None  # (ratio, adv, mask, epsilon_low=, epsilon_high=) → detached metrics
+    # (ratio, adv, mask, epsilon_low=, epsilon_high=) → {name: (value, count)}: a mean and what it divides by, or an
+    # extreme over sequences and None
+    metrics: Callable[..., dict] | None = None
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -126,10 +131,13 @@ def policy_loss(
     num_items_in_batch: float | torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,  # (N, T) extra 0/1 mask on the policy term (top-entropy tokens)
     is_weights: torch.Tensor | None = None,  # (N, T) or (N, 1) sampler correction (groupwise.core.importance)
+    metric_counts: dict[str, torch.Tensor] | None = None,  # filled, when given, with what each mean metric divides by
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return (scalar loss, metrics) — metrics (detached, TRL's names): `kl` when β ≠ 0 (the mean of the per-token KL
     term β multiplies: k3, or ρ·k3 with `use_bias_correction_kl`, as TRL), and the objective's
-    (clip: `clip_ratio/low_mean`, `high_mean`, `region_mean`, `low_min`, `high_max`; cispo: `cispo_clip_ratio`)."""
+    (clip: `clip_ratio/low_mean`, `high_mean`, `region_mean`, `low_min`, `high_max`; cispo: `cispo_clip_ratio`).
+    `metric_counts`: each mean metric's count (real tokens, or sequences for a per-sequence quantity), for a mean
+    over processes weighted as TRL's; the extremes (`low_min`, `high_max`) have none."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             f"importance_sampling_level={importance_sampling_level!r} is not one of {IMPORTANCE_SAMPLING_LEVELS}"
@@ -161,18 +169,20 @@ def policy_loss(
         per_token = per_token * loss_mask.to(per_token.dtype)
     if is_weights is not None:  # the policy term only, as TRL applies it (not the KL)
         per_token = per_token * is_weights.to(per_token.dtype)
-    metrics: dict[str, torch.Tensor] = {}
+    measured: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     if beta != 0.0:
         kl = k3(logps, ref_logps)  # (N, T)
         if use_bias_correction_kl:
             kl = kl * ratio
         per_token = per_token + beta * kl
-        metrics["kl"] = _masked_mean(kl.detach(), mask)  # the term β multiplies, as TRL logs it (ρ·k3 when corrected)
+        measured["kl"] = _masked_mean(kl.detach(), mask)  # the term β multiplies, as TRL logs it (ρ·k3 if corrected)
     loss = aggregate(per_token, mask, kind.aggregation, max_completion_length=max_completion_length,
                      num_items_in_batch=num_items_in_batch)
 
     objective_metrics = OBJECTIVES[kind.objective].metrics
     if objective_metrics is not None:
         with torch.no_grad():
-            metrics.update(objective_metrics(ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high))
-    return loss, metrics
+            measured.update(objective_metrics(ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high))
+    if metric_counts is not None:
+        metric_counts.update({name: count for name, (_, count) in measured.items() if count is not None})
+    return loss, {name: value for name, (value, _) in measured.items()}
