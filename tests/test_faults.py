@@ -167,7 +167,7 @@ def test_empty_dataset_names_the_file(tmp_path, model_dir, capsys):
 
 
 def test_prompt_lengths_against_max_prompt_length_and_positions(tmp_path, tokenizer):
-    long = [{"prompt": "repeat " + "a" * 40 + ":"}] + toy.dataset(7)
+    long = [{"prompt": "repeat " + "a" * 40 + ":", "letter": "a"}] + toy.dataset(7)  # every row: the same columns
     with pytest.raises(ConfigError, match=r"train_dataset row 0 has \d+ prompt tokens > max_prompt_length=12 "
                                           r"\(1 of 8 rows\)"):
         GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), _length, processing_class=tokenizer,

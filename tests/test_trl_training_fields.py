@@ -81,6 +81,10 @@ def test_optimizers_argument_is_the_optimizer_and_schedule_that_step(tmp_path, t
                                           "builtin_function_or_method, which a checkpoint"):
         _trainer(tmp_path, tokenizer, model=model, optimizers=(opt, sched))
     _trainer(tmp_path, tokenizer, model=model, optimizers=(opt, sched), save_only_model=True)  # nothing to save
+    # an optimizer whose param_groups a checkpoint cannot hold (a tensor learning rate): named before training too
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    with pytest.raises(ConfigError, match=r"optimizers\[0\]: state_dict\(\).param_groups\[0\].lr is a Tensor"):
+        _trainer(tmp_path, tokenizer, model=model, optimizers=(opt, None))
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
@@ -120,8 +124,12 @@ def test_evaluate_takes_transformers_arguments(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, max_steps=1)
     out = t.evaluate(eval_dataset=toy.dataset(2), metric_key_prefix="test", ignore_keys=["completions/mean_length"])
     # transformers' speed metrics too: 2 prompts, one batch of per_device_eval_batch_size (16) prompts
-    assert set(out) == {"test_reward", "test_rewards/_length/mean", "epoch", "test_runtime", "test_samples_per_second",
-                        "test_steps_per_second"} and t.state.log_history[-1]["test_reward"] == out["test_reward"]
+    lengths = [f"test_completions/{k}" for k in ("min_length", "max_length", "clipped_ratio", "mean_terminated_length",
+                                                  "min_terminated_length", "max_terminated_length")]
+    assert set(out) == {"test_reward", "test_reward_std", "test_rewards/_length/mean", "test_rewards/_length/std",
+                        "test_frac_reward_zero_std", "test_num_tokens", *lengths, "epoch", "test_runtime",
+                        "test_samples_per_second", "test_steps_per_second"}
+    assert t.state.log_history[-1]["test_reward"] == out["test_reward"]
     assert out["test_samples_per_second"] == pytest.approx(2 / out["test_runtime"], rel=1e-2)
     assert out["test_steps_per_second"] == pytest.approx(1 / out["test_runtime"], rel=1e-2)
     both = t.evaluate(eval_dataset={"a": toy.dataset(2), "b": toy.dataset(3)})
@@ -175,7 +183,8 @@ def test_a_bad_stream_row_names_its_number(tmp_path, tokenizer):
     from datasets import IterableDataset
 
     rows = toy.dataset(3) + [{"prompt": ""}] + toy.dataset(8)
-    t = _trainer(tmp_path, tokenizer, data=IterableDataset.from_generator(lambda: iter(rows)), max_steps=2)
+    t = _trainer(tmp_path, tokenizer, data=IterableDataset.from_generator(lambda: iter(rows)), max_steps=2,
+                 shuffle_dataset=False)  # read in order: row 3 is the fourth read
     with pytest.raises(ConfigError, match="train_dataset row 3 has an empty prompt"):
         t.train()
 
@@ -550,13 +559,31 @@ def test_evaluation_log_metric_stays_out_of_the_training_window(tmp_path, tokeni
 
 
 def test_streamed_rows_get_the_length_checks(tmp_path, tokenizer):
-    rows = toy.dataset(3) + [{"prompt": "repeat a:" * 10}] + toy.dataset(8)
+    rows = toy.dataset(3) + [{**toy.dataset(1)[0], "prompt": "repeat a:" * 10}] + toy.dataset(8)
     from datasets import IterableDataset
 
     t = _trainer(tmp_path, tokenizer, data=IterableDataset.from_generator(lambda: iter(rows)), max_steps=2,
-                 max_prompt_length=20, truncate_prompt="error")
+                 max_prompt_length=20, truncate_prompt="error", shuffle_dataset=False)
     with pytest.raises(ConfigError, match="train_dataset row 3 has 90 prompt tokens > max_prompt_length=20"):
         t.train()
+
+
+def test_a_stream_is_shuffled_by_data_seed_and_eval_takes_a_dict_of_columns(tmp_path, tokenizer):
+    # TRL: an IterableDataset is read through dataset.shuffle(seed=…) when shuffle_dataset (data_seed here)
+    from datasets import IterableDataset
+
+    rows = toy.dataset(12)
+
+    def stream():
+        return IterableDataset.from_generator(lambda: iter(rows))
+
+    expected = [r["prompt"] for r in stream().shuffle(seed=7)]
+    t = _trainer(tmp_path, tokenizer, data=stream(), max_steps=1, data_seed=7,
+                 eval_data={"prompt": [r["prompt"] for r in rows[:3]], "letter": [r["letter"] for r in rows[:3]]})
+    assert [t.train_data[i]["prompt"] for i in range(12)] == expected != [r["prompt"] for r in rows]
+    assert [t.eval_data[i]["letter"] for i in range(3)] == [r["letter"] for r in rows[:3]]  # columns read as rows
+    kept = _trainer(tmp_path, tokenizer, data=stream(), max_steps=1, shuffle_dataset=False)
+    assert [kept.train_data[i]["prompt"] for i in range(12)] == [r["prompt"] for r in rows]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -11,13 +11,14 @@ checkpoint-N/
   model_shard_<rank>.safetensors, optimizer_<rank>.*  each process's shards, when the run is sharded (FSDP2); the
                                                     optimizer.* files are then absent and model.safetensors is the
                                                     consolidated model; ref_model_shard_<rank>.safetensors
-                                                    replaces ref_model.safetensors
+                                                    replaces ref_model.safetensors (a sharded run resumes
+                                                    either: older ones wrote the whole reference)
   checksums.json                                    sha256 of every other file, written last
 The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
 checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
 bit-flipped or edited), naming the file. trainer_state.json records the run id; `save_total_limit` rotation only
 ever deletes checkpoints of the same run, a save refuses to replace another run's checkpoint of the same step, and
-a new run refuses an output_dir that holds another run's outputs.
+a new run refuses an output_dir that holds another run's outputs. Loading is groupwise.checkpoint_load's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from groupwise.config_base import ConfigError
-from groupwise.layout import ROUND_FIELDS
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
@@ -97,14 +97,46 @@ def run_outputs(output_dir: str | Path) -> list[Path]:
                   or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
 
 
+def _incomplete(folder: Path) -> str | None:
+    """Why a checkpoint-N folder cannot be resumed from, or None; cheap (the files' presence, not their checksums,
+    which read_state verifies)."""
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "no readable trainer_state.json"
+    if state.get("model_only"):
+        return "saved with save_only_model=True"
+    if not (folder / MANIFEST).exists():
+        return None if state.get("run_id") is None else f"no {MANIFEST}"  # (no run id: predates checksums)
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return f"an unreadable {MANIFEST}"
+    gone = [name for name in listed if not (folder / name).is_file()]
+    return f"{gone[0]} missing" if gone else None
+
+
 def latest_checkpoint(output_dir: str | Path) -> str:
-    """The checkpoint-N folder with the largest N in output_dir (resume_from_checkpoint=True)."""
+    """The resumable checkpoint-N folder with the largest N in output_dir (resume_from_checkpoint=True); newer
+    folders that are not complete checkpoints (files missing, written with save_only_model) are passed over with a
+    warning naming them."""
     root = Path(output_dir)
-    found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
-                   if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
+    found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                    if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()), reverse=True)
     if not found:
         raise CheckpointError(f"resume_from_checkpoint=True: no checkpoint-N folder in output_dir {output_dir}")
-    return str(found[-1][1])
+    skipped = []
+    for _, path in found:
+        why = _incomplete(path)
+        if why is None:
+            if skipped:
+                warnings.warn(f"resume_from_checkpoint=True: resuming from {path.name}; newer folders are not "
+                              f"complete checkpoints: {'; '.join(skipped)}", RuntimeWarning, stacklevel=3)
+            return str(path)
+        skipped.append(f"{path.name} ({why})")
+    listed = "; ".join(skipped[:3]) + (" …" if len(skipped) > 3 else "")
+    raise CheckpointError(f"resume_from_checkpoint=True: no complete checkpoint in output_dir {output_dir} "
+                          f"({listed}); start a new run (a save_only_model checkpoint can be its model)")
 
 
 def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | None:
@@ -159,8 +191,9 @@ def check_json_state(state: Any, what: str) -> None:
     bad = first_bad(state, "state_dict()")
     if bad is not None:
         raise ConfigError(f"{what}: {bad[0]} is a {type(bad[1]).__name__}, which a checkpoint (JSON, no pickles) "
-                          "cannot hold: keep only numbers, strings and lists in the scheduler's attributes (e.g. a "
-                          "plain function as lr_lambda, not an object holding one), or set save_only_model=True / "
+                          "cannot hold: keep only numbers, strings and lists in it (a float lr, not a tensor; a "
+                          "plain function as a scheduler's lr_lambda, not an object holding one), or set "
+                          "save_only_model=True / "
                           "save_strategy='no' with save_on_interrupt=False")
 
 
@@ -250,52 +283,63 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
     if owner is not None and owner != state.get("run_id"):
         raise CheckpointError(f"{final} belongs to another run (run_id {owner}, this run's is {state.get('run_id')}): "
                               "it is left as it is; resume into another output_dir, or move that checkpoint away")
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    if not model_only:
-        tensors, rest = _rng_state()
-        save_file(tensors, str(tmp / f"rng_state_{dist.rank}.safetensors"))
-        _write_json(tmp / f"rng_state_{dist.rank}.json", rest)
-        if pending:
-            save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()},
-                      str(tmp / f"rollout_{dist.rank}.safetensors"))
-    # every process builds the optimizer state dict (collective under some backends); the main one writes
-    opt_state = None if model_only else optimizer.state_dict()
-    if sharded_model is not None and not model_only:
-        from groupwise.sharding import local_tensors, optimizer_local
+    # each phase runs under run_together: a failure on one process (a full disk) stops every process with its
+    # message at once, instead of leaving the others in a barrier until ddp_timeout
+    dist.run_together(lambda: dist.is_main and _fresh_folder(tmp), f"preparing checkpoint-{step}")
 
-        save_file(local_tensors(sharded_model.state_dict()), str(tmp / f"model_shard_{dist.rank}.safetensors"))
-        _optimizer_to_files(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
-        if ref_model is not None:  # sharded alike (adapters.Reference.shard): each process its shards
-            save_file(local_tensors(ref_model.state_dict()), str(tmp / f"ref_model_shard_{dist.rank}.safetensors"))
-    if dist.is_main:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        _write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})
+    def write() -> None:
+        # every process builds the optimizer state dict (collective under some backends); the main one writes
+        opt_state = None if model_only else optimizer.state_dict()
         if not model_only:
-            if sharded_model is None:  # sharded runs wrote optimizer_<rank>.* above
-                _optimizer_to_files(opt_state, tmp)
-            _write_json(tmp / "scheduler.json", scheduler.state_dict())
-        if ref_model is not None and not model_only and sharded_model is None:
-            save_file({k: v.detach().cpu().clone() for k, v in ref_model.state_dict().items()},  # tied: copies
-                      str(tmp / "ref_model.safetensors"))
-    dist.barrier()
-    if dist.is_main:
-        _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
-        _sync(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
-        old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _sync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
-        _rotate(root, save_total_limit, state.get("run_id"), keep=final)
-    dist.barrier()
+            tensors, rest = _rng_state()
+            save_file(tensors, str(tmp / f"rng_state_{dist.rank}.safetensors"))
+            _write_json(tmp / f"rng_state_{dist.rank}.json", rest)
+            if pending:
+                save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()},
+                          str(tmp / f"rollout_{dist.rank}.safetensors"))
+        if sharded_model is not None and not model_only:
+            from groupwise.sharding import local_tensors, optimizer_local
+
+            save_file(local_tensors(sharded_model.state_dict()), str(tmp / f"model_shard_{dist.rank}.safetensors"))
+            _optimizer_to_files(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
+            if ref_model is not None:  # sharded alike (adapters.Reference.shard): each process its shards
+                save_file(local_tensors(ref_model.state_dict()), str(tmp / f"ref_model_shard_{dist.rank}.safetensors"))
+        if dist.is_main:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            _write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})
+            if not model_only:
+                if sharded_model is None:  # sharded runs wrote optimizer_<rank>.* above
+                    _optimizer_to_files(opt_state, tmp)
+                _write_json(tmp / "scheduler.json", scheduler.state_dict())
+            if ref_model is not None and not model_only and sharded_model is None:
+                save_file({k: v.detach().cpu().clone() for k, v in ref_model.state_dict().items()},  # tied: copies
+                          str(tmp / "ref_model.safetensors"))
+
+    dist.run_together(write, f"writing checkpoint-{step}")
+    dist.run_together(lambda: dist.is_main and _publish(tmp, final, root, step, save_total_limit, state.get("run_id")),
+                      f"publishing checkpoint-{step}")
     return final
+
+
+def _fresh_folder(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int | None, run_id: str | None) -> None:
+    """Checksums, then the complete folder renamed into place, then the rotation (the main process)."""
+    _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
+    _sync(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
+    old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _sync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    _rotate(root, save_total_limit, run_id, keep=final)
 
 
 def _sync(folder: Path) -> None:
@@ -334,121 +378,6 @@ def _rotate(root: Path, limit: int | None, run_id: str | None, keep: Path) -> No
     for _, path in mine[:-limit]:
         if path != keep:
             shutil.rmtree(path)
-
-
-def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    # model.safetensors or transformers' model-00001-of-0000N.safetensors shards (not model_shard_<rank>: fsdp's)
-    for path in sorted(p for p in folder.glob("model*.safetensors") if not p.name.startswith("model_shard_")):
-        weights.update(load_file(str(path)))
-    if not weights:
-        raise FileNotFoundError(f"{folder}: no model*.safetensors weights")
-    return weights
-
-
-def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    except RuntimeError as e:  # shapes differ
-        first = str(e).strip().splitlines()[-1].strip()
-        raise CheckpointError(f"{source}: checkpoint does not match the model ({first}): resume with the model it "
-                              "was saved from") from None
-    current = model.state_dict()
-    loaded = {current[n].data_ptr() for n in weights if n in current}
-    untied = [n for n in missing if current[n].data_ptr() not in loaded]  # save_pretrained drops tied copies
-    if unexpected or untied:
-        raise CheckpointError(f"{source}: checkpoint does not match the model (missing {untied[:5]}, "
-                              f"unexpected {unexpected[:5]}): resume with the model it was saved from")
-
-
-def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None,
-                    sharded_model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
-    """Restore everything saved by save_checkpoint into the given objects (call `read_state` first: it verifies
-    the files); returns the pending rollout tensors, or None."""
-    path = Path(folder)
-    rng_file = path / f"rng_state_{dist.rank}.safetensors"
-    if not rng_file.exists():
-        raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
-                                f"{dist.world_size} processes?")
-    from groupwise.adapters import ADAPTER_WEIGHTS, is_peft_model, load_adapter
-
-    if sharded_model is not None:  # FSDP2: this process's shards, exactly (the consolidated copy is for users)
-        from groupwise.sharding import load_local, optimizer_from_local
-
-        shard_file = path / f"model_shard_{dist.rank}.safetensors"
-        if not shard_file.exists():
-            raise CheckpointError(f"{folder} holds no shards for process {dist.rank}: it was not saved by a sharded "
-                                  f"run of {dist.world_size} processes (fsdp); resume it the way it was saved")
-        load_local(sharded_model, load_file(str(shard_file)), folder)
-        optimizer.load_state_dict(optimizer_from_local(optimizer, _optimizer_from_files(path, f"_{dist.rank}")))
-    elif is_peft_model(model):  # a LoRA run: the checkpoint holds the adapter (the base never changes)
-        load_adapter(model, path, folder)
-        optimizer.load_state_dict(_optimizer_from_files(path))
-    else:
-        if (path / "model_shard_0.safetensors").exists():
-            raise CheckpointError(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
-                                  f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
-        if (path / ADAPTER_WEIGHTS).exists():
-            raise CheckpointError(f"{folder} holds a LoRA adapter ({ADAPTER_WEIGHTS}), not the model: resume it "
-                                  "with the run's peft_config / use_peft")
-        load_model_weights(model, _model_weights(path), folder)
-        optimizer.load_state_dict(_optimizer_from_files(path))
-    scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
-    if ref_model is not None and (path / f"ref_model_shard_{dist.rank}.safetensors").exists():
-        from groupwise.sharding import load_local
-
-        load_local(ref_model, load_file(str(path / f"ref_model_shard_{dist.rank}.safetensors")), folder)
-    elif ref_model is not None and (path / "ref_model.safetensors").exists():
-        ref_model.load_state_dict(load_file(str(path / "ref_model.safetensors")))
-    _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
-    pending_file = path / f"rollout_{dist.rank}.safetensors"
-    pending = load_file(str(pending_file)) if pending_file.exists() else None
-    return pending
-
-
-# GRPOConfig fields a resumed run must keep, and why
-RESUME_FIELDS = {
-    **dict.fromkeys(("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                     "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
-                     "dynamic_sampling"), "the data order and batch layout depend on it"),
-    **dict.fromkeys(("optim", "optim_args"), "the saved optimizer state is this optimizer's"),
-}
-
-
-def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None) -> None:
-    """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads); warn when
-    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint)."""
-    if state.get("model_only"):
-        raise CheckpointError(f"{path} was written with save_only_model=True: it holds the model only (no "
-                              "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
-                              "run with it as the model")
-    if state["world_size"] != world_size:
-        raise CheckpointError(f"{path} was saved by {state['world_size']} processes; resume with the same number "
-                              f"(now {world_size}) so the data split and RNG streams match")
-    if state["global_step"] >= max_steps:
-        raise CheckpointError(f"{path} is at step {state['global_step']}, which is not before max_steps={max_steps}: "
-                              "raise max_steps to train further")
-    for name, saved in state.get("config", {}).items():
-        if saved is None and name in ROUND_FIELDS:
-            continue  # saved before the layout was filled in: derived from fields compared here too
-        if getattr(args, name) != saved:
-            raise CheckpointError(f"resume: {name} is {saved!r} in {path} but {getattr(args, name)!r} now; resume "
-                                  f"with the same value ({RESUME_FIELDS.get(name, 'the run depends on it')})")
-    if data is not None and state.get("data") not in (None, data):
-        warnings.warn(f"resume: train_dataset is not the one {path} was trained on (its rows differ): the run "
-                      "continues its prompt order over these rows; resume with the same dataset to continue exactly",
-                      UserWarning, stacklevel=3)
-
-
-def check_pending(path: str, pending: dict[str, torch.Tensor], args) -> None:
-    """The generation batch saved inside a round was built for the loss settings of its run: refuse settings it
-    lacks the tensors for (reference log-probs for beta ≠ 0, importance weights for the sampling correction)."""
-    for field, key, needed in (("beta", "ref_logps", args.beta != 0),
-                               ("the importance-sampling correction", "is_weights", args.corrects_sampling)):
-        if needed != (key in pending):
-            raise CheckpointError(f"{path} stopped inside a generation round built {'without' if needed else 'with'} "
-                                  f"{key} ({field} changed since): resume with the run's settings, or from a "
-                                  "checkpoint at a round boundary")
 
 
 def read_state(folder: str | Path) -> dict:

@@ -77,6 +77,35 @@ def _cut_warning(name: str, first: int, n: int, max_prompt_length: int, how_many
                   f"the left (first: row {first}, {n} tokens)", stacklevel=3)
 
 
+def _rows_of_columns(data: dict, name: str) -> list[dict[str, Any]]:
+    """A dict of columns ({'prompt': [...], 'answer': [...]}, what datasets.Dataset.from_dict takes) as its rows."""
+    lengths = {}
+    for key, values in data.items():
+        if not isinstance(values, (list, tuple)):
+            raise ConfigError(f"{name} is a dict, read as columns, but column {key!r} is a {type(values).__name__}, "
+                              "not a list: give each column as a list of values, one per row")
+        lengths[key] = len(values)
+    if len(set(lengths.values())) > 1:
+        raise ConfigError(f"{name}: its columns have different lengths ({lengths}): give every column one value per "
+                          "row")
+    return [dict(zip(data, values)) for values in zip(*data.values())]
+
+
+def _check_same_keys(rows, name: str, default_prompt: bool) -> None:
+    """Every row has the first row's columns (reward functions get one value per completion of each column); under
+    an environment the prompt may be absent from any row. `rows`: (row number, row) pairs."""
+    first = None
+    for i, row in rows:
+        keys = set(row) - ({"prompt"} if default_prompt else set())
+        if first is None:
+            first = keys
+        elif keys != first:
+            extra, lacks = sorted(keys - first), sorted(first - keys)
+            what = f"lacks the column {lacks[0]!r}" if lacks else f"has the column {extra[0]!r}"
+            raise ConfigError(f"{name} row {i} {what}, unlike row 0 (columns: {sorted(first)}): give every row the "
+                              "same columns (datasets.Dataset.from_list fills missing ones with None)")
+
+
 class EmptyPrompt(list):
     """The prompt of a row that has none when an environment owns the data (TRL 1.16): an empty user turn, which the
     environment's reset() completes. Unlike a prompt of the dataset, it is not passed to reset()."""
@@ -94,8 +123,9 @@ class EnvironmentPrompts:
 
 
 class PromptData:
-    """A `datasets.Dataset` or a list of dicts with a `prompt` column; other columns reach reward functions. Given as
-    EnvironmentPrompts, rows may lack the prompt (an EmptyPrompt)."""
+    """A `datasets.Dataset`, a list of dicts (every row with the same keys) or a dict of columns, with a `prompt`
+    column; other columns reach reward functions. Given as EnvironmentPrompts, rows may lack the prompt (an
+    EmptyPrompt)."""
 
     def __init__(self, data: Any, name: str):
         self.default_prompt = isinstance(data, EnvironmentPrompts)
@@ -106,13 +136,19 @@ class PromptData:
         if isinstance(data, dict) and hasattr(data, "column_names"):  # a DatasetDict / IterableDatasetDict
             raise ConfigError(f"{name} is a {type(data).__name__} with the splits {sorted(data)}: pass one split, "
                               f"e.g. {name}=dataset[{next(iter(data), 'train')!r}]")
+        if isinstance(data, dict) and not hasattr(data, "column_names"):
+            data = _rows_of_columns(data, name)
         columns = getattr(data, "column_names", None)
         if columns is None:
             if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
-                raise TypeError(f"{name} must be a datasets.Dataset or a list of dicts, got {type(data).__name__}")
+                fix = "datasets.Dataset.from_pandas(frame)" if hasattr(data, "to_dict") and hasattr(data, "iloc") \
+                    else "datasets.Dataset.from_list(rows)"
+                raise TypeError(f"{name} must be a datasets.Dataset, a list of dicts or a dict of columns, got "
+                                f"{type(data).__name__}: pass {fix}")
             missing = [i for i, r in enumerate(data) if "prompt" not in r]
             if missing and not self.default_prompt:
                 raise ConfigError(f"{name} row {missing[0]} has no 'prompt' column (keys: {sorted(data[missing[0]])})")
+            _check_same_keys(enumerate(data), name, self.default_prompt)
         elif "prompt" not in columns and not self.default_prompt:
             raise ConfigError(f"{name} has no 'prompt' column (columns: {columns}); rename the column holding the "
                              "prompts to 'prompt'")
@@ -171,7 +207,7 @@ class PromptData:
 
     def fingerprint(self) -> str:
         """A digest of the length and of up to 64 rows spread over the dataset: a resume compares it with the
-        checkpoint's (groupwise.checkpoint.check_resume) to notice another dataset of the same size."""
+        checkpoint's (groupwise.checkpoint_load.check_resume) to notice another dataset of the same size."""
         n = len(self)
         digest = hashlib.sha256(str(n).encode())
         for i in sorted({k * n // 64 for k in range(64)} if n else ()):
@@ -231,15 +267,19 @@ class PromptSampler:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def is_stream(data: Any) -> bool:
-    """A dataset read by iteration only (`datasets.IterableDataset`, or any iterable without len / indexing)."""
+def _is_iterable_dataset(data: Any) -> bool:
     try:
         from datasets import IterableDataset
     except ImportError:  # pragma: no cover - datasets is a dependency
-        IterableDataset = ()
+        return False
+    return isinstance(data, IterableDataset)
+
+
+def is_stream(data: Any) -> bool:
+    """A dataset read by iteration only (`datasets.IterableDataset`, or any iterable without len / indexing)."""
     if isinstance(data, EnvironmentPrompts):
         return data.stream
-    if isinstance(data, IterableDataset):
+    if _is_iterable_dataset(data):
         return True
     return not isinstance(data, (list, tuple)) and not hasattr(data, "__getitem__") and hasattr(data, "__iter__")
 
@@ -252,9 +292,14 @@ class StreamData:
 
     KEEP = 65_536  # rows kept for lookups behind the read position (a round asks for its rows in order)
 
-    def __init__(self, data: Any, name: str):
+    def __init__(self, data: Any, name: str, shuffle_seed: int | None = None):
+        """shuffle_seed: a `datasets.IterableDataset` is read through its buffered shuffle with that seed (TRL's
+        `dataset.shuffle(seed=…)` when shuffle_dataset; reshuffled each epoch by set_epoch); None: in order."""
         self.default_prompt = isinstance(data, EnvironmentPrompts)  # rows may lack the prompt (an EmptyPrompt)
         self.data, self.name = (data.data if self.default_prompt else data), name
+        if shuffle_seed is not None and _is_iterable_dataset(self.data):
+            self.data = self.data.shuffle(seed=shuffle_seed)
+        self._keys: set[str] | None = None  # the first row's columns: every row must have them
         self.length: int | None = None  # rows per epoch, known once the stream has ended once
         self._iter = None
         self._next = 0  # run row number of the next row the iterator yields
@@ -285,7 +330,13 @@ class StreamData:
             if hasattr(self.data, "set_epoch"):  # a shuffled IterableDataset reshuffles per epoch
                 self.data.set_epoch(self._next // self.length)
             self._iter = iter(self.data)
-            row = next(self._iter)
+            try:
+                row = next(self._iter)
+            except StopIteration:
+                raise ConfigError(f"{self.name} ended after {self.length} rows and gives none when read again (a "
+                                  "generator or iterator is read only once): pass a datasets.IterableDataset "
+                                  "(IterableDataset.from_generator) or a list, or a max_steps that one pass of the "
+                                  "data covers") from None
         if self.default_prompt and isinstance(row, dict) and "prompt" not in row:
             row = {**row, "prompt": EmptyPrompt()}
         if not isinstance(row, dict) or "prompt" not in row:
@@ -297,6 +348,10 @@ class StreamData:
                               "list of {'role', 'content'} messages)")
         if self._lengths is not None:
             self._check_length(self._next, row["prompt"], **self._lengths)
+        if self._keys is None:
+            self._keys = set(row)
+        elif set(row) != self._keys:
+            _check_same_keys([(0, dict.fromkeys(self._keys)), (self._next, row)], self.name, False)
         return dict(row)
 
     def check_lengths(self, tokenizer, **limits) -> None:

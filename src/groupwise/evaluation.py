@@ -9,9 +9,8 @@ import torch
 
 from groupwise import rollout as R
 from groupwise.checkpoint import rng_untouched
-from groupwise.logging import window_mean
 from groupwise.rewards import compute_rewards
-from groupwise.rewards.combine import weighted_nansum
+from groupwise.rewards.combine import combine_rewards, weighted_nansum
 from groupwise.rollout import RolloutContext
 
 
@@ -19,10 +18,12 @@ from groupwise.rollout import RolloutContext
 def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> dict[str, float]:
     """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
     or k sampled completions per prompt at the training temperature (num_generations_eval = k). Returns TRL's
-    names, which the trainer prefixes with metric_key_prefix ("eval_"): reward (weighted), rewards/<func>/mean
-    (over all completions), completions/mean_length, the names reward functions log with log_metric, and, with
-    k samples, rewards/<func>/mean@k and rewards/<func>/pass@k (the mean over prompts of the best of k: for 0/1
-    rewards, the share of prompts solved at least once)."""
+    names and meanings over the whole eval set, which the trainer prefixes with metric_key_prefix ("eval_"):
+    num_tokens (the training's running total), completions/* (as in training), reward / reward_std (weighted),
+    rewards/<func>/mean|std (over all completions), frac_reward_zero_std (k completions of a prompt are a group;
+    1 with one completion per prompt, as TRL), tools/*, the names reward functions log with log_metric (the mean
+    of every process's calls), and, with k samples, rewards/<func>/mean@k and rewards/<func>/pass@k (the mean
+    over prompts of the best of k: for 0/1 rewards, the share of prompts solved at least once)."""
     dist, args = ctx.dist, ctx.args
     k = args.num_generations_eval or 1
     mine = list(range(dist.rank, len(data), dist.world_size))
@@ -32,7 +33,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
               "log_extra": lambda column, values: None}  # evaluation writes no completions.jsonl rows
 
     def local():  # this process's share; no collective inside, so it runs under run_together
-        per_func, lengths = [], []
+        per_func, lengths, truncated, tools = [], [], [], [0.0, 0.0]
         for start in range(0, len(mine), bs):
             rows = [data[i] for i in mine[start:start + bs] for _ in range(k)]
             comp = R.generate(ctx, model, rows, greedy=args.num_generations_eval is None,
@@ -42,24 +43,55 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
                                          timeout=args.reward_timeout, extra=kwargs)
             per_func += rewards.tolist()
             lengths += comp.lengths.tolist()
-        return per_func, lengths
+            truncated += comp.truncated.tolist()
+            if comp.tool_calls is not None:
+                tools = [tools[0] + float(comp.tool_calls.sum()), tools[1] + float(comp.tool_failures.sum())]
+        return per_func, lengths, truncated, tools, {n: [sum(v), len(v)] for n, v in logged.items()}
 
     with rng_untouched():  # sampled evaluation must not move the training's random streams (exact resume)
-        per_func, lengths = dist.run_together(local, "evaluation")
+        per_func, lengths, truncated, tools, calls = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
-    out = {"completions/mean_length": float(lengths.mean())}
-    out.update({name: window_mean(values, "measured") for name, values in logged.items()})  # this process's
+    truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    out = {"num_tokens": float(state.num_input_tokens_seen),  # TRL: the training's running total
+           "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+           "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
+           "completions/mean_terminated_length": float(terminated.mean()),
+           "completions/min_terminated_length": float(terminated.min()),
+           "completions/max_terminated_length": float(terminated.max())}
+    if ctx.agent is not None and ctx.agent.toolbox.has_tools:  # TRL's tools/*, over every process's rollouts
+        called, failed = dist.sum(torch.tensor(tools)).tolist()
+        out.update({"tools/call_frequency": called / len(lengths),
+                    "tools/failure_frequency": failed / called if called else 0.0})
+    for name, (total, count) in _merge(dist.gather_object([calls])).items():  # log_metric: all processes' calls
+        out[name] = total / count
     if not reward_sources:
         return out
     per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(reward_sources))
     # combined as in training: a row no function scored is left out, not counted as 0
-    out["reward"] = float(torch.nanmean(weighted_nansum(per_func, ctx.reward_weights)))
+    reward = weighted_nansum(per_func, ctx.reward_weights)
+    out["reward"], out["reward_std"] = float(torch.nanmean(reward)), R._nanstd(reward)
     by_prompt = per_func.view(-1, k, len(reward_sources))  # (prompts, k, F)
+    combined = combine_rewards(by_prompt, ctx.reward_weights, aggregation=args.multi_objective_aggregation,
+                               std=args.reward_std, eps=args.advantage_eps)
+    batch = args.estimator_options(outcome=True).get("scale") == "batch"  # TRL: one completion, std 0 by definition
+    out["frac_reward_zero_std"] = 1.0 if k == 1 and not batch else R._zero_std_fraction(ctx, combined)
     for f, src in enumerate(reward_sources):
         out[f"rewards/{src.name}/mean"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval_rewards/accuracy/mean
+        out[f"rewards/{src.name}/std"] = R._nanstd(per_func[:, f])
         if args.num_generations_eval is not None:
             scores = by_prompt[:, :, f]
             best = torch.where(scores.isnan(), float("-inf"), scores).amax(1)  # unscored samples do not count
             out[f"rewards/{src.name}/mean@{k}"] = out[f"rewards/{src.name}/mean"]
             out[f"rewards/{src.name}/pass@{k}"] = float(best[best.isfinite()].mean())
     return out
+
+
+def _merge(calls: list[dict[str, list[float]]]) -> dict[str, tuple[float, float]]:
+    """Each process's {name: [sum, count]} of log_metric calls → {name: (sum, count)} over all processes."""
+    merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for process in calls:
+        for name, (total, count) in process.items():
+            merged[name][0] += total
+            merged[name][1] += count
+    return {name: (total, count) for name, (total, count) in sorted(merged.items()) if count}

@@ -9,11 +9,16 @@ import math
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError
 from groupwise.hub import check_card, push_folder, write_model_card
-from groupwise.logging import speed_metrics
+from groupwise.logging import completion_rows, print_rows, speed_metrics, window_summary
+
+# transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
+# in the logging window is logged as None, as TRL's log() does (and as metrics.jsonl, hence a resumed history, has it)
+TRANSFORMERS_KEYS = ("loss", "grad_norm", "learning_rate")
 
 
 class TrainResult(dict):
@@ -105,6 +110,52 @@ class TransformersHabits:
         self.state.log_history.append({**logs, "step": self.global_step})
         self._event("on_log", logs=logs)
 
+    def _log(self, rollout) -> None:
+        """A training log line: the window's metrics (groupwise.logging.window_summary), the round's completions
+        (completions.jsonl; with log_completions printed and TRL's completions table)."""
+        last = window_summary(self._window, self.args.logging_nan_inf_filter)
+        self._last = last = {k: None if k not in TRANSFORMERS_KEYS and isinstance(v, float) and math.isnan(v) else v
+                             for k, v in last.items()}
+        self._window.clear()
+        self.log(last)
+        rows = self._round_rows(rollout)
+        self._logger.log_completions(self.global_step, rows)
+        self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
+                               ("reward", "process/step_reward_mean", "loss", "completions/mean_length")
+                               if last.get(k) is not None})
+        if self.args.log_completions and rows and self.dist.is_main:
+            print_rows(self.global_step, rows, self.args.num_completions_to_print)
+            self._logger.log_table(self.global_step, rows, unique_prompts=self.args.log_unique_prompts)
+
+    def _round_rows(self, rollout) -> list[dict]:
+        """The round's completions.jsonl rows, every process's (gathered once per round; a round restored from a
+        checkpoint has the rows its checkpoint saved)."""
+        if self._rows is None and rollout.round is not None:
+            names = [src.name for src in self.reward_sources]
+            self._rows = self.dist.gather_object(completion_rows(rollout.round, names, self._extra))
+        return self._rows or []
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` reward keyword: a scalar, averaged over the round's calls on every process (once per
+        round, _flush_logged), then over the logging window, logged under `name`."""
+        self._logged[name].append(float(value))
+
+    def _flush_logged(self) -> dict[str, float]:
+        """After a round: each log_metric name's mean over every process's calls (TRL's flush after a generation
+        batch; a collective, so every process calls it)."""
+        logged, self._logged = self._logged, type(self._logged)(list)
+        names = sorted(set(self.dist.gather_object(sorted(logged))))  # processes may log different names
+        if not names:
+            return {}
+        local = [[sum(logged.get(n, [])), float(len(logged.get(n, [])))] for n in names]
+        dtype = torch.float32 if self.dist.device.type == "mps" else torch.float64  # MPS has no float64
+        totals = self.dist.sum(torch.tensor(local, dtype=dtype)).tolist()
+        return {n: total / count for n, (total, count) in zip(names, totals) if count}
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` reward keyword: a column of completions.jsonl, one value per completion of the call."""
+        self._extra[column].extend(values)
+
     def _summary(self) -> dict[str, float]:
         """transformers' end-of-training line (speed, total_flos, train_loss: the mean loss of this call's steps),
         logged like any other."""
@@ -131,7 +182,7 @@ class TransformersHabits:
         logged (metrics.jsonl during training, state.log_history, on_log) and passed to on_evaluate."""
         from groupwise.evaluation import evaluate
 
-        if isinstance(eval_dataset, dict):
+        if isinstance(eval_dataset, dict) and "prompt" not in eval_dataset:  # named datasets, not columns
             return {k: v for name, data in eval_dataset.items()
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
         data = self.eval_data if eval_dataset is None else self._check_lengths(self._eval_data(eval_dataset))
@@ -139,7 +190,8 @@ class TransformersHabits:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
         start = time.perf_counter()
         raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
-        metrics = {f"{metric_key_prefix}_{k}": v for k, v in raw.items() if k not in (ignore_keys or ())}
+        metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL: None
+                   for k, v in raw.items() if k not in (ignore_keys or ())}
         # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process
         per_step = self.args.per_device_eval_batch_size * self.dist.world_size
         metrics.update(speed_metrics(time.perf_counter() - start, math.ceil(len(data) / per_step), len(data),

@@ -405,7 +405,7 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     """TRL's names and meanings: completions/* (lengths in generated tokens, over all processes; the terminated
     ones end with EOS, 0 when none does), reward / reward_std (of Σ_f w_f r_f, whatever the
     multi_objective_aggregation) / rewards/<f>/mean|std (std with Bessel's correction, NaN left out),
-    frac_reward_zero_std (groups whose combined rewards are all equal), tools/*; and num_tokens, the round's
+    frac_reward_zero_std (_zero_std_fraction), tools/*; and num_tokens, the round's
     prompt + completion tokens (the trainer makes it the running total TRL logs).
     groupwise's own: rewards/<f>/errors, process/*, tools/timeout_frequency."""
     dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
@@ -431,7 +431,7 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     reward = trl_reward(ctx, scores)
     m["reward"] = float(torch.nanmean(reward))
     m["reward_std"] = _nanstd(reward)
-    m["frac_reward_zero_std"] = float((_spread(scores.rewards.unsqueeze(-1)) < 1e-6).float().mean())
+    m["frac_reward_zero_std"] = _zero_std_fraction(ctx, scores.rewards)
     for f, name in enumerate(scores.names):
         col = scores.per_func[..., f]
         m[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
@@ -469,8 +469,18 @@ def _spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,
     return masked_mean_std(values, ~torch.isnan(values), (1, 2))[1].view(-1)
 
 
-def _nanstd(values: torch.Tensor) -> float:  # std of the non-NaN values, Bessel-corrected (TRL's nanstd); NaN when none
-    values = values.double()
+def _zero_std_fraction(ctx: RolloutContext, rewards: torch.Tensor) -> float:  # (B, G) combined, NaN unscored
+    """TRL's frac_reward_zero_std: the share of completions whose reward std (the one the advantages divide by) is 0:
+    their group's, or the whole batch's when the scale is "batch" (then 0 or 1). A std of fewer than 2 scored
+    rewards is NaN in TRL, never 0."""
+    batch = ctx.args.estimator_options(outcome=True).get("scale") == "batch"
+    sets = rewards.reshape(1, -1) if batch else rewards.reshape(rewards.size(0), -1)  # (sets, n)
+    zero = (_spread(sets.unsqueeze(-1)) < 1e-6) & ((~torch.isnan(sets)).sum(-1) >= 2)
+    return float(zero.float().mean())
+
+
+def _nanstd(values: torch.Tensor) -> float:  # std of the non-NaN values, Bessel-corrected (TRL's nanstd); NaN for
+    values = values.double()                 # fewer than 2 (TRL: 0 · 1/0)
     valid = ~torch.isnan(values)
-    return float(masked_mean_std(values, valid, tuple(range(values.dim())), std="unbiased")[1]) if valid.any() \
-        else float("nan")
+    return float(masked_mean_std(values, valid, tuple(range(values.dim())), std="unbiased")[1]) \
+        if valid.sum() > 1 else float("nan")

@@ -36,5 +36,5 @@ def stop_on_signals():
     try:
         yield received
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        for s, h in previous.items():  # None: a handler installed outside Python, which cannot be put back
+            signal.signal(s, h if h is not None else signal.SIG_DFL)

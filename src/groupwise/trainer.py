@@ -20,8 +20,9 @@ from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
 from groupwise.callbacks import CallbackHandler, default_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
-from groupwise.checkpoint import (RESUME_FIELDS, check_pending, check_resume, claim_output_dir,
-                                  load_checkpoint, read_state, resume_folder, save_checkpoint, set_aside_later)
+from groupwise.checkpoint import (check_json_state, claim_output_dir, read_state, resume_folder, save_checkpoint,
+                                  set_aside_later)
+from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -32,7 +33,7 @@ from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                refuse_trainer_arguments)
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import MetricsLogger, completion_rows, print_rows, set_log_level, window_summary
+from groupwise.logging import MetricsLogger, set_log_level
 from groupwise.signals import stop_on_signals
 from groupwise.modeling import PolicyForLogps, disable_dropout
 from groupwise.optim import build_optimizer, build_schedule
@@ -78,11 +79,13 @@ class GRPOTrainer(TransformersHabits):
         if stream and args.max_steps <= 0:
             raise ConfigError("train_dataset is an IterableDataset: set max_steps (its length is unknown, so "
                               "num_train_epochs cannot say when to stop)")
-        self.train_data = StreamData(train_dataset, "train_dataset") if stream else PromptData(train_dataset, "train_dataset")
+        data_seed = args.seed if args.data_seed is None else args.data_seed
+        self.train_data = StreamData(train_dataset, "train_dataset", shuffle_seed=data_seed if args.shuffle_dataset
+                                     else None) if stream else PromptData(train_dataset, "train_dataset")
         if is_stream(eval_dataset):
             raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
                               "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
-        if isinstance(eval_dataset, dict):
+        if isinstance(eval_dataset, dict) and "prompt" not in eval_dataset:  # with one: a dict of columns
             raise ConfigError("eval_dataset is a dict of datasets: pass one here (evaluated during training), and "
                               "evaluate the others with trainer.evaluate(eval_dataset={name: dataset, …})")
         self.eval_data = self._eval_data(eval_dataset) if eval_dataset is not None else None
@@ -106,7 +109,6 @@ class GRPOTrainer(TransformersHabits):
         (enable_full_determinism if args.full_determinism else set_seed)(args.seed + self.dist.rank)
         if args.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
-        data_seed = args.seed if args.data_seed is None else args.data_seed
         self.sampler = StreamSampler(self.train_data, self.layout.prompts_per_generation) if stream else \
             PromptSampler(len(self.train_data), self.layout.prompts_per_generation, shuffle=args.shuffle_dataset,
                           seed=data_seed)
@@ -129,6 +131,7 @@ class GRPOTrainer(TransformersHabits):
         self._window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log line (log_metric too)
         self._extra: dict[str, list] = defaultdict(list)  # log_extra columns of the current round
         self._rows: list[dict] | None = None  # the current round's completions.jsonl rows, once gathered
+        self._logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, self._max_positions = load_tokenizer(model, processing_class, args)
         for data in (self.train_data, self.eval_data):
@@ -191,6 +194,8 @@ class GRPOTrainer(TransformersHabits):
             if not given <= {id(p) for p in policy.parameters()}:
                 raise ConfigError("optimizers[0] holds parameters that are not the model's: build it over "
                                   "model.parameters() of the model passed to GRPOTrainer")
+            if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
+                check_json_state({"param_groups": optimizer.state_dict()["param_groups"]}, "optimizers[0]")
         scheduler = build_schedule(optimizer, args, self.max_steps, given=scheduler)
         model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
         return model, optimizer, scheduler
@@ -257,13 +262,15 @@ class GRPOTrainer(TransformersHabits):
             self._begin()
             try:
                 while not self._finished():
+                    clock = time.perf_counter()  # TRL's step_time: the step's generation (if any) and update
                     rollout, done = pending or (self._collect(), 0)
                     pending = None
                     for window in self._windows(rollout)[done:]:
                         self._event("on_step_begin")
                         metrics = optimizer_step(self.update_ctx, window)
-                        done += 1
+                        metrics["step_time"], done = time.perf_counter() - clock, done + 1
                         self._after_step(rollout, done, metrics)
+                        clock = time.perf_counter()
                         if self._finished():
                             break
                 summary = self._summary()
@@ -306,6 +313,7 @@ class GRPOTrainer(TransformersHabits):
         self.state.total_flos += self._flos(rollout.metrics["num_tokens"])
         rollout.metrics["num_tokens"] = float(self.state.num_input_tokens_seen)
         rollout.metrics["time/rollout"] = time.perf_counter() - self._tick  # generate + rewards + logprobs
+        rollout.metrics.update(self._flush_logged())  # log_metric: over every process's calls, as TRL
         return rollout
 
     def _windows(self, rollout: Rollout) -> list[list[TrainBatch]]:
@@ -329,8 +337,9 @@ class GRPOTrainer(TransformersHabits):
             self._weights_changed()  # the sampler sees the new policy
         if math.isfinite(metrics["loss"]):
             self._loss_sum, self._loss_steps = self._loss_sum + metrics["loss"], self._loss_steps + 1
-        metrics.update(rollout.metrics, **{"time/step": time.perf_counter() - self._tick,
-                                           "train/skipped_steps": self.skipped_steps})
+        # a round's metrics count once, at its first step, as TRL's log averages its generations' (not its steps')
+        metrics.update(rollout.metrics if done == 1 else {}, **{"time/step": time.perf_counter() - self._tick,
+                                                                "train/skipped_steps": self.skipped_steps})
         self._tick = time.perf_counter()
         for k, v in metrics.items():
             self._window[k].append(v)
@@ -385,41 +394,12 @@ class GRPOTrainer(TransformersHabits):
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
             self.push_to_hub(commit_message=f"groupwise: step {self.global_step}")
 
-    def _log(self, rollout: Rollout) -> None:
-        self._last = last = window_summary(self._window, self.args.logging_nan_inf_filter)
-        self._window.clear()
-        self.log(last)
-        rows = self._round_rows(rollout)
-        self._logger.log_completions(self.global_step, rows)
-        self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
-                               ("reward", "process/step_reward_mean", "loss", "completions/mean_length")
-                               if k in last})
-        if self.args.log_completions and rows and self.dist.is_main:
-            print_rows(self.global_step, rows, self.args.num_completions_to_print)
-            self._logger.log_table(self.global_step, rows, unique_prompts=self.args.log_unique_prompts)
-
-    def _round_rows(self, rollout: Rollout) -> list[dict]:
-        """The round's completions.jsonl rows, every process's (gathered once per round; a round restored from a
-        checkpoint has the rows its checkpoint saved)."""
-        if self._rows is None and rollout.round is not None:
-            names = [src.name for src in self.reward_sources]
-            self._rows = self.dist.gather_object(completion_rows(rollout.round, names, self._extra))
-        return self._rows or []
-
     def _finished(self) -> bool:
         return self.global_step >= self.max_steps or self.control.should_training_stop
 
     def _event(self, name: str, **kwargs) -> None:
         """Call `name` (transformers' events) on every callback; a returned TrainerControl replaces ours."""
         self.control = self.callback_handler.fire(name, self.args, self.state, self.control, **kwargs)
-
-    def _log_metric(self, name: str, value: float) -> None:
-        """TRL's `log_metric` reward keyword: a scalar averaged over the logging window, logged under `name`."""
-        self._window[name].append(float(value))
-
-    def _log_extra(self, column: str, values: list) -> None:
-        """TRL's `log_extra` reward keyword: a column of completions.jsonl, one value per completion of the call."""
-        self._extra[column].extend(values)
 
     def _end(self, summary: dict[str, float]) -> TrainResult:
         self._event("on_train_end")
@@ -462,10 +442,10 @@ class GRPOTrainer(TransformersHabits):
         state = read_state(path)  # verified against its checksums before anything loads (once)
         check_resume(path, state, self.args, world_size=self.dist.world_size, max_steps=self.max_steps,
                      data=self.train_data.fingerprint())
-        pending = load_checkpoint(path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
-                                  sharded_model=self.unwrapped if self.dist.sharding is not None else None,
-                                  scheduler=self.scheduler,
-                                  ref_model=self.reference.copy if self.reference is not None else None)
+        pending = self.dist.run_together(lambda: load_checkpoint(  # a file missing on one process stops them all
+            path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
+            sharded_model=self.unwrapped if self.dist.sharding is not None else None, scheduler=self.scheduler,
+            ref_model=self.reference.copy if self.reference is not None else None), "loading the checkpoint")
         moved = self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
             self.args.output_dir, state["global_step"], state.get("run_id")), "setting aside the abandoned checkpoints")
         if moved:

@@ -1,0 +1,184 @@
+"""Resuming from a checkpoint (groupwise.checkpoint writes them): what a run must keep to continue exactly
+(check_resume, check_pending), and loading every saved state back into the model, its optimizer and scheduler, the
+reference model, the RNG streams (load_checkpoint). Imports groupwise.checkpoint inside functions (it re-exports
+these names)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from groupwise.layout import ROUND_FIELDS
+
+
+def _error(message: str) -> Exception:
+    from groupwise.checkpoint import CheckpointError
+
+    return CheckpointError(message)
+
+
+def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    # model.safetensors or transformers' model-00001-of-0000N.safetensors shards (not model_shard_<rank>: fsdp's)
+    for path in sorted(p for p in folder.glob("model*.safetensors") if not p.name.startswith("model_shard_")):
+        weights.update(load_file(str(path)))
+    if not weights:
+        raise FileNotFoundError(f"{folder}: no model*.safetensors weights")
+    return weights
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shapes differ
+        first = str(e).strip().splitlines()[-1].strip()
+        raise _error(f"{source}: checkpoint does not match the model ({first}): resume with the model it "
+                     "was saved from") from None
+    current = model.state_dict()
+    loaded = {current[n].data_ptr() for n in weights if n in current}
+    untied = [n for n in missing if current[n].data_ptr() not in loaded]  # save_pretrained drops tied copies
+    if unexpected or untied:
+        raise _error(f"{source}: checkpoint does not match the model (missing {untied[:5]}, "
+                     f"unexpected {unexpected[:5]}): resume with the model it was saved from")
+
+
+def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None,
+                    sharded_model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
+    """Restore everything saved by save_checkpoint into the given objects (call `read_state` first: it verifies
+    the files); returns the pending rollout tensors, or None."""
+    path = Path(folder)
+    rng_file = path / f"rng_state_{dist.rank}.safetensors"
+    if not rng_file.exists():
+        raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
+                                f"{dist.world_size} processes?")
+    from groupwise.adapters import ADAPTER_WEIGHTS, is_peft_model, load_adapter
+    from groupwise.checkpoint import _optimizer_from_files, _set_rng_state
+
+    if sharded_model is not None:  # FSDP2: this process's shards, exactly (the consolidated copy is for users)
+        from groupwise.sharding import load_local, optimizer_from_local
+
+        shard_file = path / f"model_shard_{dist.rank}.safetensors"
+        if not shard_file.exists():
+            raise _error(f"{folder} holds no shards for process {dist.rank}: it was not saved by a sharded "
+                         f"run of {dist.world_size} processes (fsdp); resume it the way it was saved")
+        load_local(sharded_model, load_file(str(shard_file)), folder)
+        optimizer.load_state_dict(optimizer_from_local(optimizer, _optimizer_from_files(path, f"_{dist.rank}")))
+    elif is_peft_model(model):  # a LoRA run: the checkpoint holds the adapter (the base never changes)
+        load_adapter(model, path, folder)
+        optimizer.load_state_dict(_optimizer_from_files(path))
+    else:
+        if (path / "model_shard_0.safetensors").exists():
+            raise _error(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
+                         f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
+        if (path / ADAPTER_WEIGHTS).exists():
+            raise _error(f"{folder} holds a LoRA adapter ({ADAPTER_WEIGHTS}), not the model: resume it "
+                         "with the run's peft_config / use_peft")
+        load_model_weights(model, _model_weights(path), folder)
+        optimizer.load_state_dict(_optimizer_from_files(path))
+    scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+    if ref_model is not None:
+        load_reference(ref_model, path, dist.rank, sharded=sharded_model is not None)
+    _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
+    pending_file = path / f"rollout_{dist.rank}.safetensors"
+    pending = load_file(str(pending_file)) if pending_file.exists() else None
+    return pending
+
+
+def load_reference(ref_model: torch.nn.Module, path: Path, rank: int, sharded: bool) -> None:
+    """The reference model TR-DPO moved (sync_ref_model), when the checkpoint holds it: this process's shards
+    (ref_model_shard_<rank>), or the whole model (ref_model.safetensors), which a sharded run — whose reference is
+    sharded — takes its shards of (checkpoints of sharded runs written before the reference was sharded)."""
+    shard_file, full_file = path / f"ref_model_shard_{rank}.safetensors", path / "ref_model.safetensors"
+    if shard_file.exists():
+        from groupwise.sharding import load_local
+
+        load_local(ref_model, load_file(str(shard_file)), f"{path} (ref_model_shard_{rank})")
+    elif full_file.exists():
+        weights = load_file(str(full_file))
+        if sharded:
+            load_full_into_shards(ref_model, weights, f"{path} (ref_model.safetensors)")
+        else:
+            load_model_weights(ref_model, weights, f"{path} (ref_model.safetensors)")
+
+
+def load_full_into_shards(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy a full (unsharded) state dict into a model sharded with FSDP2: each process copies its own slice of
+    every tensor, as its DTensor's placements lay it out (no collective: every process reads the same file).
+    Exactly the keys of the model (a tied copy may be absent), each of the model's full shape."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    state = model.state_dict()
+    ids = {n: id(t) for n, t in [*model.named_parameters(remove_duplicate=False),
+                                 *model.named_buffers(remove_duplicate=False)]}  # tied names share one tensor
+    given = {ids[n] for n in tensors if n in ids}
+    missing = sorted(n for n in set(state) - set(tensors) if n not in ids or ids[n] not in given)
+    unexpected = sorted(set(tensors) - set(state))
+    if missing or unexpected:
+        raise _error(f"{source}: checkpoint does not match the model (missing {missing[:5]}, unexpected "
+                     f"{unexpected[:5]}): resume with the model it was saved from")
+    with torch.no_grad():
+        for name, value in state.items():
+            if name not in tensors:
+                continue  # a tied copy of a tensor loaded under another name
+            full = tensors[name]
+            if tuple(full.shape) != tuple(value.shape):
+                raise _error(f"{source}: {name} has shape {tuple(full.shape)}, the model's {tuple(value.shape)}: "
+                             "resume with the model it was saved from")
+            full = full.to(device=value.device, dtype=value.dtype)
+            if isinstance(value, DTensor):  # src_data_rank=None: this process's slice of its own copy
+                full = distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None).to_local()
+            local(value).copy_(full)
+
+
+# GRPOConfig fields a resumed run must keep, and why
+RESUME_FIELDS = {
+    **dict.fromkeys(("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                     "steps_per_generation", "generation_batch_size", "seed", "data_seed", "shuffle_dataset",
+                     "dynamic_sampling"), "the data order and batch layout depend on it"),
+    **dict.fromkeys(("optim", "optim_args"), "the saved optimizer state is this optimizer's"),
+}
+
+
+def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None) -> None:
+    """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads); warn when
+    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint)."""
+    if state.get("model_only"):
+        raise _error(f"{path} was written with save_only_model=True: it holds the model only (no "
+                     "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
+                     "run with it as the model")
+    if state["world_size"] != world_size:
+        raise _error(f"{path} was saved by {state['world_size']} processes; resume with the same number "
+                     f"(now {world_size}) so the data split and RNG streams match")
+    if state["global_step"] >= max_steps:
+        raise _error(f"{path} is at step {state['global_step']}, which is not before max_steps={max_steps}: "
+                     "raise max_steps to train further")
+    for name, saved in state.get("config", {}).items():
+        if saved is None and name in ROUND_FIELDS:
+            continue  # saved before the layout was filled in: derived from fields compared here too
+        if getattr(args, name) != saved:
+            raise _error(f"resume: {name} is {saved!r} in {path} but {getattr(args, name)!r} now; resume "
+                         f"with the same value ({RESUME_FIELDS.get(name, 'the run depends on it')})")
+    if data is not None and state.get("data") not in (None, data):
+        warnings.warn(f"resume: train_dataset is not the one {path} was trained on (its rows differ): the run "
+                      "continues its prompt order over these rows; resume with the same dataset to continue exactly",
+                      UserWarning, stacklevel=3)
+
+
+def check_pending(path: str, pending: dict[str, torch.Tensor], args) -> None:
+    """The generation batch saved inside a round was built for the loss settings of its run: refuse settings it
+    lacks the tensors for (reference log-probs for beta ≠ 0, importance weights for the sampling correction)."""
+    for field, key, needed in (("beta", "ref_logps", args.beta != 0),
+                               ("the importance-sampling correction", "is_weights", args.corrects_sampling)):
+        if needed != (key in pending):
+            raise _error(f"{path} stopped inside a generation round built {'without' if needed else 'with'} "
+                         f"{key} ({field} changed since): resume with the run's settings, or from a "
+                         "checkpoint at a round boundary")
+
+

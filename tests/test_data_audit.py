@@ -1,0 +1,136 @@
+"""Dataset formats a TRL user passes, and what happens at their edges: a dict of columns, rows with other columns,
+a generator read twice, a shuffled stream (TRL shuffles an IterableDataset with its seed), signal handlers."""
+
+from __future__ import annotations
+
+import signal
+
+import datasets
+import pytest
+
+from groupwise import ConfigError, GRPOTrainer
+from groupwise.data import PromptData, PromptSampler, StreamData
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def test_a_dict_of_columns_is_read_as_its_rows(tmp_path, tokenizer):
+    """{'prompt': [...], 'letter': [...]} (what Dataset.from_dict takes) used to be a TypeError."""
+    rows = toy.dataset(8)
+    columns = {"prompt": [r["prompt"] for r in rows], "letter": [r["letter"] for r in rows]}
+    data = PromptData(columns, "train_dataset")
+    assert len(data) == 8 and data.columns() == ["prompt", "letter"] and data[3] == rows[3]
+    seen = []
+
+    def reward(completions, letter, **_):
+        seen.extend(letter)
+        return toy.letter_reward(completions, letter)
+
+    GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [reward], args=small_args(tmp_path, max_steps=1),
+                train_dataset=columns, processing_class=tokenizer).train()
+    assert seen and set(seen) <= set(columns["letter"])
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"prompt": ["a", "b"], "x": [1]}, r"train_dataset: its columns have different lengths \({'prompt': 2, 'x': 1}\)"),
+    ({"prompt": "a"}, r"train_dataset is a dict, read as columns, but column 'prompt' is a str, not a list"),
+])
+def test_a_dict_whose_columns_do_not_line_up_is_named(columns, message):
+    with pytest.raises(ConfigError, match=message):
+        PromptData(columns, "train_dataset")
+
+
+def test_a_data_frame_names_the_conversion():
+    import pandas as pd
+
+    with pytest.raises(TypeError, match=r"got DataFrame: pass datasets.Dataset.from_pandas\(frame\)"):
+        PromptData(pd.DataFrame({"prompt": ["a"]}), "train_dataset")
+
+
+def test_rows_with_other_columns_are_refused_before_the_model_loads(tmp_path, tokenizer, monkeypatch):
+    """A list of dicts whose row 2 lacks the reward's column used to fail mid-training with KeyError('letter') (or
+    silently pass the column to no reward, when row 0 lacked it)."""
+    rows = toy.dataset(8)
+    del rows[2]["letter"]
+    import groupwise.trainer
+
+    monkeypatch.setattr(groupwise.trainer, "load_policy", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(ConfigError, match=r"train_dataset row 2 lacks the column 'letter', unlike row 0 \(columns: "
+                                          r"\['letter', 'prompt'\]\): give every row the same columns"):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
+                    args=small_args(tmp_path), train_dataset=rows, processing_class=tokenizer)
+    rows = toy.dataset(4)
+    rows[3]["extra"] = 1
+    with pytest.raises(ConfigError, match=r"train_dataset row 3 has the column 'extra', unlike row 0"):
+        PromptData(rows, "train_dataset")
+
+
+def test_a_stream_row_with_other_columns_is_named():
+    stream = StreamData(iter([{"prompt": "a", "x": 1}, {"prompt": "b", "x": 2}, {"prompt": "c"}]), "train_dataset")
+    assert stream[1]["x"] == 2
+    with pytest.raises(ConfigError, match=r"train_dataset row 2 lacks the column 'x', unlike row 0"):
+        stream[2]
+
+
+def test_a_generator_that_cannot_be_read_again_is_named_at_its_end():
+    """A generator is read once: at the end of its first pass the run used to stop on a bare StopIteration."""
+    stream = StreamData((dict(prompt=f"p{i}") for i in range(3)), "train_dataset")
+    assert [stream[i]["prompt"] for i in range(3)] == ["p0", "p1", "p2"]
+    with pytest.raises(ConfigError, match=r"train_dataset ended after 3 rows and gives none when read again \(a "
+                                          r"generator or iterator is read only once\): pass a datasets.Iterable"):
+        stream[3]
+
+
+def test_a_shuffled_stream_is_read_as_trl_shuffles_it_and_replays_on_resume():
+    """TRL's get_train_dataloader: `dataset.shuffle(seed=args.seed)` for an IterableDataset when shuffle_dataset;
+    reshuffled each epoch (set_epoch). A resume replays the same order (seek)."""
+    rows = [{"prompt": f"p{i}", "i": i} for i in range(20)]
+
+    def stream():
+        return datasets.IterableDataset.from_generator(lambda: iter(rows))
+
+    expected = [r["i"] for r in stream().shuffle(seed=7)]
+    data = StreamData(stream(), "train_dataset", shuffle_seed=7)
+    first = [data[i]["i"] for i in range(20)]
+    assert first == expected and first != list(range(20))
+    second = [data[i]["i"] for i in range(20, 40)]
+    assert sorted(second) == list(range(20)) and second != first  # epoch 2: reshuffled
+    resumed = StreamData(stream(), "train_dataset", shuffle_seed=7)
+    resumed.seek(25)
+    assert [resumed[i]["i"] for i in range(25, 40)] == second[5:]
+    assert [StreamData(stream(), "train_dataset")[i]["i"] for i in range(3)] == [0, 1, 2]  # None: in order
+
+
+def test_the_sampler_resumes_mid_epoch_exactly_and_visits_every_prompt_once_per_epoch():
+    a = PromptSampler(10, 4, shuffle=True, seed=3)
+    rounds = [a.next_round() for _ in range(5)]  # 20 indices: epochs 0 and 1 exactly
+    assert sorted(sum(rounds, [])[:10]) == list(range(10)) and sorted(sum(rounds, [])[10:]) == list(range(10))
+    b = PromptSampler(10, 4, shuffle=True, seed=3)
+    for _ in range(2):
+        b.next_round()
+    c = PromptSampler(10, 4, shuffle=True, seed=3)
+    c.load_state_dict(b.state_dict())  # mid-epoch (position 8 of epoch 0)
+    assert [c.next_round() for _ in range(3)] == rounds[2:]
+
+
+def test_signal_handlers_installed_outside_python_are_not_put_back_as_none(monkeypatch):
+    """signal.signal returns None for a handler installed outside Python; restoring None raised TypeError at the end
+    of every train()."""
+    from groupwise.signals import stop_on_signals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    real, calls = signal.signal, []
+
+    def installed_in_c(signum, handler):
+        previous = real(signum, handler)
+        calls.append(signum)
+        return None if len(calls) <= 2 else previous
+
+    monkeypatch.setattr(signal, "signal", installed_in_c)
+    try:
+        with stop_on_signals() as received:
+            assert received == []
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for s, h in before.items():
+            real(s, h)
