@@ -77,6 +77,12 @@ def _cut_warning(name: str, first: int, n: int, max_prompt_length: int, how_many
                   f"the left (first: row {first}, {n} tokens)", stacklevel=3)
 
 
+def named_datasets(data: Any) -> bool:
+    """An eval_dataset given as {name: dataset} (transformers; a DatasetDict too), not as a dict of columns, which
+    has a 'prompt' one."""
+    return isinstance(data, dict) and "prompt" not in data
+
+
 def _rows_of_columns(data: dict, name: str) -> list[dict[str, Any]]:
     """A dict of columns ({'prompt': [...], 'answer': [...]}, what datasets.Dataset.from_dict takes) as its rows."""
     lengths = {}

@@ -18,6 +18,12 @@ import torch.distributed as torch_dist
 from accelerate import Accelerator
 
 
+
+def exact_dtype(device) -> torch.dtype:
+    """The dtype for sums that must not lose precision across processes (metric sums and counts): float64, or
+    float32 on MPS, which has no float64."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
 class ProcessFailed(RuntimeError):
     """Another process raised in a `run_together` block; the message is that process's."""
 

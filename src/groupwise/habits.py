@@ -13,6 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError
+from groupwise.data import named_datasets
+from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_folder, write_model_card
 from groupwise.logging import completion_rows, print_rows, speed_metrics, window_summary
 
@@ -148,7 +150,7 @@ class TransformersHabits:
         if not names:
             return {}
         local = [[sum(logged.get(n, [])), float(len(logged.get(n, [])))] for n in names]
-        dtype = torch.float32 if self.dist.device.type == "mps" else torch.float64  # MPS has no float64
+        dtype = exact_dtype(self.dist.device)
         totals = self.dist.sum(torch.tensor(local, dtype=dtype)).tolist()
         return {n: total / count for n, (total, count) in zip(names, totals) if count}
 
@@ -182,7 +184,7 @@ class TransformersHabits:
         logged (metrics.jsonl during training, state.log_history, on_log) and passed to on_evaluate."""
         from groupwise.evaluation import evaluate
 
-        if isinstance(eval_dataset, dict) and "prompt" not in eval_dataset:  # named datasets, not columns
+        if named_datasets(eval_dataset):
             return {k: v for name, data in eval_dataset.items()
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
         data = self.eval_data if eval_dataset is None else self._check_lengths(self._eval_data(eval_dataset))

@@ -26,7 +26,7 @@ from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
-from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream
+from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream, named_datasets
 from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
@@ -85,7 +85,7 @@ class GRPOTrainer(TransformersHabits):
         if is_stream(eval_dataset):
             raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
                               "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
-        if isinstance(eval_dataset, dict) and "prompt" not in eval_dataset:  # with one: a dict of columns
+        if named_datasets(eval_dataset):
             raise ConfigError("eval_dataset is a dict of datasets: pass one here (evaluated during training), and "
                               "evaluate the others with trainer.evaluate(eval_dataset={name: dataset, …})")
         self.eval_data = self._eval_data(eval_dataset) if eval_dataset is not None else None

@@ -24,6 +24,7 @@ import torch
 from groupwise.core.aggregation import aggregation
 from groupwise.core.losses import LOSS_TYPES
 from groupwise.core.logprobs import top_entropy_mask
+from groupwise.distributed import exact_dtype
 from groupwise.core.losses import policy_loss
 from groupwise.types import TrainBatch
 
@@ -140,7 +141,7 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     # and the means (kl, entropy, clip ratios): per micro-batch Σ_processes mean·count / Σ_processes count, TRL's
     # global_masked_mean (token-weighted over processes), then the mean over the window's micro-batches
     keys, means = ["loss", "policy_loss", *sorted(sums)], sorted(weighted)
-    dtype = torch.float32 if torch.device(dist.device).type == "mps" else torch.float64  # MPS has no float64
+    dtype = exact_dtype(dist.device)
     values = dist.sum(torch.tensor([step_total, step_loss, *(sums[n] for n in keys[2:]),
                                     *(x for n in means for x in weighted[n])], device=dist.device, dtype=dtype))
     out = dict(zip(keys, (values[:len(keys)] / dist.world_size).tolist()))
