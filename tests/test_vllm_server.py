@@ -6,6 +6,7 @@ weights reaching the server after every optimizer step, errors — not vLLM."""
 from __future__ import annotations
 
 import copy
+import logging
 import socket
 import subprocess
 import sys
@@ -225,11 +226,15 @@ def test_unreachable_server_fails_within_the_timeout_naming_url_and_fix(tmp_path
     assert "vllm serve" in message and "vllm_server_base_url" in message and "vllm_server_timeout" in message
 
 
-def test_a_port_that_does_not_speak_http_fails_naming_the_url(tmp_path):
+def test_a_port_that_does_not_speak_http_fails_naming_the_url(tmp_path, monkeypatch):
     """vllm_server_port pointing at something else (here a service that greets like SSH): http.client raises
     BadStatusLine, an HTTPException and no OSError, which escaped the retry loop and every request as a bare
-    traceback. Now: retried until vllm_server_timeout, then the ConnectionError naming the URL and the fix."""
+    traceback. Now: retried until vllm_server_timeout, then the ConnectionError naming the URL and the fix; any
+    other request is retried as a broken connection (TRL's 6 tries), then names the URL, the tries and the error."""
+    from groupwise.generation import vllm_server
     from groupwise.generation.vllm_server import VLLMServerClient
+
+    monkeypatch.setattr(vllm_server, "sleep", lambda seconds: None)
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -256,13 +261,60 @@ def test_a_port_that_does_not_speak_http_fails_naming_the_url(tmp_path):
         assert time.monotonic() - start < 10
         assert f"can't be reached at {url} after 1 s" in str(e.value) and "BadStatusLine" in str(e.value)
         client = VLLMServerClient.__new__(VLLMServerClient)  # connected earlier; the port changed hands since
-        client.base_url, client.request_timeout = url, 5.0
-        with pytest.raises(ConnectionError, match=rf"vLLM server: GET {url}/v1/models failed: BadStatusLine"):
+        client.base_url, client.request_timeout = url, 300.0
+        with pytest.raises(ConnectionError, match=rf"vLLM server: GET {url}/v1/models failed after 6 tries: "
+                                                  "BadStatusLine"):
             client._get("/v1/models")
     finally:
         stop.set()
         thread.join()
         listener.close()
+
+
+def test_transient_failures_of_the_server_are_retried_as_trl_retries_them(tmp_path, base_dir, server, tokenizer,
+                                                                        monkeypatch):
+    """TRL's session retries every request but /health (trl/generation/vllm_client.py:224-237; the retries
+    themselves: tests/test_vllm_server_retry.py): a server that fails some requests as an overloaded or restarting
+    vLLM does (5xx, a connection closed unanswered) costs tries, not the run."""
+    from groupwise.generation import vllm_server
+
+    waits = []
+    monkeypatch.setattr(vllm_server, "sleep", waits.append)
+    server.faults.update({"/v1/models": [503], "/start_weight_update": ["drop"], "/reset_prefix_cache": [502, 500],
+                          "/v1/completions": ["drop", 503]})
+    policy = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    gen = _generator(_server_args(tmp_path, server.url, max_completion_length=4), tokenizer)
+    try:
+        ids, mask = encode_prompts(["repeat a:", "repeat b:"], tokenizer, None)
+        out = gen(policy, ids, mask)  # the first call pushes the weights, then generates
+    finally:
+        gen.close()
+    tries = {p: server.paths().count(p) for p in server.faults}
+    assert tries == {"/v1/models": 2, "/start_weight_update": 2, "/reset_prefix_cache": 3, "/v1/completions": 3}
+    assert server.updates == 1 and _server_holds(server, dict(policy.named_parameters()))
+    assert out.completion_ids.shape[0] == 2 and waits == [4.0, 4.0]  # no wait after a first failure, then 4 s
+
+
+def test_the_stand_in_takes_completion_fields_as_vllm_does(base_dir, server, caplog, monkeypatch):
+    """vLLM's CompletionRequest allows extra fields (OpenAIBaseModel, extra="allow"): one it does not know is logged
+    and ignored, not refused. A value vLLM refuses is a 400, final for the client (TRL retries only 500/502/503);
+    a field vLLM applies but the stand-in cannot passes at vLLM's default and is refused (501) otherwise."""
+    from groupwise.generation import vllm_server
+    from groupwise.generation.vllm_server import VLLMServerClient, VLLMServerError
+
+    monkeypatch.setattr(vllm_server, "sleep", lambda seconds: None)
+    client = VLLMServerClient(server.url, request_timeout=30.0)
+    with caplog.at_level(logging.WARNING, logger="vllm.entrypoints.openai.protocol"):
+        out = client.generate([[5, 6]], n=2, max_tokens=3,
+                              generation_kwargs={"do_sample": True, "ignore_eos": False, "stop": []})
+    assert len(out["completion_ids"]) == 2
+    assert "The following fields were present in the request but ignored: {'do_sample'}" in caplog.text
+    for kwargs, status in [({"n": 0}, 400), ({"temperature": -1.0}, 400), ({"top_p": "high"}, 400),
+                           ({"frequency_penalty": 0.5}, 501)]:
+        before = server.paths().count("/v1/completions")
+        with pytest.raises(VLLMServerError, match=rf"failed after 1 try: HTTP {status}: "):
+            client.generate([[5, 6]], max_tokens=3, generation_kwargs=kwargs)
+        assert server.paths().count("/v1/completions") == before + 1, kwargs
 
 
 @pytest.mark.parametrize("kw, match", [

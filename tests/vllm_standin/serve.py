@@ -20,11 +20,16 @@ transformers model on the CPU), with the weight-transfer group on gloo instead o
 As vLLM: `token_ids` / `prompt_token_ids` are null unless the request sets `return_token_ids`, the tokens are
 "token_id:<id>" strings only with `return_tokens_as_token_ids`, and init_info / update_info must carry exactly the
 fields of vLLM's NCCLWeightTransferInitInfo / UpdateInfo for the stand-in's `vllm.__version__` ("packed" in the
-init info from 0.28, in each update's info before); unknown completion fields are refused (vLLM only warns).
+init info from 0.28, in each update's info before). Completion fields as vLLM's CompletionRequest (an OpenAIBaseModel,
+extra="allow"): a field vLLM does not know is logged ("The following fields were present in the request but
+ignored: …") and ignored; a sampling value vLLM's SamplingParams refuses (n=0, a negative temperature, a wrong type)
+is a 400; a field vLLM knows but the stand-in cannot apply passes at vLLM's default value and is a 501 otherwise.
 
 /server_info, /get_world_size and the weight endpoints are vLLM's development endpoints: with `dev_mode=False`
 they answer 404, as vLLM does without VLLM_SERVER_DEV_MODE=1. Every request is recorded in `requests` (method,
 path, JSON body) so tests can check the call sequence. Completions carry no text (groupwise reads token ids).
+`faults[path]`: what the next requests to `path` get instead of their answer, one item each — an HTTP status (an
+error answer, as a server that is overloaded or restarting gives) or "drop" (the connection closed unanswered).
 
 In a test: `with StandinServer(model_dir) as server: ... server.url ...` (a thread of the test process). As a
 process: `python tests/vllm_standin/serve.py <model> --port 8000`.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import threading
 import urllib.parse
@@ -45,7 +51,21 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "logprobs", "seed",
             "stop_token_ids")
-IGNORED = ("model", "prompt", "return_token_ids", "return_tokens_as_token_ids", "stream", "echo")
+IGNORED = ("model", "prompt", "return_token_ids", "return_tokens_as_token_ids", "user", "request_id", "session_id",
+           "cache_salt", "priority", "skip_special_tokens", "spaces_between_special_tokens", "truncation_side",
+           "stream_options", "stream_interval", "return_token_offsets", "return_mm_kwargs")
+# the other fields of vLLM's CompletionRequest (vllm/entrypoints/openai/completion/protocol.py, 0.22-0.31), which the
+# stand-in cannot apply: the values that change nothing (vLLM's defaults) pass, any other is refused (501)
+INERT = {"echo": (None, False), "stream": (None, False), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+         "stop": (None, [], ""), "ignore_eos": (False,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+         "use_beam_search": (False,), "length_penalty": (1,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+         "bad_words": (None, []), "prompt_logprobs": (None,), "logprob_token_ids": (None,),
+         "truncate_prompt_tokens": (None,), "add_special_tokens": (True,), "suffix": (None,),
+         "watermarking": (None, False), "prompt_embeds": (None,), "response_format": (None,),
+         "structured_outputs": (None,), "logits_processors": (None,), "kv_transfer_params": (None,),
+         "ec_transfer_params": (None,), "vllm_xargs": (None,), "repetition_detection": (None,),
+         "thinking_token_budget": (None, -1), "routed_experts_prompt_start": (0,)}
+log = logging.getLogger("vllm.entrypoints.openai.protocol")
 # NCCLWeightTransferInitInfo / UpdateInfo's fields ("packed" moved from the update to the init info in vLLM 0.28)
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
 UPDATE_FIELDS = ("names", "dtype_names", "shapes", "packed_buffer_size_bytes", "packed_num_buffers")
@@ -68,6 +88,7 @@ class StandinServer:
         self.llm = vllm.LLM(model=model, seed=seed, logprobs_mode="processed_logprobs")
         self.weight_transfer, self.dev_mode = weight_transfer, dev_mode
         self.requests: list[tuple[str, str, dict | None]] = []
+        self.faults: dict[str, list[int | str]] = {}  # path -> the next requests' failures (an HTTP status, "drop")
         self.lock = threading.Lock()  # the engine: generation and weight loads do not interleave
         self.communicator = None
         self.packed_in_init: bool | None = None
@@ -136,10 +157,16 @@ class StandinServer:
             raise HTTPError(400, "the stand-in server takes prompts as token ids: a list of lists of ints")
         if body.get("model") != self.model_name:
             raise HTTPError(404, f"The model `{body.get('model')}` does not exist.")
-        unknown = set(body) - set(SAMPLING) - set(IGNORED)
-        if unknown:
-            raise HTTPError(400, f"the stand-in server does not implement {sorted(unknown)}")
-        params = self.vllm.SamplingParams(**{k: body[k] for k in SAMPLING if body.get(k) is not None})
+        unknown = set(body) - set(SAMPLING) - set(IGNORED) - set(INERT)
+        if unknown:  # vLLM's OpenAIBaseModel.__log_extra_fields__: a warning, and the request goes on
+            log.warning("The following fields were present in the request but ignored: %s", unknown)
+        applied = {k: v for k, v in body.items() if k in INERT and not any(v == d for d in INERT[k])}
+        if applied:
+            raise HTTPError(501, f"the stand-in server does not implement {applied} (vLLM applies them)")
+        try:
+            params = self.vllm.SamplingParams(**{k: body[k] for k in SAMPLING if body.get(k) is not None})
+        except (TypeError, ValueError) as e:  # vLLM: a validation error, 400
+            raise HTTPError(400, f"{type(e).__name__}: {e}") from None
         with self.lock:
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
                                         use_tqdm=False)
@@ -251,9 +278,16 @@ class StandinServer:
                 parsed = urllib.parse.urlparse(self.path)
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
+                faults = server.faults.get(parsed.path)
+                fault = faults.pop(0) if faults else None
                 try:
                     body = json.loads(raw) if raw.strip() else None
                     server.requests.append((method, parsed.path, body))
+                    if fault == "drop":
+                        self.close_connection = True
+                        return
+                    if fault is not None:
+                        raise HTTPError(fault, f"injected fault: HTTP {fault}")
                     result = server.route(method, parsed.path, urllib.parse.parse_qs(parsed.query), body)
                     status, payload = 200, b"" if result is None else json.dumps(result).encode()
                 except HTTPError as e:

@@ -19,6 +19,10 @@ weights    once, before the first push: GET /server_info?config_format=json (its
            POST /update_weights {"update_info": {"names", "dtype_names", "shapes"} (+ "packed": true before vLLM
            0.28)} while the tensors are broadcast packed over the group; POST /finish_weight_update {};
            POST /reset_prefix_cache. At exit the group is closed (its store and socket dropped, as TRL does).
+retries    every request but /health as TRL's session retries it (urllib3's Retry, RETRY_* below): a refused, broken
+           or timed-out connection up to 6 tries, HTTP 500/502/503 up to 4 (and 413/429 with Retry-After), waiting
+           Retry-After or 0, 4, 8, 16, 32 s between tries; any other answer is final. All the tries of one request
+           together stay within request_timeout; then one error names the URL, the tries and the last failure.
 
 The weights pushed are the policy's parameters under the names vLLM loads (TRL's `_iter_named_params` for an
 unsharded model: a LoRA policy is merged for the push and unmerged after, adapters and `modules_to_save` copies
@@ -34,10 +38,12 @@ the stand-in engine over HTTP, its weight transfer runs a gloo group on the CPU)
 from __future__ import annotations
 
 import atexit
+import email.utils
 import http.client
 import importlib.metadata
 import json
 import math
+import re
 import threading
 import time
 import urllib.error
@@ -56,6 +62,40 @@ from groupwise.generation.vllm import sampling_fields, vllm_named_weights
 
 START_SERVER = ("""VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}' """
                 "--logprobs-mode processed_logprobs --max-logprobs -1")
+
+
+# ---- retries: TRL 1.16's VLLMClient mounts urllib3's Retry(total=5, connect=5, read=5, status=3,
+# status_forcelist=[500, 502, 503], backoff_factor=2, allowed_methods=["POST", "GET"]) on its requests session
+# (trl/generation/vllm_client.py:224-237), so every request but GET /health (check_server's own loop) is retried.
+RETRY_TOTAL = 5  # retries of any kind: at most 6 tries (connect=5 and read=5 never bind before it)
+RETRY_STATUS = 3  # retries on an answer in STATUS_FORCELIST: at most 4 tries
+STATUS_FORCELIST = frozenset({500, 502, 503})
+RETRY_AFTER_STATUS_CODES = frozenset({413, 429, 503})  # urllib3: retried too when the answer carries Retry-After
+BACKOFF_FACTOR = 2.0
+BACKOFF_MAX = 120.0  # urllib3's Retry.DEFAULT_BACKOFF_MAX
+RETRY_AFTER_MAX = 21600.0  # urllib3's Retry.DEFAULT_RETRY_AFTER_MAX
+sleep = time.sleep  # the wait between tries (tests patch it)
+
+
+def backoff(failures: int) -> float:
+    """urllib3's Retry.get_backoff_time after `failures` consecutive failed tries: none after the first, then
+    backoff_factor * 2 ** (failures - 1), at most BACKOFF_MAX: 0, 4, 8, 16, 32 s."""
+    return 0.0 if failures <= 1 else min(BACKOFF_MAX, BACKOFF_FACTOR * 2 ** (failures - 1))
+
+
+def retry_after(value: str | None) -> float | None:
+    """urllib3's Retry.parse_retry_after: seconds, or an HTTP date; never negative, at most RETRY_AFTER_MAX. None when
+    absent or unreadable (urllib3 raises InvalidHeader there; groupwise falls back to the backoff)."""
+    if not value:
+        return None
+    if re.fullmatch(r"\s*[0-9]+\s*", value):
+        seconds = float(int(value))
+    else:
+        date = email.utils.parsedate_tz(value)
+        if date is None:
+            return None
+        seconds = email.utils.mktime_tz(date) - time.time()
+    return min(max(seconds, 0.0), RETRY_AFTER_MAX)
 
 
 def server_url(args) -> str:
@@ -120,12 +160,12 @@ def weight_transfer() -> WeightTransfer:
 
 # ---- the client ---------------------------------------------------------------------------------------------------
 class VLLMServerError(RuntimeError):
-    """The server answered a request with an error status."""
+    """The server answered a request with an error status (one it is not retried on, or after the retries)."""
 
 
 class VLLMServerClient:
-    """TRL 1.16's VLLMClient calls, over urllib. `request_timeout`: seconds any one request may wait for its answer
-    (generation and weight pushes included); None waits as long as the server takes."""
+    """TRL 1.16's VLLMClient calls, over urllib. `request_timeout`: seconds any one request may wait for its answer,
+    its retries included (generation and weight pushes too); None waits as long as the server takes."""
 
     def __init__(self, base_url: str, *, group_port: int = 51216, connection_timeout: float = 0.0,
                  request_timeout: float | None = None):
@@ -139,24 +179,53 @@ class VLLMServerClient:
 
     # -- HTTP
     def _request(self, method: str, path: str, payload: dict | None = None, *, timeout: float | None = None) -> dict:
+        """One request, retried as TRL's session retries it (RETRY_*, above): a connection refused, broken or timed out
+        up to 6 tries, HTTP 500/502/503 (413/429 with Retry-After) up to 4, waiting Retry-After or the backoff
+        between tries. Any other answer is final. All the tries together wait at most `timeout` (request_timeout)."""
         url = self.base_url + path
         data = None if payload is None else json.dumps(payload).encode()
         if method == "POST" and data is None:
             data = b""
-        request = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json"} if payload is not None else {})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout if timeout is not None else self.request_timeout) \
-                    as response:
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        timeout = timeout if timeout is not None else self.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        total, status, tries = RETRY_TOTAL, RETRY_STATUS, 0
+
+        def failed(last: str, stop: str = "") -> str:
+            return f"vLLM server: {method} {url} failed after {tries} {'try' if tries == 1 else 'tries'}{stop}: {last}"
+
+        while True:
+            tries += 1
+            left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+            request = urllib.request.Request(url, data=data, method=method, headers=headers)
+            wait = None
+            try:
+                response = urllib.request.urlopen(request, timeout=left)
+            except urllib.error.HTTPError as e:
+                last, error, cause = f"HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}", VLLMServerError, None
+                after = (e.headers or {}).get("Retry-After")
+                if not (e.code in STATUS_FORCELIST or (total and after and e.code in RETRY_AFTER_STATUS_CODES)):
+                    raise VLLMServerError(failed(last)) from None  # the request itself is refused: not retried
+                status -= 1
+                wait = retry_after(after)
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                # HTTPException: something answered that does not speak HTTP (a wrong port), or the connection broke
+                last, error, cause = str(getattr(e, "reason", None) or f"{type(e).__name__}: {e}"), ConnectionError, e
+            else:
+                break
+            total -= 1
+            if total < 0 or status < 0:
+                raise error(failed(last) + (" (is the vLLM server still running there?)" if cause else "")) from cause
+            wait = wait or backoff(tries)
+            if deadline is not None and time.monotonic() + wait >= deadline:
+                raise error(failed(last, f" (retries stop at the request timeout, {timeout:g} s)")) from cause
+            if wait > 0:  # urllib3 does not sleep a zero backoff
+                sleep(wait)
+        try:  # the body is read after the retries, as requests reads it after urllib3's
+            with response:
                 body = response.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            raise VLLMServerError(f"vLLM server: {method} {url} failed: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            # HTTPException: something answered that does not speak HTTP (a wrong port), or the connection broke
-            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
-            raise ConnectionError(f"vLLM server: {method} {url} failed: {reason} (is the vLLM server still running "
-                                  "there?)") from e
+        except (OSError, http.client.HTTPException) as e:
+            raise ConnectionError(failed(f"{type(e).__name__}: {e} (reading the answer)")) from e
         try:
             return json.loads(body) if body.strip() else {}
         except ValueError:
