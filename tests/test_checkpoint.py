@@ -184,3 +184,82 @@ def test_a_checkpoint_saved_before_the_round_fields_were_filled_in_resumes():
     with pytest.raises(CheckpointError, match=r"steps_per_generation is 4 in ckpt but 2 now"):
         check_resume("ckpt", {**state, "config": {**config, "steps_per_generation": 4}}, args, world_size=1,
                      max_steps=8)
+
+
+class _Killed(BaseException):
+    """The process dies here (not an Exception: nothing on the way handles it)."""
+
+
+def _die_between_the_renames(monkeypatch):
+    """os.replace kills the save when it would rename the new .tmp-checkpoint-N into place: the step's previous
+    checkpoint was just moved to .old-checkpoint-N (the re-save of a step dies between its two renames)."""
+    import os
+
+    real = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(src).startswith(".tmp-checkpoint-"):
+            raise _Killed
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("crash", ["re-save", "renamed", "renamed, partial tmp"])
+def test_a_crash_while_a_save_replaces_its_step_loses_nothing(tmp_path, tokenizer, monkeypatch, crash):
+    """A save of a step that has a checkpoint moves checkpoint-N to .old-checkpoint-N, renames the new folder into
+    place, then deletes the old one. Killed between the two renames, the only complete copy of step N is
+    .old-checkpoint-N: resume_from_checkpoint=True used to find no checkpoint (it is put back now), and the resumed
+    run is the straight run, bitwise. 're-save': the crashed run's trainer saves step 2 again (its RNG and data
+    position moved on since: the new copy, left complete in .tmp-checkpoint-2, is not the one to resume)."""
+    import shutil
+
+    from groupwise.checkpoint import verify_checkpoint
+
+    kw = dict(max_steps=4, save_steps=2)
+    straight = _run(tmp_path, tokenizer, "straight", **kw)
+    crashed = _run(tmp_path, tokenizer, "crashed", crash_on_round=3, **kw)
+    out = tmp_path / "crashed"
+    before = {p.name: p.read_bytes() for p in (out / "checkpoint-2").iterdir()}
+    if crash == "re-save":
+        with monkeypatch.context() as m:
+            _die_between_the_renames(m)
+            with pytest.raises(_Killed):
+                crashed.save()
+        verify_checkpoint(out / ".tmp-checkpoint-2")  # the new save was complete, only not in place yet
+    else:
+        (out / "checkpoint-2").rename(out / ".old-checkpoint-2")
+        if crash == "renamed, partial tmp":
+            shutil.copytree(out / ".old-checkpoint-2", out / ".tmp-checkpoint-2")
+            (out / ".tmp-checkpoint-2" / "checksums.json").unlink()
+            (out / ".tmp-checkpoint-2" / "model.safetensors").unlink()
+    assert sorted(p.name for p in out.glob("*checkpoint-*")) == [".old-checkpoint-2"] + (
+        [] if crash == "renamed" else [".tmp-checkpoint-2"])
+    with pytest.warns(RuntimeWarning, match="checkpoint-2 put back from .old-checkpoint-2"):
+        resumed = _run(tmp_path, tokenizer, "crashed", resume=True, **kw)
+    assert resumed.global_step == straight.global_step == 4
+    for (n, a), (_, b) in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):
+        assert torch.equal(a, b), f"{n} differs after resume"
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+    steps = [json.loads(x)["step"] for x in training_lines(out / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]  # resumed at step 2, not from scratch
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint-2").iterdir()} == before  # the step-2 save, whole
+    assert not list(out.glob(".old-*"))
+
+
+def test_a_crashed_replace_of_a_later_step_is_set_aside_when_an_earlier_checkpoint_resumes(tmp_path, tokenizer):
+    """Killed while replacing checkpoint-4, then resumed from checkpoint-2 by name: .old-checkpoint-4 is put back
+    and set aside with the abandoned branch (checkpoint-4.abandoned, whole); the resumed run's save of step 4 used to
+    delete it as its own leftover."""
+    from groupwise.checkpoint import verify_checkpoint
+
+    out = tmp_path / "run"
+    _run(tmp_path, tokenizer, "run", max_steps=4, save_steps=2)
+    (out / "checkpoint-4").rename(out / ".old-checkpoint-4")
+    with (pytest.warns(RuntimeWarning, match="checkpoint-4 put back from .old-checkpoint-4"),
+          pytest.warns(UserWarning, match="set aside, not deleted: checkpoint-4.abandoned")):
+        _run(tmp_path, tokenizer, "run", resume=str(out / "checkpoint-2"), max_steps=4, save_steps=2)
+    assert sorted(p.name for p in out.glob("*checkpoint-*")) == ["checkpoint-2", "checkpoint-4",
+                                                                 "checkpoint-4.abandoned"]
+    verify_checkpoint(out / "checkpoint-4.abandoned")

@@ -1,5 +1,6 @@
 """resume_from_checkpoint=True picks the newest checkpoint it can resume from: a newer checkpoint-N folder that is
-not a complete checkpoint (copied in part, files missing, written with save_only_model) is passed over, named."""
+not a complete checkpoint (copied in part, files missing, written with save_only_model) is passed over, named; a
+checkpoint a crashed save left as .old-checkpoint-N is put back first."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from groupwise.checkpoint import CheckpointError, _write_manifest, latest_checkpoint, resume_folder
+from groupwise.checkpoint import (CheckpointError, _publish, _write_manifest, claim_output_dir, latest_checkpoint,
+                                 put_back_replaced, resume_folder, verify_checkpoint)
 
 
 def _checkpoint(root: Path, step: int, *, manifest: bool = True, **state) -> Path:
@@ -68,3 +70,55 @@ def test_a_save_failing_on_one_process_stops_every_process_with_its_message(tmp_
     assert proc.returncode != 0 and seconds < 50, (seconds, out[-3000:])
     assert "writing checkpoint-1 failed on another process: OSError: [Errno 28] No space left on device" in out
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+# ---- a save that replaces a step's checkpoint and dies between its two renames ----------------------------------
+def _replaced(root: Path, step: int, **state) -> Path:
+    """checkpoint-<step> as a crash between the renames of its replacement leaves it: .old-checkpoint-<step>."""
+    return _checkpoint(root, step, **state).rename(root / f".old-checkpoint-{step}")
+
+
+def test_a_checkpoint_a_crashed_replace_set_aside_is_put_back_and_resumed(tmp_path):
+    _checkpoint(tmp_path, 2)
+    _replaced(tmp_path, 3)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint-3 put back from .old-checkpoint-3 \(a save replacing it "
+                                            r"was interrupted\)"):
+        assert resume_folder(True, tmp_path) == str(tmp_path / "checkpoint-3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    verify_checkpoint(tmp_path / "checkpoint-3")
+    with pytest.warns(RuntimeWarning, match="put back"):  # a resume from a named checkpoint puts it back too
+        _replaced(tmp_path / "b", 3)
+        _checkpoint(tmp_path / "b", 2)
+        assert resume_folder(str(tmp_path / "b" / "checkpoint-2"), tmp_path / "b") == str(tmp_path / "b" /
+                                                                                         "checkpoint-2")
+    assert (tmp_path / "b" / "checkpoint-3").is_dir() and not (tmp_path / "b" / ".old-checkpoint-3").exists()
+
+
+def test_the_leftover_of_a_replace_that_finished_is_deleted_unless_another_runs(tmp_path):
+    _checkpoint(tmp_path, 3)
+    _replaced(tmp_path / "x", 3).rename(tmp_path / ".old-checkpoint-3")  # the rename happened, the delete did not
+    assert put_back_replaced(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "x"]
+    _replaced(tmp_path / "y", 3, run_id="other").rename(tmp_path / ".old-checkpoint-3")
+    put_back_replaced(tmp_path)
+    assert (tmp_path / ".old-checkpoint-3").is_dir()  # not this run's: nothing of it is deleted
+
+
+def test_the_rotation_counts_a_put_back_checkpoint_and_never_deletes_one_unrecovered(tmp_path):
+    """checkpoint-4 was being replaced when the run died; the next save (step 5, save_total_limit=2) puts it back
+    before rotating: checkpoints 4 and 5 are kept, 3 goes (it used to keep 3 and 5, and leave 4 out of sight)."""
+    _checkpoint(tmp_path, 3)
+    _replaced(tmp_path, 4)
+    tmp = _checkpoint(tmp_path / "new", 5).rename(tmp_path / ".tmp-checkpoint-5")
+    with pytest.warns(RuntimeWarning, match="checkpoint-4 put back"):
+        _publish(tmp, tmp_path / "checkpoint-5", tmp_path, 5, 2, "r")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "new") == ["checkpoint-4", "checkpoint-5"]
+    verify_checkpoint(tmp_path / "checkpoint-4")
+
+
+def test_a_new_run_counts_a_set_aside_checkpoint_as_the_previous_runs(tmp_path):
+    _replaced(tmp_path, 3)
+    with pytest.raises(CheckpointError, match=r"already holds a run \(.old-checkpoint-3\)"):
+        claim_output_dir(tmp_path, overwrite=False)
+    claim_output_dir(tmp_path, overwrite=True)
+    assert not list(tmp_path.iterdir())

@@ -16,9 +16,11 @@ checkpoint-N/
   checksums.json                                    sha256 of every other file, written last
 The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
 checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
-bit-flipped or edited), naming the file. trainer_state.json records the run id; `save_total_limit` rotation only
-ever deletes checkpoints of the same run, a save refuses to replace another run's checkpoint of the same step, and
-a new run refuses an output_dir that holds another run's outputs. Loading is groupwise.checkpoint_load's.
+bit-flipped or edited), naming the file. A save of a step that has a checkpoint moves it to .old-checkpoint-N
+first: a crash before the new folder takes its name leaves the step there, and resume (or the next save) puts it
+back (put_back_replaced). trainer_state.json records the run id; `save_total_limit` rotation only ever deletes
+checkpoints of the same run, a save refuses to replace another run's checkpoint of the same step, and a new run
+refuses an output_dir that holds another run's outputs. Loading is groupwise.checkpoint_load's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from groupwise.config_base import ConfigError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
+REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see _publish, put_back_replaced
 MANIFEST = "checksums.json"
 
 
@@ -88,13 +91,44 @@ def verify_checkpoint(folder: str | Path) -> None:
 
 
 def run_outputs(output_dir: str | Path) -> list[Path]:
-    """What a previous run left in output_dir: checkpoint-N folders (set aside ones too), metrics.jsonl,
-    completions.jsonl and the completions/ tables."""
+    """What a previous run left in output_dir: checkpoint-N folders (set aside ones too, and .old-checkpoint-N: see
+    put_back_replaced), metrics.jsonl, completions.jsonl and the completions/ tables."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or SET_ASIDE_RE.match(p.name)
-                  or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
+                  or REPLACED_RE.match(p.name) or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
+
+
+def put_back_replaced(output_dir: str | Path) -> list[Path]:
+    """A save of a step that has a checkpoint (this run's) moves checkpoint-N to .old-checkpoint-N, renames the new
+    folder checkpoint-N, then deletes .old-checkpoint-N (_publish). A crash between the two renames leaves the step
+    only in .old-checkpoint-N, where resume does not look: it is renamed checkpoint-N again (that save is lost, not
+    the step; resume verifies its checksums as any checkpoint's). One whose checkpoint-N is there is what the crash
+    kept from being deleted: it is deleted, unless it holds another run's id. Safe on every process at once (a
+    rename another process made first is skipped). Returns the checkpoint-N folders put back."""
+    root = Path(output_dir)
+    try:
+        replaced = sorted(p for p in root.iterdir() if REPLACED_RE.match(p.name))
+    except OSError:  # no such folder (yet), or not readable: nothing of ours to put back
+        return []
+    restored = []
+    for old in replaced:
+        final = root / old.name.removeprefix(".old-")
+        if final.exists():
+            if _run_id_of(old) in (None, _run_id_of(final)):
+                shutil.rmtree(old, ignore_errors=True)
+            continue
+        try:
+            old.rename(final)
+        except FileNotFoundError:  # another process put it back
+            continue
+        restored.append(final)
+        warnings.warn(f"{final.name} put back from {old.name} (a save replacing it was interrupted) in {root}",
+                      RuntimeWarning, stacklevel=2)
+    if restored:
+        _sync_dir(root)
+    return restored
 
 
 def _incomplete(folder: Path) -> str | None:
@@ -145,6 +179,8 @@ def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | Non
     or loaded here)."""
     if not value:
         return None
+    for root in {Path(output_dir), *([] if value is True else [Path(value).parent])}:
+        put_back_replaced(root)  # before anything looks for checkpoints, or sets the later ones aside
     folder = latest_checkpoint(output_dir) if value is True else str(value)
     if not (Path(folder) / "trainer_state.json").is_file():
         why = "does not exist" if not Path(folder).exists() else "holds no trainer_state.json"
@@ -329,7 +365,10 @@ def _fresh_folder(tmp: Path) -> None:
 
 
 def _publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int | None, run_id: str | None) -> None:
-    """Checksums, then the complete folder renamed into place, then the rotation (the main process)."""
+    """Checksums, then the complete folder renamed into place, then the rotation (the main process). A checkpoint
+    of this step is moved aside first and deleted last: a crash between the renames leaves it as .old-checkpoint-N,
+    which the next resume or save puts back (put_back_replaced; here before the rotation counts the checkpoints)."""
+    put_back_replaced(root)
     _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
     _sync(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
     old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
