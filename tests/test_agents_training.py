@@ -43,7 +43,7 @@ def test_tool_tokens_are_left_out_of_the_loss_gradient_entropy_and_kl():
     def loss_of(c):
         batch = dataclasses.replace(R.build_batch(ctx, Round(c, adv, torch.zeros(2), None, None, None), None),
                                     ref_logps=ref)
-        loss, _, metrics = micro_batch_loss(update, batch, None)
+        loss, _, _, metrics = micro_batch_loss(update, batch, None)
         loss.backward()
         return loss.detach(), _grads(model), metrics
 

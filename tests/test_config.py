@@ -143,6 +143,14 @@ def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
     (dict(generation_compile=False, generation_fuse_projections=True), r"generation_fuse_projections applies to the fast backend's static decode loop"),
     (dict(step_split="regex"), r"step_split='regex' needs step_pattern"),
     (dict(reward_weights=[1.0, float("nan")]), r"reward_weights must be a list of finite numbers"),
+    (dict(loss_type="vespo", generation_dtype="bfloat16"),  # the default mode is sequence_mask
+     r"loss_type='vespo' folds the sampler correction .* set vllm_importance_sampling_mode to 'token_truncate'"),
+    (dict(vespo_k_pos=1.0), r"vespo_k_pos=1.0 has no effect with loss_type='dapo'.*\['vespo'\]"),
+    (dict(vespo_lambda_neg=-1.0), r"vespo_lambda_neg must be ≥ 0"),
+    (dict(off_policy_mask_threshold=-0.1), r"off_policy_mask_threshold must be ≥ 0"),
+    (dict(entropy_target=0.5), r"entropy_target=0.5 has no effect without use_adaptive_entropy=True"),
+    (dict(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.2),
+     r"entropy_coef_min \(0.5\) must not exceed entropy_coef_max \(0.2\)"),
 ])
 def test_declared_constraints_name_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -34,8 +34,8 @@ TRL_KEYS = {
                                                          "importance_sampling_ratio/max")},
     "tools/call_frequency": "tools (tests/test_agents_training.py)",
     "tools/failure_frequency": "tools (tests/test_agents_training.py)",
-    "aux_loss": "refused: MoE router loss (router_aux_loss_coef)",
-    "vespo/phi_seq_mean": "refused: loss_type='vespo'",
+    "aux_loss": "MoE policies (tests/test_router_aux_loss.py)",
+    "vespo/phi_seq_mean": "vespo",
 }
 
 
@@ -78,6 +78,10 @@ def _run(tmp_path, funcs, eval_data=None, **kw):
      {"kl", "policy_loss", "entropy_coef", *(k for k, v in TRL_KEYS.items() if v in ("clip loss types",
                                                                                       "importance sampling"))}),
     (dict(loss_type="cispo", epsilon_high=5.0), {"cispo_clip_ratio"}),
+    (dict(loss_type="vespo", use_adaptive_entropy=True, generation_dtype="bfloat16",
+          vllm_importance_sampling_mode="token_truncate", off_policy_mask_threshold=0.5),
+     {"vespo/phi_seq_mean", "policy_loss", "entropy_coef",
+      *(k for k, v in TRL_KEYS.items() if v == "importance sampling")}),
 ])
 def test_training_logs_every_trl_key(tmp_path, kw, keys):
     t, lines = _run(tmp_path, [_length, _probe], max_steps=1, **kw)
@@ -88,6 +92,7 @@ def test_training_logs_every_trl_key(tmp_path, kw, keys):
     history = t.state.log_history[0]
     assert want <= set(history) and history["step"] == 1 and lines[0]["probe/value"] == 2.0
     absent = {"cispo_clip_ratio"} if "cispo_clip_ratio" not in keys else {"clip_ratio/low_mean", "kl"}
+    absent |= {"vespo/phi_seq_mean"} - keys | ({"clip_ratio/low_mean"} if "vespo/phi_seq_mean" in keys else set())
     assert not absent & set(lines[0])  # each only where TRL logs it
     assert lines[0]["step_time"] > 0
 

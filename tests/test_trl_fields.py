@@ -104,8 +104,8 @@ def test_gated_fields_are_refused_once_their_gate_is_on():
     with pytest.raises(ConfigError, match="vllm_structured_outputs_regex='a' is not supported"):
         GRPOConfig(use_vllm=True, vllm_structured_outputs_regex="a")
     GRPOConfig(vllm_structured_outputs_regex="a")  # with use_vllm off, the vLLM fields ask for nothing
-    with pytest.raises(ConfigError, match="use_adaptive_entropy=True is not supported"):
-        GRPOConfig(use_adaptive_entropy=True, entropy_target=0.5)
+    with pytest.raises(ConfigError, match="use_liger_kernel=True is not supported"):
+        GRPOConfig(use_liger_kernel=True)
 
 
 def test_every_trl_trainer_argument_is_taken_or_refused(tiny_model, tokenizer):

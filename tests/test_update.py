@@ -200,6 +200,11 @@ def _threads(W, fn):
     return out
 
 
+# TRL 1.16 GRPOConfig fields _compute_loss reads from args, at TRL's defaults unless a case sets them
+TRL_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
+                "entropy_target": 0.2, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005}
+
+
 def _trl_steps(d, W, mbs, spg, mu, ga, f, is_level):
     """TRL 1.16: GRPOTrainer._compute_loss itself on every (process, micro-batch), its loss backpropagated, the
     gradients averaged over processes (DDP) every ga micro-batches; its metrics averaged over the micro-batches."""
@@ -209,16 +214,20 @@ def _trl_steps(d, W, mbs, spg, mu, ga, f, is_level):
 
     def rank(r):
         model, rows = _Table(d["P"], d["C"]), torch.arange(r * n, (r + 1) * n)
+        adaptive = f.get("use_adaptive_entropy", False)
         me = types.SimpleNamespace(
-            aux_loss_enabled=False, top_entropy_quantile=f["top_entropy_quantile"], off_policy_mask_threshold=None,
+            aux_loss_enabled=False, top_entropy_quantile=f["top_entropy_quantile"],
+            off_policy_mask_threshold=f.get("off_policy_mask_threshold"),
             importance_sampling_level=f["importance_sampling_level"], beta=f["beta"], loss_type=f["loss_type"],
             epsilon_low=0.2, epsilon_high=f.get("epsilon_high") or 0.2, use_vllm=is_level is not None,
             vllm_importance_sampling_correction=is_level is not None, model=types.SimpleNamespace(training=True),
             current_gradient_accumulation_steps=ga, max_completion_length=d["P"].size(1),
-            _entropy_bonus_enabled=f["entropy_coef"] != 0, entropy_coef=f["entropy_coef"], use_adaptive_entropy=False,
+            _entropy_bonus_enabled=f["entropy_coef"] != 0 or adaptive, entropy_coef=f["entropy_coef"],
+            use_adaptive_entropy=adaptive, _last_world_entropy=float("inf"), _entropy_window_stats=None,
             _metrics=defaultdict(lambda: defaultdict(list)),
             args=types.SimpleNamespace(use_bias_correction_kl=f["use_bias_correction_kl"], delta=f.get("delta"),
-                                       sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, steps_per_generation=spg),
+                                       sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, steps_per_generation=spg,
+                                       **{k: f.get(k, v) for k, v in TRL_DEFAULTS.items()}),
             accelerator=types.SimpleNamespace(
                 num_processes=W, sync_gradients=True,
                 gather=lambda t: torch.cat(comm.allgather(r, t.detach().reshape(-1).clone())),
@@ -226,6 +235,7 @@ def _trl_steps(d, W, mbs, spg, mu, ga, f, is_level):
                 pad_across_processes=lambda t, dim=0, pad_index=0: torch.nn.functional.pad(
                     t, (0, max(comm.allgather(r, t.numel())) - t.numel()), value=pad_index)))
         me.get_high_entropy_mask = lambda e, m, q: GRPOTrainer.get_high_entropy_mask(me, e, m, q)
+        me.get_off_policy_mask, me.get_gamma_weights = GRPOTrainer.get_off_policy_mask, GRPOTrainer.get_gamma_weights
         me._get_per_token_logps_and_entropies = lambda _m, ids, *a, **k: (*model(ids, None, 0, entropy_grad=True), None)
         num_items = sum(comm.allgather(r, d["mask"][rows].sum()))  # the generation batch's tokens, all processes
         grads = []
@@ -235,8 +245,10 @@ def _trl_steps(d, W, mbs, spg, mu, ga, f, is_level):
                       "completion_ids": torch.zeros_like(d["mask"][rr]).long(), "completion_mask": d["mask"][rr],
                       "advantages": d["adv"][rr], "num_items_in_batch": num_items, "old_per_token_logps": d["old"][rr],
                       "ref_per_token_logps": d["ref"][rr]}
-            if is_level is not None:
+            if is_level is not None:  # vLLM: its log-probs too (OPSM reads them)
                 inputs["importance_sampling_ratio"] = d["isw"][rr] if is_level == "token" else d["isw"][rr][:, :1]
+                inputs["sampling_per_token_logps"] = d["old"][rr] - d["isw"][rr].log()
+            me.accelerator.sync_gradients = (k + 1) % ga == 0  # the window's last micro-batch
             GRPOTrainer._compute_loss(me, model, inputs).backward()
             if (k + 1) % ga == 0:
                 grads.append(sum(comm.allgather(r, model.P.grad.clone())) / W)
@@ -256,8 +268,11 @@ def _groupwise_steps(d, W, mbs, spg, mu, ga, f, is_level):
         model, rows = _Table(d["P"], d["C"]), torch.arange(r * n, (r + 1) * n)
         ids = torch.cat([rows[:, None], torch.zeros_like(d["mask"][rows]).long()], 1)
         isw = None if is_level is None else d["isw"][rows] if is_level == "token" else d["isw"][rows][:, :1]
+        sampled = None  # the sampler's log-probs reach the update for the off-policy mask (GRPOConfig.keeps_…)
+        if is_level is not None and f.get("off_policy_mask_threshold") is not None:
+            sampled = d["old"][rows] - d["isw"][rows].log()
         batch = TrainBatch(ids, torch.ones_like(ids), d["mask"][rows].long(), d["adv"][rows], d["old"][rows],
-                           d["ref"][rows], isw)
+                           d["ref"][rows], isw, sampled)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         grads, step = [], opt.step
@@ -337,3 +352,33 @@ def test_two_processes_give_one_processs_gradients_for_every_loss_type(loss_type
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert torch.allclose(a, b[order], atol=1e-12), (a - b[order]).abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+@pytest.mark.parametrize("loss_type", ["vespo", "dapo", "grpo"])
+@pytest.mark.parametrize("target", [0.5, 1.5])
+def test_vespo_off_policy_mask_and_adaptive_entropy_give_trls_gradients_and_metrics(loss_type, target):
+    """The same harness with a vLLM-style sampler (token weights and its log-probs), the off-policy sequence mask,
+    and the adaptive entropy coefficient: every step's gradient and the logged metrics (vespo/phi_seq_mean,
+    entropy_coef after each step's update) equal TRL 1.16's. The table's token entropies 2·σ(P + C) lie around 1:
+    target 1.5 lets the bonus act from the second step on and raises c; target 0.5 lowers c and never applies it."""
+    pytest.importorskip("trl")
+    W, mbs, spg, mu, ga = 2, 2, 2, 4, 2  # μ = 4: 4 optimizer steps, the coefficient moves 4 times
+    d, f, _ = _case(loss_type, "token")
+    if loss_type == "vespo":
+        f.pop("epsilon_high"), f.pop("delta")
+    f.update(off_policy_mask_threshold=0.05, use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=target,
+             entropy_coef_delta=0.03, entropy_coef_max=0.15)
+    ours, ours_metrics = _groupwise_steps(d, W, mbs, spg, mu, ga, f, "token")
+    theirs, their_metrics = _trl_steps(d, W, mbs, spg, mu, ga, f, "token")
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, atol=1e-12), (a - b).abs().max()
+    shared = set(their_metrics) - {"policy_loss"}
+    assert {"entropy_coef", "entropy"} <= shared <= set(ours_metrics)
+    assert ("vespo/phi_seq_mean" in shared) == (loss_type == "vespo")
+    for name in shared:
+        assert ours_metrics[name] == pytest.approx(their_metrics[name], abs=1e-6), name
+    # after steps 1–4 the coefficient is 0.13, 0.15, 0.15, 0.15 (+0.03, capped; mean 0.145) or 0.07, 0.04, 0.01, 0
+    # (−0.03, floored at 0; mean 0.03)
+    assert ours_metrics["entropy_coef"] == pytest.approx(0.145 if target == 1.5 else 0.03, abs=1e-12)

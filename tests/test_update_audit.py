@@ -5,9 +5,9 @@ whose normaliser composes, the gradient of one big batch.
 
 TRL's semantics per loss type (k micro-batches in one optimizer step, one process):
     grpo, sapo, bnpo, dr_grpo, luspo   Σ_i L_i / k        (L_i the micro-batch's own aggregation)
-    dapo, cispo                        Σ_i S_i / N_step   (S_i the micro-batch's masked sum, N_step the step's tokens)
+    dapo, cispo, vespo                 Σ_i S_i / N_step   (S_i the micro-batch's masked sum, N_step the step's tokens)
 With equal-size micro-batches, grpo / sapo (mean of sequence means), dr_grpo (N·L), luspo (mean of sequence sums),
-dapo / cispo (the step's tokens) equal one batch holding them all; bnpo (each micro-batch's own token mean) does not
+dapo / cispo / vespo (the step's tokens; vespo's weight is per sequence) equal one batch holding them all; bnpo (each micro-batch's own token mean) does not
 when the micro-batches hold different numbers of tokens."""
 
 import copy
@@ -23,13 +23,15 @@ from groupwise.update import windows
 from tests.core.test_losses import _trl_loss
 from tests.test_update import _batch, _grads
 
-COMPOSES = {"grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo"}
+COMPOSES = {"grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo", "vespo"}
 
 
 def _fields(loss_type, level):
     f = {"beta": 0.04, "importance_sampling_level": level}
     if loss_type == "cispo":
         f["epsilon_high"] = 1.3
+    elif loss_type == "vespo":  # its sequence weight ignores the level (a warning, as TRL's)
+        f["importance_sampling_level"] = "token"
     elif loss_type != "sapo":
         f.update(epsilon_high=0.28, delta=1.5)
     return f
@@ -59,7 +61,7 @@ def _trl_accumulated_gradient(model, micro, loss_type, f):
                          level=f["importance_sampling_level"], beta=f["beta"], ref=mb.ref_logps, bias_kl=False,
                          eps_low=0.2, eps_high=f.get("epsilon_high") or 0.2, delta=f.get("delta"), tau_pos=1.0,
                          tau_neg=1.05, max_len=T)
-        if loss_type in ("dapo", "cispo"):  # _trl_loss divides by this micro-batch's tokens; TRL by the step's
+        if loss_type in ("dapo", "cispo", "vespo"):  # _trl_loss divides by this micro-batch's tokens; TRL by the step's
             total = total + loss * mask.sum().clamp(min=1.0) / n_step
         else:
             total = total + loss / k

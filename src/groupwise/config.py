@@ -39,7 +39,11 @@ __all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "loa
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # GRPOConfig fields a loss objective may read, by the objective's option name (groupwise.core.losses.OBJECTIVES)
-OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg")
+OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+
+# fields only the adaptive entropy control reads (use_adaptive_entropy)
+ADAPTIVE_ENTROPY_FIELDS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
 
 # fields of the colocated vLLM engine, and where a vLLM server takes the same setting (vllm_mode='server')
 VLLM_COLOCATE_ONLY = {
@@ -208,8 +212,19 @@ class GRPOConfig(StrictConfig):
     loss_type: str = option("The per-token objective and what its masked sum is divided by (groupwise.core.losses.LOSS_TYPES, TRL's names).", default="dapo", choices=LOSS_TYPES)
     sapo_temperature_pos: float = option("τ_pos of loss_type='sapo': the gate's temperature on tokens with positive advantage (TRL).", default=1.0, gt=0)
     sapo_temperature_neg: float = option("τ_neg of loss_type='sapo': the gate's temperature on tokens with advantage ≤ 0 (TRL).", default=1.05, gt=0)
+    vespo_k_pos: float = option("k of loss_type='vespo' for Â ≥ 0: the power in φ(w) = e^λ w^k e^(−λw), how hard sequences with ratio w < 1 are down-weighted (TRL).", default=2.0, ge=0)
+    vespo_lambda_pos: float = option("λ of loss_type='vespo' for Â ≥ 0: the decay in φ(w), how hard sequences with ratio w > 1 are down-weighted (TRL).", default=3.0, ge=0)
+    vespo_k_neg: float = option("k of loss_type='vespo' for Â < 0 (TRL).", default=3.0, ge=0)
+    vespo_lambda_neg: float = option("λ of loss_type='vespo' for Â < 0 (TRL).", default=2.0, ge=0)
+    off_policy_mask_threshold: float | None = option("δ of the off-policy sequence mask (DeepSeek-V3.2 eq. 9, TRL): a completion whose mean KL from the sampling policy, mean_t (log π_sampler − log π_θ), exceeds δ has its policy term dropped where its advantage is negative (e.g. 0.5). π_sampler is the sampler's own log-probs when it differs from the trainer (use_vllm, generation_dtype), else π_θold. None: off.", default=None, ge=0)
     use_bias_correction_kl: bool = option("Multiply the k3 KL term by the importance ratio ρ (TRL's default True): its value is unchanged on-policy but its gradient gains k3·∇log π. False (groupwise's default) is DeepSeekMath eq. 3 as written.", default=False)
-    entropy_coef: float = option("c in L − c·H̄: an entropy bonus, H̄ the mean token entropy of each micro-batch (over the tokens the policy term acts on), the same for every loss_type (TRL). 0: off.", default=0.0)
+    entropy_coef: float = option("c in L − c·H̄: an entropy bonus, H̄ the mean token entropy of each micro-batch (over the tokens the policy term acts on), the same for every loss_type (TRL). With use_adaptive_entropy, the initial c. 0: off.", default=0.0)
+    router_aux_loss_coef: float | None = option("Weight of a Mixture-of-Experts model's router load-balancing loss (the model's own aux_loss) added to the GRPO loss, logged as aux_loss (TRL). None: the model config's router_aux_loss_coef (0.0 when it declares none); 0.0: off. Setting it for a dense model is an error.", default=None, ge=0)
+    use_adaptive_entropy: bool = option("Adapt entropy_coef after every optimizer step (Skywork-OR1's adaptive entropy control, TRL; groupwise.core.entropy): +entropy_coef_delta while the step's mean token entropy is ≤ entropy_target, −entropy_coef_delta otherwise, within [entropy_coef_min, entropy_coef_max]; the bonus applies only while entropy is ≤ entropy_target. Its state is kept in checkpoints.", default=False)
+    entropy_coef_min: float = option("Lower bound of the adapted entropy_coef (use_adaptive_entropy, TRL).", default=0.0, ge=0)
+    entropy_coef_max: float = option("Upper bound of the adapted entropy_coef (use_adaptive_entropy, TRL).", default=1.0, ge=0)
+    entropy_coef_delta: float = option("Step of the adapted entropy_coef per optimizer step (use_adaptive_entropy, TRL).", default=0.005, ge=0)
+    entropy_target: float = option("Target mean token entropy in nats (use_adaptive_entropy, TRL), over the tokens the policy term acts on. Language models sit at 2–10 nats, so the default 0.2 acts only on a near-collapse: set it near the entropy you want to keep.", default=0.2, ge=0)
     scale_rewards: str | bool = option("Advantage scaling: 'group' (DeepSeekMath), 'batch', 'none' (Dr. GRPO); True='group', False='none'.", default="group")
     advantage_estimator: str = option("How rewards become advantages, for outcome and step rewards alike (groupwise.core.advantages; the default is DeepSeekMath §4.1.2/§4.1.3). Each estimator reads only the options it takes among scale_rewards, reward_std and advantage_eps; setting another is an error.", default="grpo", choices=ESTIMATORS)
     reward_std: str = option("Std in the normalisation: 'population' (1/G, DeepSeekMath's std) or 'unbiased' (Bessel, TRL).", default="population", choices=STDS)
@@ -309,6 +324,23 @@ class GRPOConfig(StrictConfig):
                 readers = sorted(t for t, lt in LOSS_TYPES.items() if name in OBJECTIVES[lt.objective].options)
                 raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with loss_type={self.loss_type!r}; "
                                   f"remove it, or choose a loss_type that reads it: {readers}")
+        if OBJECTIVES[objective].sequence_weight and self.corrects_sampling \
+                and not self.vllm_importance_sampling_mode.startswith("token"):
+            raise ConfigError(f"loss_type={self.loss_type!r} folds the sampler correction into its sequence weight "
+                              "token by token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' "
+                              f"(not {self.vllm_importance_sampling_mode!r})")
+        if OBJECTIVES[objective].sequence_weight and self.importance_sampling_level != "token":
+            warnings.warn(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
+                          f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
+                          "alike)", UserWarning, stacklevel=3)
+        if not self.use_adaptive_entropy:
+            for name in ADAPTIVE_ENTROPY_FIELDS:
+                if getattr(self, name) != _default(name):
+                    raise ConfigError(f"{name}={getattr(self, name)!r} has no effect without use_adaptive_entropy="
+                                      f"True: remove it, or set use_adaptive_entropy=True")
+        elif self.entropy_coef_min > self.entropy_coef_max:
+            raise ConfigError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
+                              f"({self.entropy_coef_max})")
         if objective == "cispo" and self.epsilon_high is None:
             raise ConfigError("loss_type='cispo' caps the importance weight at epsilon_high (ε_max; 5.0 is the value "
                               "recommended with CISPO): set epsilon_high")
@@ -412,9 +444,20 @@ class GRPOConfig(StrictConfig):
         return values
 
     @property
+    def samples_apart(self) -> bool:
+        """Do the sampler's numerics differ from the trainer's (vLLM, or a copy in generation_dtype)?"""
+        return self.use_vllm or self.generation_dtype is not None
+
+    @property
     def corrects_sampling(self) -> bool:
         """Is the loss importance-corrected for the sampler? When asked for and the sampler's numerics differ."""
-        return self.vllm_importance_sampling_correction and (self.use_vllm or self.generation_dtype is not None)
+        return self.vllm_importance_sampling_correction and self.samples_apart
+
+    @property
+    def keeps_sampling_logps(self) -> bool:
+        """Does the update read the sampler's own log-probs? For the importance correction, and for the off-policy
+        mask when the sampler differs (its KL is then measured from the policy that really sampled, as TRL)."""
+        return self.corrects_sampling or (self.off_policy_mask_threshold is not None and self.samples_apart)
 
     def every(self, name: str, max_steps: int) -> int:
         """logging_steps / save_steps / eval_steps in optimizer steps: a fraction below 1 of max_steps, rounded up."""

@@ -39,10 +39,6 @@ _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluat
 _NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
 
 
-def _never(values: dict) -> bool:  # read only by a loss_type groupwise does not offer (vespo)
-    return False
-
-
 def _best(values: dict) -> bool:
     return bool(values.get("load_best_model_at_end"))
 
@@ -85,19 +81,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "save_on_each_node": NotSupported(False, "checkpoints are written by the main process to a folder every node "
                                              "must see (a shared file system)"),
     # objective variants not implemented
-    "vespo_k_pos": NotSupported(2.0, "loss_type='vespo' is not implemented", needs=_never),
-    "vespo_lambda_pos": NotSupported(3.0, "loss_type='vespo' is not implemented", needs=_never),
-    "vespo_k_neg": NotSupported(3.0, "loss_type='vespo' is not implemented", needs=_never),
-    "vespo_lambda_neg": NotSupported(2.0, "loss_type='vespo' is not implemented", needs=_never),
-    "use_adaptive_entropy": NotSupported(False, "adaptive entropy control is not implemented; use a fixed "
-                                                "entropy_coef"),
-    **{name: NotSupported(default, "adaptive entropy control is not implemented; use a fixed entropy_coef",
-                          needs=lambda values: bool(values.get("use_adaptive_entropy")))
-       for name, default in {"entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005,
-                             "entropy_target": 0.2}.items()},
-    "off_policy_mask_threshold": NotSupported(None, "off-policy sequence masking is not implemented; lower "
-                                                    "num_iterations or use delta (two-sided clipping)"),
-    "router_aux_loss_coef": NotSupported(None, "the MoE load-balancing loss is not added to the GRPO loss"),
     "neftune_noise_alpha": NotSupported(None, "NEFTune is for supervised fine-tuning, not GRPO"),
     "label_smoothing_factor": NotSupported(0.0, "GRPO has no labels to smooth"),
     "label_names": NotSupported(None, "GRPO has no labels"),

@@ -76,8 +76,24 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
         ensure_pad_token(tokenizer)
     except ValueError as e:  # neither a pad nor an EOS token: the run cannot batch prompts
         raise ConfigError(str(e)) from None
+    router_aux_loss_coef(args, config)  # a coefficient for a dense model: refused before the weights load
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return tokenizer, getattr(text_config, "max_position_embeddings", None)
+
+
+def router_aux_loss_coef(args: GRPOConfig, config) -> float:
+    """The weight of a Mixture-of-Experts model's router load-balancing loss in the GRPO loss (TRL's rule):
+    router_aux_loss_coef, or when unset the model config's own (0.0 when it declares none); 0.0 for a dense model,
+    for which setting it is a ConfigError. A model is MoE when its config has `output_router_logits`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    moe = hasattr(text, "output_router_logits")
+    if args.router_aux_loss_coef is None:
+        return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
+    if args.router_aux_loss_coef and not moe:
+        raise ConfigError(f"router_aux_loss_coef={args.router_aux_loss_coef} but {type(config).__name__} is not a "
+                          "Mixture-of-Experts model that returns router logits: there is no auxiliary loss to weight; "
+                          "remove router_aux_loss_coef")
+    return float(args.router_aux_loss_coef)
 
 
 def load_policy(model, args: GRPOConfig):

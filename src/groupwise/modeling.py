@@ -95,20 +95,45 @@ class PolicyForLogps(torch.nn.Module):
             log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
 
     def forward(self, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                compute_entropy: bool = False, entropy_grad: bool = False):
+                compute_entropy: bool = False, entropy_grad: bool = False, aux_loss: bool = False):
+        """(log-probs (N, T), entropies (N, T) or None), and with `aux_loss` a third item: the router
+        load-balancing loss of a Mixture-of-Experts model, as its own forward computes it (differentiable)."""
         if not self.chunked:
+            if aux_loss:
+                raise ValueError(f"{type(self.model).__name__}: the router auxiliary loss needs a model whose output "
+                                 "head is separable; set router_aux_loss_coef=0.0")
             return completion_logps(self.model, input_ids, attention_mask, num_completion_tokens,
                                     temperature=temperature, compute_entropy=compute_entropy,
                                     entropy_grad=entropy_grad)
         T = num_completion_tokens
         decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  "position_ids": position_ids_from_mask(attention_mask), "use_cache": False}
+        if aux_loss:
+            hidden, aux = self._hidden_and_router_loss(decoder, inputs)
+        else:
+            hidden = decoder(**inputs).last_hidden_state
         hidden = hidden[:, -(T + 1):-1, :]  # (N, T, H): position p predicts token p + 1
-        return logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, temperature=temperature,
-                                 softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
-                                 compute_entropy=compute_entropy, entropy_grad=entropy_grad,
-                                 head_fp32=isinstance(head, Float32Head))
+        out = logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, temperature=temperature,
+                                softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
+                                compute_entropy=compute_entropy, entropy_grad=entropy_grad,
+                                head_fp32=isinstance(head, Float32Head))
+        return (*out, aux) if aux_loss else out
+
+    def _hidden_and_router_loss(self, decoder, inputs: dict):
+        """The decoder's last hidden states and the model's own `aux_loss` (output_router_logits=True): the causal
+        LM's forward runs, its logits kept for one position only, and a hook on the decoder takes the hidden states."""
+        captured = []
+        handle = decoder.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+        try:
+            extra = {"logits_to_keep": 1} if accepts_kwarg(self.model, "logits_to_keep") else {}
+            out = self.model(**inputs, output_router_logits=True, **extra)
+        finally:
+            handle.remove()
+        if getattr(out, "aux_loss", None) is None:
+            raise ValueError(f"{type(self.model).__name__} returned no aux_loss with output_router_logits=True: it is "
+                             "not a Mixture-of-Experts model with a router loss; set router_aux_loss_coef=0.0")
+        return captured[0], out.aux_loss
 
 
 @torch.no_grad()

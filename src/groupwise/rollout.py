@@ -58,6 +58,7 @@ class RolloutContext:
     reference: Reference | None = None  # π_ref of the KL term, β > 0 only (groupwise.adapters.Reference)
     policy_logps: torch.nn.Module | None = None  # the trainer's PolicyForLogps (sharded with fsdp): π_θold runs on it
     correct_sampling: bool = False  # importance-correct for a sampler with other numerics (generation_dtype)
+    keep_sampling_logps: bool = False  # the sampler's log-probs reach the update (off-policy mask; GRPOConfig)
     agent: Agent | None = None  # tools / environments: multi-turn rollouts (groupwise.agents)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
@@ -156,14 +157,16 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     """Sample one completion per row (rows already repeated G times, group rows contiguous); with tools or an
     environment (ctx.agent), one multi-turn conversation per row (groupwise.agents.turns)."""
     args, tok, device = ctx.args, ctx.tokenizer, ctx.dist.device
-    want = ctx.correct_sampling and not greedy and not evaluation  # the sampler's log-probs, for the correction
+    # the sampler's log-probs, for the importance correction and the off-policy mask
+    want = (ctx.correct_sampling or ctx.keep_sampling_logps) and not greedy and not evaluation
 
     def sample(prompt_ids, prompt_mask):  # left-padded prompts → Generated (one turn's, with tools)
         out = ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want)
         if want and out.logprobs is None:
+            needs, off = (("the importance-sampling correction", "vllm_importance_sampling_correction=False")
+                          if ctx.correct_sampling else ("the off-policy mask", "off_policy_mask_threshold=None"))
             raise ValueError(f"generation_backend={args.generation_backend!r} returned no sampling log-probs, which "
-                             "the importance-sampling correction needs: return Generated(ids, logprobs) when asked "
-                             "for them, or set vllm_importance_sampling_correction=False")
+                             f"{needs} needs: return Generated(ids, logprobs) when asked for them, or set {off}")
         return out
 
     if ctx.agent is not None:
@@ -325,7 +328,8 @@ def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float
         with ctx.reference.context(), ctx.dist.autocast():  # the trainer's precision, as π_θ
             ref = batched_logps(ctx.reference.logps_model, input_ids, attention_mask, T, temperature=args.temperature,
                                 batch_size=args.per_device_train_batch_size, chunk_tokens=args.logprob_chunk_tokens)
-    return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref, weights)
+    sampled = comp.sampling_logps if args.off_policy_mask_threshold is not None else None  # the mask's π_sampler
+    return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref, weights, sampled)
 
 
 def _sampling_metrics(ctx: RolloutContext, stats: dict[str, torch.Tensor]) -> dict[str, float]:

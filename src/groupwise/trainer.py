@@ -31,7 +31,7 @@ from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
-                               refuse_trainer_arguments)
+                               refuse_trainer_arguments, router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, set_log_level
 from groupwise.signals import stop_on_signals
@@ -157,7 +157,8 @@ class GRPOTrainer(TransformersHabits):
         self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
                                                 train_dataloader=None, eval_dataloader=None)
-        self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler, self._event)
+        self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler, self._event,
+                                        router_aux_loss_coef=router_aux_loss_coef(args, self.unwrapped.config))
         self.skipped_steps = self.consecutive_skipped = 0
         self._loss_sum, self._loss_steps = 0.0, 0  # this run's policy losses, for TrainResult.training_loss
         self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
@@ -210,7 +211,7 @@ class GRPOTrainer(TransformersHabits):
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             reference=self.reference, agent=self.agent,
             policy_logps=self.trained if self.dist.sharding is not None else self.dist.unwrap(self.trained),
-            correct_sampling=args.corrects_sampling,
+            correct_sampling=args.corrects_sampling, keep_sampling_logps=args.keeps_sampling_logps,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
             reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
             # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
@@ -428,7 +429,7 @@ class GRPOTrainer(TransformersHabits):
                  "round_metrics": round_metrics if pending is not None else None,
                  "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None,
                  "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen,
-                 "total_flos": self.state.total_flos}
+                 "total_flos": self.state.total_flos, "entropy_control": self.update_ctx.entropy.state_dict()}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
                                model=self.sampling_model if sharded else self.unwrapped,
@@ -459,6 +460,8 @@ class GRPOTrainer(TransformersHabits):
         self._window = defaultdict(list, state.get("window", {}))  # the metrics since the last log line
         self.state.num_input_tokens_seen = state.get("num_input_tokens_seen", 0)
         self.state.total_flos = state.get("total_flos", 0.0)
+        if self.args.use_adaptive_entropy and "entropy_control" in state:  # the adapted coefficient, where it was
+            self.update_ctx.entropy.load_state_dict(state["entropy_control"])
         self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))
         self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
         if pending is None:

@@ -27,7 +27,7 @@ class Completions:
     completions: list[Any]  # (N) decoded text, or [{"role": "assistant", "content": text}] for chat prompts
     columns: dict[str, list[Any]]  # reward-function kwargs, one value per row: the other dataset columns, and
     #                                `environments` (the rollouts' instances) with an environment_factory (TRL)
-    sampling_logps: torch.Tensor | None = None  # (N, T) log-probs the sampler drew with (importance correction)
+    sampling_logps: torch.Tensor | None = None  # (N, T) the sampler's log-probs (IS correction, off-policy mask)
     # multi-turn rollouts with tools (groupwise.agents); None without tools. completion_ids then interleave model
     # turns and tool tokens (model turn 1 + tool results + next assistant header + model turn 2 + …), completion_mask
     # covers all of them (attention), and the loss sees completion_mask * tool_mask (rollout.build_batch)
@@ -101,6 +101,7 @@ class TrainBatch:
     old_logps: torch.Tensor | None = None  # (N, T) π_θold; None when fully on-policy (then logps.detach())
     ref_logps: torch.Tensor | None = None  # (N, T) π_ref; None when beta = 0
     is_weights: torch.Tensor | None = None  # (N, T) or (N, 1) importance weights for the sampler's numerics
+    sampling_logps: torch.Tensor | None = None  # (N, T) the sampler's log-probs, for the off-policy mask (NaN: none)
 
     def rows(self, start: int, stop: int) -> "TrainBatch":
         return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]

@@ -7,7 +7,8 @@ says which rule applies (groupwise.core.aggregation, `spans_step`):
     normaliser spans the step (dapo)          ℓ_i · W   (ℓ_i already divides by the window's tokens, all processes)
     normaliser local to the micro-batch       ℓ_i / k   (grpo, bnpo, dr_grpo, luspo)
 An entropy bonus (entropy_coef = c) subtracts c · H̄_i / k per micro-batch, H̄_i its mean token entropy, so the step
-maximises c times the window's mean of micro-batch entropies whatever the loss type's normaliser (TRL's definition).
+maximises c times the window's mean of micro-batch entropies whatever the loss type's normaliser (TRL's definition);
+c is fixed, or adapted after every step from the step's entropy over all processes (groupwise.core.entropy).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from groupwise.core.aggregation import aggregation
+from groupwise.core.entropy import EntropyControl
 from groupwise.core.losses import LOSS_TYPES
 from groupwise.core.logprobs import top_entropy_mask
 from groupwise.distributed import exact_dtype
@@ -45,6 +47,12 @@ class UpdateContext:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     event: Callable[[str], None] = lambda name: None  # the trainer's callbacks: on_(pre_)optimizer_step
+    entropy: EntropyControl | None = None  # the bonus's coefficient (from args when None); checkpointed when adapted
+    router_aux_loss_coef: float = 0.0  # weight of a MoE model's router loss (groupwise.loading.router_aux_loss_coef)
+
+    def __post_init__(self):
+        if self.entropy is None:
+            self.entropy = EntropyControl.from_config(self.args)
 
 
 def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int, num_iterations: int,
@@ -60,35 +68,46 @@ def windows(batch: TrainBatch, micro_batch_size: int, steps_per_generation: int,
     return [micro[i:i + k] for i in range(0, len(micro), k)]
 
 
+class MicroBatchLoss(NamedTuple):
+    loss: torch.Tensor  # the aggregated policy loss (+ β·KL), before accumulation / data-parallel scaling
+    entropy: tuple[torch.Tensor, torch.Tensor] | None  # (Σ H_t, tokens) over the acting tokens; None without a bonus
+    aux_loss: torch.Tensor | None  # a MoE model's router load-balancing loss (differentiable); None when unweighted
+    metrics: dict[str, torch.Tensor]  # this process's means (`counts` says what each divides by)
+
+
 def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor | None,
-                     counts: dict[str, torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The aggregated loss of one micro-batch (before accumulation/DP scaling), the mean entropy H̄ of the tokens the
-    policy term acts on (differentiable; None when entropy_coef = 0), and the metrics (this process's means; `counts`,
-    when given, is filled with what each mean divides by)."""
+                     counts: dict[str, torch.Tensor] | None = None) -> MicroBatchLoss:
+    """One micro-batch's loss terms and metrics (`counts`, when given, is filled with what each mean divides by)."""
     args = ctx.args
     mask = mb.completion_mask
-    bonus = args.entropy_coef != 0.0
-    logps, entropies = ctx.model(mb.input_ids, mb.attention_mask, mask.size(1), temperature=args.temperature,
-                                 compute_entropy=True, entropy_grad=bonus)  # PolicyForLogps (possibly inside DDP)
+    bonus = ctx.entropy.enabled
+    router = ctx.router_aux_loss_coef != 0.0
+    logps, entropies, *aux = ctx.model(mb.input_ids, mb.attention_mask, mask.size(1), temperature=args.temperature,
+                                       compute_entropy=True, entropy_grad=bonus,  # PolicyForLogps, maybe in DDP
+                                       **({"aux_loss": True} if router else {}))
     old = logps.detach() if mb.old_logps is None else mb.old_logps
     loss_mask = None if args.top_entropy_quantile >= 1.0 else \
         top_entropy_mask(entropies.detach(), mask, args.top_entropy_quantile, gather=ctx.dist.gather_ragged)
     loss, metrics = policy_loss(
         logps, old, mb.advantages, mask, loss_type=args.loss_type, epsilon_low=args.epsilon,
         epsilon_high=args.epsilon_high, delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
-        sapo_temperature_neg=args.sapo_temperature_neg, importance_sampling_level=args.importance_sampling_level,
-        beta=args.beta, ref_logps=mb.ref_logps, use_bias_correction_kl=args.use_bias_correction_kl,
-        max_completion_length=args.max_completion_length, num_items_in_batch=num_items, loss_mask=loss_mask,
-        is_weights=mb.is_weights, metric_counts=counts)
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+        importance_sampling_level=args.importance_sampling_level, beta=args.beta, ref_logps=mb.ref_logps,
+        use_bias_correction_kl=args.use_bias_correction_kl, max_completion_length=args.max_completion_length,
+        num_items_in_batch=num_items, loss_mask=loss_mask, is_weights=mb.is_weights,
+        off_policy_mask_threshold=args.off_policy_mask_threshold, sampling_logps=mb.sampling_logps,
+        metric_counts=counts)
     metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
     if counts is not None:
         counts["entropy"] = mask.sum()
-    mean_entropy = None
+    acting_entropy = None
     if bonus:  # over the tokens the policy term acts on (the top-entropy ones when top_entropy_quantile < 1), as TRL
         acting = mask if loss_mask is None else mask * loss_mask
-        mean_entropy = (entropies * acting).sum() / acting.sum().clamp(min=1)
-    return loss, mean_entropy, metrics
+        acting_entropy = (entropies * acting).sum(), acting.sum().to(entropies.dtype)
+    if router:
+        metrics["aux_loss"] = aux[0].detach()  # TRL's aux_loss: the mean over processes and micro-batches
+    return MicroBatchLoss(loss, acting_entropy, aux[0] if router else None, metrics)
 
 
 def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, float]:
@@ -105,13 +124,19 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     extremes: dict[str, list[float]] = defaultdict(list)  # per micro-batch, then over processes (EXTREMES)
     weighted: dict[str, list[float]] = defaultdict(list)  # per micro-batch: this process's mean · count, count
     step_loss, step_total, finite = 0.0, 0.0, True
+    coef = ctx.entropy.applied()  # the same for every micro-batch of the step
+    window_entropy = torch.zeros(2, dtype=exact_dtype(dist.device), device=dist.device)  # Σ H_t, tokens: the step's, this process
     for i, mb in enumerate(window):
         with dist.no_sync(model, skip_sync=i < k - 1):
             counts: dict[str, torch.Tensor] = {}
-            loss, mean_entropy, metrics = micro_batch_loss(ctx, mb, num_items, counts)
+            loss, acting_entropy, aux_loss, metrics = micro_batch_loss(ctx, mb, num_items, counts)
             total = loss * scale
-            if mean_entropy is not None:  # L − c·H̄: each micro-batch's mean token entropy, averaged over the window
-                total = total - args.entropy_coef * mean_entropy / k
+            if aux_loss is not None:  # + coef · aux_i / k: scaled for accumulation only, as TRL
+                total = total + ctx.router_aux_loss_coef * aux_loss / k
+            if acting_entropy is not None:  # L − c·H̄: each micro-batch's mean token entropy, averaged over the window
+                entropy_sum, tokens = acting_entropy
+                total = total - coef * (entropy_sum / tokens.clamp(min=1)) / k
+                window_entropy += torch.stack([entropy_sum.detach(), tokens.detach()]).to(window_entropy)
             dist.backward(total)
         finite = finite and bool(torch.isfinite(loss.detach()))
         step_loss += float(loss.detach()) * scale
@@ -147,8 +172,11 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     out = dict(zip(keys, (values[:len(keys)] / dist.world_size).tolist()))
     pairs = values[len(keys):].view(len(means), k, 2)  # (metric, micro-batch, [Σ mean·count, Σ count])
     out.update(zip(means, (pairs[..., 0] / pairs[..., 1].clamp(min=1.0)).mean(-1).tolist()))
-    if args.entropy_coef != 0.0:
-        out["entropy_coef"] = args.entropy_coef
+    if ctx.entropy.enabled:  # adapted: from the step's entropy over every process's acting tokens (TRL logs the new c)
+        if ctx.entropy.adaptive:
+            totals = dist.sum(window_entropy)
+            ctx.entropy.observe(float(totals[0] / totals[1].clamp(min=1.0)))
+        out["entropy_coef"] = ctx.entropy.coef
     else:
         del out["policy_loss"]
     for name, largest in EXTREMES.items():  # each micro-batch's extreme over all processes, averaged over the window

@@ -263,6 +263,12 @@ def _trl_loss(logps, old, adv, mask, *, loss_type, level, beta, ref, bias_kl, ep
             kl = kl * coef_1
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=eps_high).detach() * adv * logps
+    elif loss_type == "vespo":  # get_gamma_weights at TRL's default k, λ, without a sampler correction
+        with torch.no_grad():
+            log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+            k, lam = torch.where(adv >= 0, 2.0, 3.0), torch.where(adv >= 0, 3.0, 2.0)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        per_token = -phi * adv * logps
     elif loss_type == "sapo":
         t = torch.where(adv > 0, tau_pos, tau_neg)
         per_token = -torch.sigmoid(t * (coef_1 - 1)) * 4 / t * adv
@@ -279,14 +285,14 @@ def _trl_loss(logps, old, adv, mask, *, loss_type, level, beta, ref, bias_kl, ep
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (per_token.size(0) * max_len)
-    if loss_type in ("cispo", "dapo"):
+    if loss_type in ("cispo", "dapo", "vespo"):
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "luspo":
         return (per_token * mask).sum(-1).mean()
     raise AssertionError(loss_type)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("bias_kl", [False, True])
 def test_every_loss_type_matches_trl_value_and_gradient(loss_type, level, bias_kl):
@@ -297,7 +303,8 @@ def test_every_loss_type_matches_trl_value_and_gradient(loss_type, level, bias_k
     ref = base + 0.4 * torch.randn(N, T, generator=g, dtype=torch.float64)
     adv = torch.randn(N, generator=g, dtype=torch.float64)
     mask = (torch.arange(T) < torch.tensor([5, 2, 1, 4, 3, 5])[:, None]).double()
-    kw = dict(eps_low=0.2, eps_high=5.0 if loss_type == "cispo" else 0.28, delta=None if loss_type in ("cispo", "sapo") else 1.5,
+    kw = dict(eps_low=0.2, eps_high=5.0 if loss_type == "cispo" else 0.28,
+              delta=None if loss_type in ("cispo", "sapo", "vespo") else 1.5,
               tau_pos=1.0, tau_neg=1.05, max_len=T)
     ours_lp, trl_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
     ours, _ = policy_loss(ours_lp, old, adv, mask, loss_type=loss_type, epsilon_low=kw["eps_low"],

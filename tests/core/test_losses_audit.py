@@ -47,18 +47,19 @@ def test_gspo_sequence_ratio_is_the_mean_log_ratio_of_real_tokens_by_hand():
     assert torch.equal(lp.grad, torch.zeros(1, 3, dtype=torch.float64))
 
 
-# On-policy (ρ = 1, so ∂ℓ_t/∂log π_t = −Â for every objective: clip, cispo with ε_max ≥ 1, and sapo, whose gate has
-# slope 1 at ρ = 1), the gradient of every loss type is −Â_i · m_it / (its normaliser for row i). Two rows, T = 3:
+# On-policy (ρ = 1, so ∂ℓ_t/∂log π_t = −Â for every objective: clip, cispo with ε_max ≥ 1, sapo, whose gate has
+# slope 1 at ρ = 1, and vespo, whose weight φ(1) = e^λ · 1^k · e^−λ = 1), the gradient of every loss type is
+# −Â_i · m_it / (its normaliser for row i). Two rows, T = 3:
 # row 0 has 3 tokens and Â = 1, row 1 has 1 token and Â = −2; 4 tokens in all; max_completion_length L = 4.
 #   grpo, sapo   N·|o_i|:   row 0 −1/(2·3) = −1/6,  row 1  2/(2·1) = 1
 #   bnpo         tokens 4:  row 0 −1/4,             row 1  2/4 = 0.5
 #   dr_grpo      N·L = 8:   row 0 −1/8,             row 1  2/8 = 0.25
-#   dapo, cispo  num_items_in_batch = 10 (the optimizer step's tokens, not this micro-batch's 4):
+#   dapo, cispo, vespo  num_items_in_batch = 10 (the optimizer step's tokens, not this micro-batch's 4):
 #                           row 0 −1/10,            row 1  2/10 = 0.2
 #   luspo        N = 2:     row 0 −1/2,             row 1  2/2 = 1
 ON_POLICY_GRADIENT = {
     "grpo": (-1 / 6, 1.0), "sapo": (-1 / 6, 1.0), "bnpo": (-0.25, 0.5), "dr_grpo": (-0.125, 0.25),
-    "dapo": (-0.1, 0.2), "cispo": (-0.1, 0.2), "luspo": (-0.5, 1.0),
+    "dapo": (-0.1, 0.2), "cispo": (-0.1, 0.2), "vespo": (-0.1, 0.2), "luspo": (-0.5, 1.0),
 }
 
 

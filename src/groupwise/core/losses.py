@@ -6,9 +6,17 @@ groupwise.core.aggregation). With ρ_t = π_θ(o_t) / π_θold(o_t) per token, o
     clip   ℓ_t = −min(min(ρ_t, δ) Â_t, clip(ρ_t, 1−ε_low, 1+ε_high) Â_t)     DeepSeekMath eq. 3 (δ: INTELLECT-2)
     cispo  ℓ_t = −sg[min(ρ_t, ε_high)] Â_t log π_θ(o_t)                          (MiniMax-M1; ε_high is ε_max here)
     sapo   ℓ_t = −(4/τ) σ(τ (ρ_t − 1)) Â_t,  τ = τ_pos if Â_t > 0 else τ_neg     (soft gate; d/dρ = 1 at ρ = 1)
+    vespo  ℓ_t = −sg[φ(w)] Â_t log π_θ(o_t),  φ(w) = e^λ w^k e^(−λw)                (VESPO; φ(1) = 1)
+           w = exp(Σ_t log ρ_t · m_t + Σ_t log w_t^IS), the whole sequence's ratio (log-ratios clamped to [−20, 20],
+           log w to [log 1e-8, 20]), (k, λ) = (k_pos, λ_pos) if Â ≥ 0 else (k_neg, λ_neg): a smooth weight that
+           vanishes far from the sampling policy on either side, in place of clipping
 
-then, when the sampler's numerics differ from the trainer's, ℓ_t times the importance weight w_t
-(groupwise.core.importance), and, for every loss type, the KL penalty β · k3_t (DeepSeekMath eq. 4),
+then, when the sampler's numerics differ from the trainer's, ℓ_t times the importance weight w_t^IS
+(groupwise.core.importance; vespo folds it into w instead), then, with `off_policy_mask_threshold` δ, the off-policy
+sequence mask (DeepSeek-V3.2's eq. 9, TRL's OPSM): a sequence whose mean forward KL to the sampler,
+mean_t (log π_sampler(o_t) − log π_θ(o_t)), exceeds δ has its policy term dropped where Â_t < 0 — negative
+advantages are trusted only near the policy that sampled them — and, for every loss type, the KL penalty β · k3_t
+(DeepSeekMath eq. 4),
 k3_t = exp(ref_t − logp_t) − (ref_t − logp_t) − 1, multiplied by ρ_t when `use_bias_correction_kl` (TRL's default:
 the samples come from π_θold, so ρ_t k3_t is the importance-weighted KL; its value at ρ = 1 is unchanged but its
 gradient gains k3_t ∇log π_θ).
@@ -18,6 +26,7 @@ gradient gains k3_t ∇log π_θ).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +53,46 @@ def _sapo(ratio, logps, adv, *, sapo_temperature_pos, sapo_temperature_neg, **_)
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
 
 
+_LOG_1E8 = math.log(1e-8)
+
+
+def gamma_weights(adv, token_log_ratio, mask, is_weights, *, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                  vespo_lambda_neg):
+    """VESPO's φ(w) per sequence, (N, 1) (or (N, T) with token advantages: (k, λ) by each token's sign), detached.
+    `is_weights`: the sampler correction's per-token weights, (N, T), or None. Computed in log space, as TRL 1.16."""
+    with torch.no_grad():
+        log_w = (token_log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if is_weights is not None:  # every column, as TRL: padding carries weight 1, log 0
+            log_w = log_w + torch.log(is_weights).clamp(_LOG_1E8, 20.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(_LOG_1E8, 20.0)
+        nonneg = adv >= 0
+        k = torch.where(nonneg, vespo_k_pos, vespo_k_neg).to(log_w.dtype)
+        lam = torch.where(nonneg, vespo_lambda_pos, vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo(ratio, logps, adv, *, token_log_ratio, mask, is_weights, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+           vespo_lambda_neg, **_):
+    phi = gamma_weights(adv, token_log_ratio, mask, is_weights, vespo_k_pos=vespo_k_pos,
+                        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
+    return -phi * adv * logps
+
+
+def off_policy_mask(
+    advantages: torch.Tensor,  # (N, 1) or (N, T)
+    logps: torch.Tensor,  # (N, T) log π_θ
+    sampling_logps: torch.Tensor,  # (N, T) log-probs of the policy that sampled (NaN: not scored, no evidence)
+    mask: torch.Tensor,  # (N, T)
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's OPSM): 1 keeps, 0 drops. A sequence is dropped where its
+    advantage is negative and its mean forward KL, mean_t (log π_sampler − log π_θ) over real tokens, exceeds
+    `threshold`. (N, 1), or (N, T) with token advantages (process supervision: each token by its own sign)."""
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL's masked mean of a metric and what it divides by (its count: update.py weighs each process's mean by it,
     so the logged value is TRL's global_masked_mean, token-weighted over processes)."""
@@ -59,7 +108,7 @@ def _sequence_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # (N,
     return (x.float() * mask).sum(-1) / mask.sum(-1)  # NaN for a sequence without tokens (left out of min / max)
 
 
-def _clip_metrics(ratio, adv, mask, *, epsilon_low, epsilon_high):
+def _clip_metrics(ratio, adv, mask, *, epsilon_low, epsilon_high, **_):
     """TRL's clip_ratio/*: the share of tokens whose ratio the clip holds (below 1−ε_low with Â < 0, above 1+ε_high
     with Â > 0); low_min / high_max: the extreme over sequences of each sequence's share (update.py takes the
     extreme over processes)."""
@@ -75,20 +124,31 @@ def _cispo_metrics(ratio, adv, mask, *, epsilon_high, **_):
     return {"cispo_clip_ratio": _masked_mean((ratio > epsilon_high) & (adv > 0), mask)}
 
 
+def _vespo_metrics(ratio, adv, mask, *, inputs, **_):
+    """TRL's vespo/phi_seq_mean: the mean of φ over sequences (over tokens with token advantages)."""
+    return {"vespo/phi_seq_mean": _masked_mean(gamma_weights(adv, **inputs), mask)}
+
+
 @dataclass(frozen=True)
 class Objective:
     per_token: Callable[..., torch.Tensor]  # (ratio, logps, adv, **options) → (N, T) per-token loss
     options: tuple[str, ...]  # GRPOConfig fields it reads (setting another objective's field is a ConfigError)
-    # (ratio, adv, mask, epsilon_low=, epsilon_high=) → {name: (value, count)}: a mean and what it divides by, or an
-    # extreme over sequences and None
+    # (ratio, adv, mask, epsilon_low=, epsilon_high=, inputs=) → {name: (value, count)}: a mean and what it divides
+    # by, or an extreme over sequences and None
     metrics: Callable[..., dict] | None = None
+    # the per-token log-ratio, the mask and the sampler-correction weights (per_token's keywords, not options): the
+    # objective builds its own sequence weight from them, and the correction enters it instead of multiplying ℓ_t
+    sequence_weight: bool = False
 
 
 OBJECTIVES: dict[str, Objective] = {
     "clip": Objective(_clip, ("epsilon", "epsilon_high", "delta"), _clip_metrics),
     "cispo": Objective(_cispo, ("epsilon_high",), _cispo_metrics),
     "sapo": Objective(_sapo, ("sapo_temperature_pos", "sapo_temperature_neg")),  # a soft gate clips nothing (TRL)
+    "vespo": Objective(_vespo, ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                       _vespo_metrics, sequence_weight=True),
 }
+VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL
 
 
 @dataclass(frozen=True)
@@ -98,7 +158,7 @@ class LossType:
     summary: str
 
 
-# TRL 1.16's loss_type values (all but "vespo"), each as objective + aggregation
+# TRL 1.16's loss_type values, each as objective + aggregation
 LOSS_TYPES: dict[str, LossType] = {
     "grpo": LossType("clip", "grpo", "clipped ratio; mean over each sequence's tokens, then over sequences"),
     "bnpo": LossType("clip", "bnpo", "clipped ratio; mean over the micro-batch's tokens"),
@@ -107,6 +167,7 @@ LOSS_TYPES: dict[str, LossType] = {
     "cispo": LossType("cispo", "dapo", "clipped, detached ratio × Â × log π (MiniMax-M1); dapo normaliser"),
     "sapo": LossType("sapo", "grpo", "soft sigmoid gate instead of clipping (SAPO); grpo normaliser"),
     "luspo": LossType("clip", "luspo", "clipped ratio; sum over each sequence's tokens, mean over sequences (LUSPO)"),
+    "vespo": LossType("vespo", "dapo", "gamma weight of the sequence ratio × Â × log π (VESPO); dapo normaliser"),
 }
 assert all(t.objective in OBJECTIVES and t.aggregation in AGGREGATIONS for t in LOSS_TYPES.values())
 
@@ -123,6 +184,10 @@ def policy_loss(
     delta: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = VESPO_DEFAULTS["vespo_k_pos"],
+    vespo_lambda_pos: float = VESPO_DEFAULTS["vespo_lambda_pos"],
+    vespo_k_neg: float = VESPO_DEFAULTS["vespo_k_neg"],
+    vespo_lambda_neg: float = VESPO_DEFAULTS["vespo_lambda_neg"],
     importance_sampling_level: str = "token",
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,  # (N, T), needed when beta != 0
@@ -131,11 +196,14 @@ def policy_loss(
     num_items_in_batch: float | torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,  # (N, T) extra 0/1 mask on the policy term (top-entropy tokens)
     is_weights: torch.Tensor | None = None,  # (N, T) or (N, 1) sampler correction (groupwise.core.importance)
+    off_policy_mask_threshold: float | None = None,  # δ of the off-policy sequence mask (None: off)
+    sampling_logps: torch.Tensor | None = None,  # (N, T) the sampler's log-probs for that mask (default: old_logps)
     metric_counts: dict[str, torch.Tensor] | None = None,  # filled, when given, with what each mean metric divides by
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Return (scalar loss, metrics) — metrics (detached, TRL's names): `kl` when β ≠ 0 (the mean of the per-token KL
     term β multiplies: k3, or ρ·k3 with `use_bias_correction_kl`, as TRL), and the objective's
-    (clip: `clip_ratio/low_mean`, `high_mean`, `region_mean`, `low_min`, `high_max`; cispo: `cispo_clip_ratio`).
+    (clip: `clip_ratio/low_mean`, `high_mean`, `region_mean`, `low_min`, `high_max`; cispo: `cispo_clip_ratio`;
+    vespo: `vespo/phi_seq_mean`).
     `metric_counts`: each mean metric's count (real tokens, or sequences for a per-sequence quantity), for a mean
     over processes weighted as TRL's; the extremes (`low_min`, `high_max`) have none."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -162,12 +230,25 @@ def policy_loss(
     if importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (N, 1)
     ratio = torch.exp(log_ratio)
-    per_token = OBJECTIVES[kind.objective].per_token(
+    objective = OBJECTIVES[kind.objective]
+    inputs = {}
+    if objective.sequence_weight:
+        if is_weights is not None and is_weights.shape != logps.shape:
+            raise ValueError(f"loss_type={loss_type!r} needs one importance weight per token, (N, T) = "
+                             f"{tuple(logps.shape)}, got {tuple(is_weights.shape)}: use a token_* "
+                             "vllm_importance_sampling_mode")
+        inputs = {"token_log_ratio": logps.detach() - old_logps, "mask": mask, "is_weights": is_weights,
+                  "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+                  "vespo_lambda_neg": vespo_lambda_neg}
+    per_token = objective.per_token(
         ratio, logps, adv, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, **inputs)
+    if off_policy_mask_threshold is not None:
+        reference = old_logps if sampling_logps is None else sampling_logps
+        per_token = per_token * off_policy_mask(adv, logps, reference, mask, off_policy_mask_threshold)
     if loss_mask is not None:
         per_token = per_token * loss_mask.to(per_token.dtype)
-    if is_weights is not None:  # the policy term only, as TRL applies it (not the KL)
+    if is_weights is not None and not objective.sequence_weight:  # the policy term only, as TRL (not the KL)
         per_token = per_token * is_weights.to(per_token.dtype)
     measured: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     if beta != 0.0:
@@ -179,10 +260,10 @@ def policy_loss(
     loss = aggregate(per_token, mask, kind.aggregation, max_completion_length=max_completion_length,
                      num_items_in_batch=num_items_in_batch)
 
-    objective_metrics = OBJECTIVES[kind.objective].metrics
-    if objective_metrics is not None:
+    if objective.metrics is not None:
         with torch.no_grad():
-            measured.update(objective_metrics(ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high))
+            measured.update(objective.metrics(ratio, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                              inputs=inputs))
     if metric_counts is not None:
         metric_counts.update({name: count for name, (_, count) in measured.items() if count is not None})
     return loss, {name: value for name, (value, _) in measured.items()}
