@@ -126,3 +126,20 @@ def test_a_moe_policy_trains_with_its_router_loss_logged(tmp_path, tokenizer):
         GRPOTrainer(toy.build_model(tokenizer, hidden_size=32), [_spread], processing_class=tokenizer,
                     args=small_args(tmp_path, output_dir=str(tmp_path / "dense"), router_aux_loss_coef=0.1),
                     train_dataset=toy.dataset(8))
+
+
+def test_reentrant_checkpointing_would_drop_the_router_gradient_and_is_refused(tokenizer):
+    """Reentrant activation checkpointing records the router logits without grad: the router loss would be logged
+    yet add nothing to the gradient (TRL trains on silently), so the step stops naming the fix."""
+    from groupwise.update import micro_batch_loss
+
+    model = _mixtral(tokenizer)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, max_completion_length=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctx = UpdateContext(args, Distributed(), PolicyForLogps(model), opt,
+                        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), router_aux_loss_coef=0.5)
+    with pytest.raises(ConfigError, match="use_reentrant"):
+        micro_batch_loss(ctx, _batch(tokenizer), None)

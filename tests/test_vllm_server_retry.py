@@ -78,8 +78,11 @@ class Server:
                 headers = {"Content-Type": "application/json", "Content-Length": str(len(payload)), **headers}
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(payload)
+                try:
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):  # a "slow" answer the client stopped waiting for
+                    self.close_connection = True
 
             do_GET = do_POST = _serve
 

@@ -307,12 +307,13 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
 def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optimizer, scheduler, state: dict,
                     pending: dict[str, torch.Tensor] | None = None, ref_model=None,
                     save_total_limit: int | None = None, model_only: bool = False,
-                    sharded_model: torch.nn.Module | None = None) -> Path:
+                    sharded_model: torch.nn.Module | None = None, keep: str | None = None) -> Path:
     """checkpoint-<step>/: the model (safetensors, from_pretrained-loadable), tokenizer, optimizer, scheduler, each
     process's RNG state, the trainer state and an unfinished round; written to a temporary folder, checksummed,
     then renamed. `model_only` (save_only_model) writes the model, tokenizer and trainer state only: such a
     checkpoint cannot be resumed. `sharded_model` (FSDP2): every process also writes its shards of the weights and
-    of the optimizer state; `model` is then the consolidated (unsharded) copy written for from_pretrained."""
+    of the optimizer state; `model` is then the consolidated (unsharded) copy written for from_pretrained.
+    `keep`: a checkpoint the save_total_limit rotation leaves alone (state.best_model_checkpoint)."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
     owner = _run_id_of(final) if final.is_dir() else None  # every process reads it: all refuse together
@@ -354,8 +355,8 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
                           str(tmp / "ref_model.safetensors"))
 
     dist.run_together(write, f"writing checkpoint-{step}")
-    dist.run_together(lambda: dist.is_main and _publish(tmp, final, root, step, save_total_limit, state.get("run_id")),
-                      f"publishing checkpoint-{step}")
+    dist.run_together(lambda: dist.is_main and _publish(tmp, final, root, step, save_total_limit, state.get("run_id"),
+                                                         keep), f"publishing checkpoint-{step}")
     return final
 
 
@@ -364,7 +365,8 @@ def _fresh_folder(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int | None, run_id: str | None) -> None:
+def _publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int | None, run_id: str | None,
+             keep: str | None = None) -> None:
     """Checksums, then the complete folder renamed into place, then the rotation (the main process). A checkpoint
     of this step is moved aside first and deleted last: a crash between the renames leaves it as .old-checkpoint-N,
     which the next resume or save puts back (put_back_replaced; here before the rotation counts the checkpoints)."""
@@ -378,7 +380,7 @@ def _publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: in
     os.replace(tmp, final)
     _sync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
-    _rotate(root, save_total_limit, run_id, keep=final)
+    _rotate(root, save_total_limit, run_id, keep={final, *([Path(keep)] if keep else [])})
 
 
 def _sync(folder: Path) -> None:
@@ -408,14 +410,15 @@ def _run_id_of(folder: Path) -> str | None:
         return None
 
 
-def _rotate(root: Path, limit: int | None, run_id: str | None, keep: Path) -> None:
-    """Keep the newest `limit` checkpoints of this run (never the one just written); other runs' are not touched."""
+def _rotate(root: Path, limit: int | None, run_id: str | None, keep: set[Path]) -> None:
+    """Keep the newest `limit` checkpoints of this run, and those in `keep` (the one just written, the best);
+    other runs' are not touched."""
     if not limit:
         return
     mine = sorted((int(m.group(1)), p) for p in root.iterdir()
                   if (m := CHECKPOINT_RE.match(p.name)) and _run_id_of(p) == run_id)
     for _, path in mine[:-limit]:
-        if path != keep:
+        if path not in keep:
             shutil.rmtree(path)
 
 

@@ -46,6 +46,32 @@ def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
                      f"unexpected {unexpected[:5]}): resume with the model it was saved from")
 
 
+def load_model_from(folder: str, *, dist, model, sharded_model: torch.nn.Module | None = None) -> None:
+    """The weights of a checkpoint written by save_checkpoint into the model: with fsdp this process's shards,
+    exactly (the consolidated copy is for users); with LoRA the adapter (the base never changes); else the model."""
+    from groupwise.adapters import ADAPTER_WEIGHTS, is_peft_model, load_adapter
+
+    path = Path(folder)
+    if sharded_model is not None:
+        from groupwise.sharding import load_local
+
+        shard_file = path / f"model_shard_{dist.rank}.safetensors"
+        if not shard_file.exists():
+            raise _error(f"{folder} holds no shards for process {dist.rank}: it was not saved by a sharded "
+                         f"run of {dist.world_size} processes (fsdp); resume it the way it was saved")
+        load_local(sharded_model, load_file(str(shard_file)), folder)
+    elif is_peft_model(model):
+        load_adapter(model, path, folder)
+    else:
+        if (path / "model_shard_0.safetensors").exists():
+            raise _error(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
+                         f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
+        if (path / ADAPTER_WEIGHTS).exists():
+            raise _error(f"{folder} holds a LoRA adapter ({ADAPTER_WEIGHTS}), not the model: resume it "
+                         "with the run's peft_config / use_peft")
+        load_model_weights(model, _model_weights(path), folder)
+
+
 def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model=None,
                     sharded_model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
     """Restore everything saved by save_checkpoint into the given objects (call `read_state` first: it verifies
@@ -55,29 +81,14 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     if not rng_file.exists():
         raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
                                 f"{dist.world_size} processes?")
-    from groupwise.adapters import ADAPTER_WEIGHTS, is_peft_model, load_adapter
     from groupwise.checkpoint import _optimizer_from_files, _set_rng_state
 
-    if sharded_model is not None:  # FSDP2: this process's shards, exactly (the consolidated copy is for users)
-        from groupwise.sharding import load_local, optimizer_from_local
+    load_model_from(folder, dist=dist, model=model, sharded_model=sharded_model)
+    if sharded_model is not None:  # FSDP2: this process's shards of the optimizer state
+        from groupwise.sharding import optimizer_from_local
 
-        shard_file = path / f"model_shard_{dist.rank}.safetensors"
-        if not shard_file.exists():
-            raise _error(f"{folder} holds no shards for process {dist.rank}: it was not saved by a sharded "
-                         f"run of {dist.world_size} processes (fsdp); resume it the way it was saved")
-        load_local(sharded_model, load_file(str(shard_file)), folder)
         optimizer.load_state_dict(optimizer_from_local(optimizer, _optimizer_from_files(path, f"_{dist.rank}")))
-    elif is_peft_model(model):  # a LoRA run: the checkpoint holds the adapter (the base never changes)
-        load_adapter(model, path, folder)
-        optimizer.load_state_dict(_optimizer_from_files(path))
     else:
-        if (path / "model_shard_0.safetensors").exists():
-            raise _error(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
-                         f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
-        if (path / ADAPTER_WEIGHTS).exists():
-            raise _error(f"{folder} holds a LoRA adapter ({ADAPTER_WEIGHTS}), not the model: resume it "
-                         "with the run's peft_config / use_peft")
-        load_model_weights(model, _model_weights(path), folder)
         optimizer.load_state_dict(_optimizer_from_files(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     if ref_model is not None:

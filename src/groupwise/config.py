@@ -18,6 +18,7 @@ import torch
 from dataclasses import dataclass
 from typing import Any
 
+from groupwise.best import check_fields as check_best_fields
 from groupwise.config_base import HUB_ID, ConfigError, StrictConfig, load_yaml, option
 from groupwise.config_trl import TRL_NOT_SUPPORTED
 from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
@@ -259,6 +260,9 @@ class GRPOConfig(StrictConfig):
     eval_strategy: str = option("When to evaluate on eval_dataset during training: 'no' (TRL's default; trainer.evaluate() still works), 'steps' (every eval_steps, and at the end) or 'epoch'.", default="no", choices=("no", "steps", "epoch"))
     eval_steps: int | float | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps; < 1: that fraction of max_steps, rounded up; as transformers).", default=None, gt=0)
     eval_on_start: bool = option("Also evaluate before the first optimizer step (a sanity check, transformers).", default=False)
+    metric_for_best_model: str | None = option("Evaluation metric that decides the best checkpoint (with or without 'eval_'; e.g. 'reward'): state.best_metric / best_model_checkpoint, read by load_best_model_at_end and EarlyStoppingCallback (transformers; groupwise.best).", default=None)
+    greater_is_better: bool | None = option("Is a larger metric_for_best_model better? (None: True unless its name ends with 'loss'; transformers).", default=None)
+    load_best_model_at_end: bool = option("Load the best checkpoint's weights when training ends (transformers): needs metric_for_best_model, eval_strategy = save_strategy, and save_steps a multiple of eval_steps; save_total_limit never deletes the best checkpoint.", default=False)
     eval_delay: float = option("Do not evaluate (eval_strategy 'steps' / 'epoch') before this many optimizer steps / epochs.", default=0, ge=0)
     num_generations_eval: int | None = option("Completions sampled per eval prompt (None: greedy, one per prompt). With k ≥ 1 evaluation samples at the training temperature and logs mean@k and pass@k per reward function.", default=None, ge=1)
     per_device_eval_batch_size: int = option("Prompts per generation batch during evaluation.", default=16, ge=1)
@@ -431,6 +435,7 @@ class GRPOConfig(StrictConfig):
                                                and math.isfinite(w) for w in weights):
                 raise ConfigError(f"{name} must be a list of finite numbers, got {weights!r}")
         # torchrun / accelerate export WORLD_SIZE; the trainer checks again with the real process count
+        check_best_fields(self)  # load_best_model_at_end's rules (transformers'), greater_is_better filled in
         self.layout(world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
     def __repr__(self) -> str:  # the dataclass repr would print hub_token

@@ -39,10 +39,6 @@ _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluat
 _NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
 
 
-def _best(values: dict) -> bool:
-    return bool(values.get("load_best_model_at_end"))
-
-
 def _vllm(default: Any) -> NotSupported:
     return NotSupported(default, _VLLM, needs=lambda values: bool(values.get("use_vllm")))
 
@@ -99,10 +95,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     **{name: NotSupported(default, _EVAL_LOOP) for name, default in {
         "prediction_loss_only": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,
         "eval_accumulation_steps": None, "include_for_metrics": [], "batch_eval_metrics": False}.items()},
-    "load_best_model_at_end": NotSupported(False, "there is no best-model tracking; pick a checkpoint-N/ from the "
-                                                  "eval metrics in metrics.jsonl"),
-    "metric_for_best_model": NotSupported(None, "there is no best-model tracking", needs=_best),
-    "greater_is_better": NotSupported(None, "there is no best-model tracking", needs=_best),
     # checkpoints and logging
     "restore_callback_states_from_checkpoint": NotSupported(False, "callback states are not saved in checkpoints"),
     "enable_jit_checkpoint": NotSupported(False, "groupwise checkpoints on SIGTERM / SIGINT already "

@@ -18,11 +18,12 @@ from tqdm.auto import tqdm
 
 from groupwise import rollout as R
 from groupwise.adapters import Reference, peft_config_from_args, wrap
+from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
 from groupwise.checkpoint import (check_json_state, claim_output_dir, read_state, resume_folder, save_checkpoint,
                                   set_aside_later)
-from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
+from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint, load_model_from
 from groupwise.config import GENERATION_DTYPES, GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -164,6 +165,7 @@ class GRPOTrainer(TransformersHabits):
         self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
         self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
+        self._best = BestModel(args)  # metric_for_best_model: state.best_metric, best_model_checkpoint
         self._event("on_init_end")
 
     def _eval_data(self, dataset) -> PromptData:
@@ -369,7 +371,7 @@ class GRPOTrainer(TransformersHabits):
         if should_log:
             self._log(rollout)
         if self.dist.any(should_evaluate or control.should_evaluate) and self.eval_data is not None:  # on_log may ask
-            self.evaluate()
+            self._best.observe(self.state, self.evaluate())
         if should_save := self.dist.any(should_save or control.should_save):  # then save; on_evaluate may ask
             self._save_round(rollout, done)
         control.should_log = control.should_save = control.should_evaluate = False
@@ -391,6 +393,7 @@ class GRPOTrainer(TransformersHabits):
         if unfinished:
             self._round_rows(rollout)  # saved with the round, so that a resumed run logs its rows too
         path = self.save(rollout.batch if unfinished else None, rollout.metrics, done)
+        self._best.saved(self.state, path)
         self._event("on_save", checkpoint=str(path))
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
             self.push_to_hub(commit_message=f"groupwise: step {self.global_step}")
@@ -403,6 +406,11 @@ class GRPOTrainer(TransformersHabits):
         self.control = self.callback_handler.fire(name, self.args, self.state, self.control, **kwargs)
 
     def _end(self, summary: dict[str, float]) -> TrainResult:
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self.dist.run_together(lambda: load_model_from(
+                self.state.best_model_checkpoint, dist=self.dist, model=self.unwrapped,
+                sharded_model=self.unwrapped if self.dist.sharding is not None else None), "loading the best model")
+            self._weights_changed()
         self._event("on_train_end")
         if self.args.push_to_hub and getattr(self, "_pushed_at", None) != self.global_step:  # not pushed at this step
             self.push_to_hub()
@@ -429,7 +437,8 @@ class GRPOTrainer(TransformersHabits):
                  "round_metrics": round_metrics if pending is not None else None,
                  "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None,
                  "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen,
-                 "total_flos": self.state.total_flos, "entropy_control": self.update_ctx.entropy.state_dict()}
+                 "total_flos": self.state.total_flos, "best": BestModel.state_dict(self.state),
+                 "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
                                model=self.sampling_model if sharded else self.unwrapped,
@@ -437,7 +446,8 @@ class GRPOTrainer(TransformersHabits):
                                tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=state, pending=pending.tensors() if pending is not None else None,
                                ref_model=self.reference.copy if self.args.sync_ref_model else None,
-                               save_total_limit=self.args.save_total_limit, model_only=self.args.save_only_model)
+                               save_total_limit=self.args.save_total_limit, model_only=self.args.save_only_model,
+                               keep=self.state.best_model_checkpoint)
 
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
@@ -460,8 +470,9 @@ class GRPOTrainer(TransformersHabits):
         self._window = defaultdict(list, state.get("window", {}))  # the metrics since the last log line
         self.state.num_input_tokens_seen = state.get("num_input_tokens_seen", 0)
         self.state.total_flos = state.get("total_flos", 0.0)
-        if self.args.use_adaptive_entropy and "entropy_control" in state:  # the adapted coefficient, where it was
+        if self.args.use_adaptive_entropy and state.get("entropy_control"):  # an adapted coefficient, where it was
             self.update_ctx.entropy.load_state_dict(state["entropy_control"])
+        BestModel.load_state_dict(self.state, state.get("best"))
         self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))
         self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
         if pending is None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from groupwise.config_base import ConfigError
 from groupwise.core.aggregation import aggregation
 from groupwise.core.entropy import EntropyControl
 from groupwise.core.losses import LOSS_TYPES
@@ -106,6 +107,10 @@ def micro_batch_loss(ctx: UpdateContext, mb: TrainBatch, num_items: torch.Tensor
         acting = mask if loss_mask is None else mask * loss_mask
         acting_entropy = (entropies * acting).sum(), acting.sum().to(entropies.dtype)
     if router:
+        if not aux[0].requires_grad:  # reentrant activation checkpointing computes the router logits without grad
+            raise ConfigError("router_aux_loss_coef: the router loss carries no gradient (activation checkpointing "
+                              "with use_reentrant=True?): set gradient_checkpointing_kwargs={'use_reentrant': False}, "
+                              "or router_aux_loss_coef=0.0")
         metrics["aux_loss"] = aux[0].detach()  # TRL's aux_loss: the mean over processes and micro-batches
     return MicroBatchLoss(loss, acting_entropy, aux[0] if router else None, metrics)
 

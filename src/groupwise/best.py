@@ -1,0 +1,82 @@
+"""Best-model tracking, as transformers' Trainer does it: `metric_for_best_model`, `greater_is_better`,
+`load_best_model_at_end`.
+
+After every evaluation during training, the metric (`eval_<name>`) is compared with `state.best_metric`; a better
+value records `state.best_metric` and `state.best_global_step`, and the checkpoint of that step, once written, becomes
+`state.best_model_checkpoint` (so `save_steps` must be a multiple of `eval_steps`). The rotation of
+`save_total_limit` never deletes it, and `load_best_model_at_end` loads its weights when training ends.
+EarlyStoppingCallback reads `state.best_metric` the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from groupwise.config_base import ConfigError
+
+
+def check_fields(args) -> None:
+    """transformers' TrainingArguments rules, plus one of groupwise's: evaluation reports no eval_loss, so the metric
+    is named. Fills `greater_is_better` as transformers does (True unless the name ends with 'loss')."""
+    if args.metric_for_best_model is not None and args.greater_is_better is None:
+        args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if not args.load_best_model_at_end:
+        return
+    if args.metric_for_best_model is None:
+        raise ConfigError("load_best_model_at_end=True needs metric_for_best_model: groupwise's evaluation reports no "
+                          "eval_loss (transformers' default); name an evaluation metric, e.g. 'reward'")
+    if args.eval_strategy == "no" or args.eval_strategy != args.save_strategy:
+        raise ConfigError(f"load_best_model_at_end=True needs eval_strategy and save_strategy to match (and not be "
+                          f"'no'), got eval_strategy={args.eval_strategy!r}, save_strategy={args.save_strategy!r}")
+    if args.eval_strategy == "steps":
+        every = args.eval_steps if args.eval_steps is not None else args.logging_steps
+        save = args.save_steps
+        if (every < 1) != (save < 1) or round(save * 1_000_000) % round(every * 1_000_000):
+            raise ConfigError(f"load_best_model_at_end=True needs save_steps ({save}) to be a multiple of eval_steps "
+                              f"({every}), both in steps or both fractions of max_steps")
+
+
+class BestModel:
+    def __init__(self, args):
+        self.args = args
+        name = args.metric_for_best_model
+        self.key = None if name is None else name if name.startswith("eval_") else f"eval_{name}"
+
+    def observe(self, state, metrics: dict) -> bool:
+        """After an evaluation during training: is `metrics` the best so far? Updates state.best_metric and
+        state.best_global_step (transformers' _determine_best_metric); a None / NaN value is never the best."""
+        if self.key is None:
+            return False
+        if self.key not in metrics:
+            raise KeyError(f"metric_for_best_model is '{self.key}', which is not among the evaluation metrics "
+                           f"{sorted(metrics)}: set metric_for_best_model to one of them")
+        value = metrics[self.key]
+        if value is None or not math.isfinite(value):
+            return False
+        best = state.best_metric
+        if best is not None and not (value > best if self.args.greater_is_better else value < best):
+            return False
+        state.best_metric, state.best_global_step = float(value), state.global_step
+        return True
+
+    @staticmethod
+    def saved(state, path: str | Path) -> None:
+        """After checkpoint-N is written: the best step's checkpoint becomes state.best_model_checkpoint."""
+        if state.best_global_step is not None and Path(path).name == f"checkpoint-{state.best_global_step}":
+            state.best_model_checkpoint = str(path)
+
+    @staticmethod
+    def state_dict(state) -> dict:
+        return {"best_metric": state.best_metric, "best_global_step": state.best_global_step,
+                "best_model_checkpoint": state.best_model_checkpoint}
+
+    @staticmethod
+    def load_state_dict(state, saved: dict | None) -> None:
+        """A resumed run continues from the checkpoint's best (one whose folder is gone is forgotten, as
+        transformers does)."""
+        saved = saved or {}
+        state.best_metric = saved.get("best_metric")
+        state.best_global_step = saved.get("best_global_step")
+        folder = saved.get("best_model_checkpoint")
+        state.best_model_checkpoint = folder if folder is not None and Path(folder).is_dir() else None

@@ -1,0 +1,71 @@
+"""transformers' best-model tracking in a GRPO run: metric_for_best_model / greater_is_better / load_best_model_at_end
+(state.best_metric, best_global_step, best_model_checkpoint; the best checkpoint kept by the rotation and loaded at the
+end), and transformers' EarlyStoppingCallback, which reads state.best_metric."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from groupwise import ConfigError, GRPOConfig, GRPOTrainer
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def _peak_at_step_2(completions, trainer_state, **_):
+    """Training rewards vary (a gradient every step); the evaluation's reward is −(step − 2)², best after step 2."""
+    if trainer_state.global_step and len(completions) == 4:  # the evaluation: 4 prompts, one greedy completion each
+        return [-float(trainer_state.global_step - 2) ** 2] * len(completions)
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def _trainer(tmp_path, tokenizer, callbacks=None, **kw):
+    args = small_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=1,
+                      metric_for_best_model="reward", **kw)
+    return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peak_at_step_2], args=args,
+                       train_dataset=toy.dataset(12), eval_dataset=toy.dataset(4, seed=1), processing_class=tokenizer,
+                       callbacks=callbacks)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(load_best_model_at_end=True, eval_strategy="steps"), r"needs metric_for_best_model: .* no eval_loss"),
+    (dict(load_best_model_at_end=True, metric_for_best_model="reward"), r"eval_strategy and save_strategy to match"),
+    (dict(load_best_model_at_end=True, metric_for_best_model="reward", eval_strategy="steps", eval_steps=3,
+          save_steps=4), r"save_steps \(4\) to be a multiple of eval_steps \(3\)"),
+])
+def test_best_model_fields_are_checked_as_transformers_checks_them(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_greater_is_better_defaults_from_the_metrics_name():
+    assert GRPOConfig(metric_for_best_model="reward").greater_is_better is True
+    assert GRPOConfig(metric_for_best_model="eval_loss").greater_is_better is False
+    assert GRPOConfig(metric_for_best_model="reward", greater_is_better=False).greater_is_better is False
+
+
+def test_the_best_checkpoint_is_tracked_kept_and_loaded_at_the_end(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, load_best_model_at_end=True, save_total_limit=1)
+    t.train()
+    out = tmp_path / "out"
+    assert t.state.best_metric == 0.0 and t.state.best_global_step == 2
+    assert t.state.best_model_checkpoint == str(out / "checkpoint-2")
+    saved = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["best"]  # a resume continues from it
+    assert saved == {"best_metric": 0.0, "best_global_step": 2, "best_model_checkpoint": str(out / "checkpoint-2")}
+    # save_total_limit=1 keeps the newest checkpoint and, older, the best one
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    best = load_file(str(out / "checkpoint-2" / "model.safetensors"))
+    last = load_file(str(out / "checkpoint-4" / "model.safetensors"))
+    state = t.unwrapped.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in best.items())  # the model is step 2's again
+    assert any(not torch.equal(best[k], last[k]) for k in best)  # which is not the last step's
+
+
+def test_early_stopping_callback_stops_once_the_metric_worsens(tmp_path, tokenizer):
+    from transformers import EarlyStoppingCallback
+
+    t = _trainer(tmp_path, tokenizer, callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+    t.train()  # transformers logs that the best model will not be loaded: load_best_model_at_end is off
+    # rewards −1, 0, −1: step 3 is worse than the best (step 2), so patience 1 stops the run after step 3
+    assert t.global_step == 3 and t.state.best_metric == 0.0 and t.state.best_global_step == 2
