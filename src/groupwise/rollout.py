@@ -58,7 +58,6 @@ class RolloutContext:
     reference: Reference | None = None  # π_ref of the KL term, β > 0 only (groupwise.adapters.Reference)
     policy_logps: torch.nn.Module | None = None  # the trainer's PolicyForLogps (sharded with fsdp): π_θold runs on it
     correct_sampling: bool = False  # importance-correct for a sampler with other numerics (generation_dtype)
-    keep_sampling_logps: bool = False  # the sampler's log-probs reach the update (off-policy mask; GRPOConfig)
     agent: Agent | None = None  # tools / environments: multi-turn rollouts (groupwise.agents)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
@@ -158,7 +157,7 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     environment (ctx.agent), one multi-turn conversation per row (groupwise.agents.turns)."""
     args, tok, device = ctx.args, ctx.tokenizer, ctx.dist.device
     # the sampler's log-probs, for the importance correction and the off-policy mask
-    want = (ctx.correct_sampling or ctx.keep_sampling_logps) and not greedy and not evaluation
+    want = (ctx.correct_sampling or args.keeps_sampling_logps) and not greedy and not evaluation
 
     def sample(prompt_ids, prompt_mask):  # left-padded prompts → Generated (one turn's, with tools)
         out = ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want)

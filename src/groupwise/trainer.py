@@ -213,7 +213,7 @@ class GRPOTrainer(TransformersHabits):
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             reference=self.reference, agent=self.agent,
             policy_logps=self.trained if self.dist.sharding is not None else self.dist.unwrap(self.trained),
-            correct_sampling=args.corrects_sampling, keep_sampling_logps=args.keeps_sampling_logps,
+            correct_sampling=args.corrects_sampling,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
             reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
             # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation

@@ -148,7 +148,6 @@ OBJECTIVES: dict[str, Objective] = {
     "vespo": Objective(_vespo, ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                        _vespo_metrics, sequence_weight=True),
 }
-VESPO_DEFAULTS = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL
 
 
 @dataclass(frozen=True)
@@ -184,10 +183,10 @@ def policy_loss(
     delta: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = VESPO_DEFAULTS["vespo_k_pos"],
-    vespo_lambda_pos: float = VESPO_DEFAULTS["vespo_lambda_pos"],
-    vespo_k_neg: float = VESPO_DEFAULTS["vespo_k_neg"],
-    vespo_lambda_neg: float = VESPO_DEFAULTS["vespo_lambda_neg"],
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     importance_sampling_level: str = "token",
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,  # (N, T), needed when beta != 0
