@@ -13,6 +13,8 @@ from groupwise import rollout as R
 from groupwise.agents import Toolbox
 from groupwise.agents.parsing import prepare_tokenizer
 from groupwise.config_base import ConfigError
+from groupwise.dynamic import select_groups
+from groupwise.rollout_metrics import round_metrics
 from groupwise.tasks import toy
 from groupwise.types import Round
 from tests.agents_support import SAMPLING_LOGP, TOKENIZER, call, context, multiply, spans, two_calls, user
@@ -72,7 +74,7 @@ def test_tool_mask_token_by_token_for_a_two_call_conversation():
     assert gen.prompts[0][0].index('"name": "multiply"') < gen.prompts[0][0].index('"name": "add"')
     assert gen.prompts[1][0].endswith("What is 3*4+1?<|im_end|>\n<|im_start|>assistant\n" + expected[0][1] + SUFFIX_12)
     assert gen.calls == [2, 1, 1]
-    metrics = R.round_metrics(ctx, _round(comp))
+    metrics = round_metrics(ctx, _round(comp))
     assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
     assert metrics["completions/mean_length"] == (179 + 14) / 2
 
@@ -112,7 +114,7 @@ def test_a_raising_tool_becomes_an_error_message_counted_as_a_failure_and_the_ru
     assert comp.completions[0][2] == {"role": "assistant", "content": "sorry"}  # the conversation continued
     assert comp.completions[1][1] == {"role": "tool", "name": "multiply", "content": "12"}
     assert comp.tool_failures.tolist() == [1, 0] and comp.tool_calls.tolist() == [1, 1]
-    metrics = R.round_metrics(ctx, _round(comp))
+    metrics = round_metrics(ctx, _round(comp))
     assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.5
     assert metrics["tools/timeout_frequency"] == 0.0
 
@@ -161,7 +163,7 @@ def test_a_sleeping_tool_times_out_within_the_timeout_and_is_counted():
                                       "content": "{'error': \"tool 'slow' timed out after 0.3 s\"}"}
     assert comp.completions[0][2]["content"] == "late"
     assert (comp.tool_calls.tolist(), comp.tool_failures.tolist(), comp.tool_timeouts.tolist()) == ([1], [1], [1])
-    metrics = R.round_metrics(ctx, _round(comp))
+    metrics = round_metrics(ctx, _round(comp))
     assert metrics["tools/failure_frequency"] == 1.0 and metrics["tools/timeout_frequency"] == 1.0
 
 
@@ -358,7 +360,7 @@ def test_dynamic_sampling_keeps_the_tool_fields_of_the_groups_it_picks():
     for prompt in ("go", "no tools"):
         comp = R.generate(ctx, None, [{"prompt": user(prompt)}] * 2)
         rounds.append(Round(comp, torch.zeros(2), torch.zeros(2), None, None, torch.tensor([True])))
-    chosen = R.select_groups(rounds, [(1, 0), (0, 0)], 2, TOKENIZER.pad_token_id).completions
+    chosen = select_groups(rounds, [(1, 0), (0, 0)], 2, TOKENIZER.pad_token_id).completions
     T = rounds[0].completions.completion_ids.size(1)
     assert chosen.tool_mask.tolist() == [[1] * 14 + [0] * (T - 14)] * 2 + rounds[0].completions.tool_mask.tolist()
     assert chosen.turn_ends == [[13], [13], [89, 182, 222], [89, 182, 222]]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from groupwise import GRPOTrainer
+from groupwise.rollout_metrics import nanstd, zero_std_fraction
 from groupwise.tasks import toy
 from groupwise.text import encode_prompts
 from tests.conftest import small_args, training_lines
@@ -239,14 +240,14 @@ def test_frac_reward_zero_std_follows_the_std_the_advantages_use():
     def frac(**kw):
         ctx = R.RolloutContext(args=GRPOConfig(num_generations=2, per_device_train_batch_size=6, **kw),
                                tokenizer=None, generator=None, dist=Distributed(), eos_token_ids=[2])
-        return R._zero_std_fraction(ctx, rewards)
+        return zero_std_fraction(ctx, rewards)
 
     assert frac() == pytest.approx(1 / 3) and frac(scale_rewards="none") == pytest.approx(1 / 3)
     assert frac(scale_rewards="batch") == 0.0 and frac(multi_objective_aggregation="normalize_then_sum") == 0.0
-    assert R._zero_std_fraction(R.RolloutContext(
+    assert zero_std_fraction(R.RolloutContext(
         args=GRPOConfig(num_generations=2, per_device_train_batch_size=6, scale_rewards="batch"), tokenizer=None,
         generator=None, dist=Distributed(), eos_token_ids=[2]), torch.full((3, 2), 5.0)) == 1.0
-    assert math.isnan(R._nanstd(torch.tensor([math.nan, 3.0])))  # TRL's nanstd of one value: NaN, not 0
+    assert math.isnan(nanstd(torch.tensor([math.nan, 3.0])))  # TRL's nanstd of one value: NaN, not 0
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from groupwise.distributed import Distributed
 from groupwise.text import completion_masks, encode_prompts
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
+from groupwise.rollout_metrics import round_metrics
 from groupwise.types import Completions, Round, Scores
 
 
@@ -36,7 +37,7 @@ def test_process_advantages_through_the_rollout_by_hand(tokenizer):
     assert steps.texts == [["a", "b"], []] and steps.ends == [[[1, 3], []]]
     adv = R.advantages(ctx, comp, None, steps)
     assert torch.equal(adv, torch.tensor([[0.0, 0.0, -1.0, -1.0, 0, 0, 0, 0], [0.0] * 8]))
-    metrics = R.round_metrics(ctx, Round(comp, adv, torch.full((2,), float("nan")), None, None, None, None, steps))
+    metrics = round_metrics(ctx, Round(comp, adv, torch.full((2,), float("nan")), None, None, None, None, steps))
     assert metrics["process/no_step_completions"] == 1.0 and metrics["process/steps_per_completion"] == 1.0
     assert metrics["process/step_reward_mean"] == 0.5 and metrics["process/zero_std_groups"] == 0.0
 
@@ -57,7 +58,7 @@ def test_round_metrics_follow_trls_definitions_by_hand():
     scores = Scores(per_func, torch.tensor([[1.0, 1.0], [0.0, 3.0]]), ("f", "g"), torch.zeros(2))
     ctx = R.RolloutContext(args=GRPOConfig(num_generations=2, per_device_train_batch_size=4), tokenizer=None,
                            generator=None, dist=Distributed(), eos_token_ids=[2])
-    m = R.round_metrics(ctx, Round(comp, torch.zeros(4), scores.rewards.view(-1), None, None, None, scores))
+    m = round_metrics(ctx, Round(comp, torch.zeros(4), scores.rewards.view(-1), None, None, None, scores))
     assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (2.5, 1, 4)
     assert m["completions/clipped_ratio"] == 0.25 and m["num_tokens"] == 18
     assert (m["completions/mean_terminated_length"], m["completions/min_terminated_length"],
@@ -83,5 +84,5 @@ def test_reward_metric_is_the_weighted_sum_under_either_aggregation():
         ctx = R.RolloutContext(args=args, tokenizer=None, generator=None, dist=Distributed(), eos_token_ids=[2])
         rewards = combine_rewards(per_func, ctx.reward_weights, aggregation=aggregation)
         scores = Scores(per_func, rewards, ("f", "g"), torch.zeros(2))
-        m = R.round_metrics(ctx, Round(comp, torch.zeros(4), rewards.view(-1), None, None, None, scores))
+        m = round_metrics(ctx, Round(comp, torch.zeros(4), rewards.view(-1), None, None, None, scores))
         assert m["reward"] == 2.0 and abs(m["reward_std"] - 1.581139) < 1e-6, aggregation

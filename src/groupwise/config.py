@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import urllib.parse
 import warnings
 
-import torch
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +23,8 @@ from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
-from groupwise.generation import BACKENDS, SHAPING_GENERATION_KWARGS
+from groupwise.generation.vllm_fields import check_sampler_fields
+from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
 from groupwise.layout import BatchLayout, fill as fill_layout
 from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers, installed_trackers
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
@@ -36,24 +35,12 @@ from groupwise.sharding import resolve as resolve_sharding
 
 __all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "load_yaml"]
 
-# generation_dtype values
-GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 # GRPOConfig fields a loss objective may read, by the objective's option name (groupwise.core.losses.OBJECTIVES)
 OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
 # fields only the adaptive entropy control reads (use_adaptive_entropy)
 ADAPTIVE_ENTROPY_FIELDS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
-
-# fields of the colocated vLLM engine, and where a vLLM server takes the same setting (vllm_mode='server')
-VLLM_COLOCATE_ONLY = {
-    "vllm_gpu_memory_utilization": "start the server with `vllm serve --gpu-memory-utilization`",
-    "vllm_tensor_parallel_size": "start the server with `vllm serve --tensor-parallel-size`",
-    "vllm_enable_sleep_mode": "the server's memory is its own",
-    "vllm_max_model_length": "start the server with `vllm serve --max-model-len`",
-    "vllm_model_impl": "start the server with `vllm serve --model-impl`",
-}
 
 # GRPOConfig fields an advantage estimator may take, by the estimator's option name (groupwise.core.advantages)
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
@@ -287,22 +274,6 @@ class GRPOConfig(StrictConfig):
         self.report_to = [r for r in self.report_to if r != "none"]
         check_trackers(self.report_to)
 
-    def _check_vllm_server(self) -> None:
-        """vllm_mode='server': where the server is, and the colocated engine's settings (the server has its own)."""
-        if self.vllm_server_base_url is not None:
-            url = urllib.parse.urlparse(self.vllm_server_base_url)
-            if url.scheme not in ("http", "https") or not url.hostname:
-                raise ConfigError(f"vllm_server_base_url={self.vllm_server_base_url!r} must be an http(s) URL such "
-                                  "as 'http://localhost:8000'")
-            for name in ("vllm_server_host", "vllm_server_port"):
-                if getattr(self, name) != _default(name):
-                    raise ConfigError(f"vllm_server_base_url and {name}={getattr(self, name)!r} both say where the "
-                                      f"server is (TRL reads vllm_server_base_url and ignores {name}): give one")
-        for name, flag in VLLM_COLOCATE_ONLY.items():
-            if getattr(self, name) != _default(name):
-                warnings.warn(f"{name}={getattr(self, name)!r} has no effect with vllm_mode='server' (the colocated "
-                              f"engine's setting, as in TRL): {flag}", stacklevel=7)
-
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""
         if isinstance(self.scale_rewards, bool):  # TRL's boolean spellings (after coercion: 'True' is one too)
@@ -352,31 +323,7 @@ class GRPOConfig(StrictConfig):
             raise ConfigError("average_tokens_across_devices=False is not supported: loss types that count tokens "
                               "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
                               "per-process token mean")
-        if self.use_vllm:
-            if self.vllm_mode == "server":
-                self._check_vllm_server()
-            elif self.vllm_tensor_parallel_size != 1:
-                raise ConfigError("vllm_tensor_parallel_size > 1 is not supported yet: use 1 (one engine per process)")
-            if self.generation_backend not in ("fast", "vllm"):
-                raise ConfigError(f"use_vllm=True and generation_backend={self.generation_backend!r} ask for two "
-                                  "samplers: drop one")
-            if self.generation_dtype is not None:
-                raise ConfigError("use_vllm=True samples with vLLM: generation_dtype does not apply")
-            self.generation_backend = "vllm"
-        elif self.generation_backend == "vllm":
-            raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
-        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
-            warnings.warn("vllm_importance_sampling_cap is deprecated (TRL); use vllm_importance_sampling_clip_max",
-                          FutureWarning, stacklevel=2)
-            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if lo is not None and hi is not None and lo >= hi:
-            raise ConfigError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "
-                              f"vllm_importance_sampling_clip_max ({hi}): lower the first or raise the second")
-        if (self.vllm_importance_sampling_correction and lo is None and hi is None
-                and self.vllm_importance_sampling_mode.endswith("_truncate")):
-            raise ConfigError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} clips the "
-                              "weights: set vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max")
+        check_sampler_fields(self, _default)  # use_vllm, vllm_mode, the importance-sampling correction
         check_available(self.optim)
         resolve_sharding(self.fsdp)  # a bad fsdp string fails here, before anything loads
         parse_optim_args(self.optim_args)

@@ -113,5 +113,4 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
 TRAINER_NOT_SUPPORTED = {
     "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
                            "with PEFT (get_peft_model) and pass it as model",
-    "rollout_func": "custom rollout functions are not supported; rewards see every completion through reward_funcs",
 }

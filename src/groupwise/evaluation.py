@@ -12,6 +12,7 @@ from groupwise.checkpoint import rng_untouched
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
 from groupwise.rollout import RolloutContext
+from groupwise.rollout_metrics import nanstd, zero_std_fraction
 
 
 @torch.no_grad()
@@ -70,15 +71,15 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(reward_sources))
     # combined as in training: a row no function scored is left out, not counted as 0
     reward = weighted_nansum(per_func, ctx.reward_weights)
-    out["reward"], out["reward_std"] = float(torch.nanmean(reward)), R._nanstd(reward)
+    out["reward"], out["reward_std"] = float(torch.nanmean(reward)), nanstd(reward)
     by_prompt = per_func.view(-1, k, len(reward_sources))  # (prompts, k, F)
     combined = combine_rewards(by_prompt, ctx.reward_weights, aggregation=args.multi_objective_aggregation,
                                std=args.reward_std, eps=args.advantage_eps)
     batch = args.estimator_options(outcome=True).get("scale") == "batch"  # TRL: one completion, std 0 by definition
-    out["frac_reward_zero_std"] = 1.0 if k == 1 and not batch else R._zero_std_fraction(ctx, combined)
+    out["frac_reward_zero_std"] = 1.0 if k == 1 and not batch else zero_std_fraction(ctx, combined)
     for f, src in enumerate(reward_sources):
         out[f"rewards/{src.name}/mean"] = float(torch.nanmean(per_func[:, f]))  # e.g. eval_rewards/accuracy/mean
-        out[f"rewards/{src.name}/std"] = R._nanstd(per_func[:, f])
+        out[f"rewards/{src.name}/std"] = nanstd(per_func[:, f])
         if args.num_generations_eval is not None:
             scores = by_prompt[:, :, f]
             best = torch.where(scores.isnan(), float("-inf"), scores).amax(1)  # unscored samples do not count

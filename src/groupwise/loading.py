@@ -171,13 +171,14 @@ def as_list(funcs) -> list:
 
 
 def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list,
-                 toolbox=None, data=(None, None)) -> tuple[list, list]:
+                 toolbox=None, data=(None, None), custom_rollout: bool = False) -> tuple[list, list]:
     """What can be checked before a model loads: the model argument (a local path must exist), reward specs
     (imported or located), counts against weights and against what the supervision variant reads (the toolbox's
     environments' get_reward are outcome rewards not counted by reward_weights, as in TRL; their get_step_rewards
     step rewards not counted by process_reward_weights), and step_split="turn" against the toolbox (tools or
-    environments given), reward keywords against the (train, eval) data's columns. Returns the reward and
-    step-reward specs with 'module:function' strings imported."""
+    environments given), reward keywords against the (train, eval) data's columns. With a rollout_func
+    (`custom_rollout`) its output may add reward keywords and turns (env_mask), known only once it runs. Returns the
+    reward and step-reward specs with 'module:function' strings imported."""
     env_rewards = len(toolbox.reward_sources) if toolbox is not None else 0
     # an environment's get_step_rewards is read only by a supervision variant that uses step rewards
     env_step_rewards = len(toolbox.process_sources) if toolbox is not None and SUPERVISIONS[args.supervision].process else 0
@@ -185,9 +186,10 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         raise ConfigError(f"{toolbox.process_sources[0].name} gives one reward per assistant turn, which "
                           f"supervision={args.supervision!r} reads as step rewards, but step_split="
                           f"{args.step_split!r} splits the text: set step_split='turn' (or supervision='outcome')")
-    if SPLIT_MODES[args.step_split].turns and toolbox is None:
+    if SPLIT_MODES[args.step_split].turns and toolbox is None and not custom_rollout:
         raise ConfigError("step_split='turn' makes each assistant turn a step: it needs multi-turn rollouts, so pass "
-                          "tools= or environment_factory= to GRPOTrainer (or choose another step_split)")
+                          "tools= or environment_factory= to GRPOTrainer, or a rollout_func returning env_mask (or "
+                          "choose another step_split)")
     if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
         raise ConfigError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward "
                           "functions")
@@ -211,7 +213,7 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
     for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
-        if rows is not None:
+        if rows is not None and not custom_rollout:
             check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, name)
     return reward_funcs, [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                           for i, s in enumerate(process_reward_funcs)]

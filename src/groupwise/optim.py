@@ -21,6 +21,8 @@ import torch
 from groupwise.config_base import ConfigError
 
 if TYPE_CHECKING:
+    from groupwise.adapters import Reference
+    from groupwise.distributed import Distributed
     from groupwise.config import GRPOConfig
 
 
@@ -150,3 +152,44 @@ def build_schedule(optimizer: torch.optim.Optimizer, args: GRPOConfig, max_steps
 
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup(max_steps),
                          num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+
+def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed, *, optimizers=(None, None),
+                   reference: Reference | None = None, max_steps: int):
+    """What trains and how: (trained, optimizer, scheduler, replica). `trained` is the policy wrapped in
+    PolicyForLogps (log-probs without full logits), sharded with FSDP2 or prepared for data parallelism; the
+    optimizer is `optim` (or TRL's optimizers[0], built by the user over the model's parameters); `replica` is what
+    generation samples from when it is not the policy itself (a generation_dtype copy, or with fsdp the unsharded
+    model), else None."""
+    import copy
+
+    from groupwise.generation import GENERATION_DTYPES
+    from groupwise.modeling import PolicyForLogps
+
+    optimizer, scheduler = optimizers
+    replica = None
+    if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
+        replica = copy.deepcopy(policy).to(dist.device, GENERATION_DTYPES[args.generation_dtype])
+        replica.eval().requires_grad_(False)
+    if dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
+        if replica is None:
+            replica = copy.deepcopy(policy).to(dist.device).eval().requires_grad_(False)
+        trained = dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
+        if reference is not None:  # π_ref sharded alike: π_θ's numerics, 1 / world of the memory
+            reference.shard(dist, args.logprob_chunk_tokens)
+        optimizer = build_optimizer(policy, args)
+        return trained, optimizer, build_schedule(optimizer, args, max_steps), replica
+    if optimizer is None:
+        optimizer = build_optimizer(policy, args)
+    else:
+        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not given <= {id(p) for p in policy.parameters()}:
+            raise ConfigError("optimizers[0] holds parameters that are not the model's: build it over "
+                              "model.parameters() of the model passed to GRPOTrainer")
+        if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
+            from groupwise.checkpoint import check_json_state
+
+            check_json_state({"param_groups": optimizer.state_dict()["param_groups"]}, "optimizers[0]")
+    scheduler = build_schedule(optimizer, args, max_steps, given=scheduler)
+    trained, optimizer = dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
+    return trained, optimizer, scheduler, replica

@@ -13,18 +13,22 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from groupwise.core.advantages import masked_mean_std, outcome_advantages, pack_steps, process_advantages
+from groupwise.core.advantages import outcome_advantages, process_advantages
 from groupwise.core.importance import sampling_weights
-from groupwise.core.supervision import SUPERVISIONS, token_advantages
+from groupwise.core.supervision import token_advantages
+from groupwise.custom_rollout import rollout_completions
+from groupwise.dynamic import group_signal, refill
 from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
-from groupwise.rewards.combine import weighted_nansum
+from groupwise.rewards.combine import reward_weights
 from groupwise.rewards.process import compute_step_rewards
 from groupwise.rewards.steps import StepSplitter
+from groupwise.rollout_metrics import round_metrics, sampling_metrics, trl_reward
 from groupwise.text import (completion_masks, encode_prompts, is_conversational, pad_rows, pad_to_multiple,
                             trim_to_mask)
 from groupwise.types import Completions, Round, Rollout, Scores, StepScores, TrainBatch
@@ -59,29 +63,16 @@ class RolloutContext:
     policy_logps: torch.nn.Module | None = None  # the trainer's PolicyForLogps (sharded with fsdp): π_θold runs on it
     correct_sampling: bool = False  # importance-correct for a sampler with other numerics (generation_dtype)
     agent: Agent | None = None  # tools / environments: multi-turn rollouts (groupwise.agents)
+    rollout_func: Callable[[list], Any] | None = None  # TRL's rollout_func, given the trainer (groupwise.custom_rollout)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
     @property
     def reward_weights(self) -> torch.Tensor:  # (F,)
-        return _weights(self.args.reward_weights, len(self.reward_sources))
+        return reward_weights(self.args.reward_weights, len(self.reward_sources))
 
     @property
     def process_weights(self) -> torch.Tensor:  # (F_p,)
-        return _weights(self.args.process_reward_weights, len(self.process_sources))
-
-
-def trl_reward(ctx: RolloutContext, scores: Scores) -> torch.Tensor:  # (B, G)
-    """TRL's `reward`: the weighted sum of the functions' values, whatever multi_objective_aggregation feeds the
-    advantages (with normalize_then_sum, scores.rewards is the sum of z-scores, whose mean is 0 by construction)."""
-    per_func = scores.per_func
-    return weighted_nansum(per_func, _weights(ctx.args.reward_weights, per_func.size(-1)).to(per_func.dtype))
-
-
-def _weights(given: list[float] | None, n: int) -> torch.Tensor:  # (n,)
-    """reward_weights covers reward_funcs (process_reward_weights process_reward_funcs); the rest (an environment's
-    get_reward / get_step_rewards, appended last) weighs 1 (TRL)."""
-    weights = list(given or [])
-    return torch.tensor(weights + [1.0] * (n - len(weights)), dtype=torch.float)
+        return reward_weights(self.args.process_reward_weights, len(self.process_sources))
 
 
 # ---- the one call ---------------------------------------------------------------------------------------------------
@@ -93,7 +84,7 @@ def collect(ctx: RolloutContext, model) -> Rollout:
     metrics = round_metrics(ctx, first)
     chosen = first
     if ctx.args.dynamic_sampling:
-        chosen, dynamic = refill(ctx, model, first, clock)
+        chosen, dynamic = refill(ctx, first, lambda: sample_round(ctx, model, clock))
         metrics.update(dynamic)
     with clock("logprobs"):
         batch = build_batch(ctx, chosen, model, metrics)
@@ -168,7 +159,10 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
                              f"{needs} needs: return Generated(ids, logprobs) when asked for them, or set {off}")
         return out
 
-    if ctx.agent is not None:
+    if ctx.rollout_func is not None:  # the user's function samples (groupwise.custom_rollout)
+        comp = rollout_completions(ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
+                                   max_completion_length=args.max_completion_length, logprobs=want, device=device)
+    elif ctx.agent is not None:
         comp = _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))
     else:
         prompts = [r["prompt"] for r in rows]
@@ -242,7 +236,7 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     turns = ctx.splitter.turns  # step_split="turn": the assistant turns are the steps
     if turns and comp.turn_ends is None:
         raise ValueError("step_split='turn' needs multi-turn rollouts: pass tools= or environment_factory= to "
-                         "GRPOTrainer, or choose another step_split")
+                         "GRPOTrainer (or return env_mask from rollout_func), or choose another step_split")
     tool_masks = comp.tool_mask.tolist() if turns else None
     for i, (ids, cut) in enumerate(zip(comp.token_lists(), comp.truncated.tolist())):
         if turns:
@@ -286,18 +280,6 @@ def advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,
     return adv.to(comp.completion_ids.device)
 
 
-def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepScores | None) -> torch.Tensor:
-    """(B,) bool over the round: does the group carry a learning signal? A group whose rewards have no spread —
-    in what the supervision variant reads: outcome rewards, step rewards, or either — gets advantage 0."""
-    variant = SUPERVISIONS[ctx.args.supervision]
-    signal = torch.zeros(len(scores.rewards) if scores is not None else len(step_scores.rewards), dtype=torch.bool)
-    if variant.outcome and scores is not None:
-        signal |= _spread(scores.rewards.unsqueeze(-1)) > 1e-6
-    if variant.process and step_scores is not None:
-        signal |= _spread(pack_steps(step_scores.rewards)) > 1e-6
-    return signal
-
-
 def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float] | None = None) -> TrainBatch:
     """The update's tensors for a round: ids and masks, advantages, π_θold when needed, π_ref when β > 0, and the
     importance weights when the sampler's numerics differ from the trainer's (their statistics go to `metrics`)."""
@@ -322,7 +304,7 @@ def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float
                                           clip_min=args.vllm_importance_sampling_clip_min,
                                           clip_max=args.vllm_importance_sampling_clip_max)
         if metrics is not None:
-            metrics.update(_sampling_metrics(ctx, stats))
+            metrics.update(sampling_metrics(ctx, stats))
     if ctx.reference is not None:  # β > 0 only; with LoRA: the policy with its adapters disabled
         with ctx.reference.context(), ctx.dist.autocast():  # the trainer's precision, as π_θ
             ref = batched_logps(ctx.reference.logps_model, input_ids, attention_mask, T, temperature=args.temperature,
@@ -331,159 +313,3 @@ def build_batch(ctx: RolloutContext, rnd: Round, model, metrics: dict[str, float
     return TrainBatch(input_ids, attention_mask, loss_mask, rnd.advantages, old, ref, weights, sampled)
 
 
-def _sampling_metrics(ctx: RolloutContext, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """TRL's sampling/* metrics over all processes: min of minima, max of maxima, mean of the rest."""
-    keys = sorted(stats)
-    every = ctx.dist.gather(torch.stack([stats[k].float() for k in keys]).unsqueeze(0).to(ctx.dist.device)).cpu()
-    out = {}
-    for j, k in enumerate(keys):
-        column = every[:, j]
-        out[f"sampling/{k}"] = float(column.min() if k.endswith("/min") else column.max() if k.endswith("/max")
-                                     else column.mean())
-    return out
-
-
-# ---- dynamic sampling (DAPO, Yu et al. 2025) ------------------------------------------------------------------------
-def refill(ctx: RolloutContext, model, first: Round, clock: PhaseClock | None = None
-           ) -> tuple[Round, dict[str, float]]:
-    """Keep the groups with a learning signal, sample further rounds (at most max_dynamic_sampling_rounds) until
-    this process has as many as it started with, then fill any gap with dropped groups. Every process loops until
-    all are full, so collectives stay matched."""
-    G, dist = ctx.args.num_generations, ctx.dist
-    need = first.completions.completion_ids.size(0) // G
-    rounds, kept, spare = [first], [], []
-    dropped = int(dist.sum(torch.tensor(float((~first.signal).sum()), device=dist.device)))
-    extra = 0
-    while True:
-        r, rnd = len(rounds) - 1, rounds[-1]
-        kept += [(r, g) for g in range(need) if rnd.signal[g]]
-        spare += [(r, g) for g in range(need) if not rnd.signal[g]]
-        if extra >= ctx.args.max_dynamic_sampling_rounds or not dist.any(len(kept) < need):
-            break
-        rounds.append(sample_round(ctx, model, clock))
-        extra += 1
-    unfilled = max(0, need - len(kept))
-    chosen = select_groups(rounds, kept[:need] + spare[:unfilled], G, ctx.tokenizer.pad_token_id)
-    return chosen, {"dynamic/dropped_groups": float(dropped), "dynamic/extra_rounds": float(extra),
-                    "dynamic/unfilled_groups": float(dist.sum(torch.tensor(float(unfilled), device=dist.device)))}
-
-
-def select_groups(rounds: list[Round], picks: list[tuple[int, int]], G: int, pad_id: int) -> Round:
-    """The rows of the picked (round, local group) pairs as one Round, re-padded (prompts left, completions right)."""
-    rows = [(r, g * G + k) for r, g in picks for k in range(G)]
-    comps = [rnd.completions for rnd in rounds]
-    P = max(comps[r].prompt_ids.size(1) for r, _ in rows)
-    T = max(comps[r].completion_ids.size(1) for r, _ in rows)
-
-    def pad(t, width, left, value=0):
-        return torch.nn.functional.pad(t, (width - t.size(-1), 0) if left else (0, width - t.size(-1)), value=value)
-
-    def stack(get, width=None, left=False, value=0):
-        return torch.stack([get(r, i) if width is None else pad(get(r, i), width, left, value) for r, i in rows])
-
-    def optional(name, width=None):  # a per-row tensor field that may be None (the same in every round)
-        if getattr(comps[0], name) is None:
-            return None
-        return stack(lambda r, i: getattr(comps[r], name)[i], width, False)
-
-    comp = Completions(
-        stack(lambda r, i: comps[r].prompt_ids[i], P, True, pad_id), stack(lambda r, i: comps[r].prompt_mask[i], P, True),
-        stack(lambda r, i: comps[r].completion_ids[i], T, False, pad_id),
-        stack(lambda r, i: comps[r].completion_mask[i], T, False), stack(lambda r, i: comps[r].truncated[i]),
-        [comps[r].prompts[i] for r, i in rows], [comps[r].completions[i] for r, i in rows],
-        {k: [comps[r].columns[k][i] for r, i in rows] for k in comps[0].columns},
-        optional("sampling_logps", T), optional("tool_mask", T),
-        None if comps[0].turn_ends is None else [comps[r].turn_ends[i] for r, i in rows],
-        optional("tool_calls"), optional("tool_failures"), optional("tool_timeouts"))
-    token_level = rounds[0].advantages.dim() == 2
-    adv = stack(lambda r, i: rounds[r].advantages[i], T if token_level else None)
-    steps = None if rounds[0].steps is None else [rounds[r].steps[i] for r, i in rows]
-    per_func = None if rounds[0].per_func is None else stack(lambda r, i: rounds[r].per_func[i])
-    return Round(comp, adv, stack(lambda r, i: rounds[r].rewards[i]), per_func, steps,
-                 torch.stack([rounds[r].signal[g] for r, g in picks]))
-
-
-# ---- metrics --------------------------------------------------------------------------------------------------------
-def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
-    """TRL's names and meanings: completions/* (lengths in generated tokens, over all processes; the terminated
-    ones end with EOS, 0 when none does), reward / reward_std (of Σ_f w_f r_f, whatever the
-    multi_objective_aggregation) / rewards/<f>/mean|std (std with Bessel's correction, NaN left out),
-    frac_reward_zero_std (_zero_std_fraction), tools/*; and num_tokens, the round's
-    prompt + completion tokens (the trainer makes it the running total TRL logs).
-    groupwise's own: rewards/<f>/errors, process/*, tools/timeout_frequency."""
-    dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
-    lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
-    truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu().bool()
-    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
-    m: dict[str, float] = {
-        "num_tokens": float(dist.sum((comp.prompt_mask.sum() + comp.lengths.sum()).float().to(dist.device))),
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()),
-        "completions/mean_terminated_length": float(terminated.mean()),
-        "completions/min_terminated_length": float(terminated.min()),
-        "completions/max_terminated_length": float(terminated.max()),
-    }
-    if rnd.step_scores is not None:
-        m.update(_process_metrics(rnd.step_scores))
-    if ctx.agent is not None and ctx.agent.toolbox.has_tools:
-        m.update(_tool_metrics(ctx, comp))
-    if scores is None:
-        return m
-    reward = trl_reward(ctx, scores)
-    m["reward"] = float(torch.nanmean(reward))
-    m["reward_std"] = _nanstd(reward)
-    m["frac_reward_zero_std"] = _zero_std_fraction(ctx, scores.rewards)
-    for f, name in enumerate(scores.names):
-        col = scores.per_func[..., f]
-        m[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
-        m[f"rewards/{name}/std"] = _nanstd(col)
-        m[f"rewards/{name}/errors"] = float(scores.errors[f])
-    return m
-
-
-def _process_metrics(s: StepScores) -> dict[str, float]:
-    per_completion = [row for group in s.rewards for row in group]
-    packed = pack_steps(s.rewards)  # (B, G, K)
-    m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
-         "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),
-         "process/no_step_completions": float(sum(1 for r in per_completion if not r)),
-         # a group whose step rewards have no spread carries no signal (all its advantages are 0)
-         "process/zero_std_groups": float((~(_spread(packed) > 1e-6)).sum())}
-    for f, name in enumerate(s.names):
-        m[f"process/{name}/errors"] = float(s.errors[f])
-    return m
-
-
-def _tool_metrics(ctx: RolloutContext, comp: Completions) -> dict[str, float]:
-    """TRL's tools/call_frequency (tool calls per rollout) and tools/failure_frequency (failed calls per call, 0
-    without calls), and groupwise's tools/timeout_frequency (calls that overran tool_timeout, per call): summed over
-    processes."""
-    local = [comp.tool_calls.sum(), comp.tool_failures.sum(), comp.tool_timeouts.sum(), len(comp.tool_calls)]
-    calls, failures, timeouts, rollouts = ctx.dist.sum(torch.tensor(local, dtype=torch.float,
-                                                                     device=ctx.dist.device)).tolist()
-    return {"tools/call_frequency": calls / rollouts, "tools/failure_frequency": failures / calls if calls else 0.0,
-            "tools/timeout_frequency": timeouts / calls if calls else 0.0}
-
-
-def _spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,) population std of each group
-    values = values.double()  # large finite rewards must not overflow the squares
-    return masked_mean_std(values, ~torch.isnan(values), (1, 2))[1].view(-1)
-
-
-def _zero_std_fraction(ctx: RolloutContext, rewards: torch.Tensor) -> float:  # (B, G) combined, NaN unscored
-    """TRL's frac_reward_zero_std: the share of completions whose reward std (the one the advantages divide by) is 0:
-    their group's, or the whole batch's when the scale is "batch" (then 0 or 1). A std of fewer than 2 scored
-    rewards is NaN in TRL, never 0."""
-    batch = ctx.args.estimator_options(outcome=True).get("scale") == "batch"
-    sets = rewards.reshape(1, -1) if batch else rewards.reshape(rewards.size(0), -1)  # (sets, n)
-    zero = (_spread(sets.unsqueeze(-1)) < 1e-6) & ((~torch.isnan(sets)).sum(-1) >= 2)
-    return float(zero.float().mean())
-
-
-def _nanstd(values: torch.Tensor) -> float:  # std of the non-NaN values, Bessel-corrected (TRL's nanstd); NaN for
-    values = values.double()                 # fewer than 2 (TRL: 0 · 1/0)
-    valid = ~torch.isnan(values)
-    return float(masked_mean_std(values, valid, tuple(range(values.dim())), std="unbiased")[1]) \
-        if valid.sum() > 1 else float("nan")

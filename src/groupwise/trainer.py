@@ -3,7 +3,6 @@ updates grouped into optimizer steps; log, evaluate, checkpoint. TRL's construct
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import signal
@@ -21,12 +20,12 @@ from groupwise.adapters import Reference, peft_config_from_args, wrap
 from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
-from groupwise.checkpoint import (check_json_state, claim_output_dir, read_state, resume_folder, save_checkpoint,
-                                  set_aside_later)
+from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
 from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint, load_model_from
-from groupwise.config import GENERATION_DTYPES, GRPOConfig
+from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
+from groupwise.custom_rollout import check_rollout_func
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream, named_datasets
 from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
@@ -36,8 +35,8 @@ from groupwise.loading import (as_list, check_combinations, check_inputs, eos_to
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, set_log_level
 from groupwise.signals import stop_on_signals
-from groupwise.modeling import PolicyForLogps, disable_dropout
-from groupwise.optim import build_optimizer, build_schedule
+from groupwise.modeling import disable_dropout
+from groupwise.optim import build_training
 from groupwise.sharding import full_state_dict, resolve as resolve_sharding
 from groupwise.rewards import load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
@@ -67,7 +66,9 @@ class GRPOTrainer(TransformersHabits):
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        refuse_trainer_arguments(quantization_config=quantization_config, rollout_func=rollout_func)
+        refuse_trainer_arguments(quantization_config=quantization_config)
+        check_rollout_func(rollout_func, tools=bool(tools or environment_factory))
+        self.rollout_func = rollout_func  # TRL's: the user's function samples the completions (custom_rollout.py)
         self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None  # envs probed
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
@@ -100,7 +101,8 @@ class GRPOTrainer(TransformersHabits):
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
                                                            as_list(process_reward_funcs), self.toolbox,
-                                                           (self.train_data, self.eval_data))
+                                                           (self.train_data, self.eval_data),
+                                                           custom_rollout=rollout_func is not None)
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
                            optimizers=self.optimizers, world_size=self.dist.world_size)
@@ -153,7 +155,8 @@ class GRPOTrainer(TransformersHabits):
                                                    model_init_kwargs=args.model_init_kwargs) if reward_funcs else []) + env_rewards
         self.process_sources = (load_process_reward_sources(process_reward_funcs, device=self.dist.device,
                                 trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
-        self.trained, self.optimizer, self.scheduler = self._build_optimization(policy)
+        self.trained, self.optimizer, self.scheduler, self._replica = build_training(
+            policy, args, self.dist, optimizers=self.optimizers, reference=self.reference, max_steps=self.max_steps)
         self.rollout_ctx = self._build_rollout()
         self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
@@ -173,36 +176,6 @@ class GRPOTrainer(TransformersHabits):
         return PromptData(environment_prompts(dataset, self.toolbox), "eval_dataset")
 
     # ---- builders -----------------------------------------------------------------------------------------------
-    def _build_optimization(self, policy):
-        """The optimizer (`optim`, or the one passed in `optimizers`) and the schedule; the policy is trained through
-        PolicyForLogps (log-probs without full logits)."""
-        args = self.args
-        optimizer, scheduler = self.optimizers
-        self._replica = None  # what generation samples from, when it is not the policy itself
-        if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
-            self._replica = copy.deepcopy(policy).to(self.dist.device, GENERATION_DTYPES[args.generation_dtype])
-            self._replica.eval().requires_grad_(False)
-        if self.dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
-            if self._replica is None:
-                self._replica = copy.deepcopy(policy).to(self.dist.device).eval().requires_grad_(False)
-            trained = self.dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
-            if self.reference is not None:  # π_ref sharded alike: π_θ's numerics, 1 / world of the memory
-                self.reference.shard(self.dist, args.logprob_chunk_tokens)
-            optimizer = build_optimizer(policy, args)
-            return trained, optimizer, build_schedule(optimizer, args, self.max_steps)
-        if optimizer is None:
-            optimizer = build_optimizer(policy, args)
-        else:  # TRL's optimizers=(opt, sched): built by the user over the model's parameters
-            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if not given <= {id(p) for p in policy.parameters()}:
-                raise ConfigError("optimizers[0] holds parameters that are not the model's: build it over "
-                                  "model.parameters() of the model passed to GRPOTrainer")
-            if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
-                check_json_state({"param_groups": optimizer.state_dict()["param_groups"]}, "optimizers[0]")
-        scheduler = build_schedule(optimizer, args, self.max_steps, given=scheduler)
-        model, optimizer = self.dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
-        return model, optimizer, scheduler
-
     def _build_rollout(self) -> R.RolloutContext:
         args = self.args
         eos = eos_token_ids(self.tokenizer, self.unwrapped)
@@ -212,6 +185,7 @@ class GRPOTrainer(TransformersHabits):
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             reference=self.reference, agent=self.agent,
+            rollout_func=None if self.rollout_func is None else lambda prompts: self.rollout_func(prompts, self),
             policy_logps=self.trained if self.dist.sharding is not None else self.dist.unwrap(self.trained),
             correct_sampling=args.corrects_sampling,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out

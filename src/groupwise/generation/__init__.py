@@ -17,6 +17,9 @@ from typing import Protocol
 
 import torch
 
+# GRPOConfig.generation_dtype: sample from a copy of the policy in this dtype
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True)
 class Generated:

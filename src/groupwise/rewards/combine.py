@@ -26,6 +26,13 @@ def weighted_nansum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return torch.where(valid.any(-1), total, torch.full_like(total, float("nan")))
 
 
+def reward_weights(given: list[float] | None, n: int) -> torch.Tensor:  # (n,)
+    """The n functions' weights: `given` (reward_weights covers reward_funcs, process_reward_weights
+    process_reward_funcs) and 1 for the rest (an environment's get_reward / get_step_rewards, appended last), as TRL."""
+    weights = list(given or [])
+    return torch.tensor(weights + [1.0] * (n - len(weights)), dtype=torch.float)
+
+
 def _sum_then_normalize(per_func, weights, *, std, eps):
     return weighted_nansum(per_func, weights)
 

@@ -1,0 +1,72 @@
+"""GRPOConfig's rules for the sampler: `use_vllm` and its mode (colocated engine or server, where the server is,
+the engine settings a server ignores) and the importance-sampling correction's clip bounds (DeepSeekMath's GRPO
+assumes π_θold sampled; these weights correct for a sampler whose numerics differ). Called by
+GRPOConfig.validate; the vLLM package itself is never imported here."""
+
+from __future__ import annotations
+
+import urllib.parse
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from groupwise.config_base import ConfigError
+
+if TYPE_CHECKING:
+    from groupwise.config import GRPOConfig
+
+# fields of the colocated vLLM engine, and where a vLLM server takes the same setting (vllm_mode='server')
+VLLM_COLOCATE_ONLY = {
+    "vllm_gpu_memory_utilization": "start the server with `vllm serve --gpu-memory-utilization`",
+    "vllm_tensor_parallel_size": "start the server with `vllm serve --tensor-parallel-size`",
+    "vllm_enable_sleep_mode": "the server's memory is its own",
+    "vllm_max_model_length": "start the server with `vllm serve --max-model-len`",
+    "vllm_model_impl": "start the server with `vllm serve --model-impl`",
+}
+
+
+def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> None:
+    """The rules spanning the sampler's fields; `_default(name)` is a field's default. Sets generation_backend to
+    'vllm' when use_vllm (TRL's switch) and vllm_importance_sampling_clip_max from TRL's deprecated cap."""
+    if args.use_vllm:
+        if args.vllm_mode == "server":
+            _check_server(args, _default)
+        elif args.vllm_tensor_parallel_size != 1:
+            raise ConfigError("vllm_tensor_parallel_size > 1 is not supported yet: use 1 (one engine per process)")
+        if args.generation_backend not in ("fast", "vllm"):
+            raise ConfigError(f"use_vllm=True and generation_backend={args.generation_backend!r} ask for two "
+                              "samplers: drop one")
+        if args.generation_dtype is not None:
+            raise ConfigError("use_vllm=True samples with vLLM: generation_dtype does not apply")
+        args.generation_backend = "vllm"
+    elif args.generation_backend == "vllm":
+        raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
+    if args.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
+        warnings.warn("vllm_importance_sampling_cap is deprecated (TRL); use vllm_importance_sampling_clip_max",
+                      FutureWarning, stacklevel=3)
+        args.vllm_importance_sampling_clip_max = args.vllm_importance_sampling_cap
+    lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if lo is not None and hi is not None and lo >= hi:
+        raise ConfigError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "
+                          f"vllm_importance_sampling_clip_max ({hi}): lower the first or raise the second")
+    if (args.vllm_importance_sampling_correction and lo is None and hi is None
+            and args.vllm_importance_sampling_mode.endswith("_truncate")):
+        raise ConfigError(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} clips the "
+                          "weights: set vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max")
+
+
+def _check_server(args: GRPOConfig, _default: Callable[[str], Any]) -> None:
+    """vllm_mode='server': where the server is, and the colocated engine's settings (the server has its own)."""
+    if args.vllm_server_base_url is not None:
+        url = urllib.parse.urlparse(args.vllm_server_base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError(f"vllm_server_base_url={args.vllm_server_base_url!r} must be an http(s) URL such "
+                              "as 'http://localhost:8000'")
+        for name in ("vllm_server_host", "vllm_server_port"):
+            if getattr(args, name) != _default(name):
+                raise ConfigError(f"vllm_server_base_url and {name}={getattr(args, name)!r} both say where the "
+                                  f"server is (TRL reads vllm_server_base_url and ignores {name}): give one")
+    for name, flag in VLLM_COLOCATE_ONLY.items():
+        if getattr(args, name) != _default(name):
+            warnings.warn(f"{name}={getattr(args, name)!r} has no effect with vllm_mode='server' (the colocated "
+                          f"engine's setting, as in TRL): {flag}", stacklevel=8)

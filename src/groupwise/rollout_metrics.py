@@ -1,0 +1,121 @@
+"""The rollout's metrics, under TRL's names and meanings (`round_metrics`, `sampling_metrics`) and the statistics
+they share with the advantages' bookkeeping and evaluation (`trl_reward`, `nanstd`, `zero_std_fraction`, `spread`).
+Values are over every process: each process contributes its own rows."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from groupwise.core.advantages import masked_mean_std, pack_steps
+from groupwise.rewards.combine import reward_weights, weighted_nansum
+from groupwise.types import Completions, Round, Scores, StepScores
+
+if TYPE_CHECKING:
+    from groupwise.rollout import RolloutContext
+
+
+def trl_reward(ctx: RolloutContext, scores: Scores) -> torch.Tensor:  # (B, G)
+    """TRL's `reward`: the weighted sum of the functions' values, whatever multi_objective_aggregation feeds the
+    advantages (with normalize_then_sum, scores.rewards is the sum of z-scores, whose mean is 0 by construction)."""
+    per_func = scores.per_func
+    return weighted_nansum(per_func, reward_weights(ctx.args.reward_weights, per_func.size(-1)).to(per_func.dtype))
+
+
+# ---- a round --------------------------------------------------------------------------------------------------------
+def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
+    """TRL's names and meanings: completions/* (lengths in generated tokens, over all processes; the terminated
+    ones end with EOS, 0 when none does), reward / reward_std (of Σ_f w_f r_f, whatever the
+    multi_objective_aggregation) / rewards/<f>/mean|std (std with Bessel's correction, NaN left out),
+    frac_reward_zero_std (zero_std_fraction), tools/*; and num_tokens, the round's
+    prompt + completion tokens (the trainer makes it the running total TRL logs).
+    groupwise's own: rewards/<f>/errors, process/*, tools/timeout_frequency."""
+    dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
+    lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
+    truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu().bool()
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    m: dict[str, float] = {
+        "num_tokens": float(dist.sum((comp.prompt_mask.sum() + comp.lengths.sum()).float().to(dist.device))),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+    }
+    if rnd.step_scores is not None:
+        m.update(process_metrics(rnd.step_scores))
+    if ctx.agent is not None and ctx.agent.toolbox.has_tools:
+        m.update(tool_metrics(ctx, comp))
+    if scores is None:
+        return m
+    reward = trl_reward(ctx, scores)
+    m["reward"] = float(torch.nanmean(reward))
+    m["reward_std"] = nanstd(reward)
+    m["frac_reward_zero_std"] = zero_std_fraction(ctx, scores.rewards)
+    for f, name in enumerate(scores.names):
+        col = scores.per_func[..., f]
+        m[f"rewards/{name}/mean"] = float(torch.nanmean(col)) if (~torch.isnan(col)).any() else float("nan")
+        m[f"rewards/{name}/std"] = nanstd(col)
+        m[f"rewards/{name}/errors"] = float(scores.errors[f])
+    return m
+
+
+def process_metrics(s: StepScores) -> dict[str, float]:
+    per_completion = [row for group in s.rewards for row in group]
+    packed = pack_steps(s.rewards)  # (B, G, K)
+    m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
+         "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),
+         "process/no_step_completions": float(sum(1 for r in per_completion if not r)),
+         # a group whose step rewards have no spread carries no signal (all its advantages are 0)
+         "process/zero_std_groups": float((~(spread(packed) > 1e-6)).sum())}
+    for f, name in enumerate(s.names):
+        m[f"process/{name}/errors"] = float(s.errors[f])
+    return m
+
+
+def tool_metrics(ctx: RolloutContext, comp: Completions) -> dict[str, float]:
+    """TRL's tools/call_frequency (tool calls per rollout) and tools/failure_frequency (failed calls per call, 0
+    without calls), and groupwise's tools/timeout_frequency (calls that overran tool_timeout, per call): summed over
+    processes."""
+    local = [comp.tool_calls.sum(), comp.tool_failures.sum(), comp.tool_timeouts.sum(), len(comp.tool_calls)]
+    calls, failures, timeouts, rollouts = ctx.dist.sum(torch.tensor(local, dtype=torch.float,
+                                                                     device=ctx.dist.device)).tolist()
+    return {"tools/call_frequency": calls / rollouts, "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/timeout_frequency": timeouts / calls if calls else 0.0}
+
+
+def spread(values: torch.Tensor) -> torch.Tensor:  # (B, G, K) with NaN → (B,) population std of each group
+    values = values.double()  # large finite rewards must not overflow the squares
+    return masked_mean_std(values, ~torch.isnan(values), (1, 2))[1].view(-1)
+
+
+def zero_std_fraction(ctx: RolloutContext, rewards: torch.Tensor) -> float:  # (B, G) combined, NaN unscored
+    """TRL's frac_reward_zero_std: the share of completions whose reward std (the one the advantages divide by) is 0:
+    their group's, or the whole batch's when the scale is "batch" (then 0 or 1). A std of fewer than 2 scored
+    rewards is NaN in TRL, never 0."""
+    batch = ctx.args.estimator_options(outcome=True).get("scale") == "batch"
+    sets = rewards.reshape(1, -1) if batch else rewards.reshape(rewards.size(0), -1)  # (sets, n)
+    zero = (spread(sets.unsqueeze(-1)) < 1e-6) & ((~torch.isnan(sets)).sum(-1) >= 2)
+    return float(zero.float().mean())
+
+
+def nanstd(values: torch.Tensor) -> float:  # std of the non-NaN values, Bessel-corrected (TRL's nanstd); NaN for
+    values = values.double()                 # fewer than 2 (TRL: 0 · 1/0)
+    valid = ~torch.isnan(values)
+    return float(masked_mean_std(values, valid, tuple(range(values.dim())), std="unbiased")[1]) \
+        if valid.sum() > 1 else float("nan")
+
+
+def sampling_metrics(ctx: RolloutContext, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """TRL's sampling/* metrics over all processes: min of minima, max of maxima, mean of the rest."""
+    keys = sorted(stats)
+    every = ctx.dist.gather(torch.stack([stats[k].float() for k in keys]).unsqueeze(0).to(ctx.dist.device)).cpu()
+    out = {}
+    for j, k in enumerate(keys):
+        column = every[:, j]
+        out[f"sampling/{k}"] = float(column.min() if k.endswith("/min") else column.max() if k.endswith("/max")
+                                     else column.mean())
+    return out
