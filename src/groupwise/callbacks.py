@@ -1,13 +1,17 @@
 """transformers' callback protocol for GRPOTrainer: the callback list (`add_callback`, `pop_callback`,
-`remove_callback`, `callback_handler.callbacks`) and the default flow that decides, after each optimizer step,
+`remove_callback`, `callback_handler.callbacks`), the ExportableState callbacks' states a checkpoint keeps
+(`restore_callback_states_from_checkpoint`), and the default flow that decides, after each optimizer step,
 whether to log, evaluate and save (transformers' DefaultFlowCallback): its flags are set on `control` before
 `on_step_end`, so a callback sees them and may change them."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # the flags transformers' CallbackHandler clears before an event's callbacks run (the event is where they are acted on)
 CLEARED = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
@@ -44,6 +48,54 @@ class CallbackHandler:
 
     def remove_callback(self, callback) -> None:
         self.pop_callback(callback)
+
+    def states(self, control) -> dict:
+        """transformers' `stateful_callbacks` as a checkpoint's trainer_state.json holds it: each ExportableState
+        callback's `.state()` ({"args": …, "attributes": …}), then the TrainerControl's, keyed by class name (a
+        list, in the callbacks' order, for several of one class)."""
+        from transformers.trainer_callback import ExportableState
+
+        states: dict = {}
+        for cb in [*self.callbacks, control]:
+            if isinstance(cb, ExportableState):
+                name, state = type(cb).__name__, cb.state()
+                if name not in states:
+                    states[name] = state
+                elif isinstance(states[name], list):
+                    states[name].append(state)
+                else:
+                    states[name] = [states[name], state]
+        return states
+
+    def restore_states(self, args, stored: dict | None, control) -> None:
+        """restore_callback_states_from_checkpoint (transformers' Trainer._load_callback_state): the callbacks whose
+        class name a checkpoint's `stateful_callbacks` holds are replaced by new instances of their class built from
+        the stored args, with the stored attributes set (several of one class: paired in order), and moved to the
+        end of the list; the control takes the stored flags. A stored class no callback has is warned about."""
+        if not args.restore_callback_states_from_checkpoint:
+            return
+        not_found, new_callbacks = [], []
+        for name, data in (stored or {}).items():
+            current = [cb for cb in [*self.callbacks, control] if type(cb).__name__ == name]
+            if not current:
+                not_found.append(name)
+                continue
+            for callback, saved in zip(current, data if isinstance(data, list) else [data]):
+                new = type(callback)(**saved.get("args", {}))
+                for attribute, value in saved.get("attributes", {}).items():
+                    setattr(new, attribute, value)
+                if callback is control:  # the trainer keeps its object (as a returned TrainerControl): the flags
+                    for field in dataclasses.fields(control):
+                        setattr(control, field.name, getattr(new, field.name))
+                else:
+                    self.pop_callback(callback)  # this instance (transformers: the first of its class)
+                    new_callbacks.append(new)
+            log.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
+        if not_found:
+            warnings.warn("Checkpoint included callbacks not included in current configuration. Ignoring. "
+                          f"({', '.join(not_found)}) (transformers' warning)", stacklevel=3)
+        for callback in new_callbacks:
+            self.add_callback(callback)
 
     def fire(self, name: str, args, state, control, **kwargs):
         for flag in CLEARED.get(name, ()):

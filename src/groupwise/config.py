@@ -72,6 +72,7 @@ class GRPOConfig(StrictConfig):
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
     resume_from_checkpoint: str | bool | None = option("A checkpoint-N/ folder to resume from exactly, or true for the newest one in output_dir (transformers' meaning); false or unset: a new run.", default=None)
+    restore_callback_states_from_checkpoint: bool = option("On resume, restore the callbacks' states a checkpoint holds (transformers' ExportableState callbacks, e.g. EarlyStoppingCallback's patience counter, and the TrainerControl flags); they are saved at every checkpoint either way.", default=False)
     push_to_hub: bool = option("Upload the model folder (output_dir) to the hub: at every save (hub_strategy 'every_save') or at the end ('end'), and on trainer.push_to_hub() (needs hub_model_id and a token).", default=False)
     hub_model_id: str | None = option("Hub repository ('name' or 'org/name') push_to_hub uploads to (default: the output_dir's folder name).", default=None)
     hub_token: str | None = option("Hub token for push_to_hub (default: HF_TOKEN or the cached login). Never written to metrics.jsonl.", default=None)

@@ -96,7 +96,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
         "prediction_loss_only": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,
         "eval_accumulation_steps": None, "include_for_metrics": [], "batch_eval_metrics": False}.items()},
     # checkpoints and logging
-    "restore_callback_states_from_checkpoint": NotSupported(False, "callback states are not saved in checkpoints"),
     "enable_jit_checkpoint": NotSupported(False, "groupwise checkpoints on SIGTERM / SIGINT already "
                                                  "(save_on_interrupt, on by default)"),
     "debug": NotSupported("", "transformers' debug modes are not supported", also=lambda value, values: value == []),

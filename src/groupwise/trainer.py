@@ -412,6 +412,7 @@ class GRPOTrainer(TransformersHabits):
                  "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None,
                  "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen,
                  "total_flos": self.state.total_flos, "best": BestModel.state_dict(self.state),
+                 "stateful_callbacks": self.callback_handler.states(self.control),  # transformers' (ExportableState)
                  "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
@@ -447,6 +448,7 @@ class GRPOTrainer(TransformersHabits):
         if self.args.use_adaptive_entropy and state.get("entropy_control"):  # an adapted coefficient, where it was
             self.update_ctx.entropy.load_state_dict(state["entropy_control"])
         BestModel.load_state_dict(self.state, state.get("best"))
+        self.callback_handler.restore_states(self.args, state.get("stateful_callbacks"), self.control)
         self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))
         self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
         if pending is None:
