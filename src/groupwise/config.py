@@ -23,10 +23,11 @@ from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
-from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
+from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
 from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers, installed_trackers
+from groupwise.modeling import check_compile_backend
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
 from groupwise.rewards.sources import ON_REWARD_ERROR
@@ -134,6 +135,9 @@ class GRPOConfig(StrictConfig):
     shuffle_dataset: bool = option("Shuffle the prompts each epoch (seeded).", default=True)
     disable_dropout: bool = option("Set dropout to 0 in the policy and reference model (RL needs log-probs without noise).", default=True)
     model_init_kwargs: dict | None = option("kwargs for AutoModelForCausalLM.from_pretrained when the model is a path.", default=None)
+    torch_compile: bool = option("Compile the policy's forward that computes log-probs (training, π_θold) with torch.compile, as transformers compiles the model it trains; generation is compiled separately (generation_compile). Set by torch_compile_backend or torch_compile_mode.", default=False)
+    torch_compile_backend: str | None = option("torch.compile backend (one of torch._dynamo.list_backends(), e.g. 'inductor', the default once torch_compile is on, or 'aot_eager'); setting it turns torch_compile on (transformers).", default=None)
+    torch_compile_mode: str | None = option("torch.compile mode; setting it turns torch_compile on (transformers).", default=None, choices=(None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     logprob_chunk_tokens: int = option("Completion tokens whose logits exist at once when computing log-probs (the output head runs in checkpointed chunks; the (N, T, V) logits never exist).", default=1024, ge=1)
     trust_remote_code: bool = option("Allow model repositories to run their own code. Off unless you ask for it.", default=False)
 
@@ -325,6 +329,11 @@ class GRPOConfig(StrictConfig):
                               "(dapo, cispo) always count them over all processes; use loss_type='bnpo' for a "
                               "per-process token mean")
         check_sampler_fields(self, _default)  # use_vllm, vllm_mode, the importance-sampling correction
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:  # transformers' rules
+            self.torch_compile = True
+        if self.torch_compile:
+            self.torch_compile_backend = self.torch_compile_backend or "inductor"
+            check_compile_backend(self.torch_compile_backend)
         check_available(self.optim)
         resolve_sharding(self.fsdp)  # a bad fsdp string fails here, before anything loads
         parse_optim_args(self.optim_args)
@@ -395,6 +404,11 @@ class GRPOConfig(StrictConfig):
         if values.get("hub_token"):
             values["hub_token"] = "<hidden>"
         return values
+
+    @property
+    def compile_kwargs(self) -> dict[str, Any] | None:
+        """torch.compile's arguments for the policy's log-prob forward (torch_compile), else None."""
+        return {"backend": self.torch_compile_backend, "mode": self.torch_compile_mode} if self.torch_compile else None
 
     @property
     def samples_apart(self) -> bool:

@@ -58,9 +58,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "use_liger_kernel": NotSupported(False, "Liger kernels are not used; log-probs run the output head in chunks "
                                             "(logprob_chunk_tokens)"),
     "liger_kernel_config": NotSupported(None, "Liger kernels are not used"),
-    "torch_compile": NotSupported(False, "the training forward is not compiled"),
-    "torch_compile_backend": NotSupported(None, "the training forward is not compiled"),
-    "torch_compile_mode": NotSupported(None, "the training forward is not compiled"),
     # precision and devices
     "fp16": NotSupported(False, "use bf16=True (fp16 loss scaling is not implemented)"),
     "bf16_full_eval": NotSupported(False, "evaluation runs in the training precision; set bf16=True"),

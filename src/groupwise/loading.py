@@ -88,12 +88,17 @@ def router_aux_loss_coef(args: GRPOConfig, config) -> float:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     moe = hasattr(text, "output_router_logits")
     if args.router_aux_loss_coef is None:
-        return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
-    if args.router_aux_loss_coef and not moe:
+        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
+    elif args.router_aux_loss_coef and not moe:
         raise ConfigError(f"router_aux_loss_coef={args.router_aux_loss_coef} but {type(config).__name__} is not a "
                           "Mixture-of-Experts model that returns router logits: there is no auxiliary loss to weight; "
                           "remove router_aux_loss_coef")
-    return float(args.router_aux_loss_coef)
+    else:
+        coef = float(args.router_aux_loss_coef)
+    if coef and args.torch_compile:
+        raise ConfigError(f"torch_compile with the router loss of {type(config).__name__} (router_aux_loss_coef="
+                          f"{coef}) is not supported yet: set router_aux_loss_coef=0.0, or drop torch_compile")
+    return coef
 
 
 def load_policy(model, args: GRPOConfig):

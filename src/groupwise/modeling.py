@@ -1,4 +1,4 @@
-"""Model-facing helpers: per-token log-probs of completions, eval mode, dropout."""
+"""Model-facing helpers: per-token log-probs of completions (compiled with torch_compile), eval mode, dropout."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def completion_logps(
     T = num_completion_tokens
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
     inner = getattr(model, "module", model)
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile's wrapper: the signature is the model's
     if accepts_kwarg(inner, "position_ids"):
         kwargs["position_ids"] = position_ids_from_mask(attention_mask)
     if accepts_kwarg(inner, "logits_to_keep"):
@@ -75,16 +76,31 @@ class Float32Head(torch.nn.Linear):
                                               None if self.bias is None else self.bias.float())
 
 
+def check_compile_backend(backend: str) -> None:
+    """torch_compile_backend names one of torch.compile's registered backends (a ConfigError otherwise)."""
+    import torch._dynamo
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        from groupwise.config_base import ConfigError
+
+        raise ConfigError(f"torch_compile_backend={backend!r} is not a torch.compile backend: use one of "
+                          f"{torch._dynamo.list_backends()}")
+
+
 class PolicyForLogps(torch.nn.Module):
     """Wraps a causal LM so that one forward returns per-token log-probs of the completion, computed from the
     final hidden states with the output head applied in checkpointed chunks: the (N, T, V) logits never exist.
     Distributed wrappers (DDP) wrap this module, so gradient synchronisation still sees a single forward.
-    Models whose head cannot be separated fall back to full logits (logged once)."""
+    Models whose head cannot be separated fall back to full logits (logged once). With `compile_kwargs`
+    (GRPOConfig.torch_compile) the decoder (or, without a separable head, the whole model) runs through
+    torch.compile; the compiled wrapper is not a submodule, so state_dict keys and checkpoints are unchanged."""
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int = 1024):
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = 1024, compile_kwargs: dict | None = None):
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.compile_kwargs = compile_kwargs
+        self.__dict__["_compiled"] = {}  # id(module) → its torch.compile wrapper (kept out of the module tree)
         cfg = model.config
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.scale = float(getattr(cfg, "logit_scale", None) or 1.0)
@@ -102,7 +118,7 @@ class PolicyForLogps(torch.nn.Module):
             if aux_loss:
                 raise ValueError(f"{type(self.model).__name__}: the router auxiliary loss needs a model whose output "
                                  "head is separable; set router_aux_loss_coef=0.0")
-            return completion_logps(self.model, input_ids, attention_mask, num_completion_tokens,
+            return completion_logps(self._run(self.model), input_ids, attention_mask, num_completion_tokens,
                                     temperature=temperature, compute_entropy=compute_entropy,
                                     entropy_grad=entropy_grad)
         T = num_completion_tokens
@@ -112,13 +128,21 @@ class PolicyForLogps(torch.nn.Module):
         if aux_loss:
             hidden, aux = self._hidden_and_router_loss(decoder, inputs)
         else:
-            hidden = decoder(**inputs).last_hidden_state
+            hidden = self._run(decoder)(**inputs).last_hidden_state
         hidden = hidden[:, -(T + 1):-1, :]  # (N, T, H): position p predicts token p + 1
         out = logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, temperature=temperature,
                                 softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
                                 compute_entropy=compute_entropy, entropy_grad=entropy_grad,
                                 head_fp32=isinstance(head, Float32Head))
         return (*out, aux) if aux_loss else out
+
+    def _run(self, module: torch.nn.Module):
+        """`module`, or its torch.compile wrapper (built once) when compiling."""
+        if self.compile_kwargs is None:
+            return module
+        if id(module) not in self._compiled:
+            self._compiled[id(module)] = torch.compile(module, **self.compile_kwargs)
+        return self._compiled[id(module)]
 
     def _hidden_and_router_loss(self, decoder, inputs: dict):
         """The decoder's last hidden states and the model's own `aux_loss` (output_router_logits=True): the causal

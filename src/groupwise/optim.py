@@ -174,7 +174,7 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
     if dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
         if replica is None:
             replica = copy.deepcopy(policy).to(dist.device).eval().requires_grad_(False)
-        trained = dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens), policy)
+        trained = dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens, args.compile_kwargs), policy)
         if reference is not None:  # π_ref sharded alike: π_θ's numerics, 1 / world of the memory
             reference.shard(dist, args.logprob_chunk_tokens)
         optimizer = build_optimizer(policy, args)
@@ -191,5 +191,5 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
 
             check_json_state({"param_groups": optimizer.state_dict()["param_groups"]}, "optimizers[0]")
     scheduler = build_schedule(optimizer, args, max_steps, given=scheduler)
-    trained, optimizer = dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens), optimizer)
+    trained, optimizer = dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens, args.compile_kwargs), optimizer)
     return trained, optimizer, scheduler, replica
