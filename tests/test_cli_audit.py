@@ -126,7 +126,7 @@ def test_help_and_trl_command_line_habits(tmp_path, model_dir, capsys, fake):
     (dict(dtype="bf16"), r"dtype='bf16' is not one of \['auto', 'bfloat16', 'float16', 'float32'\]"),
     (dict(dtype="float32", torch_dtype="bfloat16"), "dtype='float32' and torch_dtype='bfloat16' name the same thing"),
     (dict(dataset_split="train", dataset_train_split="test"), "dataset_split='train' and dataset_train_split='test'"),
-    (dict(load_in_4bit=True), "load_in_4bit=True is not supported by groupwise"),
+    (dict(bnb_4bit_quant_type="fp4"), "bnb_4bit_quant_type='fp4' has no effect without load_in_4bit=True"),
     (dict(model_revison="x"), "unknown field 'model_revison'; did you mean 'model_revision'"),
     (dict(reward_funcs=["think_format_reward"]), "'think_format_reward' is one of TRL's built-in rewards"),
     (dict(datasets=[{"path": "x.jsonl", "splt": "train"}]), r"datasets\[0\]: unknown field 'splt'; did you mean 'split'"),
@@ -296,7 +296,8 @@ def test_every_field_of_trl_grpo_script_is_a_run_field_with_trl_default():
     from trl import DatasetMixtureConfig, ModelConfig
     from trl.scripts.grpo import GRPOScriptArguments
 
-    from groupwise.script_args import QUANTIZATION, RUN_FIELDS
+    from groupwise.quantization import QUANTIZATION
+    from groupwise.script_args import RUN_FIELDS
 
     ours = {f.name for f in dataclasses.fields(GRPOConfig)}
     for cls in (GRPOScriptArguments, ModelConfig, DatasetMixtureConfig):

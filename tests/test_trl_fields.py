@@ -14,7 +14,6 @@ import pytest
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config import TRL_NOT_SUPPORTED
 from groupwise.config_base import ConfigError
-from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS, TRANSFORMERS_VERSION
 
 OURS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -108,15 +107,9 @@ def test_gated_fields_are_refused_once_their_gate_is_on():
         GRPOConfig(use_liger_kernel=True)
 
 
-def test_every_trl_trainer_argument_is_taken_or_refused(tiny_model, tokenizer):
-    ours = inspect.signature(GRPOTrainer.__init__).parameters
-    for name in GRPO_TRAINER_ARGUMENTS:
-        assert name in ours, name
-    for name, reason in TRAINER_NOT_SUPPORTED.items():
-        with pytest.raises(ConfigError, match=rf"GRPOTrainer\({name}=…\) is not supported by groupwise"):
-            GRPOTrainer(tiny_model, [lambda completions, **_: [0.0] * len(completions)], train_dataset=[{"prompt": "a"}],
-                        processing_class=tokenizer, **{name: object()})
-        assert reason
+def test_every_trl_trainer_argument_is_taken():
+    ours = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    assert ours[1:len(GRPO_TRAINER_ARGUMENTS) + 1] == list(GRPO_TRAINER_ARGUMENTS)  # TRL's order: positional use works
 
 
 def test_unknown_names_still_get_a_close_match():

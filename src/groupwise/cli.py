@@ -20,8 +20,9 @@ from groupwise.config import ConfigError, GRPOConfig, load_yaml
 from groupwise.config_base import check_location, check_model_location, reject_unknown
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
-from groupwise.script_args import (QUANTIZATION, RUN_FIELDS, builtin_task, check_run_fields, load_dataset_spec,
-                                   load_run_datasets, model_init_kwargs, refuse_quantization, reward_specs)
+from groupwise.quantization import QUANTIZATION, from_script_fields
+from groupwise.script_args import (RUN_FIELDS, builtin_task, check_run_fields, load_dataset_spec, load_run_datasets,
+                                   model_init_kwargs, reward_specs)
 
 __all__ = ["RUN_FIELDS", "build_run", "builtin_task", "load_dataset_spec", "main", "parse_overrides"]
 
@@ -96,8 +97,8 @@ def build_run(values: dict[str, Any]):
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED),
                    owner="groupwise train")
-    refuse_quantization(values)
     run = check_run_fields({k: values[k] for k in RUN_FIELDS if k in values})
+    run["quantization_config"] = from_script_fields(values, run["dtype"])  # TRL's get_quantization_config
     args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS and k not in QUANTIZATION})
     args.model_init_kwargs = model_init_kwargs(run, args.model_init_kwargs)
     return run, args
@@ -162,7 +163,7 @@ def cmd_train(argv: list[str]) -> int:
 
     trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs or [], args=args, train_dataset=train_data,
                           eval_dataset=eval_data, process_reward_funcs=process_funcs,
-                          environment_factory=environment_factory)
+                          environment_factory=environment_factory, quantization_config=run["quantization_config"])
     trainer.train()
     trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
     return 0

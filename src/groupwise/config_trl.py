@@ -103,10 +103,3 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "log_completions_hub_repo": NotSupported(None, "completions are written to output_dir/completions.jsonl; "
                                                    "upload that file yourself"),
 }
-
-
-# TRL 1.16 GRPOTrainer arguments groupwise does not take yet, with what to do instead
-TRAINER_NOT_SUPPORTED = {
-    "quantization_config": "load the model quantized yourself (from_pretrained(..., quantization_config=...)), wrap it "
-                           "with PEFT (get_peft_model) and pass it as model",
-}

@@ -11,10 +11,10 @@ import torch
 from groupwise.config import GRPOConfig
 from groupwise.adapters import check_passed_model, is_peft_model
 from groupwise.config_base import ConfigError, check_model_location
-from groupwise.config_trl import TRAINER_NOT_SUPPORTED
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
+from groupwise.quantization import check_quantization
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
@@ -101,11 +101,19 @@ def router_aux_loss_coef(args: GRPOConfig, config) -> float:
     return coef
 
 
-def load_policy(model, args: GRPOConfig):
+def load_policy(model, args: GRPOConfig, quantization_config=None, device: torch.device | None = None):
+    """The policy: loaded from a path (policy_init_kwargs; with `quantization_config` in 4 / 8 bits, placed on
+    `device` by from_pretrained on a GPU, as TRL's scripts do) or the model given; dropout, activation checkpointing,
+    the fp32 head as configured; in train mode."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(model, str):
-        policy = AutoModelForCausalLM.from_pretrained(model, **policy_init_kwargs(args))
+        kwargs = policy_init_kwargs(args)
+        if quantization_config is not None:  # checked before (groupwise.quantization.check_quantization)
+            kwargs["quantization_config"] = quantization_config
+            if device is not None and device.type == "cuda":
+                kwargs.setdefault("device_map", {"": device})
+        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     else:
         policy = model
     if args.disable_dropout:
@@ -224,20 +232,13 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                           for i, s in enumerate(process_reward_funcs)]
 
 
-def refuse_trainer_arguments(**given) -> None:
-    """TRL GRPOTrainer arguments groupwise does not take yet: a ConfigError naming the argument and the alternative."""
-    for name, value in given.items():
-        if value is not None:
-            raise ConfigError(f"GRPOTrainer({name}=…) is not supported by groupwise: {TRAINER_NOT_SUPPORTED[name]} "
-                              "(docs/trl_compat.md)")
-
-
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,
-                       world_size: int = 1) -> None:
+                       world_size: int = 1, quantization_config=None) -> None:
     """Combinations of features that do not work together (yet), refused before any model loads."""
     if isinstance(model, torch.nn.Module):  # adapters that cannot train or resume here (groupwise.adapters)
         check_passed_model(model)
     lora = peft_config is not None or args.use_peft or is_peft_model(model)
+    check_quantization(args, model, quantization_config, lora=lora, sharded=sharded)
     if args.use_vllm and args.vllm_mode == "server" and world_size > 1:
         raise ConfigError(f"vllm_mode='server' with {world_size} training processes is not supported yet (TRL "
                           "gathers every process's prompts to the main process, which alone talks to the server; "

@@ -106,7 +106,9 @@ class PolicyForLogps(torch.nn.Module):
         self.scale = float(getattr(cfg, "logit_scale", None) or 1.0)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        self.chunked = isinstance(head, torch.nn.Linear) and decoder is not None and decoder is not model
+        # a plain head only: a quantized one (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear) keeps its
+        # weight packed, which the chunked matmul cannot read
+        self.chunked = type(head) in (torch.nn.Linear, Float32Head) and decoder is not None and decoder is not model
         if not self.chunked:
             log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
 

@@ -44,9 +44,6 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
     "ignore_bias_buffers": ("bool", False, "Kept for TRL configs: TRL's grpo script does not read it either."),
 }
 
-# TRL ModelConfig's bitsandbytes fields: loadable at TRL's default; any other value asks for quantization
-QUANTIZATION = {"load_in_8bit": False, "load_in_4bit": False, "bnb_4bit_quant_type": "nf4",
-                "use_bnb_nested_quant": False, "bnb_4bit_quant_storage": None}
 MIXTURE_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
 # TRL's reward-function registry of `trl grpo` (trl/scripts/grpo.py): the ones groupwise has, or None
 TRL_REWARDS = {"accuracy_reward": "groupwise.rewards:accuracy_reward", "reasoning_accuracy_reward": None,
@@ -92,16 +89,6 @@ def check_run_fields(run: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"datasets: fraction must be a number ≥ 0 for every dataset of the mixture or for none "
                               f"(got {fractions}), as in TRL")
     return out
-
-
-def refuse_quantization(values: dict[str, Any]) -> None:
-    """TRL ModelConfig's bitsandbytes fields at a value other than TRL's default: a ConfigError with the alternative."""
-    from groupwise.config_trl import TRAINER_NOT_SUPPORTED
-
-    for name, default in QUANTIZATION.items():
-        if name in values and values[name] != default and not (values[name] is None and default in (False, None)):
-            raise ConfigError(f"{name}={values[name]!r} is not supported by groupwise (quantized loading): "
-                              f"{TRAINER_NOT_SUPPORTED['quantization_config']}")
 
 
 def model_init_kwargs(run: dict[str, Any], given: dict | None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
-                               refuse_trainer_arguments, router_aux_loss_coef)
+                               router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, set_log_level
 from groupwise.signals import stop_on_signals
@@ -66,7 +66,6 @@ class GRPOTrainer(TransformersHabits):
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
-        refuse_trainer_arguments(quantization_config=quantization_config)
         check_rollout_func(rollout_func, tools=bool(tools or environment_factory))
         self.rollout_func = rollout_func  # TRL's: the user's function samples the completions (custom_rollout.py)
         self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None  # envs probed
@@ -105,7 +104,8 @@ class GRPOTrainer(TransformersHabits):
                                                            custom_rollout=rollout_func is not None)
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
-                           optimizers=self.optimizers, world_size=self.dist.world_size)
+                           optimizers=self.optimizers, world_size=self.dist.world_size,
+                           quantization_config=quantization_config)
         from transformers import enable_full_determinism, set_seed
 
         # each process samples different completions
@@ -141,7 +141,7 @@ class GRPOTrainer(TransformersHabits):
             if data is not None:  # a stream checks each row as it is read
                 self._check_lengths(data)
         self.agent = build_agent(self.toolbox, self.tokenizer, args, (self.train_data, self.eval_data))  # tools
-        policy = load_policy(model, args)
+        policy = load_policy(model, args, quantization_config, self.dist.device)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
             if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)

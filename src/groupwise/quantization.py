@@ -1,0 +1,77 @@
+"""Quantized policies (QLoRA): TRL's `GRPOTrainer(quantization_config=BitsAndBytesConfig(…))` and its script fields
+`load_in_4bit` / `load_in_8bit` / `bnb_4bit_quant_type` / `use_bnb_nested_quant` / `bnb_4bit_quant_storage`.
+
+The base weights load in 4 or 8 bits (bitsandbytes) and stay frozen; the adapters (peft_config / use_peft) train in
+full precision, and the reference policy is the base with the adapters off (no copy). Everything is checked before
+the weights load."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from groupwise.config_base import ConfigError
+
+if TYPE_CHECKING:
+    from groupwise.config import GRPOConfig
+
+# TRL ModelConfig's bitsandbytes fields and their defaults (script fields of `groupwise train`)
+QUANTIZATION = {"load_in_8bit": False, "load_in_4bit": False, "bnb_4bit_quant_type": "nf4",
+                "use_bnb_nested_quant": False, "bnb_4bit_quant_storage": None}
+
+
+def is_quantized(model) -> bool:
+    """A model loaded in 4 or 8 bits by bitsandbytes (a PeftModel answers for its base)."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def from_script_fields(values: dict[str, Any], dtype: str | None):
+    """TRL's get_quantization_config: a BitsAndBytesConfig from the script fields (4-bit wins over 8-bit; the 4-bit
+    compute dtype is the model's `dtype`), or None when neither load_in_4bit nor load_in_8bit is set."""
+    fields = {name: values.get(name, default) for name, default in QUANTIZATION.items()}
+    if not (fields["load_in_4bit"] or fields["load_in_8bit"]):
+        for name in ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"):
+            if fields[name] not in (QUANTIZATION[name], None):
+                raise ConfigError(f"{name}={fields[name]!r} has no effect without load_in_4bit=True: set "
+                                  "load_in_4bit, or remove it")
+        return None
+    _need_bitsandbytes("load_in_4bit" if fields["load_in_4bit"] else "load_in_8bit")
+    from transformers import BitsAndBytesConfig
+
+    if fields["load_in_4bit"]:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=None if dtype == "auto" else dtype,
+                                  bnb_4bit_quant_type=fields["bnb_4bit_quant_type"],
+                                  bnb_4bit_use_double_quant=fields["use_bnb_nested_quant"],
+                                  bnb_4bit_quant_storage=fields["bnb_4bit_quant_storage"])
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bool, sharded: bool) -> None:
+    """Before any weights load: what a quantized policy needs (bitsandbytes, adapters to train, a path to load the
+    model from) and the features that do not work with one yet."""
+    quantized = quantization_config is not None or (not isinstance(model, str) and is_quantized(model))
+    if not quantized:
+        return
+    if quantization_config is not None:
+        _need_bitsandbytes("quantization_config")
+        if not isinstance(model, str):
+            raise ConfigError("quantization_config applies when the model is loaded from a path: the model passed is "
+                              "already loaded; pass its path, or load it with from_pretrained(…, "
+                              "quantization_config=…) yourself")
+        if "quantization_config" in (args.model_init_kwargs or {}):
+            raise ConfigError("quantization_config is set both as a GRPOTrainer argument and in model_init_kwargs: "
+                              "set it in one place, preferably as the trainer argument (TRL's rule)")
+    what = "quantization_config" if quantization_config is not None else "a model loaded in 4 / 8 bits"
+    if not lora:
+        raise ConfigError(f"{what}: quantized weights cannot be trained; train adapters on them (QLoRA): pass "
+                          "peft_config=LoraConfig(…) or set use_peft=True")
+    for on, field in ((sharded, "fsdp"), (args.generation_dtype is not None, "generation_dtype"),
+                      (args.use_vllm, "use_vllm")):
+        if on:
+            raise ConfigError(f"{what} with {field} is not supported yet: drop {field}, or load the model unquantized")
+
+
+def _need_bitsandbytes(field: str) -> None:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"{field} loads the model with bitsandbytes, which is not installed: `pip install "
+                          "bitsandbytes`")

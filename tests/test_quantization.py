@@ -1,0 +1,125 @@
+"""QLoRA: TRL's GRPOTrainer(quantization_config=BitsAndBytesConfig(…)) and the script fields load_in_4bit /
+load_in_8bit / bnb_*: the base loads in 4 bits (real bitsandbytes, its CPU backend) and stays frozen, the LoRA
+adapters train, the reference is the quantized base with the adapters off, resume is bitwise exact; what cannot work
+is refused before the weights load."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+from peft import LoraConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+from groupwise import GRPOTrainer  # noqa: E402
+from groupwise.cli import build_run  # noqa: E402
+from groupwise.config_base import ConfigError  # noqa: E402
+from groupwise.modeling import PolicyForLogps, completion_logps  # noqa: E402
+from groupwise.quantization import is_quantized  # noqa: E402
+from groupwise.tasks import toy  # noqa: E402
+from tests.conftest import small_args  # noqa: E402
+
+FOUR_BIT = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+
+
+def _lora():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]  # varied rewards: every step moves the adapter
+
+
+def _trainer(tmp_path, base_dir, out="run", quantization_config=FOUR_BIT, peft_config="lora", **kw):
+    args = small_args(tmp_path, output_dir=str(tmp_path / out), **kw)
+    return GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12),
+                       quantization_config=quantization_config, peft_config=_lora() if peft_config == "lora" else None)
+
+
+def test_a_4bit_base_trains_its_adapters_and_resumes_exactly(tmp_path, base_dir):
+    straight = _trainer(tmp_path, base_dir, out="a", beta=0.05, max_steps=2, save_steps=1)
+    model = straight.unwrapped
+    assert is_quantized(model)
+    layer = model.base_model.model.model.layers[0]
+    assert isinstance(layer.mlp.up_proj, bnb.nn.Linear4bit)  # the base's linear layers hold 4-bit weights
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert straight.reference.copy is None  # π_ref: the quantized base with the adapters off, no second model
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    straight.train()
+    assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
+    assert any(not torch.equal(adapters[n], p) for n, p in model.named_parameters() if n in adapters)
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    # a resume reloads the base quantized from its path and continues bit for bit
+    resumed = _trainer(tmp_path, base_dir, out="b", beta=0.05, max_steps=2, save_steps=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    for (name, a), b in zip(model.named_parameters(), resumed.unwrapped.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_quantized_head_is_never_read_as_a_plain_matrix(base_dir):
+    """bitsandbytes' Linear4bit subclasses nn.Linear but keeps its weight packed: a quantized output head takes the
+    full-logits path, whose log-probs are the model's own."""
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=[])
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=config)
+    assert isinstance(model.get_output_embeddings(), bnb.nn.Linear4bit)
+    wrapped = PolicyForLogps(model)
+    assert not wrapped.chunked
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    mask = torch.ones_like(ids)
+    got, _ = wrapped(ids, mask, 3)
+    expected, _ = completion_logps(model, ids, mask, 3)
+    assert torch.equal(got, expected) and got.isfinite().all()
+
+
+def test_what_cannot_work_is_refused_before_the_weights_load(tmp_path, base_dir, tiny_model, monkeypatch):
+    with pytest.raises(ConfigError, match=r"quantized weights cannot be trained; train adapters on them \(QLoRA\)"):
+        _trainer(tmp_path, base_dir, peft_config=None)
+    with pytest.raises(ConfigError, match="quantization_config applies when the model is loaded from a path"):
+        GRPOTrainer(tiny_model, [_length], args=small_args(tmp_path), train_dataset=toy.dataset(4),
+                    processing_class=toy.build_tokenizer(), quantization_config=FOUR_BIT, peft_config=_lora())
+    with pytest.raises(ConfigError, match="both as a GRPOTrainer argument and in model_init_kwargs"):
+        _trainer(tmp_path, base_dir, model_init_kwargs={"quantization_config": FOUR_BIT})
+    with pytest.raises(ConfigError, match="with generation_dtype is not supported yet"):
+        _trainer(tmp_path, base_dir, generation_dtype="bfloat16")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"quantization_config loads the model with bitsandbytes, which is not "
+                                          r"installed: `pip install bitsandbytes`"):
+        _trainer(tmp_path, base_dir)
+
+
+def test_a_model_loaded_in_4bit_and_passed_in_needs_adapters(tmp_path, base_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=FOUR_BIT)
+    with pytest.raises(ConfigError, match="a model loaded in 4 / 8 bits: quantized weights cannot be trained"):
+        GRPOTrainer(model, [_length], args=small_args(tmp_path), train_dataset=toy.dataset(4),
+                    processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("fields", [
+    {"load_in_4bit": True, "dtype": "bfloat16", "bnb_4bit_quant_type": "fp4", "use_bnb_nested_quant": True},
+    {"load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+    {"load_in_8bit": True},
+    {},
+])
+def test_script_fields_build_trls_quantization_config(fields):
+    """`groupwise train`'s fields give the BitsAndBytesConfig TRL's get_quantization_config builds from ModelConfig."""
+    trl = pytest.importorskip("trl")
+    from trl.trainer.utils import get_quantization_config
+
+    run, _ = build_run({"model_name_or_path": "m", **fields})
+    expected = get_quantization_config(trl.ModelConfig(model_name_or_path="m", **fields))
+    assert (run["quantization_config"] is None) == (expected is None)
+    if expected is not None:
+        assert run["quantization_config"].to_dict() == expected.to_dict()
+
+
+def test_4bit_options_without_load_in_4bit_are_an_error():
+    with pytest.raises(ConfigError, match="bnb_4bit_quant_type='fp4' has no effect without load_in_4bit=True"):
+        build_run({"model_name_or_path": "m", "bnb_4bit_quant_type": "fp4"})
