@@ -292,3 +292,26 @@ def test_the_trainer_takes_rows_without_a_prompt_with_an_environment(tmp_path):
     with pytest.raises(Exception) as e:  # the dataset passes; the model path that does not exist stops it
         GRPOTrainer("no/such/model", args=args, train_dataset=[{"problem": "1 + 2"}], environment_factory=Scored)
     assert "no/such/model" in str(e.value) and "prompt" not in str(e.value)
+
+
+def test_parse_response_passes_tools_only_where_transformers_takes_it(monkeypatch):
+    """transformers 5.13 / 5.14's parse_response has no `tools` keyword (TRL passes it from 5.15 on): the call must
+    still be parsed, not fall back to plain text; before 5.13 (no `prefix`) tools are refused at build time."""
+    real = type(TOKENIZER).parse_response
+    seen = []
+
+    def without_tools(self, ids, prefix=None):
+        seen.append(prefix)
+        return real(self, ids, prefix=prefix)
+
+    monkeypatch.setattr(type(TOKENIZER), "parse_response", without_tools)
+    text = call("multiply", a=3, b=4) + "<|im_end|>"
+    message = parse_response(TOKENIZER, ids(text), PROMPT, tools=[multiply])
+    assert message["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 3, "b": 4}}
+    assert seen == [PROMPT]
+
+    from groupwise.agents.parsing import prepare_tokenizer
+
+    monkeypatch.setattr(type(TOKENIZER), "parse_response", lambda self, ids: {"role": "assistant", "content": ""})
+    with pytest.raises(ConfigError, match=r"needs transformers ≥ 5.13 \(tokenizer.parse_response with prefix=\)"):
+        prepare_tokenizer(TOKENIZER)

@@ -17,6 +17,7 @@ otherwise the error names the fix.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from groupwise.config_base import ConfigError
@@ -78,8 +79,11 @@ def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | N
     Strings the JSON escapes made unencodable (lone surrogates) are kept as their escapes (`encodable`)."""
     if not ids:
         return {"role": "assistant", "content": ""}
+    kwargs: dict[str, Any] = {"prefix": prefix}
+    if tools is not None and _takes(tokenizer.parse_response, "tools"):  # transformers ≥ 5.15 (TRL passes it then)
+        kwargs["tools"] = tools
     try:
-        parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
+        parsed = tokenizer.parse_response(ids, **kwargs)
         if parsed is None:  # so truncated that even the content is lost
             raise ValueError("parse_response returned None")
         if isinstance(parsed.get("content"), str):
@@ -92,6 +96,13 @@ def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | N
     except (ValueError, TypeError, RecursionError):
         parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     return parsed
+
+
+def _takes(method, name: str) -> bool:
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def supports_tool_calling(tokenizer) -> bool:
@@ -138,6 +149,12 @@ def prepare_tokenizer(tokenizer) -> str | None:
     """Check (and, through TRL when it is installed, complete) a tokenizer for tool calling, as TRL's GRPOTrainer does
     at init. Returns the chat template to render with: None for the tokenizer's own, or TRL's training version of a
     template that is not prefix-preserving. Errors are ConfigErrors naming the fix."""
+    method = getattr(tokenizer, "parse_response", None)
+    if method is None or not _takes(method, "prefix"):  # the response_template format of transformers 5.13
+        import transformers
+
+        raise ConfigError(f"tools: parsing the model's tool calls needs transformers ≥ 5.13 (tokenizer.parse_response "
+                          f"with prefix=), found {transformers.__version__}: pip install -U transformers")
     if not supports_tool_calling(tokenizer):
         raise ConfigError("tools: the tokenizer's chat template cannot render a tool-calling conversation (user → "
                           "assistant with tool_calls → tool, name, arguments and result all shown); use a "
