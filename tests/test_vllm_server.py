@@ -6,6 +6,8 @@ weights reaching the server after every optimizer step, errors — not vLLM."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import logging
 import socket
 import subprocess
@@ -366,10 +368,7 @@ def test_server_mode_config_is_checked_before_anything_loads():
     GRPOConfig(vllm_mode="server", vllm_server_base_url="not a url")
     with pytest.raises(ConfigError, match="TRL field vllm_structured_outputs_regex='a' is not supported"):
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a")
-    # one training process: TRL routes every process's prompts through the main one, which groupwise does not
-    with pytest.raises(ConfigError, match=r"vllm_mode='server' with 2 training processes is not supported yet"):
-        check_combinations(cfg, model="m", sharded=False, peft_config=None, optimizers=(None, None), world_size=2)
-    check_combinations(cfg, model="m", sharded=False, peft_config=None, optimizers=(None, None), world_size=1)
+    check_combinations(cfg, model="m", sharded=False, peft_config=None, optimizers=(None, None))
 
 
 def test_each_prompt_of_a_group_is_sent_once_with_n_the_group_size():
@@ -389,3 +388,53 @@ def test_import_and_config_never_import_vllm():
             "bad = [m for m in sys.modules if m.split('.')[0] == 'vllm' or m.endswith('vllm_server')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, base_dir, vllm):
+    """TRL's multi-GPU layout: every process's prompts go to the main process, which alone sends them (one request
+    per round, each prompt once with n = 4) and pushes the weights; each process trains on its own rows. The same
+    server (same seed) answering the same requests, 2 processes train as 1 does. Evaluation, whose processes
+    generate different numbers of batches, sends each process's rows itself (no collective to wait in)."""
+    from safetensors.torch import load_file
+
+    from tests.vllm_standin.serve import StandinServer
+
+    worker = str(Path(__file__).with_name("vllm_server_worker.py"))
+    root = str(Path(__file__).parents[1])
+    results, requests, updates = {}, {}, {}
+    for nproc in (1, 2):
+        out = tmp_path / str(nproc)
+        with StandinServer(base_dir) as server:
+            env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "BASE_DIR": base_dir,
+                   "STANDIN_URL": server.url, "STANDIN_GROUP_PORT": str(_free_port()),
+                   "PYTHONPATH": os.pathsep.join([STANDIN, root, os.environ.get("PYTHONPATH", "")])}
+            cmd = [sys.executable, worker, str(out)] if nproc == 1 else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", worker,
+                str(out)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+            requests[nproc] = [body for _, p, body in server.requests if p == "/v1/completions"]
+            updates[nproc] = (server.updates, server.paths().count("/init_weight_transfer_engine"))
+        results[nproc] = [json.loads((out / f"result_{r}.json").read_text()) for r in range(nproc)]
+    # one request per round from the main process: 2 prompts × n = 4, the same in both runs; then the evaluation's
+    assert len(requests[2]) == 2 + 3 and all(len(b["prompt"]) == 2 and b["n"] == 4 for b in requests[2][:2])
+    assert [b["prompt"] for b in requests[2][:2]] == [b["prompt"] for b in requests[1][:2]]
+    assert updates[1] == updates[2] == (3, 1)  # the first push, then after each step; one weight-transfer group
+    one, two = results[1][0], results[2]
+    # each process scored its own half of every round's rows; together they are the one-process run's rows
+    assert len(two[0]["completions"]) == len(two[1]["completions"]) == 8
+    halves = [two[r]["completions"][i * 4:(i + 1) * 4] for i in range(2) for r in range(2)]
+    assert [c for half in halves for c in half] == one["completions"]
+    for a, b in zip(one["lines"], two[0]["lines"]):
+        assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    w1, w2 = load_file(str(tmp_path / "1" / "weights.safetensors")), load_file(str(tmp_path / "2" / "weights.safetensors"))
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-6) for k in w1)
+    assert not all(torch.equal(w1[k], p) for k, p in load_file(str(Path(base_dir) / "model.safetensors")).items()
+                   if k in w1)  # the runs trained
+    # greedy evaluation of the same 5 prompts by the same trained weights: the same metrics
+    for key in ("eval_reward", "eval_completions/mean_length"):
+        assert two[0]["eval"][key] == two[1]["eval"][key] == pytest.approx(one["eval"][key], abs=1e-6)
+    # each process sent its own batches: 3 + 2 rows on two processes, 2 + 2 + 1 on one
+    assert sorted(len(b["prompt"]) for b in requests[2][2:]) == sorted(len(b["prompt"]) for b in requests[1][2:]) \
+        == [1, 2, 2]

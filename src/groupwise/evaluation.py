@@ -9,6 +9,7 @@ import torch
 
 from groupwise import rollout as R
 from groupwise.checkpoint import rng_untouched
+from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
 from groupwise.rollout import RolloutContext
@@ -49,7 +50,8 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
                 tools = [tools[0] + float(comp.tool_calls.sum()), tools[1] + float(comp.tool_failures.sum())]
         return per_func, lengths, truncated, tools, {n: [sum(v), len(v)] for n, v in logged.items()}
 
-    with rng_untouched():  # sampled evaluation must not move the training's random streams (exact resume)
+    # sampled evaluation must not move the training's random streams (exact resume)
+    with rng_untouched(), independently(ctx.generator):
         per_func, lengths, truncated, tools, calls = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
     truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)

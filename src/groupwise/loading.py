@@ -233,16 +233,12 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
 
 
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,
-                       world_size: int = 1, quantization_config=None) -> None:
+                       quantization_config=None) -> None:
     """Combinations of features that do not work together (yet), refused before any model loads."""
     if isinstance(model, torch.nn.Module):  # adapters that cannot train or resume here (groupwise.adapters)
         check_passed_model(model)
     lora = peft_config is not None or args.use_peft or is_peft_model(model)
     check_quantization(args, model, quantization_config, lora=lora, sharded=sharded)
-    if args.use_vllm and args.vllm_mode == "server" and world_size > 1:
-        raise ConfigError(f"vllm_mode='server' with {world_size} training processes is not supported yet (TRL "
-                          "gathers every process's prompts to the main process, which alone talks to the server; "
-                          "groupwise implements one process): train in one process, or use vllm_mode='colocate'")
     adapters = list(getattr(model, "peft_config", {}) or {}) if is_peft_model(model) else []
     if adapters and adapters != ["default"]:
         raise ConfigError(f"a PeftModel with adapters {adapters}: groupwise trains, checkpoints and resumes one "

@@ -104,8 +104,7 @@ class GRPOTrainer(TransformersHabits):
                                                            custom_rollout=rollout_func is not None)
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
-                           optimizers=self.optimizers, world_size=self.dist.world_size,
-                           quantization_config=quantization_config)
+                           optimizers=self.optimizers, quantization_config=quantization_config)
         from transformers import enable_full_determinism, set_seed
 
         # each process samples different completions
@@ -181,7 +180,7 @@ class GRPOTrainer(TransformersHabits):
         eos = eos_token_ids(self.tokenizer, self.unwrapped)
         return R.RolloutContext(
             args=args, tokenizer=self.tokenizer, dist=self.dist, eos_token_ids=eos,
-            generator=build_generator(args, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos),
+            generator=build_generator(args, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos, dist=self.dist),
             reward_sources=self.reward_sources, process_sources=self.process_sources,
             splitter=StepSplitter.from_config(args), data=self.train_data, sampler=self.sampler,
             reference=self.reference, agent=self.agent,

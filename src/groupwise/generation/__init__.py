@@ -1,16 +1,22 @@
 """prompts → completions. The generation backends and the one place one is chosen (GRPOConfig.generation_backend).
 
 A backend is a class with
-    from_config(args, *, pad_token_id, eos_token_ids)   build itself from a GRPOConfig
+    from_config(args, *, pad_token_id, eos_token_ids, dist=None)
+                                                         build itself from a GRPOConfig (`dist`: the run's
+                                                         groupwise.distributed.Distributed, for a backend whose
+                                                         processes share one engine)
     __call__(model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False) -> Generated
     update_weights(model)                                receive the policy's new weights after an optimizer step
                                                          (a no-op for backends that sample from the policy itself)
+    independently() (optional)                           a context in which each process's calls stand alone, for a
+                                                         backend whose calls are collective (`independently` below)
 and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
 validation) never imports transformers or an inference engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -109,7 +115,15 @@ def unapplied_generation_config(model, args) -> dict[str, object]:
     return found
 
 
-def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int]) -> Generator:
+def independently(generator):
+    """A block in which each process's generator calls run without collectives: evaluation, whose processes may
+    generate different numbers of batches. Backends whose processes share one engine (vLLM server mode) implement
+    `independently()`; for the others there is nothing to change."""
+    method = getattr(generator, "independently", None)
+    return method() if method is not None else contextlib.nullcontext()
+
+
+def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> Generator:
     """The backend GRPOConfig.generation_backend names, built from the config."""
     return BACKENDS[args.generation_backend].load().from_config(args, pad_token_id=pad_token_id,
-                                                                eos_token_ids=eos_token_ids)
+                                                                eos_token_ids=eos_token_ids, dist=dist)

@@ -130,7 +130,7 @@ class FastGenerator:
     `group_size` for the prompt to be shared; otherwise each row is its own group."""
 
     @classmethod
-    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> "FastGenerator":
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> "FastGenerator":
         return cls(max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                    pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, group_size=args.num_generations,

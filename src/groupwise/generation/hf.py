@@ -13,7 +13,7 @@ from groupwise.modeling import eval_mode
 
 class TransformersGenerator:
     @classmethod
-    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> "TransformersGenerator":
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> "TransformersGenerator":
         return cls(max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                    pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, generation_kwargs=args.generation_kwargs)

@@ -23,8 +23,11 @@ development machines have no vLLM: the backend is tested against the in-repo sta
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,12 +102,13 @@ def sampling_fields(args, greedy: bool) -> dict:
 
 class VLLMColocateGenerator:
     @classmethod
-    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]):
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None):
         """The engine vllm_mode names: this class for 'colocate', a vLLM server's client for 'server'."""
         if args.vllm_mode == "server":
             from groupwise.generation.vllm_server import VLLMServerGenerator
 
-            return VLLMServerGenerator.from_config(args, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
+            return VLLMServerGenerator.from_config(args, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+                                                   dist=dist)
         if args.vllm_mode != "colocate":
             raise ConfigError(f"vllm_mode={args.vllm_mode!r} is not one of 'colocate', 'server'")
         return cls(args, pad_token_id=pad_token_id)
@@ -174,3 +178,52 @@ class VLLMColocateGenerator:
             None if r.logprobs is None else [entry[token].logprob for token, entry in zip(r.token_ids, r.logprobs)]
             for r in rows]
         return Generated.from_rows([list(r.token_ids) for r in rows], values, self.pad_token_id, prompt_ids.device)
+
+
+# ---- the weight-transfer group: vLLM's trainer end, the one place it is reached ---------------------------------
+@dataclass(frozen=True)
+class WeightTransfer:
+    open: Callable[[dict], Any]  # init_info -> the communicator (rank 0 of the group)
+    send: Callable[[Any, Iterator[tuple[str, torch.Tensor]]], None]  # communicator, (name, tensor)… -> broadcast
+    packed_in_init: bool  # vLLM ≥ 0.28 reads "packed" from the init info, older versions from each update's info
+    cpu: bool  # the transport runs on the CPU (the in-repo stand-in's gloo group); vLLM's NCCL needs CUDA
+
+
+def _vllm_version(vllm) -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(vllm, "__version__", "0")
+
+
+def weight_transfer() -> WeightTransfer:
+    """The trainer's end of vLLM's NCCL weight-transfer engine, reached as TRL 1.16 reaches it: from vLLM 0.28 (which
+    replaced the engine's static trainer methods by a stateful engine) the rendezvous `nccl_common.trainer_init` and
+    `packed_tensor.packed_nccl_broadcast_producer`; before, `NCCLWeightTransferEngine.trainer_init` and
+    `.trainer_send_weights(packed=True)`. Both build a StatelessProcessGroup hosted by this process (rank 0) and a
+    PyNcclCommunicator over it."""
+    from packaging.version import InvalidVersion, Version
+
+    vllm = _vllm()
+    try:
+        stateful = Version(_vllm_version(vllm)) >= Version("0.28.0")
+    except InvalidVersion:
+        stateful = True
+    if stateful:
+        from vllm.distributed.weight_transfer import nccl_common
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        def send(group, named):
+            packed_nccl_broadcast_producer(iterator=named, group=group, src=0, post_iter_func=lambda item: item[1])
+
+        return WeightTransfer(nccl_common.trainer_init, send, packed_in_init=True,
+                              cpu=getattr(nccl_common, "CPU_WEIGHT_TRANSFER", False))
+    from vllm.distributed.weight_transfer import nccl_engine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+
+    def send_static(group, named):
+        NCCLWeightTransferEngine.trainer_send_weights(
+            iterator=named, trainer_args=NCCLTrainerSendWeightsArgs(group=group, packed=True))
+
+    return WeightTransfer(NCCLWeightTransferEngine.trainer_init, send_static, packed_in_init=False,
+                          cpu=getattr(nccl_engine, "CPU_WEIGHT_TRANSFER", False))

@@ -26,9 +26,10 @@ retries    every request but /health as TRL's session retries it (urllib3's Retr
 
 The weights pushed are the policy's parameters under the names vLLM loads (TRL's `_iter_named_params` for an
 unsharded model: a LoRA policy is merged for the push and unmerged after, adapters and `modules_to_save` copies
-left out), before the first generation and after every optimizer step. One training process only: TRL gathers the
-prompts of every process to the main one, which alone talks to the server; groupwise refuses vllm_mode='server'
-with several processes (groupwise.loading.check_combinations).
+left out), before the first generation and after every optimizer step. With several training processes, as in TRL,
+the main process alone talks to the server: it gathers every process's prompts (rank order is row order), sends one
+request, and each process takes its own rows of the answer; it alone pushes the weights, which every process holds
+alike; a failure on the main process stops every process.
 
 vLLM must be installed in the training process too (the weight-transfer group is vLLM's). Nothing imports this
 module until the backend is built. It is tested against the in-repo stand-in (tests/vllm_standin: serve.py serves
@@ -38,9 +39,9 @@ the stand-in engine over HTTP, its weight transfer runs a gloo group on the CPU)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import email.utils
 import http.client
-import importlib.metadata
 import json
 import math
 import re
@@ -51,14 +52,13 @@ import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from groupwise.config_base import ConfigError
 from groupwise.generation import Generated
-from groupwise.generation.vllm import sampling_fields, vllm_named_weights
+from groupwise.generation.vllm import WeightTransfer, sampling_fields, vllm_named_weights, weight_transfer
 
 START_SERVER = ("""VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}' """
                 "--logprobs-mode processed_logprobs --max-logprobs -1")
@@ -105,57 +105,6 @@ def server_url(args) -> str:
         return f"{url.scheme or 'http'}://{url.netloc}{url.path}".rstrip("/")
     host = args.vllm_server_host
     return f"http://{f'[{host}]' if ':' in host else host}:{args.vllm_server_port}"
-
-
-# ---- the weight-transfer group: vLLM's trainer end, the one place it is reached ---------------------------------
-@dataclass(frozen=True)
-class WeightTransfer:
-    open: Callable[[dict], Any]  # init_info -> the communicator (rank 0 of the group)
-    send: Callable[[Any, Iterator[tuple[str, torch.Tensor]]], None]  # communicator, (name, tensor)… -> broadcast
-    packed_in_init: bool  # vLLM ≥ 0.28 reads "packed" from the init info, older versions from each update's info
-    cpu: bool  # the transport runs on the CPU (the in-repo stand-in's gloo group); vLLM's NCCL needs CUDA
-
-
-def _vllm_version(vllm) -> str:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return getattr(vllm, "__version__", "0")
-
-
-def weight_transfer() -> WeightTransfer:
-    """The trainer's end of vLLM's NCCL weight-transfer engine, reached as TRL 1.16 reaches it: from vLLM 0.28 (which
-    replaced the engine's static trainer methods by a stateful engine) the rendezvous `nccl_common.trainer_init` and
-    `packed_tensor.packed_nccl_broadcast_producer`; before, `NCCLWeightTransferEngine.trainer_init` and
-    `.trainer_send_weights(packed=True)`. Both build a StatelessProcessGroup hosted by this process (rank 0) and a
-    PyNcclCommunicator over it."""
-    from packaging.version import InvalidVersion, Version
-
-    from groupwise.generation.vllm import _vllm
-
-    vllm = _vllm()
-    try:
-        stateful = Version(_vllm_version(vllm)) >= Version("0.28.0")
-    except InvalidVersion:
-        stateful = True
-    if stateful:
-        from vllm.distributed.weight_transfer import nccl_common
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
-        def send(group, named):
-            packed_nccl_broadcast_producer(iterator=named, group=group, src=0, post_iter_func=lambda item: item[1])
-
-        return WeightTransfer(nccl_common.trainer_init, send, packed_in_init=True,
-                              cpu=getattr(nccl_common, "CPU_WEIGHT_TRANSFER", False))
-    from vllm.distributed.weight_transfer import nccl_engine
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
-
-    def send_static(group, named):
-        NCCLWeightTransferEngine.trainer_send_weights(
-            iterator=named, trainer_args=NCCLTrainerSendWeightsArgs(group=group, packed=True))
-
-    return WeightTransfer(NCCLWeightTransferEngine.trainer_init, send_static, packed_in_init=False,
-                          cpu=getattr(nccl_engine, "CPU_WEIGHT_TRANSFER", False))
 
 
 # ---- the client ---------------------------------------------------------------------------------------------------
@@ -396,30 +345,70 @@ def repeats(prompts: list[list[int]], sizes: tuple[int | None, ...] = ()) -> int
 
 class VLLMServerGenerator:
     @classmethod
-    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int]) -> VLLMServerGenerator:
+    def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> VLLMServerGenerator:
+        """The main process's client (connected now); with several training processes the others have none: they
+        send their prompts to the main process, which alone talks to the server (TRL's layout)."""
         from groupwise.generation.vllm import _vllm
 
         _vllm()  # the weight-transfer group is vLLM's: it must be installed here as well as on the server
-        client = VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
-                                  connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
-        return cls(args, client, pad_token_id=pad_token_id)
 
-    def __init__(self, args, client: VLLMServerClient, *, pad_token_id: int):
-        self.args, self.client, self.pad_token_id = args, client, pad_token_id
+        def connect():
+            if dist is not None and not dist.is_main:
+                return None
+            return VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
+                                    connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
+
+        client = connect() if dist is None else dist.run_together(connect, "connecting to the vLLM server")
+        return cls(args, client, pad_token_id=pad_token_id, dist=dist)
+
+    def __init__(self, args, client: VLLMServerClient | None, *, pad_token_id: int, dist=None):
+        self.args, self.client, self.pad_token_id, self.dist = args, client, pad_token_id, dist
         self.synced = False  # the server holds the policy's current weights
         self.logprobs_checked = False  # the server's logprobs mode was read (on the first call asking for log-probs)
+        self.alone = False  # within independently(): each process sends its own rows (evaluation)
+        self.own: VLLMServerClient | None = None  # a non-main process's client, opened for independently()
+
+    @contextlib.contextmanager
+    def independently(self):
+        """Each process sends its own rows to the server, without collectives: evaluation, whose processes generate
+        different numbers of batches (a process other than the main one then opens its own connection)."""
+        self.alone = True
+        try:
+            yield
+        finally:
+            self.alone = False
+
+    def _client(self) -> VLLMServerClient | None:
+        """Who sends this process's requests: the main process's client, or within independently() its own."""
+        if self.client is not None or not self.alone:
+            return self.client
+        if self.own is None:
+            args = self.args
+            self.own = VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
+                                        connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
+        return self.own
 
     def update_weights(self, model) -> None:
-        """Push the policy's current weights to the server (full tensors; a LoRA policy merged)."""
-        with vllm_named_weights(model) as named:
-            if self.client.communicator is None:
-                self.client.init_communicator(named[0][1].device)
-            self.client.update_model_params(named)
-        self.client.reset_prefix_cache()
+        """Push the policy's current weights to the server (full tensors; a LoRA policy merged), from the main
+        process: every process holds the same weights (data parallelism, or fsdp's gathered replica)."""
+        def push():
+            if self.client is None:
+                return
+            with vllm_named_weights(model) as named:
+                if self.client.communicator is None:
+                    self.client.init_communicator(named[0][1].device)
+                self.client.update_model_params(named)
+            self.client.reset_prefix_cache()
+
+        if self.dist is not None and self.dist.world_size > 1 and not self.alone:  # a failed push stops every process
+            self.dist.run_together(push, "pushing the weights to the vLLM server")
+        else:
+            push()
         self.synced = True
 
     def close(self) -> None:
-        self.client.close_communicator()
+        if self.client is not None:
+            self.client.close_communicator()
 
     def _check_logprobs_mode(self) -> None:
         """The importance correction compares the trainer's log-probs with the server's, which must be taken after
@@ -435,14 +424,29 @@ class VLLMServerGenerator:
         args = self.args
         if not self.synced:  # the server loaded the checkpoint; the policy may differ (a resumed run, adapters)
             self.update_weights(model)
-        if logprobs and not self.logprobs_checked:
+        if logprobs and not self.logprobs_checked and self.client is not None:
             self.logprobs_checked = True
             self._check_logprobs_mode()
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        mine = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        several = self.dist is not None and self.dist.world_size > 1 and not self.alone
+        # every process's rows, in rank order (= row order: each process holds a contiguous slice of the round)
+        parts = self.dist.gather_object([mine]) if several else [mine]
+        prompts = [p for part in parts for p in part]
         n = 1 if greedy else repeats(prompts, (args.num_generations, args.num_generations_eval))
         extra = sampling_fields(args, greedy)
         named = {k: extra.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                            "max_tokens")}
-        out = self.client.generate(prompts[::n], n=n, logprobs=0, generation_kwargs=extra, **named)
+
+        def ask():
+            client = self._client()
+            return None if client is None else client.generate(prompts[::n], n=n, logprobs=0,
+                                                               generation_kwargs=extra, **named)
+
+        if several:  # the main process asks; a failure stops every process; its answer goes to all
+            out = self.dist.gather_object([self.dist.run_together(ask, "the vLLM server's generation")])[0]
+            start = sum(len(part) for part in parts[:self.dist.rank])
+            out = {k: v[start:start + len(mine)] for k, v in out.items() if k in ("completion_ids", "logprobs")}
+        else:
+            out = ask()
         return Generated.from_rows(out["completion_ids"], out["logprobs"] if logprobs else None, self.pad_token_id,
                                    prompt_ids.device)
