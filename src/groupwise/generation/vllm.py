@@ -16,8 +16,10 @@ which discards the weights) after each generation and, before the next, wakes it
 ones, then wakes its KV cache.
 
 vLLM is optional (`pip install groupwise[vllm]`); nothing imports it until this backend is built. With
-`vllm_mode="server"` the backend is groupwise.generation.vllm_server's client of a separate vLLM server. CI and the
-development machines have no vLLM: the backend is tested against the in-repo stand-in (tests/vllm_standin).
+`vllm_mode="server"` the backend is groupwise.generation.vllm_server's client of a separate vLLM server; what both
+modes share lives here: the weights' names (vllm_named_weights), the sampling fields, and the trainer's end of
+vLLM's weight-transfer group (weight_transfer). CI and the development machines have no vLLM: the backend is tested
+against the in-repo stand-in (tests/vllm_standin).
 """
 
 from __future__ import annotations
