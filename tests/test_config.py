@@ -31,9 +31,8 @@ def test_bad_values_name_the_field(kwargs, match):
 def test_unknown_and_unsupported_fields():
     with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
         GRPOConfig(num_generation=4)
-    with pytest.raises(ConfigError, match=r"TRL field vllm_structured_outputs_regex='a\+' is not supported.*"
-                                          r"structured outputs"):
-        GRPOConfig(use_vllm=True, vllm_structured_outputs_regex="a+")
+    with pytest.raises(ConfigError, match=r"TRL field use_liger_kernel=True is not supported.*Liger"):
+        GRPOConfig(use_liger_kernel=True)
     assert "use_liger_loss" in TRL_NOT_SUPPORTED
 
 

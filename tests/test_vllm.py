@@ -233,3 +233,35 @@ def test_trl_vllm_configs_are_accepted_or_refused_with_the_reason():
     GRPOConfig(use_vllm=True, vllm_mode="server")  # tests/test_vllm_server.py
     with pytest.raises(ConfigError, match="vllm_tensor_parallel_size > 1 is not supported yet"):
         GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)
+
+
+def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm, tokenizer):
+    """vllm_structured_outputs_regex (TRL): vLLM samples only completions matching the pattern (the stand-in masks
+    the tokens that would leave it, as vLLM's token bitmask), in training and in greedy evaluation; it wins over
+    generation_kwargs["structured_outputs"] with TRL's warning; without use_vllm it has no effect (a warning)."""
+    import regex
+
+    args = small_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex="[ab]+", max_steps=1)
+    seen = []
+
+    def record(completions, **_):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    t = GRPOTrainer(base_dir, [record], args=args, train_dataset=toy.dataset(4), eval_dataset=toy.dataset(2))
+    t.train()
+    t.evaluate()
+    assert len(seen) == 8 + 2 and all(regex.fullmatch("[ab]+", c, partial=True) for c in seen)
+    assert any(len(c) > 1 for c in seen)  # not empty: the constraint left the model its choice of a / b
+    from vllm.sampling_params import StructuredOutputsParams
+
+    constraint = vllm.ENGINES[-1].last_params.structured_outputs  # the engine got vLLM's StructuredOutputsParams
+    assert isinstance(constraint, StructuredOutputsParams) and constraint.regex == "[ab]+"
+    from groupwise.generation.vllm import structured_outputs
+
+    both = small_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex="a+")
+    with pytest.warns(UserWarning, match="`structured_outputs_regex` takes precedence"):
+        assert structured_outputs(both, {"choice": ["x"]}) == {"regex": "a+"}
+    assert structured_outputs(small_args(tmp_path, use_vllm=True), {"choice": ["x"]}) == {"choice": ["x"]}
+    with pytest.warns(UserWarning, match="vllm_structured_outputs_regex='a' has no effect without use_vllm=True"):
+        small_args(tmp_path, vllm_structured_outputs_regex="a")

@@ -366,8 +366,6 @@ def test_server_mode_config_is_checked_before_anything_loads():
     # the server fields are read in server mode only: any value loads otherwise (TRL's dumps carry them)
     GRPOConfig(use_vllm=True, vllm_server_port=9000, vllm_server_base_url="http://a:1")
     GRPOConfig(vllm_mode="server", vllm_server_base_url="not a url")
-    with pytest.raises(ConfigError, match="TRL field vllm_structured_outputs_regex='a' is not supported"):
-        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_structured_outputs_regex="a")
     check_combinations(cfg, model="m", sharded=False, peft_config=None, optimizers=(None, None))
 
 
@@ -388,6 +386,28 @@ def test_import_and_config_never_import_vllm():
             "bad = [m for m in sys.modules if m.split('.')[0] == 'vllm' or m.endswith('vllm_server')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_structured_outputs_reach_the_server_as_trl_sends_them(tmp_path, base_dir, server):
+    """TRL's client sends {"structured_outputs": {"regex": …}} (generation_kwargs override it); the server's
+    completions match the pattern."""
+    import regex
+
+    seen = []
+
+    def record(completions, **_):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    args = _server_args(tmp_path, server.url, max_steps=1, vllm_structured_outputs_regex="[ab]+")
+    t = GRPOTrainer(base_dir, [record], args=args, train_dataset=toy.dataset(4))
+    try:
+        t.train()
+    finally:
+        t.rollout_ctx.generator.close()
+    bodies = [body for _, p, body in server.requests if p == "/v1/completions"]
+    assert bodies and all(b["structured_outputs"] == {"regex": "[ab]+"} for b in bodies)
+    assert len(seen) == 8 and all(regex.fullmatch("[ab]+", c, partial=True) for c in seen)
 
 
 @pytest.mark.slow

@@ -135,6 +135,7 @@ class GRPOConfig(StrictConfig):
     shuffle_dataset: bool = option("Shuffle the prompts each epoch (seeded).", default=True)
     disable_dropout: bool = option("Set dropout to 0 in the policy and reference model (RL needs log-probs without noise).", default=True)
     model_init_kwargs: dict | None = option("kwargs for AutoModelForCausalLM.from_pretrained when the model is a path.", default=None)
+    vllm_structured_outputs_regex: str | None = option("vLLM's structured outputs: every completion is constrained to match this regular expression (use_vllm; vLLM's regex dialect), as TRL.", default=None)
     torch_compile: bool = option("Compile the policy's forward that computes log-probs (training, π_θold) with torch.compile, as transformers compiles the model it trains; generation is compiled separately (generation_compile). Set by torch_compile_backend or torch_compile_mode.", default=False)
     torch_compile_backend: str | None = option("torch.compile backend (one of torch._dynamo.list_backends(), e.g. 'inductor', the default once torch_compile is on, or 'aot_eager'); setting it turns torch_compile on (transformers).", default=None)
     torch_compile_mode: str | None = option("torch.compile mode; setting it turns torch_compile on (transformers).", default=None, choices=(None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))

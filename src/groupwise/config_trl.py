@@ -1,8 +1,7 @@
 """TRL 1.16 GRPOConfig / TrainingArguments fields that groupwise does not implement, each with what to do instead.
 
-A config may still carry such a field at TRL's default, or at any value while the field it depends on is off
-(`vllm_structured_outputs_regex` with `use_vllm: false`): a TRL config dumped whole loads, since it asks for nothing groupwise lacks.
-Any other value is a ConfigError naming the field and the alternative. Every other TRL field is a GRPOConfig field
+A config may still carry such a field at TRL's default (or a value TRL's to_dict() writes for it): a TRL config
+dumped whole loads, since it asks for nothing groupwise lacks. Any other value is a ConfigError naming the field and the alternative. Every other TRL field is a GRPOConfig field
 (docs/trl_compat.md lists the ones accepted without effect and why).
 """
 
@@ -17,13 +16,10 @@ from typing import Any
 class NotSupported:
     default: Any  # TRL's default: a config may carry this value
     reason: str  # what to do instead
-    needs: Callable[[dict], bool] | None = None  # given the config's values: is the field read at all?
     also: Callable[[Any, dict], bool] | None = None  # other values that ask for nothing (what TRL's to_dict() writes)
 
     def accepts(self, value: Any, values: dict[str, Any]) -> bool:
-        """May a config carry this value? Yes at TRL's default, or while the field it depends on is off."""
-        if self.needs is not None and not self.needs(values):
-            return True
+        """May a config carry this value? Yes at TRL's default (or a value `also` accepts)."""
         if self.also is not None and self.also(value, values):
             return True
         return value == self.default or (value is None and self.default in (None, False, "", []))
@@ -33,19 +29,14 @@ class NotSupported:
 ACCELERATOR_CONFIG_DEFAULTS = {"dispatch_batches": None, "even_batches": True, "gradient_accumulation_kwargs": None,
                                "non_blocking": False, "split_batches": False, "use_seedable_sampler": True}
 
-_VLLM = "vLLM's structured outputs are not implemented yet; constrain the format with a reward function instead"
 _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluate()); there is no prediction loop or "
               "compute_metrics to configure")
 _NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
 
 
-def _vllm(default: Any) -> NotSupported:
-    return NotSupported(default, _VLLM, needs=lambda values: bool(values.get("use_vllm")))
-
 
 TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     # generation engines
-    "vllm_structured_outputs_regex": _vllm(None),
     "use_transformers_paged": NotSupported(False, "use generation_backend='fast' (prefill shared per group)"),
     "use_transformers_continuous_batching": NotSupported(False, "use generation_backend='fast' (prefill shared per "
                                                                 "group, finished rows leave the batch)"),

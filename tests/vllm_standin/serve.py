@@ -50,7 +50,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "logprobs", "seed",
-            "stop_token_ids")
+            "stop_token_ids", "structured_outputs")
 IGNORED = ("model", "prompt", "return_token_ids", "return_tokens_as_token_ids", "user", "request_id", "session_id",
            "cache_salt", "priority", "skip_special_tokens", "spaces_between_special_tokens", "truncation_side",
            "stream_options", "stream_interval", "return_token_offsets", "return_mm_kwargs")
@@ -62,7 +62,7 @@ INERT = {"echo": (None, False), "stream": (None, False), "frequency_penalty": (N
          "bad_words": (None, []), "prompt_logprobs": (None,), "logprob_token_ids": (None,),
          "truncate_prompt_tokens": (None,), "add_special_tokens": (True,), "suffix": (None,),
          "watermarking": (None, False), "prompt_embeds": (None,), "response_format": (None,),
-         "structured_outputs": (None,), "logits_processors": (None,), "kv_transfer_params": (None,),
+         "logits_processors": (None,), "kv_transfer_params": (None,),
          "ec_transfer_params": (None,), "vllm_xargs": (None,), "repetition_detection": (None,),
          "thinking_token_budget": (None, -1), "routed_experts_prompt_start": (0,)}
 log = logging.getLogger("vllm.entrypoints.openai.protocol")
@@ -164,9 +164,16 @@ class StandinServer:
         if applied:
             raise HTTPError(501, f"the stand-in server does not implement {applied} (vLLM applies them)")
         try:
-            params = self.vllm.SamplingParams(**{k: body[k] for k in SAMPLING if body.get(k) is not None})
+            fields = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+            if "structured_outputs" in fields:  # vLLM's request model builds StructuredOutputsParams from the dict
+                from vllm.sampling_params import StructuredOutputsParams
+
+                fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+            params = self.vllm.SamplingParams(**fields)
         except (TypeError, ValueError) as e:  # vLLM: a validation error, 400
             raise HTTPError(400, f"{type(e).__name__}: {e}") from None
+        except NotImplementedError as e:
+            raise HTTPError(501, str(e)) from None
         with self.lock:
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
                                         use_tqdm=False)

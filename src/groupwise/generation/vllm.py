@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,18 @@ def sampling_fields(args, greedy: bool) -> dict:
     return fields
 
 
+def structured_outputs(args, given: dict | None) -> dict | None:
+    """vLLM's structured-outputs constraint for colocate mode, as TRL sets it: vllm_structured_outputs_regex, which
+    wins over generation_kwargs["structured_outputs"] (with TRL's warning), else that dict. Server mode sends the
+    regex in the request, where generation_kwargs win (TRL's client)."""
+    if args.vllm_structured_outputs_regex is None:
+        return given
+    if given is not None:
+        warnings.warn("Both `structured_outputs_regex` and `generation_kwargs['structured_outputs']` are set; "
+                      "`structured_outputs_regex` takes precedence.", UserWarning, stacklevel=3)
+    return {"regex": args.vllm_structured_outputs_regex}
+
+
 class VLLMColocateGenerator:
     @classmethod
     def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None):
@@ -161,7 +174,13 @@ class VLLMColocateGenerator:
         vllm = _vllm()
         llm, args = self._engine(model), self.args
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
-        params = vllm.SamplingParams(n=1, logprobs=0, **sampling_fields(args, greedy))
+        fields = sampling_fields(args, greedy)
+        constraint = structured_outputs(args, fields.get("structured_outputs"))
+        if constraint is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            fields["structured_outputs"] = StructuredOutputsParams(**constraint)
+        params = vllm.SamplingParams(n=1, logprobs=0, **fields)
         if self.asleep:  # a level-2 sleep discarded the weights: wake them, load the policy's, then the KV cache
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # TRL: "required to avoid OOM in some cases"

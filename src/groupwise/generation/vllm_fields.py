@@ -41,6 +41,9 @@ def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> No
         args.generation_backend = "vllm"
     elif args.generation_backend == "vllm":
         raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
+    elif args.vllm_structured_outputs_regex is not None:  # TRL reads it with vLLM only; a dumped config still loads
+        warnings.warn(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} has no effect without "
+                      "use_vllm=True (only vLLM constrains the sampling to it)", UserWarning, stacklevel=3)
     if args.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
         warnings.warn("vllm_importance_sampling_cap is deprecated (TRL); use vllm_importance_sampling_clip_max",
                       FutureWarning, stacklevel=3)

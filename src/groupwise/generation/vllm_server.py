@@ -434,6 +434,8 @@ class VLLMServerGenerator:
         prompts = [p for part in parts for p in part]
         n = 1 if greedy else repeats(prompts, (args.num_generations, args.num_generations_eval))
         extra = sampling_fields(args, greedy)
+        if args.vllm_structured_outputs_regex is not None:  # TRL's client: generation_kwargs override it
+            extra.setdefault("structured_outputs", {"regex": args.vllm_structured_outputs_regex})
         named = {k: extra.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                            "max_tokens")}
 

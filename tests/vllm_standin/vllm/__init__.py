@@ -10,7 +10,9 @@ a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a t
     LLM.reset_prefix_cache(), LLM.sleep(level) (level 2 discards the weights), LLM.wake_up(tags)
 
 SamplingParams checks its fields' ranges as vLLM's _verify_args. Sampling: temperature (0 = greedy), top-k (top-p,
-min-p and the repetition penalty are accepted, not applied); logprobs of the sampled token under the processed
+min-p and the repetition penalty are accepted, not applied), structured_outputs=StructuredOutputsParams(regex=…)
+(vllm.sampling_params: a token is allowed when the completion's text stays a prefix of a match, EOS once it is a
+full match); logprobs of the sampled token under the processed
 distribution (logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`)
 and what it sampled (`outputs`, `sampled_logprobs`) so tests can check that weights reach the engine and log-probs
 the trainer.
@@ -54,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # generation also ends after these (kept in the output, as vLLM does)
+    structured_outputs: object = None  # vllm.sampling_params.StructuredOutputsParams (regex only here)
 
     def __post_init__(self):  # vLLM's SamplingParams._verify_args, for the fields above
         checks = [(self.n >= 1, "n must be at least 1"), (self.temperature >= 0, "temperature must be non-negative"),
@@ -133,6 +136,7 @@ class LLM:
                         raise ValueError(f"Error initializing torch.distributed using env:// rendezvous: "
                                          f"environment variable {name} expected, but not set")
         self.kwargs = kwargs
+        self.path = model
         self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
         self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
         self.loads: list[str] = []
@@ -163,6 +167,26 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.asleep -= set(tags or ["weights", "kv_cache"])
 
+    def _regex_mask(self, pattern: str, completion: list[int], eos: set[int]) -> torch.Tensor:
+        """0 where a token keeps the completion's text a prefix of a match of `pattern` (EOS: a full match), −inf
+        elsewhere: a brute-force stand-in for vLLM's grammar-compiled token bitmask."""
+        import regex
+        from transformers import AutoTokenizer
+
+        if not hasattr(self, "tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        mask = torch.full((self.hf.config.vocab_size,), float("-inf"))
+        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+        for t in range(self.hf.config.vocab_size):
+            if t in eos:
+                ok = regex.fullmatch(pattern, text) is not None
+            else:
+                piece = self.tokenizer.decode(completion + [t], skip_special_tokens=True)
+                ok = piece != text and regex.fullmatch(pattern, piece, partial=True) is not None
+            if ok:
+                mask[t] = 0.0
+        return mask
+
     @property
     def sleeping(self) -> bool:
         return bool(self.asleep)
@@ -178,6 +202,7 @@ class LLM:
         eos = set(eos if isinstance(eos, list) else [eos])
         stop = eos | set(p.stop_token_ids or [])
         self.calls += 1
+        self.last_params = p
         out = []
         for prompt in prompts:
             ids = list(prompt["prompt_token_ids"])
@@ -186,6 +211,8 @@ class LLM:
                 seq, lps = list(ids), []
                 for _ in range(p.max_tokens):
                     logits = self.hf(torch.tensor([seq])).logits[0, -1].float()
+                    if p.structured_outputs is not None:
+                        logits = logits + self._regex_mask(p.structured_outputs.regex, seq[len(ids):], eos)
                     if p.temperature == 0:
                         probs = torch.softmax(logits, -1)
                         token = int(logits.argmax())
