@@ -143,6 +143,36 @@ def test_an_environment_owns_the_data_and_the_reward_without_a_dataset(tmp_path)
     assert trainer.evaluate(eval_dataset=eval_rows[:1])["eval_rewards/IncrementEnv/mean"] == 1.0
 
 
+class GuessEnv:  # an environment without tool methods: it sets the task and scores the answer
+    def reset(self, **kwargs) -> str:
+        self.letter = kwargs["letter"]
+        return f" Write the letter {self.letter}."
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_an_environment_without_tools_asks_nothing_of_the_tokenizer(tmp_path):
+    """TRL decodes such rollouts as text: a chat template that cannot render tool calls (and no response_template)
+    still trains; each completion is one assistant message, scored by get_reward and the reward functions."""
+    tokenizer = toy.build_chat_tokenizer()  # no tool support, no response_template
+    seen = []
+
+    def record(completions, **_):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    data = [{"prompt": [{"role": "user", "content": "hi"}], "letter": c} for c in "abcd"]
+    trainer = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [record], processing_class=tokenizer,
+                          args=_args(tmp_path, max_completion_length=6, max_steps=1), train_dataset=data,
+                          environment_factory=GuessEnv)
+    trainer.train()
+    assert len(seen) == 4 and all(len(c) == 1 and c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
+                                  for c in seen)
+    line = next(h for h in trainer.state.log_history if "loss" in h)
+    assert line["rewards/GuessEnv/mean"] == 1.0 and "tools/call_frequency" not in line  # TRL: no tools, no tools/*
+
+
 def test_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
     def undocumented(a: int) -> int:
         return a

@@ -83,18 +83,31 @@ class Agent:
     @classmethod
     def from_config(cls, toolbox: Toolbox, tokenizer, args) -> "Agent":
         """Checks the tokenizer (groupwise.agents.parsing.prepare_tokenizer) and that a tool result's tokens can be
-        cut out of the chat template, before any model loads."""
+        cut out of the chat template, before any model loads. Environments without tool methods (reset /
+        get_reward only) run one turn and ask neither of the tokenizer, as in TRL."""
+        tools = toolbox.has_tools
         agent = cls(toolbox, tokenizer, max_completion_length=args.max_completion_length,
                     max_prompt_length=args.max_prompt_length,
                     max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
-                    chat_template=prepare_tokenizer(tokenizer), chat_template_kwargs=args.chat_template_kwargs,
+                    chat_template=prepare_tokenizer(tokenizer) if tools else None,
+                    chat_template_kwargs=args.chat_template_kwargs,
                     max_model_len=args.vllm_max_model_length if args.use_vllm else None)
+        if not tools:
+            return agent
         try:
             agent.tool_suffix_ids([{"role": "tool", "name": "dummy", "content": "dummy"}])
         except ValueError as e:
             raise ConfigError(f"tools: {e} The chat template must end each turn with tokenizer.eos_token "
                               f"({tokenizer.eos_token!r}) and render earlier turns the same whatever follows") from None
         return agent
+
+    def _message(self, ids: list[int], prefix: list[int], schema: list) -> dict:
+        """A model turn as a message: parsed for tool calls (TRL: whenever the tokenizer has a response_template), or
+        without tools and a response_template, its text (TRL's plain decode)."""
+        tok = self.tokenizer
+        if self.toolbox.has_tools or getattr(tok, "response_template", None) is not None:
+            return parse_response(tok, ids, prefix, schema or None)
+        return {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
 
     # ---- rendering --------------------------------------------------------------------------------------------------
     def _template(self, messages: list[dict], **kwargs) -> list[int]:
@@ -175,8 +188,7 @@ class Agent:
             prompt_ids.append(rendered[key])
         completion_ids, logprobs = self._sample(sample, prompt_ids, eos)
         tool_mask = [[1] * len(ids) for ids in completion_ids]
-        completions = [[parse_response(tok, ids, prompt_ids[i], schemas[i] or None)]
-                       for i, ids in enumerate(completion_ids)]
+        completions = [[self._message(ids, prompt_ids[i], schemas[i])] for i, ids in enumerate(completion_ids)]
         turn_ends = [[len(ids) - 1] if ids else [] for ids in completion_ids]
         starts = [getattr(env, "start_turn", None) for env in envs] if envs is not None else [None] * N
         for i, ids in enumerate(completion_ids):
