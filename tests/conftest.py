@@ -40,6 +40,16 @@ def base_dir(tmp_path, tokenizer):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tr_dpo_fsdp_runs(tmp_path_factory):
+    """(straight, crashed) folders of tests.fsdp_support.tr_dpo_runs, launched once for the FSDP2 resume tests
+    (test_fsdp.py, test_fsdp_ref_audit.py): each copies the crashed run before resuming it, leaving these as they
+    are."""
+    from tests.fsdp_support import tr_dpo_runs
+
+    return tr_dpo_runs(tmp_path_factory.mktemp("tr_dpo_fsdp"))
+
+
 def training_lines(path) -> list[str]:
     """metrics.jsonl's lines without the end-of-training line (total_flos, train_runtime, …; logged last by every
     train())."""

@@ -116,13 +116,26 @@ def fault(out: Path, kind: str) -> None:
 
 
 def run(out: Path) -> None:
-    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume" and "crash_after"); rank 0 writes
-    the final weights (full, unsharded) to weights.safetensors."""
+    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after" and "tie"); rank 0
+    writes the final weights (full, unsharded) to weights.safetensors. RUN_SPEC a list: its runs one after another
+    in these processes (a fresh model and trainer each; the process group stays), each in its spec's "out" folder,
+    where each process writes returned_<rank> when the run returned (a crash_after run too)."""
     import os
 
+    spec = json.loads(os.environ["RUN_SPEC"])
+    if not isinstance(spec, list):
+        return run_one(out, spec)
+    for one in spec:
+        one = dict(one)
+        dest = Path(one.pop("out"))
+        dest.mkdir(parents=True, exist_ok=True)
+        run_one(dest, one)
+        (dest / f"returned_{os.environ.get('RANK', '0')}").touch()
+
+
+def run_one(out: Path, spec: dict) -> None:
     from groupwise import GRPOTrainer
 
-    spec = json.loads(os.environ["RUN_SPEC"])
     resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
     tie = spec.pop("tie", False)
     tok = toy.build_tokenizer()

@@ -4,9 +4,7 @@ checkpoints, and a consolidated model that from_pretrained loads."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,17 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import training_lines
-
-WORKER = str(Path(__file__).with_name("dist_worker.py"))
-ROOT = Path(__file__).parents[1]
-
-
-def _run(out: Path, **spec) -> None:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "RUN_SPEC": json.dumps(spec)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+from tests.fsdp_support import TR_DPO, launch, returned, runs
+from tests.fsdp_support import run as _run
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -33,8 +22,8 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp(tmp_path):
-    _run(tmp_path / "ddp", max_steps=3, save_steps=0)
-    _run(tmp_path / "fsdp", max_steps=3, save_steps=0, fsdp="full_shard")
+    runs(dict(out=tmp_path / "ddp", max_steps=3, save_steps=0),  # one launch: the runs are independent
+         dict(out=tmp_path / "fsdp", max_steps=3, save_steps=0, fsdp="full_shard"))
     ddp, fsdp = _weights(tmp_path / "ddp"), _weights(tmp_path / "fsdp")
     assert ddp.keys() == fsdp.keys()
     moved = load_file(str(tmp_path / "ddp" / "checkpoint-3" / "model.safetensors"))
@@ -53,20 +42,18 @@ def test_fsdp2_trains_like_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_crash_and_resume_is_bitwise_exact(tmp_path):
-    """With a sharded reference that TR-DPO moves every step (its shards are in the checkpoint) and the KL term."""
-    kw = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_model=True, ref_model_sync_steps=1,
-              ref_model_mixup_alpha=0.5)
-    _run(tmp_path / "straight", **kw)
-    _run(tmp_path / "crashed", crash_after=2, **kw)
-    assert (tmp_path / "crashed" / "checkpoint-2").is_dir() and not (tmp_path / "crashed" / "weights.safetensors").exists()
-    assert (tmp_path / "crashed" / "checkpoint-2" / "ref_model_shard_1.safetensors").exists()
-    _run(tmp_path / "crashed", resume=str(tmp_path / "crashed" / "checkpoint-2"), **kw)
-    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "crashed")
+def test_fsdp2_crash_and_resume_is_bitwise_exact(tmp_path, tr_dpo_fsdp_runs):
+    """With a sharded reference that TR-DPO moves every step (its shards are in the checkpoint) and the KL term.
+    The straight and crashed runs are shared with test_fsdp_ref_audit.py; the resume is in fresh processes."""
+    straight, crashed = tr_dpo_fsdp_runs
+    crashed = Path(shutil.copytree(crashed, tmp_path / "crashed"))  # the copy is resumed
+    assert (crashed / "checkpoint-2").is_dir() and not (crashed / "weights.safetensors").exists()
+    assert (crashed / "checkpoint-2" / "ref_model_shard_1.safetensors").exists()
+    _run(crashed, resume=str(crashed / "checkpoint-2"), **TR_DPO)
+    a, b = _weights(straight), _weights(crashed)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    kl = [[json.loads(x)["kl"] for x in training_lines(tmp_path / run / "metrics.jsonl")][-2:]
-          for run in ("straight", "crashed")]
+    kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")][-2:] for run in (straight, crashed)]
     assert kl[0] == kl[1] and kl[0][1] > 0  # the resumed reference is the straight run's (steps 1-2: no signal)
 
 
@@ -116,12 +103,10 @@ def test_fsdp2_bf16_trains_finite(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_with_tied_embeddings_checkpoints_and_a_sharded_checkpoint_needs_fsdp(tmp_path):
-    _run(tmp_path / "tied", max_steps=2, save_steps=2, fsdp="full_shard", tie=True)
-    assert (tmp_path / "tied" / "checkpoint-2" / "model_shard_1.safetensors").exists()
-    env_spec = dict(max_steps=3, save_steps=2, tie=True, resume=str(tmp_path / "tied" / "checkpoint-2"))
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "RUN_SPEC": json.dumps(env_spec)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run",
-           str(tmp_path / "plain")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # one launch: the sharded run, then (when both processes came back from it) a plain one resuming its checkpoint
+    tied, plain = tmp_path / "tied", tmp_path / "plain"
+    proc = launch(tied, [dict(out=str(tied), max_steps=2, save_steps=2, fsdp="full_shard", tie=True),
+                         dict(out=str(plain), max_steps=3, save_steps=2, tie=True, resume=str(tied / "checkpoint-2"))])
+    assert returned(tied) and (tied / "weights.safetensors").exists(), proc.stderr[-5000:]
+    assert (tied / "checkpoint-2" / "model_shard_1.safetensors").exists()
     assert proc.returncode != 0 and "was saved by a sharded run (fsdp): resume it with fsdp and 2 processes" in proc.stderr

@@ -4,28 +4,14 @@ checkpoint holds one full ref_model.safetensors instead of ref_model_shard_<rank
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-WORKER = str(Path(__file__).with_name("dist_worker.py"))
-ROOT = Path(__file__).parents[1]
-KW = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_model=True, ref_model_sync_steps=1,
-          ref_model_mixup_alpha=0.5)
-
-
-def _run(out: Path, **spec) -> None:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "RUN_SPEC": json.dumps(spec),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+from tests.fsdp_support import TR_DPO, run
 
 
 def _as_unsharded_reference(ckpt: Path) -> None:
@@ -43,14 +29,15 @@ def _as_unsharded_reference(ckpt: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_resumes_a_checkpoint_with_an_unsharded_reference_exactly(tmp_path):
-    _run(tmp_path / "straight", **KW)
-    _run(tmp_path / "old", crash_after=2, **KW)
+def test_fsdp2_resumes_a_checkpoint_with_an_unsharded_reference_exactly(tmp_path, tr_dpo_fsdp_runs):
+    """TR_DPO straight to step 4 against the same run crashed after its step-2 checkpoint (shared with
+    test_fsdp.py's crash test), that checkpoint rewritten unsharded and resumed in fresh processes."""
+    straight, crashed = tr_dpo_fsdp_runs
+    shutil.copytree(crashed, tmp_path / "old")
     ckpt = tmp_path / "old" / "checkpoint-2"
     _as_unsharded_reference(ckpt)
-    _run(tmp_path / "old", resume=str(ckpt), **KW)
-    a, b = load_file(str(tmp_path / "straight" / "weights.safetensors")), load_file(str(tmp_path / "old" /
-                                                                                        "weights.safetensors"))
+    run(tmp_path / "old", resume=str(ckpt), **TR_DPO)
+    a, b = load_file(str(straight / "weights.safetensors")), load_file(str(tmp_path / "old" / "weights.safetensors"))
     assert a.keys() == b.keys()
     for name in a:  # the reference is the straight run's: same KL term, same updates
         assert torch.equal(a[name], b[name]), name
