@@ -53,19 +53,11 @@ class CallbackHandler:
         """transformers' `stateful_callbacks` as a checkpoint's trainer_state.json holds it: each ExportableState
         callback's `.state()` ({"args": …, "attributes": …}), then the TrainerControl's, keyed by class name (a
         list, in the callbacks' order, for several of one class)."""
+        from transformers import TrainerState
         from transformers.trainer_callback import ExportableState
 
-        states: dict = {}
-        for cb in [*self.callbacks, control]:
-            if isinstance(cb, ExportableState):
-                name, state = type(cb).__name__, cb.state()
-                if name not in states:
-                    states[name] = state
-                elif isinstance(states[name], list):
-                    states[name].append(state)
-                else:
-                    states[name] = [states[name], state]
-        return states
+        stateful = [cb for cb in [*self.callbacks, control] if isinstance(cb, ExportableState)]
+        return TrainerState(stateful_callbacks=stateful).stateful_callbacks  # transformers' own grouping
 
     def restore_states(self, args, stored: dict | None, control) -> None:
         """restore_callback_states_from_checkpoint (transformers' Trainer._load_callback_state): the callbacks whose

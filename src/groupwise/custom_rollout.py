@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from groupwise.agents.parsing import as_completions
 from groupwise.config_base import ConfigError
 from groupwise.text import is_conversational, pad_rows
 from groupwise.types import Completions
@@ -110,10 +111,7 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
             columns[key] = value
         else:
             columns[key] = [value] * n
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    completions: list[Any] = texts
-    if is_conversational(prompts[0]):
-        completions = [[{"role": "assistant", "content": t}] for t in texts]
+    completions = as_completions(tokenizer, completion_ids, prompt_ids, is_conversational(prompts[0]))
     return Completions(prompt.to(device), prompt_mask.to(device), completion.to(device), mask.to(device),
                        truncated.to(device), prompts, completions, columns,
                        None if sampling is None else sampling.to(device),
@@ -137,7 +135,8 @@ def _rows(value, key: str, n: int, item: Callable[[Any, str], Any], lengths: lis
         if lengths is not None and len(row) != lengths[i]:
             raise ValueError(f"rollout_func's {key!r} row {i} has {len(row)} values for {lengths[i]} completion "
                              "tokens: give one per completion token")
-        rows.append([item(x, f"rollout_func's {key!r} row {i}") for x in row])
+        fast = _FAST[item](row)  # a whole row checked at once; item by item only to name what is wrong
+        rows.append(fast if fast is not None else [item(x, f"rollout_func's {key!r} row {i}") for x in row])
     return rows
 
 
@@ -159,3 +158,29 @@ def _bit(x, where: str) -> int:
     if x not in (0, 1):
         raise ValueError(f"{where} holds {x!r}: env_mask is 1 on model tokens and 0 on environment tokens")
     return int(x)
+
+
+def _as_tensor(row) -> torch.Tensor | None:
+    try:
+        t = torch.as_tensor(row)
+    except (TypeError, ValueError, RuntimeError):  # None, strings, ragged: checked item by item
+        return None
+    return t if t.dim() == 1 and t.numel() else None
+
+
+def _fast_ints(row) -> list[int] | None:
+    t = _as_tensor(row)
+    return t.tolist() if t is not None and not t.is_floating_point() and t.dtype != torch.bool else None
+
+
+def _fast_logprobs(row) -> list[float] | None:
+    t = _as_tensor(row)
+    return t.double().tolist() if t is not None and t.dtype != torch.bool else None
+
+
+def _fast_bits(row) -> list[int] | None:
+    t = _as_tensor(row)
+    return t.long().tolist() if t is not None and bool(((t == 0) | (t == 1)).all()) else None
+
+
+_FAST = {_int: _fast_ints, _logprob: _fast_logprobs, _bit: _fast_bits}

@@ -145,6 +145,14 @@ class Distributed:
 
         return gather_object(list(obj))
 
+    def broadcast_object(self, obj):
+        """The main process's `obj` on every process (the others' arguments are ignored)."""
+        if self.world_size == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj], from_process=0)[0]
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t

@@ -51,7 +51,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
         return per_func, lengths, truncated, tools, {n: [sum(v), len(v)] for n, v in logged.items()}
 
     # sampled evaluation must not move the training's random streams (exact resume)
-    with rng_untouched(), independently(ctx.generator):
+    with rng_untouched(), independently(ctx.generator, model):
         per_func, lengths, truncated, tools, calls = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
     truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)

@@ -111,8 +111,8 @@ def load_policy(model, args: GRPOConfig, quantization_config=None, device: torch
         kwargs = policy_init_kwargs(args)
         if quantization_config is not None:  # checked before (groupwise.quantization.check_quantization)
             kwargs["quantization_config"] = quantization_config
-            if device is not None and device.type == "cuda":
-                kwargs.setdefault("device_map", {"": device})
+        if kwargs.get("quantization_config") is not None and device is not None and device.type == "cuda":
+            kwargs.setdefault("device_map", {"": device})  # (or model_init_kwargs')
         policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     else:
         policy = model

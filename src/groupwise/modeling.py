@@ -106,9 +106,11 @@ class PolicyForLogps(torch.nn.Module):
         self.scale = float(getattr(cfg, "logit_scale", None) or 1.0)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        # a plain head only: a quantized one (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear) keeps its
-        # weight packed, which the chunked matmul cannot read
-        self.chunked = type(head) in (torch.nn.Linear, Float32Head) and decoder is not None and decoder is not model
+        # a head whose weight is the (V, H) matrix: a quantized one (bitsandbytes' Linear4bit / Linear8bitLt subclass
+        # nn.Linear) keeps it packed — integers, or 4-bit pairs in a float storage — which the chunked matmul cannot read
+        plain = isinstance(head, torch.nn.Linear) and head.weight.is_floating_point() and \
+            tuple(head.weight.shape) == (head.out_features, head.in_features)
+        self.chunked = plain and decoder is not None and decoder is not model
         if not self.chunked:
             log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
 

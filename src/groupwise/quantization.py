@@ -29,11 +29,12 @@ def from_script_fields(values: dict[str, Any], dtype: str | None):
     """TRL's get_quantization_config: a BitsAndBytesConfig from the script fields (4-bit wins over 8-bit; the 4-bit
     compute dtype is the model's `dtype`), or None when neither load_in_4bit nor load_in_8bit is set."""
     fields = {name: values.get(name, default) for name, default in QUANTIZATION.items()}
-    if not (fields["load_in_4bit"] or fields["load_in_8bit"]):
+    if not fields["load_in_4bit"]:
         for name in ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"):
             if fields[name] not in (QUANTIZATION[name], None):
                 raise ConfigError(f"{name}={fields[name]!r} has no effect without load_in_4bit=True: set "
                                   "load_in_4bit, or remove it")
+    if not (fields["load_in_4bit"] or fields["load_in_8bit"]):
         return None
     _need_bitsandbytes("load_in_4bit" if fields["load_in_4bit"] else "load_in_8bit")
     from transformers import BitsAndBytesConfig
@@ -49,6 +50,11 @@ def from_script_fields(values: dict[str, Any], dtype: str | None):
 def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bool, sharded: bool) -> None:
     """Before any weights load: what a quantized policy needs (bitsandbytes, adapters to train, a path to load the
     model from) and the features that do not work with one yet."""
+    in_kwargs = (args.model_init_kwargs or {}).get("quantization_config")
+    if quantization_config is not None and in_kwargs is not None:
+        raise ConfigError("quantization_config is set both as a GRPOTrainer argument and in model_init_kwargs: "
+                          "set it in one place, preferably as the trainer argument (TRL's rule)")
+    quantization_config = quantization_config if quantization_config is not None else in_kwargs
     quantized = quantization_config is not None or (not isinstance(model, str) and is_quantized(model))
     if not quantized:
         return
@@ -58,9 +64,6 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
             raise ConfigError("quantization_config applies when the model is loaded from a path: the model passed is "
                               "already loaded; pass its path, or load it with from_pretrained(…, "
                               "quantization_config=…) yourself")
-        if "quantization_config" in (args.model_init_kwargs or {}):
-            raise ConfigError("quantization_config is set both as a GRPOTrainer argument and in model_init_kwargs: "
-                              "set it in one place, preferably as the trainer argument (TRL's rule)")
     what = "quantization_config" if quantization_config is not None else "a model loaded in 4 / 8 bits"
     if not lora:
         raise ConfigError(f"{what}: quantized weights cannot be trained; train adapters on them (QLoRA): pass "

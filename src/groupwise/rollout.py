@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from groupwise.agents.parsing import as_completions
 from groupwise.core.advantages import outcome_advantages, process_advantages
 from groupwise.core.importance import sampling_weights
 from groupwise.core.supervision import token_advantages
 from groupwise.custom_rollout import rollout_completions
 from groupwise.dynamic import group_signal, refill
+from groupwise.generation import independently
 from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.combine import reward_weights
@@ -145,7 +147,9 @@ def sample_round(ctx: RolloutContext, model, clock: PhaseClock | None = None) ->
 def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: bool = False,
              evaluation: bool = False) -> Completions:
     """Sample one completion per row (rows already repeated G times, group rows contiguous); with tools or an
-    environment (ctx.agent), one multi-turn conversation per row (groupwise.agents.turns)."""
+    environment (ctx.agent), one multi-turn conversation per row (groupwise.agents.turns), its processes calling the
+    generator independently (they may run different numbers of turns); with a rollout_func (ctx.rollout_func), the
+    user's function samples (groupwise.custom_rollout)."""
     args, tok, device = ctx.args, ctx.tokenizer, ctx.dist.device
     # the sampler's log-probs, for the importance correction and the off-policy mask
     want = (ctx.correct_sampling or args.keeps_sampling_logps) and not greedy and not evaluation
@@ -159,11 +163,13 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
                              f"{needs} needs: return Generated(ids, logprobs) when asked for them, or set {off}")
         return out
 
-    if ctx.rollout_func is not None:  # the user's function samples (groupwise.custom_rollout)
-        comp = rollout_completions(ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
-                                   max_completion_length=args.max_completion_length, logprobs=want, device=device)
+    if ctx.rollout_func is not None:  # a failure on one process (its output refused) stops every process
+        comp = ctx.dist.run_together(lambda: rollout_completions(
+            ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
+            max_completion_length=args.max_completion_length, logprobs=want, device=device), "rollout_func")
     elif ctx.agent is not None:
-        comp = _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))
+        with independently(ctx.generator, model):
+            comp = _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))
     else:
         prompts = [r["prompt"] for r in rows]
         prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
@@ -172,10 +178,9 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
         mask, truncated = completion_masks(completion_ids, ctx.eos_token_ids, args.max_completion_length,
                                            out.lengths)
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id))
-        texts = tok.batch_decode(trim_to_mask(completion_ids, mask), skip_special_tokens=True)
-        completions: list[Any] = texts
-        if is_conversational(prompts[0]):
-            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        completions = as_completions(tok, trim_to_mask(completion_ids, mask),
+                                     [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)],
+                                     is_conversational(prompts[0]))
         sampling_logps = out.logprobs[:, :completion_ids.size(1)].float() if want else None
         comp = Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids, mask, truncated, prompts,
                            completions, {}, sampling_logps)

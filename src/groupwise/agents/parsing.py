@@ -98,6 +98,23 @@ def parse_response(tokenizer, ids: list[int], prefix: list[int], tools: list | N
     return parsed
 
 
+def assistant_message(tokenizer, ids: list[int], prefix: list[int], tools: list | None = None) -> dict[str, Any]:
+    """One model turn as TRL's `_generate` gives it to reward functions: parsed (reasoning, tool calls) when the
+    tokenizer has a response_template, else {"role": "assistant", "content": its text}."""
+    if getattr(tokenizer, "response_template", None) is not None and hasattr(tokenizer, "parse_response"):
+        return parse_response(tokenizer, ids, prefix, tools)
+    return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+
+
+def as_completions(tokenizer, completion_ids: list[list[int]], prompt_ids: list[list[int]],
+                   conversational: bool) -> list[Any]:
+    """What reward functions get as `completions` for single-turn rows: the text for plain prompts; for chat prompts
+    one assistant message per row (`assistant_message`)."""
+    if not conversational:
+        return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [[assistant_message(tokenizer, ids, prefix)] for ids, prefix in zip(completion_ids, prompt_ids)]
+
+
 def _takes(method, name: str) -> bool:
     try:
         return name in inspect.signature(method).parameters

@@ -25,8 +25,8 @@ that has a turn end, in order, before that turn's calls run.
 
 Multi-process: each process runs the loop on its own rows. The generator backends run locally (fast / transformers
 sample from an unsharded module — with fsdp its full replica —, vLLM colocate has one engine per process with
-tensor_parallel_size 1, vLLM server mode runs one training process), so a process whose rows finished earlier makes
-no further generator call and no collective is left unmatched.
+tensor_parallel_size 1, vLLM server mode is called `independently()`: each process sends its own requests), so a
+process whose rows finished earlier makes no further generator call and no collective is left unmatched.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.execution import run_tool_calls
-from groupwise.agents.parsing import parse_response, prepare_tokenizer
+from groupwise.agents.parsing import assistant_message, parse_response, prepare_tokenizer
 from groupwise.agents.tools import Toolbox, with_observation
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData
@@ -100,14 +100,6 @@ class Agent:
             raise ConfigError(f"tools: {e} The chat template must end each turn with tokenizer.eos_token "
                               f"({tokenizer.eos_token!r}) and render earlier turns the same whatever follows") from None
         return agent
-
-    def _message(self, ids: list[int], prefix: list[int], schema: list) -> dict:
-        """A model turn as a message: parsed for tool calls (TRL: whenever the tokenizer has a response_template), or
-        without tools and a response_template, its text (TRL's plain decode)."""
-        tok = self.tokenizer
-        if self.toolbox.has_tools or getattr(tok, "response_template", None) is not None:
-            return parse_response(tok, ids, prefix, schema or None)
-        return {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}
 
     # ---- rendering --------------------------------------------------------------------------------------------------
     def _template(self, messages: list[dict], **kwargs) -> list[int]:
@@ -188,7 +180,8 @@ class Agent:
             prompt_ids.append(rendered[key])
         completion_ids, logprobs = self._sample(sample, prompt_ids, eos)
         tool_mask = [[1] * len(ids) for ids in completion_ids]
-        completions = [[self._message(ids, prompt_ids[i], schemas[i])] for i, ids in enumerate(completion_ids)]
+        completions = [[assistant_message(tok, ids, prompt_ids[i], schemas[i] or None)]
+                       for i, ids in enumerate(completion_ids)]
         turn_ends = [[len(ids) - 1] if ids else [] for ids in completion_ids]
         starts = [getattr(env, "start_turn", None) for env in envs] if envs is not None else [None] * N
         for i, ids in enumerate(completion_ids):

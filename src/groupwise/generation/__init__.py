@@ -8,7 +8,7 @@ A backend is a class with
     __call__(model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False) -> Generated
     update_weights(model)                                receive the policy's new weights after an optimizer step
                                                          (a no-op for backends that sample from the policy itself)
-    independently() (optional)                           a context in which each process's calls stand alone, for a
+    independently(model) (optional)                      a context in which each process's calls stand alone, for a
                                                          backend whose calls are collective (`independently` below)
 and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
 validation) never imports transformers or an inference engine.
@@ -115,12 +115,13 @@ def unapplied_generation_config(model, args) -> dict[str, object]:
     return found
 
 
-def independently(generator):
-    """A block in which each process's generator calls run without collectives: evaluation, whose processes may
-    generate different numbers of batches. Backends whose processes share one engine (vLLM server mode) implement
-    `independently()`; for the others there is nothing to change."""
+def independently(generator, model):
+    """A block in which each process's generator calls run without collectives: evaluation and the multi-turn tool
+    loop, whose processes may make different numbers of calls. Backends whose processes share one engine (vLLM server
+    mode) implement `independently(model)` (every process enters it together, so it may first sync `model`'s
+    weights collectively); for the others there is nothing to change."""
     method = getattr(generator, "independently", None)
-    return method() if method is not None else contextlib.nullcontext()
+    return method(model) if method is not None else contextlib.nullcontext()
 
 
 def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> Generator:

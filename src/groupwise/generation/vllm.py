@@ -176,7 +176,7 @@ class VLLMColocateGenerator:
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
         fields = sampling_fields(args, greedy)
         constraint = structured_outputs(args, fields.get("structured_outputs"))
-        if constraint is not None:
+        if isinstance(constraint, dict):  # TRL converts a dict; a StructuredOutputsParams passes as it is
             from vllm.sampling_params import StructuredOutputsParams
 
             fields["structured_outputs"] = StructuredOutputsParams(**constraint)

@@ -353,13 +353,15 @@ class VLLMServerGenerator:
         _vllm()  # the weight-transfer group is vLLM's: it must be installed here as well as on the server
 
         def connect():
-            if dist is not None and not dist.is_main:
-                return None
-            return VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
-                                    connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
+            return None if dist is not None and not dist.is_main else cls.connect(args)
 
         client = connect() if dist is None else dist.run_together(connect, "connecting to the vLLM server")
         return cls(args, client, pad_token_id=pad_token_id, dist=dist)
+
+    @staticmethod
+    def connect(args) -> VLLMServerClient:
+        return VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
+                                connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
 
     def __init__(self, args, client: VLLMServerClient | None, *, pad_token_id: int, dist=None):
         self.args, self.client, self.pad_token_id, self.dist = args, client, pad_token_id, dist
@@ -369,9 +371,12 @@ class VLLMServerGenerator:
         self.own: VLLMServerClient | None = None  # a non-main process's client, opened for independently()
 
     @contextlib.contextmanager
-    def independently(self):
-        """Each process sends its own rows to the server, without collectives: evaluation, whose processes generate
-        different numbers of batches (a process other than the main one then opens its own connection)."""
+    def independently(self, model):
+        """Each process sends its own rows to the server, without collectives: evaluation and the tool loop, whose
+        processes make different numbers of calls (a process other than the main one then opens its own
+        connection). Every process enters together: the server gets `model`'s weights first if it has not yet."""
+        if not self.synced:
+            self.update_weights(model)
         self.alone = True
         try:
             yield
@@ -383,9 +388,7 @@ class VLLMServerGenerator:
         if self.client is not None or not self.alone:
             return self.client
         if self.own is None:
-            args = self.args
-            self.own = VLLMServerClient(server_url(args), group_port=args.vllm_group_port,
-                                        connection_timeout=args.vllm_server_timeout, request_timeout=args.ddp_timeout)
+            self.own = self.connect(self.args)
         return self.own
 
     def update_weights(self, model) -> None:
@@ -400,7 +403,7 @@ class VLLMServerGenerator:
                 self.client.update_model_params(named)
             self.client.reset_prefix_cache()
 
-        if self.dist is not None and self.dist.world_size > 1 and not self.alone:  # a failed push stops every process
+        if self.dist is not None and self.dist.world_size > 1:  # a failed push stops every process
             self.dist.run_together(push, "pushing the weights to the vLLM server")
         else:
             push()
@@ -423,10 +426,7 @@ class VLLMServerGenerator:
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
         args = self.args
         if not self.synced:  # the server loaded the checkpoint; the policy may differ (a resumed run, adapters)
-            self.update_weights(model)
-        if logprobs and not self.logprobs_checked and self.client is not None:
-            self.logprobs_checked = True
-            self._check_logprobs_mode()
+            self.update_weights(model)  # (never inside independently(), which syncs on entry)
         mine = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         several = self.dist is not None and self.dist.world_size > 1 and not self.alone
         # every process's rows, in rank order (= row order: each process holds a contiguous slice of the round)
@@ -441,13 +441,18 @@ class VLLMServerGenerator:
 
         def ask():
             client = self._client()
-            return None if client is None else client.generate(prompts[::n], n=n, logprobs=0,
-                                                               generation_kwargs=extra, **named)
+            if client is None:
+                return None
+            if logprobs and not self.logprobs_checked and client is self.client:
+                self.logprobs_checked = True
+                self._check_logprobs_mode()
+            out = client.generate(prompts[::n], n=n, logprobs=0, generation_kwargs=extra, **named)
+            return {"completion_ids": out["completion_ids"], "logprobs": out["logprobs"]}
 
         if several:  # the main process asks; a failure stops every process; its answer goes to all
-            out = self.dist.gather_object([self.dist.run_together(ask, "the vLLM server's generation")])[0]
+            out = self.dist.broadcast_object(self.dist.run_together(ask, "the vLLM server's generation"))
             start = sum(len(part) for part in parts[:self.dist.rank])
-            out = {k: v[start:start + len(mine)] for k, v in out.items() if k in ("completion_ids", "logprobs")}
+            out = {k: v[start:start + len(mine)] for k, v in out.items()}
         else:
             out = ask()
         return Generated.from_rows(out["completion_ids"], out["logprobs"] if logprobs else None, self.pad_token_id,
