@@ -20,6 +20,7 @@ from groupwise.agents.execution import run_tool_calls
 from groupwise.agents.parsing import parse_response
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, StreamData, is_stream
+from groupwise.tasks import toy
 from tests.agents_support import TOKENIZER, Scripted, call, context, multiply, user
 
 TOOL = "<|im_start|>tool"
@@ -315,3 +316,20 @@ def test_parse_response_passes_tools_only_where_transformers_takes_it(monkeypatc
     monkeypatch.setattr(type(TOKENIZER), "parse_response", lambda self, ids: {"role": "assistant", "content": ""})
     with pytest.raises(ConfigError, match=r"needs transformers ≥ 5.13 \(tokenizer.parse_response with prefix=\)"):
         prepare_tokenizer(TOKENIZER)
+
+
+def test_chat_completions_without_tools_are_parsed_as_trl_parses_them():
+    """TRL's _generate parses every chat completion with parse_response when the tokenizer has a response_template,
+    tools or not: a plain rollout's reward functions see the parsed message (here a tool call the model wrote
+    although no tools were given), and a tokenizer without one gives the text."""
+    ctx, _ = context(lambda p: call("multiply", a=3, b=4) + "<|im_end|>", tools=())
+    ctx = dataclasses.replace(ctx, agent=None)  # the single-turn path
+    comp = R.generate(ctx, None, [{"prompt": user("hi")}] * 2)
+    message = comp.completions[0][0]
+    assert message["role"] == "assistant" and message["tool_calls"][0]["function"]["name"] == "multiply"
+    from groupwise.agents.parsing import as_completions
+
+    plain = toy.build_chat_tokenizer()  # no response_template: the text, as TRL's batch_decode
+    ids = plain("ab", add_special_tokens=False)["input_ids"]
+    assert as_completions(plain, [ids], [[1]], True) == [[{"role": "assistant", "content": "ab"}]]
+    assert as_completions(plain, [ids], [[1]], False) == ["ab"]

@@ -123,3 +123,12 @@ def test_script_fields_build_trls_quantization_config(fields):
 def test_4bit_options_without_load_in_4bit_are_an_error():
     with pytest.raises(ConfigError, match="bnb_4bit_quant_type='fp4' has no effect without load_in_4bit=True"):
         build_run({"model_name_or_path": "m", "bnb_4bit_quant_type": "fp4"})
+
+
+def test_quantization_config_in_model_init_kwargs_is_checked_alike(tmp_path, base_dir):
+    """TRL also takes it in model_init_kwargs: the same checks (here: adapters needed) before the weights load."""
+    with pytest.raises(ConfigError, match="quantized weights cannot be trained"):
+        GRPOTrainer(base_dir, [_length], args=small_args(tmp_path, model_init_kwargs={"quantization_config": FOUR_BIT}),
+                    train_dataset=toy.dataset(4))
+    with pytest.raises(ConfigError, match="bnb_4bit_quant_type='fp4' has no effect without load_in_4bit=True"):
+        build_run({"model_name_or_path": "m", "load_in_8bit": True, "bnb_4bit_quant_type": "fp4"})
