@@ -415,17 +415,34 @@ def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, 
     """TRL's multi-GPU layout: every process's prompts go to the main process, which alone sends them (one request
     per round, each prompt once with n = 4) and pushes the weights; each process trains on its own rows. The same
     server (same seed) answering the same requests, 2 processes train as 1 does. Evaluation, whose processes
-    generate different numbers of batches, sends each process's rows itself (no collective to wait in)."""
+    generate different numbers of batches, and the tool loop, whose processes run different numbers of turns, send
+    each process's rows themselves (no collective to wait in)."""
     from safetensors.torch import load_file
 
     from tests.vllm_standin.serve import StandinServer
 
+    from tests.agents_support import call
+
     worker = str(Path(__file__).with_name("vllm_server_worker.py"))
     root = str(Path(__file__).parents[1])
+    tok = toy.build_tool_tokenizer()  # a tool-calling tokenizer, for the tool step
+    base_dir = str(tmp_path / "tool-model")
+    toy.build_model(tok, seed=0, hidden_size=32, max_positions=1024).save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+
+    def script(prompt_ids):  # the tool step's turns: a call then an answer, or an answer at once; else sampled
+        text = tok.decode(prompt_ids)
+        if "call the tool" not in text and "answer directly" not in text:
+            return None
+        reply = "done<|im_end|>" if "<|im_start|>tool" in text or "answer directly" in text else \
+            call("multiply", a=3, b=4) + "<|im_end|>"
+        return tok(reply, add_special_tokens=False)["input_ids"]
+
     results, requests, updates = {}, {}, {}
     for nproc in (1, 2):
         out = tmp_path / str(nproc)
         with StandinServer(base_dir) as server:
+            server.reply = script
             env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "BASE_DIR": base_dir,
                    "STANDIN_URL": server.url, "STANDIN_GROUP_PORT": str(_free_port()),
                    "PYTHONPATH": os.pathsep.join([STANDIN, root, os.environ.get("PYTHONPATH", "")])}
@@ -434,8 +451,8 @@ def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, 
                 str(out)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-            requests[nproc] = [body for _, p, body in server.requests if p == "/v1/completions"]
-            updates[nproc] = (server.updates, server.paths().count("/init_weight_transfer_engine"))
+            requests[nproc] = [body for _, p, body in server.requests if p == "/v1/completions"][:5]
+            updates[nproc] = (server.updates - 2, server.paths().count("/init_weight_transfer_engine") - 1)
         results[nproc] = [json.loads((out / f"result_{r}.json").read_text()) for r in range(nproc)]
     # one request per round from the main process: 2 prompts × n = 4, the same in both runs; then the evaluation's
     assert len(requests[2]) == 2 + 3 and all(len(b["prompt"]) == 2 and b["n"] == 4 for b in requests[2][:2])
@@ -449,7 +466,8 @@ def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, 
     for a, b in zip(one["lines"], two[0]["lines"]):
         assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     w1, w2 = load_file(str(tmp_path / "1" / "weights.safetensors")), load_file(str(tmp_path / "2" / "weights.safetensors"))
-    assert all(torch.allclose(w1[k], w2[k], atol=1e-6) for k in w1)
+    # to float rounding (2 processes average their gradients); an optimizer step moves weights by about 1e-2
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1), max((w1[k] - w2[k]).abs().max().item() for k in w1)
     assert not all(torch.equal(w1[k], p) for k, p in load_file(str(Path(base_dir) / "model.safetensors")).items()
                    if k in w1)  # the runs trained
     # greedy evaluation of the same 5 prompts by the same trained weights: the same metrics
@@ -458,3 +476,6 @@ def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, 
     # each process sent its own batches: 3 + 2 rows on two processes, 2 + 2 + 1 on one
     assert sorted(len(b["prompt"]) for b in requests[2][2:]) == sorted(len(b["prompt"]) for b in requests[1][2:]) \
         == [1, 2, 2]
+    # the tool step: 4 of the 8 rollouts called the tool once (on one process only, with 2), and both processes
+    # finished it
+    assert [r["tools"]["tools/call_frequency"] for r in (one, *two)] == [0.5, 0.5, 0.5]
