@@ -13,6 +13,7 @@ are dataset_name's dataset_test_split (or the test_split_size share of the mixtu
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,15 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
     "streaming": ("bool", False, "Read the datasets mixture as a stream (TRL DatasetMixtureConfig)."),
     "test_split_size": ("float | None", None, "Hold out this share (< 1) or number of rows of the training rows, seeded, as the evaluation rows (TRL DatasetMixtureConfig)."),
     "eval_dataset_name": ("str | None", None, "Evaluation prompts, same forms as dataset_name."),
-    "eval_split": ("str | None", None, "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems; builtin:toy has none); without eval_dataset_name, the split of dataset_name evaluated (default dataset_test_split)."),
+    "eval_split": ("str | None", None, "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems, which may be sliced as in datasets, e.g. 'test[:100]'; builtin:toy has none); without eval_dataset_name, the split of dataset_name evaluated (default dataset_test_split)."),
     "reward_funcs": ("list | None", None, "List of 'package.module:function' (or TRL's 'package.module.function') paths, reward-model paths, or TRL's built-in name accuracy_reward (builtin tasks bring theirs)."),
     "reward_model_name_or_path": ("str | None", None, "A reward model scored before reward_funcs (TRL GRPOScriptArguments)."),
     "process_reward_funcs": ("list | None", None, "List of step-reward sources (supervision process / both): 'package.module:function' paths, PRM folders written by `groupwise prm train`, or {path: …, kind: …} mappings."),
     "ignore_bias_buffers": ("bool", False, "Kept for TRL configs: TRL's grpo script does not read it either."),
 }
 
+# a built-in task's split, optionally sliced in datasets' syntax by row numbers: test, test[:100], train[10:-10]
+BUILTIN_SPLIT = re.compile(r"(?P<split>train|test)(?P<slice>\[(?P<start>-?\d+)?:(?P<stop>-?\d+)?\])?")
 MIXTURE_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
 # TRL's reward-function registry of `trl grpo` (trl/scripts/grpo.py): the ones groupwise has, or None
 TRL_REWARDS = {"accuracy_reward": "groupwise.rewards:accuracy_reward", "reasoning_accuracy_reward": None,
@@ -155,9 +158,15 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
                                   "(its rows are the same either way)")
             return task.dataset()
         split = split or default
-        if split not in ("train", "test"):
-            raise ConfigError(f"split {split!r} of {name!r}: built-in tasks have the splits 'train' and 'test'")
-        return task.dataset(split=split)
+        match = BUILTIN_SPLIT.fullmatch(split)
+        if match is None:
+            raise ConfigError(f"split {split!r} of {name!r}: built-in tasks have the splits 'train' and 'test' (a "
+                              "slice of one in datasets' syntax works too, e.g. 'test[:100]')")
+        rows = task.dataset(split=match["split"])
+        if match["slice"] is None:
+            return rows
+        start, stop = (int(x) if x else None for x in (match["start"], match["stop"]))
+        return rows[start:stop]
     import datasets
 
     split = split or default
