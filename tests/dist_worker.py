@@ -186,10 +186,17 @@ def replica(out: Path) -> None:
     (out / f"result_{t.dist.rank}.json").write_text(json.dumps(seen))
 
 
+def groups(out: Path) -> None:
+    """Distributed.subgroup(2): each process's group (its members' ranks, gathered within it)."""
+    dist = Distributed()
+    group = dist.subgroup(2)
+    (out / f"result_{dist.rank}.json").write_text(json.dumps(dist.gather_object_in(group, dist.rank)))
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     if mode.startswith("fault_"):
         fault(out, mode.removeprefix("fault_"))
     else:
-        {"same": same, "train": train, "run": run, "replica": replica}[mode](out)
+        {"same": same, "train": train, "run": run, "replica": replica, "groups": groups}[mode](out)

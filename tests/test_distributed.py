@@ -58,3 +58,12 @@ def test_each_process_samples_its_first_round_from_the_policy_it_trains(tmp_path
     process rank 0's, but a generation_dtype replica copied before that kept process 1's own until step 1."""
     _launch(2, "replica", tmp_path)
     assert [json.loads((tmp_path / f"result_{r}.json").read_text())["same"] for r in (0, 1)] == [True, True]
+
+
+@pytest.mark.slow
+def test_subgroups_are_consecutive_processes(tmp_path):
+    """vLLM's tensor-parallel groups (and TRL's): ranks [0, 2) and [2, 4) of 4 processes; each process gathers its
+    group's objects in rank order."""
+    _launch(4, "groups", tmp_path)
+    assert [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in range(4)] == [[0, 1], [0, 1], [2, 3],
+                                                                                             [2, 3]]

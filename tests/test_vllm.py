@@ -228,11 +228,46 @@ def test_use_vllm_without_vllm_says_what_to_install(tmp_path, base_dir, monkeypa
                     train_dataset=toy.dataset(4))
 
 
-def test_trl_vllm_configs_are_accepted_or_refused_with_the_reason():
+def test_trl_vllm_configs_are_accepted_or_refused_with_the_reason(monkeypatch):
     GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True)
     GRPOConfig(use_vllm=True, vllm_mode="server")  # tests/test_vllm_server.py
-    with pytest.raises(ConfigError, match="vllm_tensor_parallel_size > 1 is not supported yet"):
+    # a tensor-parallel engine spans tp processes: their number must be a multiple of it (checked before loading)
+    with pytest.raises(ConfigError, match=r"vllm_tensor_parallel_size=2 must divide the number of training "
+                                          r"processes \(1\): each colocated engine spans 2 of them"):
         GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it
+    GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)  # two engines of 2 processes
+    with pytest.raises(ConfigError, match=r"vllm_tensor_parallel_size=3 must divide .* processes \(4\)"):
+        GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=3)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_spans_two_processes_that_train_as_one(tmp_path):
+    """vllm_tensor_parallel_size=2 on 2 gloo processes (TRL's layout): one engine spans both, seeded rank // 2 = 0;
+    each call gathers both processes' prompts (rank order), the engine generates them together, and each process
+    takes its own rows, so the two train as 1 process with one engine does. Evaluation and the tool loop, whose
+    processes make different numbers of calls, stay matched: a process that has finished joins the others' calls
+    with no prompts (the stand-in checks every process of the group calls generate() with the same requests; without
+    the join the other process waits for ever), and a process that fails stops its group with its error."""
+    from tests.vllm_worker import build_tool_model, check_two_train_as_one, launch
+
+    base_dir = tmp_path / "tool-model"
+    build_tool_model(base_dir)
+    results = {n: launch(tmp_path / str(n), n, {"VLLM_MODE": "colocate", "BASE_DIR": str(base_dir)}) for n in (1, 2)}
+    check_two_train_as_one(results, tmp_path, base_dir)
+    one, two = results[1][0], results[2]
+    # every engine call, on both processes: training 4 + 4 prompts a round; evaluation 2 + 2, then 1 + none; the
+    # failing evaluation 2 + 2 (then process 1 fails and process 0's next call stops). In the tool step's trainer (a
+    # second engine): 4 + 4, then the 4 rows whose turn called the tool + none; its evaluation ("call", "answer",
+    # "call" in batches of 1: process 0 holds both "call" prompts) 1 + 1, then 1 (process 0's tool turn) + none, then
+    # process 0's second prompt, 2 turns, + none. One process: 8, 8; 2, 2, 1; 2; then 8, 4; 1, 1, 1, 1, 1
+    assert two[0]["engines"] == two[1]["engines"] == {
+        "sizes": [[8, 8, 4, 1, 4], [8, 4, 2, 1, 1, 1]],
+        "kwargs": {"tensor_parallel_size": 2, "seed": 0, "max_num_seqs": 4 * 2}}
+    assert one["engines"] == {"sizes": [[8, 8, 2, 2, 1, 2], [8, 4, 1, 1, 1, 1, 1]],
+                              "kwargs": {"tensor_parallel_size": 1, "seed": 0, "max_num_seqs": 8 * 1}}
+    # process 0 learnt of process 1's failure from the group's exchange, within the evaluation's generation
+    assert "generation failed on another process of the vLLM tensor-parallel group" in two[0]["failure"]
 
 
 def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm, tokenizer):

@@ -361,8 +361,8 @@ def test_server_mode_config_is_checked_before_anything_loads():
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_gpu_memory_utilization=0.5)
     with pytest.warns(UserWarning, match="vllm_tensor_parallel_size=2 has no effect"):
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="vllm_tensor_parallel_size > 1 is not supported yet"):
-        GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)  # colocate
+    with pytest.raises(ConfigError, match="vllm_tensor_parallel_size=2 must divide the number of training processes"):
+        GRPOConfig(use_vllm=True, vllm_tensor_parallel_size=2)  # colocate, 1 process
     # the server fields are read in server mode only: any value loads otherwise (TRL's dumps carry them)
     GRPOConfig(use_vllm=True, vllm_server_port=9000, vllm_server_base_url="http://a:1")
     GRPOConfig(vllm_mode="server", vllm_server_base_url="not a url")
@@ -411,71 +411,32 @@ def test_structured_outputs_reach_the_server_as_trl_sends_them(tmp_path, base_di
 
 
 @pytest.mark.slow
-def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, base_dir, vllm):
+def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, vllm):
     """TRL's multi-GPU layout: every process's prompts go to the main process, which alone sends them (one request
     per round, each prompt once with n = 4) and pushes the weights; each process trains on its own rows. The same
     server (same seed) answering the same requests, 2 processes train as 1 does. Evaluation, whose processes
     generate different numbers of batches, and the tool loop, whose processes run different numbers of turns, send
     each process's rows themselves (no collective to wait in)."""
-    from safetensors.torch import load_file
-
     from tests.vllm_standin.serve import StandinServer
+    from tests.vllm_worker import build_tool_model, check_two_train_as_one, launch, scripted_replies
 
-    from tests.agents_support import call
-
-    worker = str(Path(__file__).with_name("vllm_server_worker.py"))
-    root = str(Path(__file__).parents[1])
-    tok = toy.build_tool_tokenizer()  # a tool-calling tokenizer, for the tool step
-    base_dir = str(tmp_path / "tool-model")
-    toy.build_model(tok, seed=0, hidden_size=32, max_positions=1024).save_pretrained(base_dir)
-    tok.save_pretrained(base_dir)
-
-    def script(prompt_ids):  # the tool step's turns: a call then an answer, or an answer at once; else sampled
-        text = tok.decode(prompt_ids)
-        if "call the tool" not in text and "answer directly" not in text:
-            return None
-        reply = "done<|im_end|>" if "<|im_start|>tool" in text or "answer directly" in text else \
-            call("multiply", a=3, b=4) + "<|im_end|>"
-        return tok(reply, add_special_tokens=False)["input_ids"]
-
+    base_dir = tmp_path / "tool-model"
+    tok = build_tool_model(base_dir)  # a tool-calling tokenizer, for the tool step
     results, requests, updates = {}, {}, {}
     for nproc in (1, 2):
-        out = tmp_path / str(nproc)
-        with StandinServer(base_dir) as server:
-            server.reply = script
-            env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "BASE_DIR": base_dir,
-                   "STANDIN_URL": server.url, "STANDIN_GROUP_PORT": str(_free_port()),
-                   "PYTHONPATH": os.pathsep.join([STANDIN, root, os.environ.get("PYTHONPATH", "")])}
-            cmd = [sys.executable, worker, str(out)] if nproc == 1 else [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", worker,
-                str(out)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        with StandinServer(str(base_dir)) as server:
+            server.reply = scripted_replies(tok)
+            results[nproc] = launch(tmp_path / str(nproc), nproc, {
+                "VLLM_MODE": "server", "BASE_DIR": str(base_dir), "STANDIN_URL": server.url,
+                "STANDIN_GROUP_PORT": str(_free_port())})
             requests[nproc] = [body for _, p, body in server.requests if p == "/v1/completions"][:5]
             updates[nproc] = (server.updates - 2, server.paths().count("/init_weight_transfer_engine") - 1)
-        results[nproc] = [json.loads((out / f"result_{r}.json").read_text()) for r in range(nproc)]
     # one request per round from the main process: 2 prompts × n = 4, the same in both runs; then the evaluation's
     assert len(requests[2]) == 2 + 3 and all(len(b["prompt"]) == 2 and b["n"] == 4 for b in requests[2][:2])
     assert [b["prompt"] for b in requests[2][:2]] == [b["prompt"] for b in requests[1][:2]]
     assert updates[1] == updates[2] == (3, 1)  # the first push, then after each step; one weight-transfer group
-    one, two = results[1][0], results[2]
-    # each process scored its own half of every round's rows; together they are the one-process run's rows
-    assert len(two[0]["completions"]) == len(two[1]["completions"]) == 8
-    halves = [two[r]["completions"][i * 4:(i + 1) * 4] for i in range(2) for r in range(2)]
-    assert [c for half in halves for c in half] == one["completions"]
-    for a, b in zip(one["lines"], two[0]["lines"]):
-        assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-    w1, w2 = load_file(str(tmp_path / "1" / "weights.safetensors")), load_file(str(tmp_path / "2" / "weights.safetensors"))
-    # to float rounding (2 processes average their gradients); an optimizer step moves weights by about 1e-2
-    assert all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1), max((w1[k] - w2[k]).abs().max().item() for k in w1)
-    assert not all(torch.equal(w1[k], p) for k, p in load_file(str(Path(base_dir) / "model.safetensors")).items()
-                   if k in w1)  # the runs trained
-    # greedy evaluation of the same 5 prompts by the same trained weights: the same metrics
-    for key in ("eval_reward", "eval_completions/mean_length"):
-        assert two[0]["eval"][key] == two[1]["eval"][key] == pytest.approx(one["eval"][key], abs=1e-6)
-    # each process sent its own batches: 3 + 2 rows on two processes, 2 + 2 + 1 on one
+    # the same rows, rewards, losses, weights, evaluation metrics, failure messages and tool metrics as 1 process
+    check_two_train_as_one(results, tmp_path, base_dir)
+    # each process sent its own evaluation batches: 2 + 1 rows on one process and 2 on the other, 2 + 2 + 1 on one
     assert sorted(len(b["prompt"]) for b in requests[2][2:]) == sorted(len(b["prompt"]) for b in requests[1][2:]) \
         == [1, 2, 2]
-    # the tool step: 4 of the 8 rollouts called the tool once (on one process only, with 2), and both processes
-    # finished it
-    assert [r["tools"]["tools/call_frequency"] for r in (one, *two)] == [0.5, 0.5, 0.5]

@@ -177,7 +177,7 @@ class GRPOConfig(StrictConfig):
     vllm_server_timeout: float = option("vllm_mode='server': seconds to wait for the server to answer GET /health before stopping with an error that names its URL (TRL).", default=240.0, ge=0)
     vllm_group_port: int = option("vllm_mode='server': port this process opens for the weight-transfer group the server joins to receive the weights (TRL); change it only when it is taken.", default=51216, ge=1, le=65535)
     vllm_gpu_memory_utilization: float = option("Share of GPU memory the colocated engine may take (TRL).", default=0.3, gt=0, le=1)
-    vllm_tensor_parallel_size: int = option("Tensor-parallel size of the colocated engine (TRL); groupwise supports 1.", default=1, ge=1)
+    vllm_tensor_parallel_size: int = option("Tensor-parallel size of the colocated engine (TRL): each engine spans this many consecutive processes; it must divide their number.", default=1, ge=1)
     vllm_enable_sleep_mode: bool = option("Let the engine sleep (weights and KV cache offloaded) during the optimizer step (TRL).", default=False)
     vllm_max_model_length: int | None = option("max_model_len of the engine (TRL).", default=None, ge=1)
     vllm_model_impl: str = option("vLLM's model implementation: 'vllm' or 'transformers' (TRL).", default="vllm", choices=("vllm", "transformers"))

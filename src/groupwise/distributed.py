@@ -25,7 +25,8 @@ def exact_dtype(device) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 class ProcessFailed(RuntimeError):
-    """Another process raised in a `run_together` block; the message is that process's."""
+    """Another process raised in a `run_together` block (or, sharing a tensor-parallel vLLM engine, in a block of
+    generation.independently()); the message is that process's."""
 
 
 class Distributed:
@@ -144,6 +145,22 @@ class Distributed:
         from accelerate.utils import gather_object
 
         return gather_object(list(obj))
+
+    def subgroup(self, size: int):
+        """This process's group of `size` consecutive processes ([0, size), [size, 2·size), …: TRL's vLLM
+        tensor-parallel groups), bounded by ddp_timeout like every collective; every process calls it together."""
+        if self.world_size % size:
+            raise ValueError(f"groups of {size} processes cannot split {self.world_size} processes")
+        group, _ = torch_dist.new_subgroups_by_enumeration(
+            [list(range(start, start + size)) for start in range(0, self.world_size, size)],
+            timeout=datetime.timedelta(seconds=self.timeout))
+        return group
+
+    def gather_object_in(self, group, obj) -> list:
+        """Every process's `obj` in `group` (from `subgroup`), in rank order."""
+        out = [None] * torch_dist.get_world_size(group)
+        torch_dist.all_gather_object(out, obj, group=group)
+        return out
 
     def broadcast_object(self, obj):
         """The main process's `obj` on every process (the others' arguments are ignored)."""

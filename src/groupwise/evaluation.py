@@ -34,24 +34,29 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     kwargs = {"trainer_state": state, "log_metric": lambda name, value: logged[name].append(float(value)),
               "log_extra": lambda column, values: None}  # evaluation writes no completions.jsonl rows
 
-    def local():  # this process's share; no collective inside, so it runs under run_together
+    def local():  # this process's share, under run_together. Within independently() (entered by every process
+        # together, left before run_together's own collective) a collective generator's calls are matched
         per_func, lengths, truncated, tools = [], [], [], [0.0, 0.0]
-        for start in range(0, len(mine), bs):
-            rows = [data[i] for i in mine[start:start + bs] for _ in range(k)]
-            comp = R.generate(ctx, model, rows, greedy=args.num_generations_eval is None,
-                              evaluation=True)
-            rewards, _ = compute_rewards(reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                         comp.columns, on_error=args.on_reward_error,
-                                         timeout=args.reward_timeout, extra=kwargs)
-            per_func += rewards.tolist()
-            lengths += comp.lengths.tolist()
-            truncated += comp.truncated.tolist()
-            if comp.tool_calls is not None:
-                tools = [tools[0] + float(comp.tool_calls.sum()), tools[1] + float(comp.tool_failures.sum())]
+        with independently(ctx.generator, model):
+            for start in range(0, len(mine), bs):
+                score_batch(mine[start:start + bs], per_func, lengths, truncated, tools)
         return per_func, lengths, truncated, tools, {n: [sum(v), len(v)] for n, v in logged.items()}
 
+    def score_batch(indices, per_func, lengths, truncated, tools):
+        rows = [data[i] for i in indices for _ in range(k)]
+        comp = R.generate(ctx, model, rows, greedy=args.num_generations_eval is None, evaluation=True)
+        rewards, _ = compute_rewards(reward_sources, comp.prompts, comp.completions, comp.token_lists(),
+                                     comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout,
+                                     extra=kwargs)
+        per_func += rewards.tolist()
+        lengths += comp.lengths.tolist()
+        truncated += comp.truncated.tolist()
+        if comp.tool_calls is not None:
+            tools[0] += float(comp.tool_calls.sum())
+            tools[1] += float(comp.tool_failures.sum())
+
     # sampled evaluation must not move the training's random streams (exact resume)
-    with rng_untouched(), independently(ctx.generator, model):
+    with rng_untouched():
         per_func, lengths, truncated, tools, calls = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
     truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)

@@ -86,4 +86,9 @@ def resolve(args, world_size: int) -> BatchLayout:
             f"steps_per_generation × num_iterations = {steps * args.num_iterations} must be a multiple of "
             f"gradient_accumulation_steps={args.gradient_accumulation_steps}, so an optimizer step never spans two "
             "generation batches")
+    tp = args.vllm_tensor_parallel_size
+    if args.use_vllm and args.vllm_mode == "colocate" and world_size % tp:
+        raise ConfigError(f"vllm_tensor_parallel_size={tp} must divide the number of training processes "
+                          f"({world_size}): each colocated engine spans {tp} of them; launch a multiple of {tp} "
+                          "processes (torchrun --nproc_per_node), or lower it")
     return BatchLayout(world_size, steps, gen_batch, gen_batch // G, G, args.per_device_train_batch_size)

@@ -89,8 +89,6 @@ class StandinServer:
         self.weight_transfer, self.dev_mode = weight_transfer, dev_mode
         self.requests: list[tuple[str, str, dict | None]] = []
         self.faults: dict[str, list[int | str]] = {}  # path -> the next requests' failures (an HTTP status, "drop")
-        # tests may script completions: prompt ids -> completion ids, or None to sample that prompt from the model
-        self.reply = None
         self.lock = threading.Lock()  # the engine: generation and weight loads do not interleave
         self.communicator = None
         self.packed_in_init: bool | None = None
@@ -100,6 +98,16 @@ class StandinServer:
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.thread: threading.Thread | None = None
+
+    @property
+    def reply(self):
+        """Tests may script completions: prompt ids -> completion ids, or None to sample that prompt (the engine's
+        LLM.reply)."""
+        return self.llm.reply
+
+    @reply.setter
+    def reply(self, script) -> None:
+        self.llm.reply = script
 
     @property
     def url(self) -> str:
@@ -176,14 +184,9 @@ class StandinServer:
             raise HTTPError(400, f"{type(e).__name__}: {e}") from None
         except NotImplementedError as e:
             raise HTTPError(501, str(e)) from None
-        scripted = {i: r for i, r in enumerate(map(self.reply, prompts)) if r is not None} if self.reply else {}
         with self.lock:
-            sampled = iter(self.llm.generate([{"prompt_token_ids": p} for i, p in enumerate(prompts)
-                                              if i not in scripted], sampling_params=params, use_tqdm=False)
-                           if len(scripted) < len(prompts) else [])
-        outputs = [self.vllm.RequestOutput(p, [self.vllm.CompletionOutput(k, scripted[i], None)
-                                               for k in range(params.n)]) if i in scripted else next(sampled)
-                   for i, p in enumerate(prompts)]
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
+                                        use_tqdm=False)
         eos = self.llm.hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
         ids = bool(body.get("return_token_ids"))  # vLLM fills token_ids / prompt_token_ids only when asked

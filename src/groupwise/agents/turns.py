@@ -23,10 +23,12 @@ messages (TRL's completions: assistant, tool…, assistant, …); turn_ends (the
 and the tool-call, failure and timeout counts. An environment's optional `start_turn()` is called once per model turn
 that has a turn end, in order, before that turn's calls run.
 
-Multi-process: each process runs the loop on its own rows. The generator backends run locally (fast / transformers
-sample from an unsharded module — with fsdp its full replica —, vLLM colocate has one engine per process with
-tensor_parallel_size 1, vLLM server mode is called `independently()`: each process sends its own requests), so a
-process whose rows finished earlier makes no further generator call and no collective is left unmatched.
+Multi-process: each process runs the loop on its own rows, inside generation.independently() (rollout.generate).
+The generator backends run locally (fast / transformers sample from an unsharded module — with fsdp its full
+replica —, vLLM colocate has one engine per process) or each process on its own (vLLM server mode sends each
+process's requests), so a process whose rows finished earlier makes no further generator call and no collective is
+left unmatched; a tensor-parallel vLLM engine, collective over its group, has a finished process join the group's
+remaining calls when it leaves independently().
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ A backend is a class with
     __call__(model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False) -> Generated
     update_weights(model)                                receive the policy's new weights after an optimizer step
                                                          (a no-op for backends that sample from the policy itself)
-    independently(model) (optional)                      a context in which each process's calls stand alone, for a
-                                                         backend whose calls are collective (`independently` below)
+    independently(model) (optional)                      a context in which processes may make different numbers
+                                                         of calls, for a backend whose calls are collective
+                                                         (`independently` below)
 and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
 validation) never imports transformers or an inference engine.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,13 +117,27 @@ def unapplied_generation_config(model, args) -> dict[str, object]:
     return found
 
 
+_INDEPENDENT: weakref.WeakSet = weakref.WeakSet()  # generators inside an independently() block
+
+
+@contextlib.contextmanager
 def independently(generator, model):
-    """A block in which each process's generator calls run without collectives: evaluation and the multi-turn tool
-    loop, whose processes may make different numbers of calls. Backends whose processes share one engine (vLLM server
-    mode) implement `independently(model)` (every process enters it together, so it may first sync `model`'s
-    weights collectively); for the others there is nothing to change."""
+    """A block in which processes may make different numbers of generator calls: evaluation and the multi-turn tool
+    loop. Backends whose processes share an engine implement `independently(model)`: vLLM server mode (each process
+    then sends its own requests) and a tensor-parallel colocated vLLM engine (a process that has finished joins its
+    group's remaining calls when it leaves the block). Every process enters it together, so it may first sync
+    `model`'s weights or build the engine collectively; for the other backends there is nothing to change. Nested
+    blocks (the tool loop within an evaluation) are the outermost one: only it is the backend's."""
     method = getattr(generator, "independently", None)
-    return method(model) if method is not None else contextlib.nullcontext()
+    if method is None or generator in _INDEPENDENT:
+        yield
+        return
+    _INDEPENDENT.add(generator)
+    try:
+        with method(model):
+            yield
+    finally:
+        _INDEPENDENT.discard(generator)
 
 
 def build_generator(args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> Generator:

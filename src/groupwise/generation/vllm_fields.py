@@ -31,8 +31,6 @@ def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> No
     if args.use_vllm:
         if args.vllm_mode == "server":
             _check_server(args, _default)
-        elif args.vllm_tensor_parallel_size != 1:
-            raise ConfigError("vllm_tensor_parallel_size > 1 is not supported yet: use 1 (one engine per process)")
         if args.generation_backend not in ("fast", "vllm"):
             raise ConfigError(f"use_vllm=True and generation_backend={args.generation_backend!r} ask for two "
                               "samplers: drop one")

@@ -4,18 +4,23 @@ a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a t
     LLM(model=path, **engine_args)  (ENGINE_ARGS: an unknown name is a TypeError, as vLLM's EngineArgs(**kwargs);
         distributed_executor_backend="external_launcher" reads RANK / LOCAL_RANK and, torch.distributed not being
         initialized, needs MASTER_ADDR / MASTER_PORT, as vLLM's ExecutorWithExternalLauncher and env:// do)
-    LLM.generate([{"prompt_token_ids": [...]}, ...], sampling_params=SamplingParams(...), use_tqdm=False)
+    LLM.generate([{"prompt_token_ids": [...]}, ...], sampling_params=SamplingParams(...) or one per prompt,
+                 use_tqdm=False)
         -> [RequestOutput(prompt_token_ids, outputs=[CompletionOutput(token_ids, logprobs=[{id: Logprob}])])]
     LLM.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, tensor)])
     LLM.reset_prefix_cache(), LLM.sleep(level) (level 2 discards the weights), LLM.wake_up(tags)
 
+tensor_parallel_size > 1 (with the external launcher) is emulated: the engine spans a group of consecutive
+processes, each holding the whole model, and generate() checks that every process of the group called it with the
+same requests (a process that does not call it leaves the others waiting, as vLLM's collectives would).
 SamplingParams checks its fields' ranges as vLLM's _verify_args. Sampling: temperature (0 = greedy), top-k (top-p,
 min-p and the repetition penalty are accepted, not applied), structured_outputs=StructuredOutputsParams(regex=…)
 (vllm.sampling_params: a token is allowed when the completion's text stays a prefix of a match, EOS once it is a
 full match); logprobs of the sampled token under the processed
-distribution (logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`)
+distribution (logprobs_mode="processed_logprobs": after temperature). It records what it is sent (`loads`, `calls`, `sizes`)
 and what it sampled (`outputs`, `sampled_logprobs`) so tests can check that weights reach the engine and log-probs
-the trainer.
+the trainer. `LLM.reply` (an engine's, or a staticmethod on the class) may script completions: prompt ids -> completion ids (no log-probs),
+or None to sample.
 
 Server mode (tests/vllm_standin/serve.py serves this engine over HTTP) also uses, on the trainer's side:
     vllm.utils.network_utils.get_ip()
@@ -112,7 +117,28 @@ class _WeightLoader:
                 self.engine.loads.append(name)
 
 
+def _tensor_parallel_group(tp: int, executor: str | None):
+    """The group of `tp` consecutive ranks this process's engine spans (vLLM's tensor-parallel groups under the
+    external launcher, which runs on the launcher's torch.distributed world); built by every rank together."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if executor != "external_launcher" or not dist.is_initialized():
+        raise ValueError("stand-in vLLM: tensor_parallel_size > 1 is emulated only with distributed_executor_backend="
+                         "'external_launcher' in a torch.distributed run")
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"world_size ({world}) is not divisible by tensor_parallel_size ({tp})")
+    group, _ = dist.new_subgroups_by_enumeration([list(range(r, r + tp)) for r in range(0, world, tp)],
+                                                 timeout=datetime.timedelta(seconds=60))
+    return group
+
+
 class LLM:
+    # tests may script completions: prompt ids -> completion ids, or None to sample that prompt from the model
+    reply = None
+
     def __init__(self, model: str, **kwargs):
         import os
 
@@ -135,12 +161,17 @@ class LLM:
                     if not os.environ.get(name):
                         raise ValueError(f"Error initializing torch.distributed using env:// rendezvous: "
                                          f"environment variable {name} expected, but not set")
+        self.group = None  # tensor parallelism: the group of processes sharing this engine
+        tp = int(kwargs.get("tensor_parallel_size") or 1)
+        if tp > 1:
+            self.group = _tensor_parallel_group(tp, kwargs.get("distributed_executor_backend"))
         self.kwargs = kwargs
         self.path = model
         self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
         self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
         self.loads: list[str] = []
         self.calls = 0
+        self.sizes: list[int] = []  # the number of prompts of each generate() call
         self.asleep: set[str] = set()  # what sleep() put to sleep and wake_up() has not woken yet
         self.prefix_cache_resets = 0
         self.outputs: list[list[int]] = []  # the token ids of every completion of the last generate()
@@ -192,21 +223,37 @@ class LLM:
         return bool(self.asleep)
 
     @torch.no_grad()
-    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
-        p = sampling_params or SamplingParams()
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True):
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):  # vLLM's LLM._validate_and_add_requests
+            raise ValueError("The lengths of prompts and params must be the same.")
+        if self.group is not None:  # vLLM's external launcher: every rank of the group runs the same requests
+            import torch.distributed as dist
+
+            seen = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(seen, (list(prompts), params), group=self.group)
+            if any(other != seen[0] for other in seen):
+                raise RuntimeError("stand-in vLLM: the processes of a tensor-parallel group called generate() with "
+                                   "different requests (vLLM's external launcher needs the same on every rank)")
         if self.asleep:
             raise RuntimeError(f"stand-in vLLM: generate() while {sorted(self.asleep)} sleep; call wake_up first")
         if any(q.isnan().any() for q in self.hf.parameters()):
             raise RuntimeError("stand-in vLLM: the weights were discarded by sleep(level=2) and not loaded again")
         eos = self.hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
-        stop = eos | set(p.stop_token_ids or [])
         self.calls += 1
-        self.last_params = p
+        self.sizes.append(len(prompts))
+        self.last_params = params[0] if params else None
         out = []
-        for prompt in prompts:
+        for prompt, p in zip(prompts, params):
             ids = list(prompt["prompt_token_ids"])
-            completions = []
+            scripted = self.reply(ids) if self.reply is not None else None
+            if scripted is not None:  # a test's scripted completion (no log-probs)
+                out.append(RequestOutput(ids, [CompletionOutput(k, list(scripted), None) for k in range(p.n)]))
+                continue
+            completions, stop = [], eos | set(p.stop_token_ids or [])
             for k in range(p.n):
                 seq, lps = list(ids), []
                 for _ in range(p.max_tokens):
