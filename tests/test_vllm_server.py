@@ -6,8 +6,6 @@ weights reaching the server after every optimizer step, errors — not vLLM."""
 from __future__ import annotations
 
 import copy
-import json
-import os
 import logging
 import socket
 import subprocess
