@@ -88,9 +88,7 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
     if out["logprobs"] is not None:
         rows_lp = _rows(out["logprobs"], "logprobs", n, _logprob, lengths)
         if logprobs:  # 0 on padding, NaN where the sampler gave none
-            sampling = torch.zeros(n, width)
-            for i, row in enumerate(rows_lp):
-                sampling[i, :len(row)] = torch.tensor(row, dtype=torch.float)
+            sampling, _ = pad_rows(rows_lp, 0.0, side="right", width=width, dtype=torch.float)
     elif logprobs:
         raise ValueError("rollout_func returned logprobs=None, but the importance-sampling correction or the "
                          "off-policy mask reads the sampler's log-probs: return one log-prob per completion token, "

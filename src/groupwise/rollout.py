@@ -209,10 +209,7 @@ def _from_turns(ctx: RolloutContext, turns: Turns) -> Completions:
     tool_mask, _ = pad_rows(turns.tool_mask, 0, side="right")  # same widths as completion_ids
     sampling_logps = None
     if turns.logprobs is not None:
-        sampling_logps = torch.zeros(mask.shape)
-        for i, row in enumerate(turns.logprobs):
-            sampling_logps[i, :len(row)] = torch.tensor(row, dtype=torch.float)
-        sampling_logps = sampling_logps.to(device)
+        sampling_logps = pad_rows(turns.logprobs, 0.0, width=mask.size(1), dtype=torch.float)[0].to(device)
     columns = {} if turns.environments is None else {"environments": list(turns.environments)}
     return Completions(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device), mask.to(device),
                        torch.tensor(turns.truncated, device=device), turns.prompts, turns.completions, columns,

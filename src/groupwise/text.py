@@ -47,17 +47,18 @@ def prompt_token_ids(prompts: list[Any], tokenizer, chat_template_kwargs: dict |
     return out
 
 
-def pad_rows(rows: list[list[int]], pad_id: int, *, side: str = "right", width: int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, L) ids, (N, L) mask
-    """Stack ragged token lists into one (N, L) long tensor and its 0/1 mask; L = the longest row (or `width`)."""
+def pad_rows(rows: list[list[int]], pad_id: int | float, *, side: str = "right", width: int | None = None,
+             dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:  # (N, L) values, (N, L) mask
+    """Stack ragged lists (token ids, or per-token values with a float dtype) into one (N, L) tensor filled with
+    pad_id and its 0/1 long mask; L = the longest row (or `width`)."""
     if side not in ("left", "right"):
         raise ValueError(f"side={side!r} is not 'left' or 'right'")
     L = max((len(r) for r in rows), default=0) if width is None else width
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    ids = torch.full((len(rows), L), pad_id, dtype=dtype)
     mask = torch.zeros((len(rows), L), dtype=torch.long)
     for i, row in enumerate(rows):
         span = slice(L - len(row), L) if side == "left" else slice(0, len(row))
-        ids[i, span] = torch.as_tensor(row, dtype=torch.long)
+        ids[i, span] = torch.as_tensor(row, dtype=dtype)
         mask[i, span] = 1
     return ids, mask
 

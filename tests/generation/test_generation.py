@@ -37,6 +37,22 @@ def test_generated_from_an_engine_s_ragged_rows():
     assert Generated.from_rows([[5]], None, 9, torch.device("cpu")).logprobs is None
 
 
+def test_pad_rows_matches_a_plain_loop():
+    from groupwise.text import pad_rows
+
+    rows = [[3, 1], [], [4, 1, 5]]
+    for side in ("left", "right"):
+        for pad, dtype, width in ((0, torch.long, None), (float("nan"), torch.float, 5)):
+            values, mask = pad_rows(rows, pad, side=side, width=width, dtype=dtype)
+            L = width or 3
+            for i, row in enumerate(rows):  # the loop: each row placed at its side, the rest pad / mask 0
+                placed = [pad] * (L - len(row)) + row if side == "left" else row + [pad] * (L - len(row))
+                span = range(L - len(row), L) if side == "left" else range(len(row))
+                torch.testing.assert_close(values[i], torch.tensor(placed, dtype=dtype), equal_nan=True)
+                assert mask[i].tolist() == [int(j in span) for j in range(L)]
+            assert values.dtype == dtype and mask.dtype == torch.long
+
+
 def test_encode_prompts_left_pads_and_truncates(tokenizer):
     ids, mask = encode_prompts(["ab", "abcd"], tokenizer, max_prompt_length=3)
     pad = tokenizer.pad_token_id

@@ -45,16 +45,15 @@ class Generated:
                   device: torch.device) -> "Generated":
         """An engine's ragged completions (each ended by EOS, a stop or the length limit) right-padded with
         pad_token_id, their log-probs (None / NaN → NaN, and on padding) when given, and each row's length."""
+        from groupwise.text import pad_rows
+
         T = max(1, max((len(r) for r in rows), default=0))
-        ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long)
-        lps = torch.full((len(rows), T), float("nan"))
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            values = logprobs[i] if logprobs is not None else None
-            if values is not None:
-                lps[i, :len(values)] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-        lengths = torch.tensor([len(r) for r in rows], device=device)
-        return cls(ids.to(device), lps.to(device) if logprobs is not None else None, lengths)
+        ids, _ = pad_rows(rows, pad_token_id, width=T)
+        lps = None
+        if logprobs is not None:
+            values = [[float("nan") if v is None else float(v) for v in row or ()] for row in logprobs]
+            lps = pad_rows(values, float("nan"), width=T, dtype=torch.float)[0].to(device)
+        return cls(ids.to(device), lps, torch.tensor([len(r) for r in rows], device=device))
 
 
 class Generator(Protocol):
