@@ -10,8 +10,10 @@ from tests.conftest import training_lines
 
 
 def test_parse_overrides():
+    """Each value is read by its field's type: text stays text (numbers are checked as the field's type later, by
+    GRPOConfig), a bare boolean is true, a YAML flow list is a list."""
     assert parse_overrides(["--beta", "0.1", "--bf16", "--report_to=[tensorboard]", "--loss-type", "grpo"]) == \
-        {"beta": 0.1, "bf16": True, "report_to": ["tensorboard"], "loss_type": "grpo"}
+        {"beta": "0.1", "bf16": True, "report_to": ["tensorboard"], "loss_type": "grpo"}
 
 
 def _config(tmp_path, model_dir, **extra):
@@ -36,9 +38,9 @@ def test_train_from_yaml_with_overrides_then_resume(tmp_path, model_dir):
     assert (run / "checkpoint-2" / "model.safetensors").exists()
     assert main(["train", cfg, "--max_steps", "3", "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
     assert [json.loads(x)["step"] for x in training_lines(run / "metrics.jsonl")] == [1, 2, 3]
-    # true (YAML's boolean, or the quoted string a script passes on) resumes the newest checkpoint, as transformers
+    # true (YAML's boolean, or the string a script passes on) resumes the newest checkpoint, as transformers
     assert main(["train", cfg, "--max_steps", "4", "--resume_from_checkpoint", "true"]) == 0
-    assert main(["train", cfg, "--max_steps", "5", "--resume_from_checkpoint", "'True'"]) == 0
+    assert main(["train", cfg, "--max_steps", "5", "--resume_from_checkpoint", "True"]) == 0
     assert [json.loads(x)["step"] for x in training_lines(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 

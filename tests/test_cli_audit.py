@@ -128,7 +128,6 @@ def test_help_and_trl_command_line_habits(tmp_path, model_dir, capsys, fake):
     (dict(dataset_split="train", dataset_train_split="test"), "dataset_split='train' and dataset_train_split='test'"),
     (dict(bnb_4bit_quant_type="fp4"), "bnb_4bit_quant_type='fp4' has no effect without load_in_4bit=True"),
     (dict(model_revison="x"), "unknown field 'model_revison'; did you mean 'model_revision'"),
-    (dict(reward_funcs=["think_format_reward"]), "'think_format_reward' is one of TRL's built-in rewards"),
     (dict(datasets=[{"path": "x.jsonl", "splt": "train"}]), r"datasets\[0\]: unknown field 'splt'; did you mean 'split'"),
     (dict(test_split_size=1.5), r"test_split_size=1.5 must be a share in \(0, 1\) or a whole number of rows"),
 ])
@@ -141,8 +140,9 @@ def test_script_field_errors_are_one_line_exit_2(tmp_path, model_dir, capsys, fa
 
 
 def test_trl_reward_names_and_working_directory_modules(tmp_path, model_dir, monkeypatch, fake):
-    """TRL's registry name accuracy_reward is groupwise's; reward_model_name_or_path comes first; a module in the
-    working directory imports from the console script too (whose sys.path[0] is its bin folder), as in TRL."""
+    """The names of TRL's reward registry are groupwise's functions (get_soft_overlong_punishment built as the
+    script builds it); reward_model_name_or_path comes first; a module in the working directory imports from the
+    console script too (whose sys.path[0] is its bin folder), as in TRL."""
     (tmp_path / "my_rewards.py").write_text("def zero(completions, **_):\n    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
@@ -158,6 +158,14 @@ def test_trl_reward_names_and_working_directory_modules(tmp_path, model_dir, mon
     from groupwise.rewards.sources import resolve_spec
 
     assert resolve_spec(funcs[1], "x") is accuracy_reward and resolve_spec(funcs[2], "x").__name__ == "zero"
+    from groupwise import rewards
+    from groupwise.script_args import reward_specs
+
+    names = ["reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"]
+    found = [resolve_spec(spec, "x") for spec in reward_specs({"reward_model_name_or_path": None,
+                                                              "reward_funcs": names})]
+    assert found[:2] == [rewards.reasoning_accuracy_reward, rewards.think_format_reward]
+    assert (found[2].max_completion_len, found[2].soft_punish_cache) == (1280, 256)  # trl/scripts/grpo.py's
 
 
 def test_dataset_forms_and_splits(tmp_path, model_dir, capsys, fake):
@@ -175,7 +183,9 @@ def test_dataset_forms_and_splits(tmp_path, model_dir, capsys, fake):
     assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(saved), eval_strategy="steps",
                                dataset_test_split="validation")]) == 0
     assert len(fake[-1].kwargs["eval_dataset"]) == 2
-    assert main(["train", _cfg(tmp_path, model_dir, test_split_size=2, eval_on_start=True)]) == 0
+    one = [{"path": str(tmp_path / "p.jsonl")}]  # test_split_size splits TRL's mixture (no effect without one)
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=None, datasets=one, test_split_size=2,
+                               eval_on_start=True)]) == 0
     assert (len(fake[-1].kwargs["train_dataset"]), len(fake[-1].kwargs["eval_dataset"])) == (6, 2)
     # TRL's mixture: each dataset's columns, shares by fraction (the largest mixture that oversamples none)
     other = _jsonl(tmp_path / "o.jsonl", _rows(16, extra="x"))
@@ -264,8 +274,8 @@ def test_a_built_in_task_can_be_split_and_mixed(fake, tmp_path, model_dir):
     from groupwise.demo import POLICY_DIR
 
     common = ["train", "--model_name_or_path", str(POLICY_DIR), "--output_dir", str(tmp_path / "run")]
-    assert main([*common, "--dataset_name", "builtin:arithmetic", "--test_split_size", "0.1", "--eval_strategy",
-                 "steps"]) == 0
+    assert main([*common, "--datasets", "builtin:arithmetic", "--test_split_size", "0.1", "--eval_strategy",
+                 "steps", "--reward_funcs", "groupwise.tasks.arithmetic:accuracy"]) == 0
     assert (len(fake[-1].kwargs["train_dataset"]), len(fake[-1].kwargs["eval_dataset"])) == (1800, 200)
     assert main([*common, "--datasets", "[{path: 'builtin:toy'}, {path: 'builtin:toy'}]", "--reward_funcs",
                  "groupwise.tasks.toy:letter_reward"]) == 0

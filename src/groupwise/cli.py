@@ -20,9 +20,9 @@ from groupwise.config import ConfigError, GRPOConfig, load_yaml
 from groupwise.config_base import check_location, check_model_location, reject_unknown
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
-from groupwise.quantization import QUANTIZATION, from_script_fields
-from groupwise.script_args import (RUN_FIELDS, builtin_task, check_run_fields, load_dataset_spec, load_run_datasets,
-                                   model_init_kwargs, reward_specs)
+from groupwise.quantization import QUANTIZATION, QUANTIZATION_FIELDS, from_script_fields
+from groupwise.script_args import (ALIASES, RUN_FIELDS, builtin_task, check_run_fields, load_dataset_spec,
+                                   load_run_datasets, model_init_kwargs, reward_specs)
 
 __all__ = ["RUN_FIELDS", "build_run", "builtin_task", "load_dataset_spec", "main", "parse_overrides"]
 
@@ -31,13 +31,26 @@ TRAIN_USAGE = """usage: groupwise train [CONFIG.yaml | --config CONFIG.yaml] [--
        groupwise train [--field value …]                     (no model_name_or_path: the built-in demo)
 
 Fields: every GRPOConfig field (`groupwise fields` lists them with help and defaults) and the run fields below,
-from CONFIG.yaml and the command line (which wins): --field value, --field=value, --flag (true), --no_flag (false),
---field a b c (a list). Exit codes: 0 done, 2 a configuration or input error, 1 the run stopped on an error."""
+from CONFIG.yaml (YAML values; its env: mapping sets environment variables first, as TRL) and the command line
+(which wins; each value read by its field's type, as TRL's parser: text stays text, booleans true/false, yes/no,
+t/f, y/n, 1/0): --field value, --field=value, --flag (true), --no_flag (false), --field a b c (a list).
+Exit codes: 0 done, 2 a configuration or input error, 1 the run stopped on an error."""
+
+# transformers' string_to_bool (HfArgumentParser's reading of a boolean field), case-insensitive
+TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
 
 
-def parse_overrides(tokens: list[str]) -> dict[str, Any]:
-    """`--key value`, `--key=value`, bare `--flag` (= true), `--key v1 v2 …` (a list, as TRL's parser reads list
-    fields); values parsed as YAML scalars/lists."""
+def field_types() -> dict[str, str]:
+    """The annotation of every `groupwise train` field: GRPOConfig's, the run fields', the bitsandbytes ones'."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(GRPOConfig)}
+    types.update({name: ann for name, (ann, _, _) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items()})
+    return types
+
+
+def parse_overrides(tokens: list[str], types: dict[str, str] | None = None) -> dict[str, Any]:
+    """`--key value`, `--key=value`, bare `--flag` (= true), `--no_<flag>` (= false), `--key v1 v2 …` (a list, as
+    TRL's parser reads list fields); each value read by its field's annotation in `types` (default: field_types())."""
+    types = field_types() if types is None else types
     out: dict[str, Any] = {}
     i = 0
     while i < len(tokens):
@@ -49,10 +62,53 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
         while not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
             values.append(tokens[i + 1])
             i += 1
-        parsed = [_scalar(v) for v in values] or [True]
-        out[key.replace("-", "_")] = parsed[0] if len(parsed) == 1 else parsed
+        key = key.replace("-", "_")
+        if key.startswith("no_") and key not in types and "bool" in types.get(key[3:], ""):
+            if values:  # TRL's parser: a store_false flag
+                raise ConfigError(f"--{key} takes no value (it sets {key[3:]} to false): write --{key} alone, or "
+                                  f"--{key[3:]} false")
+            out[key[3:]] = False
+        else:
+            out[key] = typed_value(key, values, types.get(key))
         i += 1
     return out
+
+
+def typed_value(key: str, values: list[str], annotation: str | None) -> Any:
+    """One field's command-line value(s), read as TRL's parser reads the field's type: text stays text (`exp #1`,
+    `2024_01`, `0123456`, `on`, `null`); a boolean takes transformers' string_to_bool words; numbers, 'None' for a
+    field that takes no text, and JSON for a dict field are left to the field's check (config_base.coerce); a list
+    takes several values (or one YAML flow list `[a, b]`). A name that is no field keeps the YAML reading (it is
+    refused or checked against TRL's default later)."""
+    if key == "config":
+        if len(values) != 1 or not values[0].strip():
+            raise ConfigError(f"--config takes one path (got {values or 'none'}): groupwise train --config CONFIG.yaml")
+        return values[0]
+    if annotation is None:
+        parsed = [_scalar(v) for v in values] or [True]
+        return parsed[0] if len(parsed) == 1 else parsed
+    allowed = [a.strip() for a in annotation.split("|")]
+    listed = next((a for a in allowed if a.startswith("list")), None)
+    if not values:
+        if "bool" in allowed:
+            return True
+        raise ConfigError(f"--{key} needs a value (of type {annotation}): --{key} VALUE")
+    if listed is None and len(values) > 1:
+        raise ConfigError(f"--{key} takes one value, got {len(values)} ({values}): quote a value that has spaces")
+    if listed is not None:
+        if len(values) == 1 and values[0].lstrip().startswith("["):
+            return _scalar(values[0])  # a YAML flow list, as in a config file
+        items = [_scalar(v) if listed == "list" and v.lstrip().startswith("{") else v for v in values]
+        if key == "datasets":  # TRL's parser: each value is a DatasetConfig's path
+            items = [v if isinstance(v, dict) else {"path": v} for v in items]
+        return items[0] if len(items) == 1 and key != "datasets" else items
+    text = values[0]
+    if set(allowed) <= {"bool", "None"}:
+        if text.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+            return text.strip().lower() in TRUE_WORDS
+        if not ("None" in allowed and text.strip().lower() in ("none", "null")):
+            raise ConfigError(f"--{key}={text!r} is not a boolean: give true/false, yes/no, t/f, y/n or 1/0 (as TRL)")
+    return text
 
 
 def _scalar(text: str) -> Any:
@@ -78,17 +134,16 @@ def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
     return run_demo(values, task)
 
 
-def negations(values: dict[str, Any]) -> dict[str, Any]:
-    """TRL's parser: a bare `--no_<flag>` turns off a boolean field (here any boolean GRPOConfig or run field)."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(GRPOConfig)}
-    types.update({name: annotation for name, (annotation, _, _) in RUN_FIELDS.items()})
-    out = {}
-    for key, value in values.items():
-        name = key[3:]
-        if key.startswith("no_") and key not in types and value is True and "bool" in types.get(name, ""):
-            key, value = name, False
-        out[key] = value
-    return out
+def set_env(env: Any, config_path: str) -> None:
+    """TRL's TrlParser: a config's `env:` mapping becomes environment variables (values as text) before the other
+    fields are read."""
+    if not isinstance(env, dict):
+        raise ConfigError(f"{config_path}: env must be a mapping of VARIABLE: value (as in TRL), got "
+                          f"{type(env).__name__}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise ConfigError(f"{config_path}: env key {key!r} is not a variable name: write it as text, without '='")
+        os.environ[key] = str(value)
 
 
 def build_run(values: dict[str, Any]):
@@ -107,21 +162,26 @@ def build_run(values: dict[str, Any]):
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(TRAIN_USAGE + "\n\nrun fields:")
-        for name, (_, default, help_text) in RUN_FIELDS.items():
+        for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items():
             print(f"  {name:28s} {help_text}" + (f" (default {default!r})" if default is not None else ""))
         return 0
     if argv and argv[0].startswith("builtin:"):  # a built-in task's demo: its shipped policy, data and rewards
-        return run_builtin_demo(argv[0], negations(parse_overrides(argv[1:])))
+        return run_builtin_demo(argv[0], parse_overrides(argv[1:]))
     config_path = argv[0] if argv and not argv[0].startswith("--") else None
     overrides = parse_overrides(argv[1:] if config_path else argv)
     if "config" in overrides:  # TRL's spelling: trl grpo --config CONFIG.yaml
         if config_path is not None:
             raise ConfigError(f"two configs: {config_path!r} and --config {overrides['config']!r}; give one")
-        config_path = str(overrides.pop("config"))
+        config_path = overrides.pop("config")
     values = load_yaml(config_path) if config_path else {}
-    values = negations({**values, **overrides})
+    if "env" in values:  # set before anything reads the environment
+        set_env(values.pop("env"), config_path)
+    for pair in ALIASES:  # one field's two names (dtype / torch_dtype): the command line wins over the file too
+        if any(name in overrides for name in pair):
+            values = {k: v for k, v in values.items() if k not in pair}
+    values = {**values, **overrides}
     if "model_name_or_path" not in values:
-        given = sorted(set(values) & set(RUN_FIELDS))
+        given = sorted(set(values) & (set(RUN_FIELDS) | set(QUANTIZATION)))
         if given:
             raise ConfigError(f"{given[0]} is set but model_name_or_path is not: give the policy as "
                               "model_name_or_path (without one, `groupwise train` runs the built-in demo)")
@@ -135,8 +195,8 @@ def cmd_train(argv: list[str]) -> int:
     if not dataset_name and not run["datasets"]:
         raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name), "
                           "or TRL's datasets: mixture")
-    for field in ("dataset_name", "eval_dataset_name"):
-        if run[field] and builtin_task(run[field]) is None:
+    for field in ("dataset_name", "eval_dataset_name"):  # a mixture wins: dataset_name is ignored (TRL warns)
+        if run[field] and not (field == "dataset_name" and run["datasets"]) and builtin_task(run[field]) is None:
             check_location(run[field], field)
     if os.getcwd() not in sys.path:  # reward modules of the working directory import, as in TRL (and `python -m`)
         sys.path.insert(0, os.getcwd())
@@ -179,7 +239,8 @@ def cmd_prm_train(argv: list[str]) -> int:
         return 0
     config_path = argv[0] if argv and not argv[0].startswith("--") else None
     values = load_yaml(config_path) if config_path else {}
-    values.update(parse_overrides(argv[1:] if config_path else argv))
+    values.update(parse_overrides(argv[1:] if config_path else argv,
+                                  {f.name: str(f.type) for f in dataclasses.fields(PRMTrainConfig)}))
     train_prm(PRMTrainConfig(**values))
     return 0
 
@@ -246,7 +307,7 @@ def _main(argv: list[str]) -> int:
     if command == "export":
         return cmd_export(rest)
     if command == "fields":
-        for name, (_, default, help_text) in RUN_FIELDS.items():
+        for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items():
             print(f"{name:32s} {help_text} (default {default!r})")
         for name, help_text, default, choices in GRPOConfig.describe():
             print(f"{name:32s} {help_text} (default {default!r})")

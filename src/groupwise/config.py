@@ -90,7 +90,7 @@ class GRPOConfig(StrictConfig):
     adam_beta1: float = option("AdamW β1.", default=0.9, ge=0, lt=1)
     adam_beta2: float = option("AdamW β2.", default=0.999, ge=0, lt=1)
     adam_epsilon: float = option("AdamW ε.", default=1e-8, gt=0)
-    max_grad_norm: float = option("Clip the global gradient norm to this value (0: no clipping).", default=1.0, ge=0)
+    max_grad_norm: float = option("Clip the global gradient norm to this value (≤ 0: no clipping, as transformers).", default=1.0)
     optim: str = option("Optimizer (groupwise.optim.OPTIMIZERS; transformers' names): torch's AdamW (fused or not), Adafactor, SGD, Adagrad, RMSprop, and bitsandbytes' 8-bit ones when bitsandbytes is installed.", default="adamw_torch_fused", choices=OPTIMIZERS)
     optim_args: str | None = option("Extra optimizer arguments as 'key=value,key=value' (transformers' format), e.g. 'momentum=0.9' for sgd.", default=None)
     lr_scheduler_type: str = option("transformers scheduler name (groupwise.optim.SCHEDULERS; reduce_lr_on_plateau and greedy step on an evaluation metric and are not offered).", default="linear", choices=SCHEDULERS)

@@ -10,14 +10,22 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from groupwise.config_base import ConfigError
+from groupwise.config_base import ConfigError, coerce
 
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
 
-# TRL ModelConfig's bitsandbytes fields and their defaults (script fields of `groupwise train`)
-QUANTIZATION = {"load_in_8bit": False, "load_in_4bit": False, "bnb_4bit_quant_type": "nf4",
-                "use_bnb_nested_quant": False, "bnb_4bit_quant_storage": None}
+QUANT_TYPES = ("fp4", "nf4")  # TRL ModelConfig's choices
+QUANT_STORAGES = ("float16", "float32", "int8", "uint8", "float64", "bfloat16")  # what BitsAndBytesConfig takes
+# TRL ModelConfig's bitsandbytes fields (run fields of `groupwise train`): name: (annotation, default, help)
+QUANTIZATION_FIELDS: dict[str, tuple[str, Any, str]] = {
+    "load_in_8bit": ("bool", False, "Load the policy's base weights in 8 bits (bitsandbytes; train LoRA adapters on them) (TRL ModelConfig)."),
+    "load_in_4bit": ("bool", False, "Load the policy's base weights in 4 bits (QLoRA; the 4-bit compute dtype is dtype) (TRL ModelConfig)."),
+    "bnb_4bit_quant_type": ("str", "nf4", "4-bit quantization type: 'fp4' or 'nf4' (with load_in_4bit) (TRL ModelConfig)."),
+    "use_bnb_nested_quant": ("bool", False, "Nested (double) 4-bit quantization (with load_in_4bit) (TRL ModelConfig)."),
+    "bnb_4bit_quant_storage": ("str | None", None, f"Storage dtype of the 4-bit weights, one of {list(QUANT_STORAGES)} (with load_in_4bit) (TRL ModelConfig)."),
+}
+QUANTIZATION = {name: default for name, (_, default, _) in QUANTIZATION_FIELDS.items()}  # name: TRL's default
 
 
 def is_quantized(model) -> bool:
@@ -26,9 +34,16 @@ def is_quantized(model) -> bool:
 
 
 def from_script_fields(values: dict[str, Any], dtype: str | None):
-    """TRL's get_quantization_config: a BitsAndBytesConfig from the script fields (4-bit wins over 8-bit; the 4-bit
-    compute dtype is the model's `dtype`), or None when neither load_in_4bit nor load_in_8bit is set."""
-    fields = {name: values.get(name, default) for name, default in QUANTIZATION.items()}
+    """TRL's get_quantization_config: a BitsAndBytesConfig from the script fields, each checked against its type
+    (the 4-bit compute dtype is the model's `dtype`), or None when neither load_in_4bit nor load_in_8bit is set; both
+    set is an error, as TRL's ModelConfig raises."""
+    fields = {name: coerce(name, ann, values.get(name, default)) for name, (ann, default, _) in QUANTIZATION_FIELDS.items()}
+    if fields["load_in_4bit"] and fields["load_in_8bit"]:  # TRL's ModelConfig raises too
+        raise ConfigError("load_in_4bit=True and load_in_8bit=True: 8-bit and 4-bit precision cannot be used at the "
+                          "same time (as in TRL); set one of them")
+    for name, allowed in (("bnb_4bit_quant_type", QUANT_TYPES), ("bnb_4bit_quant_storage", QUANT_STORAGES)):
+        if fields[name] is not None and fields[name] not in allowed:
+            raise ConfigError(f"{name}={fields[name]!r} is not one of {list(allowed)}")
     if not fields["load_in_4bit"]:
         for name in ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"):
             if fields[name] not in (QUANTIZATION[name], None):

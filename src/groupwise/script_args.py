@@ -26,7 +26,7 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
     "model_name_or_path": ("str | None", None, "Policy: a local folder or hub id loadable with AutoModelForCausalLM (TRL ModelConfig)."),
     "model_revision": ("str", "main", "Branch, tag or commit of a hub model (TRL ModelConfig; model_init_kwargs['revision'])."),
     "dtype": ("str | None", "float32", "dtype the policy loads in: 'auto' (the checkpoint's), 'bfloat16', 'float16', 'float32' (TRL ModelConfig's default; model_init_kwargs['dtype'])."),
-    "torch_dtype": ("str | None", None, "transformers' former name for dtype."),
+    "torch_dtype": ("str | None", None, "transformers' former name for dtype (a groupwise alias: TRL's script does not read it)."),
     "attn_implementation": ("str | None", None, "Attention implementation, e.g. 'sdpa', 'eager', 'flash_attention_2' (TRL ModelConfig; model_init_kwargs)."),
     "dataset_name": ("str | None", None, "Prompts: .jsonl/.json/.csv/.parquet/.arrow file, a save_to_disk folder, a folder of data files, builtin:<task> or a hub name."),
     "dataset_config": ("str | None", None, "Configuration (load_dataset's name=) of dataset_name (TRL ScriptArguments)."),
@@ -36,10 +36,10 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
     "dataset_streaming": ("bool", False, "Read dataset_name as a stream (an IterableDataset; needs max_steps) (TRL ScriptArguments)."),
     "datasets": ("list | None", None, "TRL's dataset mixture: a list of {path, name, data_dir, data_files, split, columns, fraction}, concatenated (fraction: each one's share); wins over dataset_name."),
     "streaming": ("bool", False, "Read the datasets mixture as a stream (TRL DatasetMixtureConfig)."),
-    "test_split_size": ("float | None", None, "Hold out this share (< 1) or number of rows of the training rows, seeded, as the evaluation rows (TRL DatasetMixtureConfig)."),
+    "test_split_size": ("float | None", None, "Hold out this share (< 1) or number of rows of the datasets: mixture, seeded, as the evaluation rows (TRL DatasetMixtureConfig; no effect without a mixture, as in TRL)."),
     "eval_dataset_name": ("str | None", None, "Evaluation prompts, same forms as dataset_name."),
     "eval_split": ("str | None", None, "Split of eval_dataset_name (default 'test': for a built-in task with splits its held-out problems, which may be sliced as in datasets, e.g. 'test[:100]'; builtin:toy has none); without eval_dataset_name, the split of dataset_name evaluated (default dataset_test_split)."),
-    "reward_funcs": ("list | None", None, "List of 'package.module:function' (or TRL's 'package.module.function') paths, reward-model paths, or TRL's built-in name accuracy_reward (builtin tasks bring theirs)."),
+    "reward_funcs": ("list | None", None, "List of 'package.module:function' (or TRL's 'package.module.function') paths, reward-model paths, or the names of TRL's built-in rewards: accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment (builtin tasks bring theirs)."),
     "reward_model_name_or_path": ("str | None", None, "A reward model scored before reward_funcs (TRL GRPOScriptArguments)."),
     "process_reward_funcs": ("list | None", None, "List of step-reward sources (supervision process / both): 'package.module:function' paths, PRM folders written by `groupwise prm train`, or {path: …, kind: …} mappings."),
     "ignore_bias_buffers": ("bool", False, "Kept for TRL configs: TRL's grpo script does not read it either."),
@@ -49,12 +49,16 @@ RUN_FIELDS: dict[str, tuple[str, Any, str]] = {
 BUILTIN_SPLIT = re.compile(r"(?P<split>train|test)(?P<slice>\[(?P<start>-?\d+)?:(?P<stop>-?\d+)?\])?")
 MIXTURE_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
 # TRL's reward-function registry of `trl grpo` (trl/scripts/grpo.py): the ones groupwise has, or None
-TRL_REWARDS = {"accuracy_reward": "groupwise.rewards:accuracy_reward", "reasoning_accuracy_reward": None,
-               "think_format_reward": None, "get_soft_overlong_punishment": None}
+TRL_REWARDS = {"accuracy_reward": "groupwise.rewards:accuracy_reward",
+               "reasoning_accuracy_reward": "groupwise.rewards:reasoning_accuracy_reward",
+               "think_format_reward": "groupwise.rewards:think_format_reward",
+               # the script's instance: get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)
+               "get_soft_overlong_punishment": "groupwise.rewards.shaping:trl_grpo_soft_overlong_punishment"}
 # how a data file is read (datasets' builders); a compressed file is read by the builder of its inner suffix
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 SAVED_DATASET = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+ALIASES = (("dataset_split", "dataset_train_split"), ("dtype", "torch_dtype"))  # two names of one field
 
 
 def check_run_fields(run: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def check_run_fields(run: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key}={run[key]!r}: give a list of 'package.module:function' paths or reward-model "
                               "paths (or one as a string)")
     out = {name: coerce(name, ann, run.get(name, default)) for name, (ann, default, _) in RUN_FIELDS.items()}
-    for ours, theirs in (("dataset_split", "dataset_train_split"), ("dtype", "torch_dtype")):  # two names, one field
+    for ours, theirs in ALIASES:  # two names of one field, in one source (the command line wins over a file: cli)
         if run.get(ours) is not None and run.get(theirs) is not None and out[ours] != out[theirs]:
             raise ConfigError(f"{ours}={out[ours]!r} and {theirs}={out[theirs]!r} name the same thing: give one")
     out["dataset_split"] = out["dataset_split"] or out["dataset_train_split"]
@@ -80,6 +84,10 @@ def check_run_fields(run: dict[str, Any]) -> dict[str, Any]:
     size = out["test_split_size"]
     if size is not None and not (0 < size < 1 or (size >= 1 and float(size).is_integer())):
         raise ConfigError(f"test_split_size={size} must be a share in (0, 1) or a whole number of rows")
+    if size is not None and out["datasets"] is None:  # TRL applies it in get_dataset, to a mixture only
+        warnings.warn(f"test_split_size={size} has no effect without a datasets: mixture (as in TRL): every row of "
+                      "dataset_name trains; evaluation reads dataset_test_split / eval_split of dataset_name, or "
+                      "eval_dataset_name", stacklevel=3)
     if out["datasets"] is not None:
         for i, entry in enumerate(out["datasets"]):
             if not isinstance(entry, dict) or "path" not in entry:
@@ -108,13 +116,10 @@ def model_init_kwargs(run: dict[str, Any], given: dict | None) -> dict[str, Any]
 
 def reward_specs(run: dict[str, Any]) -> list:
     """reward_model_name_or_path (first, as TRL), then reward_funcs, where a name of `trl grpo`'s reward registry
-    is groupwise's function of that name (not a hub id) or, when groupwise has none, a ConfigError."""
+    is groupwise's function of that name (not a hub id)."""
     specs = [run["reward_model_name_or_path"]] if run["reward_model_name_or_path"] else []
-    for i, spec in enumerate(run["reward_funcs"] or []):
+    for spec in run["reward_funcs"] or []:
         if isinstance(spec, str) and spec in TRL_REWARDS and not Path(spec).exists():
-            if TRL_REWARDS[spec] is None:
-                raise ConfigError(f"reward_funcs[{i}]={spec!r} is one of TRL's built-in rewards that groupwise does not "
-                                  "ship: write it as a function and give it as 'package.module:function'")
             spec = TRL_REWARDS[spec]
         specs.append(spec)
     return specs
@@ -147,9 +152,10 @@ def _file_builder(path: Path, field: str) -> str:
 def load_dataset_spec(name: str, split: str | None, *, default: str = "train", field: str = "dataset_name",
                       config: str | None = None, data_dir: str | None = None, data_files: Any = None,
                       streaming: bool = False, file_is_split: bool = True):
-    """The rows of `split` (None: `default`) of a dataset as a run names it: builtin:<task>, a data file (its rows
-    are every split's when `file_is_split`: a file has one), a save_to_disk folder, a folder of data files or a hub
-    dataset (load_dataset's name / data_dir / data_files). Anything that fails is one ConfigError naming `field`."""
+    """The rows of `split` (None: `default`) of a dataset as a run names it: builtin:<task>, a data file (one split,
+    'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved Dataset's rows
+    are every split's when `file_is_split`), a folder of data files or a hub dataset (load_dataset's name / data_dir /
+    data_files). Anything that fails is one ConfigError naming `field`."""
     task = builtin_task(name)
     if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
         if "split" not in inspect.signature(task.dataset).parameters:
@@ -169,7 +175,7 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
         return rows[start:stop]
     import datasets
 
-    split = split or default
+    given, split = split, split or default
     path = Path(name).expanduser()
     try:
         if path.is_dir() and any((path / f).exists() for f in SAVED_DATASET):
@@ -185,9 +191,13 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
             kind = _file_builder(path, field)
             if path.stat().st_size == 0:
                 raise ConfigError(f"{field}={name!r} is empty: give a file with at least one row")
-            if not file_is_split and split != "train":
-                raise ConfigError(f"{field}={name!r} is one file, one split: it has no split {split!r}")
-            return datasets.load_dataset(kind, data_files=str(path), split="train", streaming=streaming)
+            # a data file has one split, 'train' (datasets: "Unknown split … Should be one of ['train']"); an
+            # evaluation file named on its own (eval_split unset) is read whole
+            asked = given if given is not None else "train"
+            if asked.split("[", 1)[0].strip() != "train":
+                raise ConfigError(f"{field}={name!r} is one file, one split: it has no split {asked!r} (a data file's "
+                                  "one split is 'train', as in datasets and TRL; a slice such as 'train[:100]' works)")
+            return datasets.load_dataset(kind, data_files=str(path), split=asked, streaming=streaming)
         return datasets.load_dataset(str(path) if path.is_dir() else name, name=config, data_dir=data_dir,
                                      data_files=data_files, split=split, streaming=streaming)
     except ConfigError:
@@ -259,7 +269,7 @@ def load_run_datasets(run: dict[str, Any], args) -> tuple[Any, Any]:
         train = load_dataset_spec(run["dataset_name"], run["dataset_split"], config=run["dataset_config"],
                                   streaming=run["dataset_streaming"])
     held_out = None
-    if run["test_split_size"] is not None:
+    if mixture and run["test_split_size"] is not None:  # TRL: get_dataset splits the mixture only
         if is_stream(train):
             raise ConfigError("test_split_size cannot split a stream: turn streaming off, or give eval_dataset_name")
         size = run["test_split_size"]
@@ -288,4 +298,4 @@ def load_run_datasets(run: dict[str, Any], args) -> tuple[Any, Any]:
         return train, load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False)
     except ConfigError as e:
         raise ConfigError(f"{asked} evaluates on split {split!r} of dataset_name (dataset_test_split, as TRL): {e}; "
-                          "give eval_dataset_name, or test_split_size to hold out a share of the training rows") from None
+                          "give eval_dataset_name, or a datasets: mixture with test_split_size") from None

@@ -1,0 +1,230 @@
+"""`groupwise train` read as `trl grpo` reads its command line and config (TRL 1.16: TrlParser, HfArgumentParser,
+ScriptArguments, ModelConfig, DatasetMixtureConfig, get_quantization_config): the config's env: section, values read
+by the field's type, test_split_size on a mixture only, the command line winning over an alias in the file, the
+bitsandbytes fields typed and checked, a leftover dataset_name beside a mixture, a data file's one split, --config's
+one path, and a negative max_grad_norm."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+import yaml
+
+from groupwise.cli import build_run, main, parse_overrides
+from groupwise.config import GRPOConfig
+from groupwise.config_base import ConfigError
+from tests.test_cli_audit import FakeTrainer, _cfg, _jsonl, _rows
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """GRPOTrainer replaced by test_cli_audit's FakeTrainer: what the command line passes, nothing trained."""
+    import groupwise.trainer
+
+    FakeTrainer.made = []
+    monkeypatch.setattr(groupwise.trainer, "GRPOTrainer", FakeTrainer)
+    return FakeTrainer.made
+
+
+def _one_line_error(capsys, pattern):
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("groupwise: configuration error:"), err
+    assert re.search(pattern, err), err
+
+
+def _run(values):
+    return build_run({"model_name_or_path": "m", **values})
+
+
+# ---- 1. env: -------------------------------------------------------------------------------------------------------
+
+def test_config_env_section_sets_variables_before_anything_reads_them(tmp_path, model_dir, monkeypatch, fake):
+    """TrlParser sets each env: key as an environment variable (str(value)) before the rest is read: here a reward
+    module reads it at import time."""
+    for name in ("GW_ENV_A", "GW_ENV_B"):
+        monkeypatch.setenv(name, "unset")  # restored by monkeypatch
+        monkeypatch.delenv(name)
+    (tmp_path / "env_reward.py").write_text("import os\nSEEN = os.environ['GW_ENV_A']\n"
+                                            "def zero(completions, **_):\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory is added to it, as in TRL
+    monkeypatch.delitem(sys.modules, "env_reward", raising=False)
+    cfg = _cfg(tmp_path, model_dir, reward_funcs=["env_reward:zero"], env={"GW_ENV_A": 7, "GW_ENV_B": True})
+    assert main(["train", cfg]) == 0
+    assert os.environ["GW_ENV_A"] == "7" and os.environ["GW_ENV_B"] == "True"  # TRL: str(value)
+    assert __import__("env_reward").SEEN == "7"
+
+
+def test_a_config_env_that_is_not_a_mapping_is_one_line(tmp_path, model_dir, capsys, fake):
+    assert main(["train", _cfg(tmp_path, model_dir, env=["A=1"])]) == 2
+    _one_line_error(capsys, r"env must be a mapping of VARIABLE: value \(as in TRL\), got list")
+    assert not fake
+
+
+# ---- 2. command-line values by the field's type ------------------------------------------------------------------
+
+def test_command_line_text_stays_text():
+    """YAML would read these as 'exp', 202401, an octal int, True, None: TRL's parser keeps the text."""
+    run, args = _run(parse_overrides(["--run_name", "exp #1", "--dataset_config", "2024_01", "--model_revision",
+                                      "0123456", "--hub_model_id", "on", "--attn_implementation", "None"]))
+    assert args.run_name == "exp #1" and args.hub_model_id == "on"
+    assert run["dataset_config"] == "2024_01" and run["model_revision"] == "0123456"
+    assert run["attn_implementation"] == "None"  # HfArgumentParser: an Optional[str] takes the text 'None'
+    run, args = _run(parse_overrides(["--run_name", "on", "--dataset_config", "null"]))
+    assert args.run_name == "on" and run["dataset_config"] == "null"
+
+
+@pytest.mark.parametrize("word, value", [(w, True) for w in ("1", "y", "t", "yes", "true", "Y", "TRUE", "Yes")] +
+                         [(w, False) for w in ("0", "n", "f", "no", "false", "N", "False", "NO")])
+def test_booleans_take_trls_words(word, value):
+    run, args = _run(parse_overrides(["--shuffle_dataset", word, "--dataset_streaming", word]))
+    assert args.shuffle_dataset is value and run["dataset_streaming"] is value
+
+
+def test_a_word_that_is_not_a_boolean_is_one_line(capsys):
+    assert main(["train", "--model_name_or_path", "m", "--shuffle_dataset", "maybe"]) == 2
+    _one_line_error(capsys, r"--shuffle_dataset='maybe' is not a boolean: give true/false, yes/no, t/f, y/n or 1/0")
+
+
+def test_command_line_values_match_trls_parser(tmp_path):
+    """The same argument vector through TRL's own `trl grpo` parser and through groupwise's."""
+    pytest.importorskip("trl")
+    from trl.scripts.grpo import make_parser
+
+    argv = ["--model_name_or_path", "m", "--run_name", "exp #1", "--dataset_config", "2024_01", "--model_revision",
+            "0123456", "--shuffle_dataset", "N", "--dataset_streaming", "Yes", "--attn_implementation", "None",
+            "--reward_funcs", "a.b", "c.d", "--lora_target_modules", "q_proj", "v_proj", "--reward_weights", "1e-1",
+            "2", "--learning_rate", "1e-3", "--max_steps", "0012", "--dataset_train_split", "007"]
+    script, trl_args, model, _ = make_parser().parse_args_and_config(
+        args=[*argv, "--bf16", "false", "--use_cpu", "true", "--output_dir", str(tmp_path)], fail_with_unknown_args=False)
+    run, args = _run(parse_overrides(argv))
+    for ours, theirs in ((args.run_name, trl_args.run_name), (run["dataset_config"], script.dataset_config),
+                         (run["model_revision"], model.model_revision), (args.shuffle_dataset, trl_args.shuffle_dataset),
+                         (run["dataset_streaming"], script.dataset_streaming),
+                         (run["attn_implementation"], model.attn_implementation),
+                         (run["reward_funcs"], script.reward_funcs), (args.lora_target_modules, model.lora_target_modules),
+                         (args.reward_weights, trl_args.reward_weights), (args.learning_rate, trl_args.learning_rate),
+                         (args.max_steps, trl_args.max_steps), (run["dataset_split"], script.dataset_train_split)):
+        assert ours == theirs and type(ours) is type(theirs), (ours, theirs)
+
+
+def test_datasets_on_the_command_line_are_paths_as_in_trl():
+    assert parse_overrides(["--datasets", "a.jsonl", "org/b"]) == {"datasets": [{"path": "a.jsonl"}, {"path": "org/b"}]}
+
+
+# ---- 3. test_split_size: a mixture only ---------------------------------------------------------------------------
+
+def test_test_split_size_without_a_mixture_has_no_effect_and_says_so(tmp_path, model_dir, fake):
+    with pytest.warns(UserWarning, match=r"test_split_size=2.0 has no effect without a datasets: mixture \(as in TRL\)"
+                                         r".*dataset_test_split / eval_split"):
+        assert main(["train", _cfg(tmp_path, model_dir, test_split_size=2)]) == 0
+    assert len(fake[-1].kwargs["train_dataset"]) == 8 and fake[-1].kwargs["eval_dataset"] is None
+
+
+# ---- 4. the command line wins over the file's alias ---------------------------------------------------------------
+
+@pytest.mark.parametrize("in_file, on_line", [("torch_dtype", "dtype"), ("dtype", "torch_dtype"),
+                                              ("dataset_train_split", "dataset_split")])
+def test_the_command_line_wins_over_the_other_name_in_the_file(tmp_path, model_dir, fake, in_file, on_line):
+    value, wanted = ("bfloat16", "float16") if "dtype" in in_file else ("test", "train")
+    assert main(["train", _cfg(tmp_path, model_dir, **{in_file: value}), f"--{on_line}", wanted]) == 0
+    if "dtype" in in_file:
+        assert fake[-1].kwargs["args"].model_init_kwargs["dtype"] == wanted
+    else:
+        assert len(fake[-1].kwargs["train_dataset"]) == 8
+
+
+# ---- 5. and 8. the bitsandbytes fields ----------------------------------------------------------------------------
+
+def test_4bit_and_8bit_together_are_refused_as_in_trl(tmp_path, model_dir, capsys, fake):
+    with pytest.raises(ConfigError, match="8-bit and 4-bit precision cannot be used at the same time"):
+        _run({"load_in_4bit": True, "load_in_8bit": True})
+    assert main(["train", _cfg(tmp_path, model_dir, load_in_4bit=True), "--load_in_8bit"]) == 2
+    _one_line_error(capsys, r"load_in_4bit=True and load_in_8bit=True")
+
+
+def test_quantization_fields_are_typed_and_checked(tmp_path, model_dir, capsys, fake):
+    run, _ = _run({"load_in_4bit": "false", "load_in_8bit": "False"})  # quoted YAML: the word, not a truthy string
+    assert run["quantization_config"] is None
+    run, _ = _run(parse_overrides(["--no_load_in_4bit", "--no_use_bnb_nested_quant"]))
+    assert run["quantization_config"] is None
+    for argv, message in ((["--bnb_4bit_quant_type"], r"--bnb_4bit_quant_type needs a value"),
+                          (["--bnb_4bit_quant_storage", "float17"], r"bnb_4bit_quant_storage='float17' is not one of "
+                                                                    r"\['float16', 'float32'"),
+                          (["--load_in_4bit", "--bnb_4bit_quant_type", "int4"], r"bnb_4bit_quant_type='int4' is not "
+                                                                                r"one of \['fp4', 'nf4'\]"),
+                          (["--load_in_8bit", "sure"], r"--load_in_8bit='sure' is not a boolean")):
+        assert main(["train", _cfg(tmp_path, model_dir), *argv]) == 2, argv
+        _one_line_error(capsys, message)
+    with pytest.raises(ConfigError, match="use_bnb_nested_quant=3 must be of type bool"):
+        _run({"use_bnb_nested_quant": 3})
+    assert main(["train", "--load_in_4bit"]) == 2  # a run field without a model, not a demo's GRPOConfig field
+    _one_line_error(capsys, "load_in_4bit is set but model_name_or_path is not")
+    assert not fake
+
+
+def test_quantization_fields_are_listed_in_help_and_fields(capsys):
+    assert main(["train", "--help"]) == 0
+    train_help = capsys.readouterr().out
+    assert main(["fields"]) == 0
+    fields = capsys.readouterr().out
+    for name in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"):
+        assert re.search(rf"^\s*{name}\s", train_help, re.M) and re.search(rf"^{name}\s", fields, re.M), name
+
+
+# ---- 6. a leftover dataset_name beside a mixture ------------------------------------------------------------------
+
+def test_a_leftover_dataset_name_beside_a_mixture_is_ignored_with_a_warning(tmp_path, model_dir, fake):
+    mixture = [{"path": _jsonl(tmp_path / "m.jsonl", _rows(4))}]
+    cfg = _cfg(tmp_path, model_dir, datasets=mixture)
+    cfg_values = yaml.safe_load(open(cfg))
+    cfg_values["dataset_name"] = str(tmp_path / "gone.jsonl")  # not there: TRL never reads it
+    open(cfg, "w").write(yaml.safe_dump(cfg_values))
+    with pytest.warns(UserWarning, match="the datasets mixture is used and dataset_name is ignored"):
+        assert main(["train", cfg]) == 0
+    assert len(fake[-1].kwargs["train_dataset"]) == 4
+
+
+# ---- 7. a data file has one split, 'train' ------------------------------------------------------------------------
+
+def test_a_data_file_has_only_the_train_split(tmp_path, model_dir, capsys, fake):
+    assert main(["train", _cfg(tmp_path, model_dir), "--dataset_train_split", "validation"]) == 2
+    _one_line_error(capsys, r"dataset_name='.*p.jsonl' .* no split 'validation' \(a data file's one split is 'train'")
+    assert main(["train", _cfg(tmp_path, model_dir, datasets=[{"path": str(tmp_path / "p.jsonl"), "split": "test"}],
+                               dataset_name=None)]) == 2
+    _one_line_error(capsys, r"datasets\[0\].path=.* no split 'test'")
+    assert not fake
+    assert main(["train", _cfg(tmp_path, model_dir), "--dataset_train_split", "train[:4]"]) == 0  # as datasets
+    assert len(fake[-1].kwargs["train_dataset"]) == 4
+    # an evaluation file named on its own (eval_split unset, whose default 'test' is a built-in task's) is read whole
+    assert main(["train", _cfg(tmp_path, model_dir), "--eval_dataset_name", str(tmp_path / "p.jsonl"),
+                 "--eval_strategy", "steps"]) == 0
+    assert len(fake[-1].kwargs["eval_dataset"]) == len(fake[-1].kwargs["train_dataset"])
+
+
+# ---- 9. --config takes one path -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, got", [(["--config"], "none"), (["--config", "a.yaml", "b.yaml"], "'a.yaml', 'b.yaml'"),
+                                       (["--config="], "''")])
+def test_config_takes_one_path(capsys, argv, got):
+    assert main(["train", *argv]) == 2
+    _one_line_error(capsys, rf"--config takes one path \(got \[?{got}\]?\): groupwise train --config CONFIG.yaml")
+
+
+# ---- 10. max_grad_norm ≤ 0: no clipping, as transformers ----------------------------------------------------------
+
+def test_a_negative_max_grad_norm_means_no_clipping():
+    assert GRPOConfig(max_grad_norm=-1.0).max_grad_norm == -1.0
+    _, args = _run(parse_overrides(["--max_grad_norm", "-1"]))
+    assert args.max_grad_norm == -1.0
+    from groupwise.distributed import Distributed
+
+    dist = Distributed()
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])
+    assert float(dist.clip_grad_norm([p], args.max_grad_norm)) == pytest.approx(5.0)
+    assert torch.equal(p.grad, torch.tensor([3.0, 4.0]))  # untouched, as transformers skips clipping
