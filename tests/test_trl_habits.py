@@ -5,6 +5,7 @@ import asyncio
 import json
 import math
 import time
+import types
 
 import pytest
 import torch
@@ -194,10 +195,12 @@ def test_state_log_history_survives_resume_and_save_model_loads(tmp_path, tokeni
     t.train()
     assert [x["step"] for x in t.state.log_history] == [1, 2, 2] and "reward" in t.state.log_history[0]
     assert "train_runtime" in t.state.log_history[2]  # the end-of-training line
+    first = t.state.log_history[:2]
     resumed = _trainer(tmp_path, tokenizer, max_steps=3)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    # the first call's end line is not part of the resumed history (transformers: the checkpoint's state)
-    assert [x["step"] for x in resumed.state.log_history] == [1, 2, 3, 3]
+    # the first call's end line is not part of the resumed history (transformers: the checkpoint's state, which
+    # every process reads: not metrics.jsonl, which only the main process writes)
+    assert [x["step"] for x in resumed.state.log_history] == [1, 2, 3, 3] and resumed.state.log_history[:2] == first
     assert ["train_runtime" in x for x in resumed.state.log_history] == [False, False, False, True]
     rows = [json.loads(x)["step"] for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert rows == [1] * 8 + [2] * 8 + [3] * 8  # completions survive resume without duplicates
@@ -216,11 +219,19 @@ def test_warmup_steps_as_transformers_reads_it():
     assert GRPOConfig(warmup_ratio=0.5).warmup(10) == 5
 
 
-def test_logging_first_step_data_seed_and_disable_tqdm(tmp_path, tokenizer):
+def test_logging_first_step_data_seed_and_disable_tqdm(tmp_path, tokenizer, capsys):
+    import ast
+
     t = _trainer(tmp_path, tokenizer, max_steps=3, logging_steps=5, logging_first_step=True, disable_tqdm=True)
     t.train()
     lines = [json.loads(x)["step"] for x in training_lines(tmp_path / "run" / "metrics.jsonl")]
-    assert lines == [1, 3] and t._bar.disable  # step 1 (first), step 3 (last); no progress bar
+    assert lines == [1, 3]  # step 1 (first), step 3 (last)
+    out, err = capsys.readouterr()
+    assert "GRPO" not in err  # no progress bar
+    # each log line printed as transformers' PrinterCallback prints it: floats to 4 significant digits
+    printed = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{")]
+    assert [("loss" in p, "train_runtime" in p) for p in printed] == [(True, False), (True, False), (False, True)]
+    assert printed[0]["loss"] == f"{t.state.log_history[0]['loss']:.4g}" and "total_flos" not in printed[2]
     order = lambda **kw: _trainer(tmp_path, tokenizer, **kw).sampler.next_round()  # noqa: E731
     assert order(seed=1, data_seed=7) == order(seed=2, data_seed=7)  # the prompt order follows data_seed alone
     assert order(seed=1, data_seed=7) != order(seed=1, data_seed=8)
@@ -230,7 +241,9 @@ class _FakeRun:
     """What the wandb tracker calls on a run: log, summary, define_metric, finish."""
 
     def __init__(self, **kw):
-        self.init, self.logged, self.summary, self.defined, self.finished = kw, [], {}, [], False
+        self.init, self.logged, self.summary, self.defined, self.finished = kw, [], {}, [], None
+        self.config = types.SimpleNamespace(update=lambda values, **kw: self.updates.append((values, kw)))
+        self.updates = []
 
     def log(self, metrics):
         self.logged.append(metrics)
@@ -238,8 +251,19 @@ class _FakeRun:
     def define_metric(self, name, **kw):
         self.defined.append((name, kw))
 
-    def finish(self):
-        self.finished = True
+    def finish(self, exit_code=None):
+        self.finished = exit_code  # None: not finished
+
+
+def _fake_wandb(monkeypatch, run=None) -> list:
+    """A wandb module whose init records _FakeRuns (returned list); `run`: a run the user already started."""
+    import sys
+
+    runs = []
+    module = types.SimpleNamespace(run=run, init=lambda **kw: runs.append(_FakeRun(**kw)) or runs[-1])
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    return runs
 
 
 class _FakeWriter:
@@ -269,11 +293,8 @@ def test_trackers_get_transformers_names_and_the_end_of_training_line(tmp_path, 
     output_dir/runs/<date>_<host>. run_name names the wandb run. The end-of-training line (transformers' speed
     metrics) is logged once, to log_history, on_log and metrics.jsonl, and is train()'s `.metrics`."""
     import sys
-    import types
 
-    runs = []
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: runs.append(_FakeRun(**kw))
-                                                                    or runs[-1]))
+    runs = _fake_wandb(monkeypatch)
     monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=_FakeWriter))
     _FakeWriter.made = []
@@ -289,7 +310,9 @@ def test_trackers_get_transformers_names_and_the_end_of_training_line(tmp_path, 
                     train_dataset=toy.dataset(12), eval_dataset=toy.dataset(2), processing_class=tokenizer)
     result = t.train()
     run, writer = runs[0], _FakeWriter.made[0]
-    assert run.init["name"] == "exp-7" and run.finished and ("train/global_step", {}) in run.defined
+    # transformers' project (WANDB_PROJECT, default "huggingface"); finished at the end of train(), exit code 0
+    assert run.init["name"] == "exp-7" and run.init["project"] == "huggingface" and run.finished == 0
+    assert ("train/global_step", {}) in run.defined
     # step 1, step 2, its evaluation, the end line (its epoch; the rest is summary), as transformers logs them
     assert [m["train/global_step"] for m in run.logged] == [1, 2, 2, 2] and set(run.logged[3]) == {
         "train/epoch", "train/time/elapsed", "train/global_step"}
@@ -358,3 +381,85 @@ def test_reward_names_and_tokenizers_as_trl(tmp_path, tokenizer):
     from_path = load_reward_sources([str(tmp_path / "rm")], model_init_kwargs={"dtype": "bfloat16"})[0]
     assert from_path.model.dtype == torch.bfloat16 and from_path.name == "rm"
     assert load_reward_sources([str(tmp_path / "rm")])[0].model.dtype == torch.float32
+
+
+def test_report_to_set_after_the_config_is_resolved_before_the_model_loads(tmp_path, tokenizer):
+    """transformers reads report_to when the trainer is built: a value set on the config afterwards ("none" as a
+    string) is resolved then; an unknown one is a one-line error before the model loads."""
+    from groupwise.config_base import ConfigError
+
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=1)
+    args.report_to = "none"
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
+                    train_dataset=toy.dataset(8), processing_class=tokenizer)
+    assert t.args.report_to == []
+    t.train()
+    args.report_to = "tensorbored"
+    with pytest.raises(ConfigError, match=r"report_to='tensorbored' is not one of \['none', 'all', 'tensorboard'"):
+        GRPOTrainer(str(tmp_path / "no-such-model"), [_length], args=args, train_dataset=toy.dataset(8))
+
+
+def test_a_user_s_wandb_run_is_used_and_a_failed_run_is_marked_failed(tmp_path, tokenizer, monkeypatch):
+    """As transformers' WandbCallback: a run the user started (wandb.run) is used, its config updated, and left
+    open. A run the tracker started is finished with exit code 1 when training fails (a callback raising), not as
+    a success; a tracker that fails to open closes the ones opened before it."""
+    import sys
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            raise RuntimeError("boom")
+
+    users = _FakeRun()
+    _fake_wandb(monkeypatch, run=users)
+    t = _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"])
+    t.train()
+    assert users.logged and users.finished is None and users.updates[0][1] == {"allow_val_change": True}
+    assert users.updates[0][0]["max_steps"] == 1  # the run's config
+    runs = _fake_wandb(monkeypatch)
+    t = _trainer(tmp_path, tokenizer, max_steps=2, report_to=["wandb"], overwrite_output_dir=True)
+    t.add_callback(Boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        t.train()
+    assert runs[0].finished == 1
+    runs = _fake_wandb(monkeypatch)
+
+    def broken_writer(log_dir):
+        raise OSError("disk full")
+
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=broken_writer))
+    t = _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb", "tensorboard"], overwrite_output_dir=True)
+    with pytest.raises(OSError, match="disk full"):
+        t.train()
+    assert runs[0].finished == 1  # the wandb run opened first is closed, as failed
+
+
+def test_metrics_are_averaged_over_the_logging_window_as_trl():
+    """TRL's log(): every metric is the mean of its values since the last log line, entropy_coef too (one value per
+    optimizer step); transformers' learning_rate / grad_norm and TRL's running num_tokens are the last value."""
+    from groupwise.logging import window_summary
+
+    window = {"entropy_coef": [0.01, 0.02, 0.03], "reward": [1.0, float("nan"), 2.0], "learning_rate": [3.0, 2.0],
+              "num_tokens": [10.0, 20.0]}
+    # entropy_coef (0.01 + 0.02 + 0.03) / 3 = 0.02; reward: NaN (not measured) left out, (1 + 2) / 2 = 1.5
+    assert window_summary(window, nan_inf_filter=True) == pytest.approx(
+        {"entropy_coef": 0.02, "reward": 1.5, "learning_rate": 2.0, "num_tokens": 20.0})
+
+
+def test_disable_tqdm_none_follows_transformers_verbosity(tmp_path):
+    """transformers' TrainingArguments: disable_tqdm None hides the bars when its logging is quieter than warnings."""
+    import transformers
+
+    from groupwise.logging import hides_progress
+
+    args = small_args(tmp_path)
+    before = transformers.logging.get_verbosity()
+    try:
+        transformers.logging.set_verbosity_warning()
+        assert args.disable_tqdm is None and not hides_progress(args)
+        transformers.logging.set_verbosity_error()
+        assert hides_progress(args)
+        args.disable_tqdm = False
+        assert not hides_progress(args)
+    finally:
+        transformers.logging.set_verbosity(before)

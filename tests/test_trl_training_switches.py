@@ -175,8 +175,8 @@ def test_log_completions_prints_a_sample_and_writes_trl_s_completions_tables(tmp
     import pandas as pd
 
     tables = []
-    fake = types.SimpleNamespace(init=lambda **kw: types.SimpleNamespace(log=lambda m: tables.append(m.get(
-        "completions")), summary={}, finish=lambda: None), Table=lambda dataframe: dataframe)
+    fake = types.SimpleNamespace(run=None, init=lambda **kw: types.SimpleNamespace(log=lambda m: tables.append(m.get(
+        "completions")), summary={}, finish=lambda exit_code=None: None), Table=lambda dataframe: dataframe)
     monkeypatch.setitem(sys.modules, "wandb", fake)
 
     def tagged(completions, log_extra, **_):

@@ -26,7 +26,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
 from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
-from groupwise.logging import LOG_LEVELS, TRACKERS, check_trackers, installed_trackers
+from groupwise.logging import LOG_LEVELS, TRACKERS, installed_trackers, resolve_report_to
 from groupwise.modeling import check_compile_backend
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
@@ -277,8 +277,7 @@ class GRPOConfig(StrictConfig):
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
-        self.report_to = [r for r in self.report_to if r != "none"]
-        check_trackers(self.report_to)
+        self.report_to = resolve_report_to(self.report_to)  # the trainer resolves it again (it may be set later)
 
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""

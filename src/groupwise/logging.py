@@ -67,17 +67,25 @@ def _tensorboard(output_dir: str, config: dict):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 writer.add_scalar(k, v, step)
         writer.flush()
-    return Opened(log, writer.close)
+    return Opened(log, lambda failed: writer.close())
 
 
 def _wandb(output_dir: str, config: dict):
-    """transformers' WandbCallback: series under tracker_names against `train/global_step`; the end-of-training
-    values (SUMMARY_ONLY) in the run's summary."""
+    """transformers' WandbCallback: a run in $WANDB_PROJECT (default "huggingface"), or the run the user already
+    started (wandb.run: its config updated, and left open at the end: it is the user's); series under tracker_names
+    against `train/global_step`; the end-of-training values (SUMMARY_ONLY) in the run's summary. A run this tracker
+    started is finished at the end of train(), with exit code 1 when training failed."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
-    run = wandb.init(config=config, name=config.get("run_name"), resume="allow")
+    mine = wandb.run is None
+    if mine:
+        run = wandb.init(project=os.getenv("WANDB_PROJECT", "huggingface"), config=config,
+                         name=config.get("run_name"), resume="allow")
+    else:
+        run = wandb.run
+        run.config.update(config, allow_val_change=True)
     if getattr(run, "define_metric", None):
         run.define_metric("train/global_step")
         run.define_metric("*", step_metric="train/global_step", step_sync=True)
@@ -88,7 +96,11 @@ def _wandb(output_dir: str, config: dict):
                 run.summary[k] = metrics[k]
         run.log({**tracker_names({k: v for k, v in metrics.items() if k not in SUMMARY_ONLY}),
                  "train/global_step": step})
-    return Opened(log, run.finish, lambda frame: run.log({"completions": wandb.Table(dataframe=frame)}))
+    def close(failed: bool) -> None:
+        if mine:
+            run.finish(exit_code=1 if failed else 0)
+
+    return Opened(log, close, lambda frame: run.log({"completions": wandb.Table(dataframe=frame)}))
 
 
 # GRPOConfig.log_level / log_level_replica: transformers' names; "passive" leaves the levels as they are
@@ -108,10 +120,26 @@ def set_log_level(level: str) -> None:
     logging.getLogger("groupwise").setLevel(value)
 
 
+def hides_progress(args) -> bool:
+    """transformers' disable_tqdm: as set, or (None) True when transformers' logging is quieter than warnings
+    (decided when training starts, where transformers decides it when its arguments are built)."""
+    if args.disable_tqdm is not None:
+        return bool(args.disable_tqdm)
+    import logging
+
+    return logging.getLogger("transformers").getEffectiveLevel() > logging.WARNING
+
+
+def console_line(logs: dict) -> dict:
+    """A log line as transformers' ProgressCallback / PrinterCallback print it: floats to 4 significant digits,
+    without total_flos."""
+    return {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items() if k != "total_flos"}
+
+
 class Opened(NamedTuple):
     """A tracker opened for a run."""
     log: Callable  # (step, metrics)
-    close: Callable
+    close: Callable  # (failed: bool): the run ended on an error
     table: Callable | None = None  # (DataFrame): TRL's `completions` table, for trackers that show tables
 
 
@@ -129,6 +157,20 @@ def installed_trackers() -> list[str]:
     import importlib.util
 
     return [name for name, t in TRACKERS.items() if t.module in sys.modules or importlib.util.find_spec(t.module)]
+
+
+def resolve_report_to(value) -> list[str]:
+    """report_to as the trackers to open, with transformers' spellings: None or "none" → none, "all" → the installed
+    TRACKERS, one name or a list ("none" entries dropped); each known and installed, else a ConfigError."""
+    if value == "all" or value == ["all"]:
+        return installed_trackers()
+    given = [value] if isinstance(value, str) or value is None else list(value)
+    names = [name for name in given if name not in ("none", None)]
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(f"report_to={name!r} is not one of {['none', 'all', *TRACKERS]}")
+    check_trackers(names)
+    return names
 
 
 def check_trackers(report_to: list[str]) -> None:
@@ -158,7 +200,12 @@ class MetricsLogger:
         if resumed:  # keep what this run logged up to the resumed step (trainer.state); other runs' lines stay
             self.history = trim_jsonl(self.path, resume_step, run_id)
             trim_jsonl(self.completions_path, resume_step, run_id)
-        self.trackers = [TRACKERS[name].open(output_dir, config) for name in report_to]
+        for name in report_to:
+            try:
+                self.trackers.append(TRACKERS[name].open(output_dir, config))
+            except BaseException:
+                self.close(failed=True)  # the ones already opened
+                raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -202,11 +249,12 @@ class MetricsLogger:
             if tracker.table is not None:
                 tracker.table(frame)
 
-    def close(self) -> None:
-        """Close the trackers; later lines (evaluate() after train()) go to metrics.jsonl only."""
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+    def close(self, failed: bool = False) -> None:
+        """Close the trackers (`failed`: the run ended on an error); later lines (evaluate() after train()) go to
+        metrics.jsonl only."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(failed)
 
 
 def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null
@@ -277,8 +325,8 @@ def _short(x: Any, n: int = 300) -> str:
 
 
 # metrics logged as their value at the logging step, not the window's mean (transformers' learning_rate and
-# grad_norm; TRL's running num_tokens and entropy_coef)
-LAST_VALUE = ("learning_rate", "grad_norm", "num_tokens", "entropy_coef")
+# grad_norm; TRL's running num_tokens). TRL averages entropy_coef over the window, as the other metrics
+LAST_VALUE = ("learning_rate", "grad_norm", "num_tokens")
 
 
 def window_summary(window: dict[str, list[float]], nan_inf_filter: bool) -> dict[str, float]:

@@ -33,7 +33,7 @@ from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import MetricsLogger, set_log_level
+from groupwise.logging import MetricsLogger, hides_progress, resolve_report_to, set_log_level
 from groupwise.signals import stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
@@ -73,7 +73,10 @@ class GRPOTrainer(TransformersHabits):
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph},
             sharding=resolve_sharding(args.fsdp))
-        set_log_level(args.log_level if self.dist.is_main else args.log_level_replica)
+        # transformers' should_log: each node's main process with log_on_each_node, else the main process only
+        should_log = self.dist.is_local_main if args.log_on_each_node else self.dist.is_main
+        set_log_level(args.log_level if should_log else args.log_level_replica)
+        args.report_to = resolve_report_to(args.report_to)  # again: the field may have been set after the config
         self.layout = args.layout(self.dist.world_size)
         train_dataset = default_train_dataset(train_dataset, self.toolbox, args, self.layout.prompts_per_generation)
         stream = is_stream(train_dataset)
@@ -233,10 +236,13 @@ class GRPOTrainer(TransformersHabits):
             self._window.clear()
             self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
                 self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
+        self._restored_history = None
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
+        self._bar = self._logger = None
+        failed = True
         with stop_on_signals() as self._signals:
-            self._begin()
             try:
+                self._begin()
                 while not self._finished():
                     clock = time.perf_counter()  # TRL's step_time: the step's generation (if any) and update
                     rollout, done = pending or (self._collect(), 0)
@@ -250,25 +256,34 @@ class GRPOTrainer(TransformersHabits):
                         if self._finished():
                             break
                 summary = self._summary()
-            finally:  # also when the run stops on an error or a signal: trackers flushed, progress bar closed
                 self._bar.close()
-                self._logger.close()
-        return self._end(summary)
+                result = self._end(summary)  # on_train_end's callbacks may still log to the trackers
+                failed = False
+                return result
+            finally:  # also when the run stops on an error or a signal: trackers closed (a failed run marked so)
+                if self._bar is not None:
+                    self._bar.close()
+                    self._bar = None  # later log lines (evaluate()) are not printed under a bar
+                if self._logger is not None:
+                    self._logger.close(failed)
 
     # ---- phases -------------------------------------------------------------------------------------------------
     def _begin(self) -> None:
         """Metrics file, progress bar, clocks; the step-0 evaluation of a fresh run."""
         args = self.args
-        self._logger = MetricsLogger(args.output_dir, args.report_to, enabled=self.dist.is_main,
-                                     config=args.to_dict(), resume_step=self.global_step, run_id=self.run_id,
-                                     resumed=self.global_step > 0)
-        shows = self.dist.is_main or (args.log_on_each_node and self.dist.is_local_main)
+        # opened by the main process; a tracker failing there stops every process
+        self._logger = self.dist.run_together(lambda: MetricsLogger(
+            args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(),
+            resume_step=self.global_step, run_id=self.run_id, resumed=self.global_step > 0), "opening the trackers")
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
-                         disable=bool(args.disable_tqdm) or not shows)
+                         disable=hides_progress(args) or not self.dist.is_main)  # transformers' ProgressCallback
         self._started = self._tick = time.perf_counter()
         self._first_step = self.global_step  # this call's steps, for the end-of-training speed line
         self._last: dict[str, float] = {}
-        self.state.log_history = list(self._logger.history)  # a resumed run keeps what it logged before
+        # a resumed run keeps what it logged before, on every process (its checkpoint's; an older checkpoint has
+        # none: then the main process's metrics.jsonl lines up to the resumed step)
+        restored = getattr(self, "_restored_history", None)
+        self.state.log_history = list(self._logger.history) if restored is None else restored
         self._event("on_train_begin")
         self._event("on_epoch_begin")
         # resumed, or a replica (generation_dtype, fsdp) copied before DDP synced the processes' weights: refresh
@@ -412,6 +427,7 @@ class GRPOTrainer(TransformersHabits):
                  "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen,
                  "total_flos": self.state.total_flos, "best": BestModel.state_dict(self.state),
                  "stateful_callbacks": self.callback_handler.states(self.control),  # transformers' (ExportableState)
+                 "log_history": json.loads(json.dumps(self.state.log_history, default=str)),
                  "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
@@ -444,6 +460,7 @@ class GRPOTrainer(TransformersHabits):
         self._window = defaultdict(list, state.get("window", {}))  # the metrics since the last log line
         self.state.num_input_tokens_seen = state.get("num_input_tokens_seen", 0)
         self.state.total_flos = state.get("total_flos", 0.0)
+        self._restored_history = state.get("log_history")  # transformers' TrainerState.log_history
         if self.args.use_adaptive_entropy and state.get("entropy_control"):  # an adapted coefficient, where it was
             self.update_ctx.entropy.load_state_dict(state["entropy_control"])
         BestModel.load_state_dict(self.state, state.get("best"))
