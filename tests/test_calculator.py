@@ -260,6 +260,8 @@ def test_cli_runs_the_builtin_demo(tmp_path, capsys):
     assert "builtin:calculator" in capsys.readouterr().out
     assert main(["train", "builtin:nope"]) == 2
     assert main(["train", "builtin:calculator", "--model_name_or_path", "x"]) == 2
+    assert main(["train", "builtin:calculator", "--load_in_4bit"]) == 2  # a script field, not the demo's to take
+    assert "load_in_4bit cannot be set for 'builtin:calculator'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -127,7 +127,7 @@ def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
     if task not in DEMOS:
         raise ConfigError(f"{name!r}: no built-in demo of that name; choose from "
                           f"{['builtin:' + t for t in sorted(DEMOS)]}, or give a config with dataset_name: {name}")
-    given = sorted(set(values) & set(RUN_FIELDS))
+    given = sorted(set(values) & (set(RUN_FIELDS) | set(QUANTIZATION)))
     if given:
         raise ConfigError(f"{given[0]} cannot be set for {name!r}, which brings its own policy, data and rewards; "
                           f"write a config with dataset_name: {name} and model_name_or_path instead")

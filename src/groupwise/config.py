@@ -26,7 +26,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
 from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
-from groupwise.logging import LOG_LEVELS, TRACKERS, installed_trackers, resolve_report_to
+from groupwise.logging import LOG_LEVELS, TRACKERS, installed_trackers, resolve_report_to, transformers_verbosity
 from groupwise.modeling import check_compile_backend
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
@@ -54,7 +54,7 @@ class GRPOConfig(StrictConfig):
     output_dir: str = option("Folder for metrics.jsonl, checkpoint-N/ folders and the final model.", default="outputs/groupwise")
     run_name: str | None = option("Name of the run in the trackers (the wandb run name), as in TRL / transformers.", default=None)
     logging_first_step: bool = option("Also log the first optimizer step (TRL / transformers).", default=False)
-    disable_tqdm: bool | None = option("Hide the progress bars (None: shown on the main process), as in TRL / transformers.", default=None)
+    disable_tqdm: bool | None = option("Hide the progress bar and print each log line instead (None: True when transformers' logging is quieter than warnings when the config is built, as in transformers).", default=None)
     logging_strategy: str = option("When to log metrics: 'steps' (every logging_steps), 'epoch' (at the end of each pass over the prompts) or 'no' (only the last step).", default="steps", choices=("steps", "epoch", "no"))
     logging_steps: int | float = option("Log metrics (progress bar, metrics.jsonl, trackers) every this many optimizer steps (< 1: that fraction of max_steps, rounded up, as transformers).", default=10, ge=0)
     logging_nan_inf_filter: bool = option("Leave non-finite loss values out of the logged averages (transformers' meaning; a skipped step is still counted in train/skipped_steps).", default=True)
@@ -278,6 +278,8 @@ class GRPOConfig(StrictConfig):
             self.report_to = [self.report_to]
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
         self.report_to = resolve_report_to(self.report_to)  # the trainer resolves it again (it may be set later)
+        if self.disable_tqdm is None:  # transformers: hidden when its logging is quieter than warnings
+            self.disable_tqdm = transformers_verbosity() > LOG_LEVELS["warning"]
 
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""

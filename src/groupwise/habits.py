@@ -16,8 +16,7 @@ from groupwise.config_base import ConfigError
 from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_folder, write_model_card
-from groupwise.logging import (completion_rows, console_line, hides_progress, print_rows, speed_metrics,
-                               window_summary)
+from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
 
 # transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
 # in the logging window is logged as None, as TRL's log() does (and as metrics.jsonl, hence a resumed history, has it)
@@ -115,7 +114,7 @@ class TransformersHabits:
         # printed as transformers' default callbacks print it: under the progress bar during training (the main
         # process), or with disable_tqdm on each node's main process
         bar = getattr(self, "_bar", None)
-        if hides_progress(self.args):
+        if self.args.disable_tqdm:
             if self.dist.is_local_main:
                 print(console_line(logs))
         elif bar is not None and not bar.disable:

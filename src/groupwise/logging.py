@@ -120,14 +120,14 @@ def set_log_level(level: str) -> None:
     logging.getLogger("groupwise").setLevel(value)
 
 
-def hides_progress(args) -> bool:
-    """transformers' disable_tqdm: as set, or (None) True when transformers' logging is quieter than warnings
-    (decided when training starts, where transformers decides it when its arguments are built)."""
-    if args.disable_tqdm is not None:
-        return bool(args.disable_tqdm)
+def transformers_verbosity() -> int:
+    """transformers' logging level now, without importing transformers: its library logger's once imported, else
+    the level it will start with ($TRANSFORMERS_VERBOSITY, default warning)."""
     import logging
 
-    return logging.getLogger("transformers").getEffectiveLevel() > logging.WARNING
+    if "transformers" in sys.modules:
+        return logging.getLogger("transformers").getEffectiveLevel()
+    return LOG_LEVELS.get(os.getenv("TRANSFORMERS_VERBOSITY", "warning").lower()) or logging.WARNING
 
 
 def console_line(logs: dict) -> dict:
@@ -251,10 +251,19 @@ class MetricsLogger:
 
     def close(self, failed: bool = False) -> None:
         """Close the trackers (`failed`: the run ended on an error); later lines (evaluate() after train()) go to
-        metrics.jsonl only."""
-        trackers, self.trackers = self.trackers, []
+        metrics.jsonl only. Every tracker is closed even if one fails to: the first failure is raised after them,
+        or, when the run already failed, only warned about (the run's own error is the one that matters)."""
+        trackers, self.trackers, errors = self.trackers, [], []
         for tracker in trackers:
-            tracker.close(failed)
+            try:
+                tracker.close(failed)
+            except Exception as e:  # noqa: BLE001 — the others are closed first
+                errors.append(e)
+        if errors and failed:
+            warnings.warn(f"closing a tracker failed: {type(errors[0]).__name__}: {errors[0]}", RuntimeWarning,
+                          stacklevel=2)
+        elif errors:
+            raise errors[0]
 
 
 def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null

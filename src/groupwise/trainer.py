@@ -33,7 +33,7 @@ from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import MetricsLogger, hides_progress, resolve_report_to, set_log_level
+from groupwise.logging import MetricsLogger, resolve_report_to, set_log_level
 from groupwise.signals import stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
@@ -276,7 +276,7 @@ class GRPOTrainer(TransformersHabits):
             args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(),
             resume_step=self.global_step, run_id=self.run_id, resumed=self.global_step > 0), "opening the trackers")
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
-                         disable=hides_progress(args) or not self.dist.is_main)  # transformers' ProgressCallback
+                         disable=bool(args.disable_tqdm) or not self.dist.is_main)  # transformers' ProgressCallback
         self._started = self._tick = time.perf_counter()
         self._first_step = self.global_step  # this call's steps, for the end-of-training speed line
         self._last: dict[str, float] = {}

@@ -141,6 +141,7 @@ class VLLMColocateGenerator:
         tp = args.vllm_tensor_parallel_size
         self.group = dist.subgroup(tp) if tp > 1 else None
         self.failed = False  # a process of the group reported a failure within independently()
+        self.exchanging = False  # inside the group's exchange (a gather that raised leaves it True)
 
     def _engine(self, model):
         if self.llm is not None:
@@ -241,7 +242,9 @@ class VLLMColocateGenerator:
     def _exchange(self, item) -> list:
         """Every process of the tensor-parallel group's `item` (a request, None when it has finished, or _Failed),
         in rank order; ProcessFailed when another process reported a failure."""
+        self.exchanging = True  # left True when the gather raises: the group is broken, no further exchange is tried
         parts = self.dist.gather_object_in(self.group, item)
+        self.exchanging = False
         failures = [part.message for part in parts if isinstance(part, _Failed)]
         if failures:
             self.failed = True
@@ -257,12 +260,13 @@ class VLLMColocateGenerator:
         external launcher: every process of the group calls it with the same inputs): every call stays a round of the
         group, a process that has finished joins the group's remaining rounds with no prompts, and a process that
         fails tells the group, whose processes stop with its message instead of waiting. Every process enters
-        together: the engine is built here if it is not yet (vLLM builds it collectively over every process)."""
+        together: the engine is built here if it is not yet (vLLM's external launcher builds it collectively over
+        every process, at any tp)."""
+        self._engine(model)
         if self.group is None:
             yield
             return
-        self._engine(model)
-        self.failed = False
+        self.failed = self.exchanging = False
         try:
             yield
             while True:  # the group's other processes may still be generating
@@ -271,7 +275,7 @@ class VLLMColocateGenerator:
                     return
                 self._round(model, parts)
         except Exception as e:  # in this process's calls or in a round it joined: the group stops with it
-            if not self.failed:
+            if not (self.failed or self.exchanging):  # (unless it knows already, or the exchange itself failed)
                 self._exchange(_Failed(f"{type(e).__name__}: {e}"))
             raise
 
