@@ -256,7 +256,7 @@ class VLLMColocateGenerator:
     @contextlib.contextmanager
     def independently(self, model):
         """Evaluation and the tool loop, whose processes make different numbers of calls. Each process's engine is
-        its own at tensor_parallel_size 1: nothing to do. At tp > 1 the engine is collective over its group (vLLM's
+        its own at tensor_parallel_size 1: nothing else to do. At tp > 1 the engine is collective over its group (vLLM's
         external launcher: every process of the group calls it with the same inputs): every call stays a round of the
         group, a process that has finished joins the group's remaining rounds with no prompts, and a process that
         fails tells the group, whose processes stop with its message instead of waiting. Every process enters
