@@ -386,6 +386,7 @@ def test_reward_names_and_tokenizers_as_trl(tmp_path, tokenizer):
 def test_report_to_set_after_the_config_is_resolved_before_the_model_loads(tmp_path, tokenizer):
     """transformers reads report_to when the trainer is built: a value set on the config afterwards ("none" as a
     string) is resolved then; an unknown one is a one-line error before the model loads."""
+    from groupwise import GRPOConfig
     from groupwise.config_base import ConfigError
 
     args = small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=1)
@@ -394,6 +395,8 @@ def test_report_to_set_after_the_config_is_resolved_before_the_model_loads(tmp_p
                     train_dataset=toy.dataset(8), processing_class=tokenizer)
     assert t.args.report_to == []
     t.train()
+    with pytest.raises(ConfigError, match="report_to=5 must be a tracker name or a list of them"):
+        GRPOConfig(report_to=5)
     args.report_to = "tensorbored"
     with pytest.raises(ConfigError, match=r"report_to='tensorbored' is not one of \['none', 'all', 'tensorboard'"):
         GRPOTrainer(str(tmp_path / "no-such-model"), [_length], args=args, train_dataset=toy.dataset(8))

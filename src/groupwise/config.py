@@ -26,7 +26,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
 from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
-from groupwise.logging import LOG_LEVELS, TRACKERS, installed_trackers, resolve_report_to, transformers_verbosity
+from groupwise.logging import LOG_LEVELS, TRACKERS, resolve_report_to, transformers_verbosity
 from groupwise.modeling import check_compile_backend
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
@@ -270,14 +270,10 @@ class GRPOConfig(StrictConfig):
             if getattr(self, new) is not None:
                 setattr(self, old, getattr(self, new))
             setattr(self, new, getattr(self, old))
-        if self.report_to is None:  # transformers 5: no trackers
-            self.report_to = "none"
-        if self.report_to == "all" or self.report_to == ["all"]:  # transformers: every installed tracker
-            self.report_to = installed_trackers() or "none"
-        if isinstance(self.report_to, str):
-            self.report_to = [self.report_to]
+        # transformers' spellings (None, "none", "all", a name, a list) as the trackers to open; the trainer resolves
+        # it again, as it may be set after the config is built
+        self.report_to = resolve_report_to(self.report_to)
         super().__post_init__()  # types, finiteness and the constraints declared on each field, then validate()
-        self.report_to = resolve_report_to(self.report_to)  # the trainer resolves it again (it may be set later)
         if self.disable_tqdm is None:  # transformers: hidden when its logging is quieter than warnings
             self.disable_tqdm = transformers_verbosity() > LOG_LEVELS["warning"]
 

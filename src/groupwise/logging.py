@@ -164,6 +164,8 @@ def resolve_report_to(value) -> list[str]:
     TRACKERS, one name or a list ("none" entries dropped); each known and installed, else a ConfigError."""
     if value == "all" or value == ["all"]:
         return installed_trackers()
+    if not (value is None or isinstance(value, (str, list, tuple))):
+        raise ConfigError(f"report_to={value!r} must be a tracker name or a list of them (or 'none' / 'all')")
     given = [value] if isinstance(value, str) or value is None else list(value)
     names = [name for name in given if name not in ("none", None)]
     for name in names:
