@@ -257,17 +257,22 @@ def test_a_tensor_parallel_engine_spans_two_processes_that_train_as_one(tmp_path
     check_two_train_as_one(results, tmp_path, base_dir)
     one, two = results[1][0], results[2]
     # every engine call, on both processes: training 4 + 4 prompts a round; evaluation 2 + 2, then 1 + none; the
-    # failing evaluation 2 + 2 (then process 1 fails and process 0's next call stops). In the tool step's trainer (a
-    # second engine): 4 + 4, then the 4 rows whose turn called the tool + none; its evaluation ("call", "answer",
-    # "call" in batches of 1: process 0 holds both "call" prompts) 1 + 1, then 1 (process 0's tool turn) + none, then
-    # process 0's second prompt, 2 turns, + none. One process: 8, 8; 2, 2, 1; 2; then 8, 4; 1, 1, 1, 1, 1
+    # failing evaluation 2 + 2 (then process 1 fails and process 0's next call stops); the evaluation whose engine
+    # fails 2 + 2, then 1 + none (it fails). In the tool step's trainer (a second engine): 4 + 4, then the 4 rows
+    # whose turn called the tool + none; its evaluation ("call", "answer", "call" in batches of 1: process 0 holds
+    # both "call" prompts) 1 + 1, then 1 (process 0's tool turn) + none, then process 0's second prompt, 2 turns,
+    # + none. One process: 8, 8; 2, 2, 1; 2; 2, 2, 1; then 8, 4; 1, 1, 1, 1, 1
     assert two[0]["engines"] == two[1]["engines"] == {
-        "sizes": [[8, 8, 4, 1, 4], [8, 4, 2, 1, 1, 1]],
+        "sizes": [[8, 8, 4, 1, 4, 4, 1], [8, 4, 2, 1, 1, 1]],
         "kwargs": {"tensor_parallel_size": 2, "seed": 0, "max_num_seqs": 4 * 2}}
-    assert one["engines"] == {"sizes": [[8, 8, 2, 2, 1, 2], [8, 4, 1, 1, 1, 1, 1]],
+    assert one["engines"] == {"sizes": [[8, 8, 2, 2, 1, 2, 2, 2, 1], [8, 4, 1, 1, 1, 1, 1]],
                               "kwargs": {"tensor_parallel_size": 1, "seed": 0, "max_num_seqs": 8 * 1}}
     # process 0 learnt of process 1's failure from the group's exchange, within the evaluation's generation
     assert "generation failed on another process of the vLLM tensor-parallel group" in two[0]["failure"]
+    # the engine failing in a round process 1 only joined (it had finished its batches): the engine's error on both
+    # processes, as on one (process 1 raised it within the join and told the group; it did not wait nor hang)
+    assert one["engine_failure"] == two[0]["engine_failure"] == two[1]["engine_failure"] == \
+        "RuntimeError: the stand-in engine failed"
 
 
 def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm, tokenizer):

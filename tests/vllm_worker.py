@@ -3,7 +3,8 @@ the stand-in `vllm` on PYTHONPATH: a GRPOTrainer run with use_vllm in $VLLM_MODE
 server at $STANDIN_URL, which tests/test_vllm_server.py starts) or 'colocate' (vllm_tensor_parallel_size = N: one
 engine spans every process). 8 rows per round over all processes, then an evaluation of 5 prompts in batches of 2
 (with 2 processes: 2 batches on one, 1 on the other), then an evaluation whose reward function fails on the last
-process only, then one step with a tool whose rollouts take 2 turns for one prompt and 1 for the other
+process only, in colocate mode an evaluation whose engine fails on the last prompt (with 2 processes in a round only
+process 0 has prompts for), then one step with a tool whose rollouts take 2 turns for one prompt and 1 for the other
 (`scripted_replies`: with 2 processes one process runs more turns than the other), then an evaluation with the tool
 of 3 prompts in batches of 1. Writes result_<rank>.json (the logged losses and rewards, the rows this process
 trained on, the evaluation's metrics, the failed evaluation's error, the tool step's metrics and the tool
@@ -136,6 +137,23 @@ def main(out: Path) -> None:
     except Exception as e:  # noqa: BLE001 — the test reads which error each process raised
         failure = f"{type(e).__name__}: {e}"
     failing.clear()
+    engine_failure = None
+    if mode == "colocate":  # the engine fails on the last prompt, in a round that process 1 only joins (2 processes)
+        import vllm
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(os.environ["BASE_DIR"])
+
+        def fail_on_the_last(prompt_ids):
+            if "repeat h:" in tok.decode(prompt_ids):
+                raise RuntimeError("the stand-in engine failed")
+
+        vllm.LLM.reply = staticmethod(fail_on_the_last)
+        try:
+            t.evaluate()
+        except Exception as e:  # noqa: BLE001 — the test reads which error each process raised
+            engine_failure = f"{type(e).__name__}: {e}"
+        vllm.LLM.reply = None
     if mode == "server":
         t.rollout_ctx.generator.close()
     lines = [{k: h[k] for k in ("loss", "reward") if k in h} for h in t.state.log_history if "loss" in h]
@@ -165,7 +183,8 @@ def main(out: Path) -> None:
         engines = {"sizes": [engine.sizes for engine in vllm.ENGINES],
                    "kwargs": {k: vllm.ENGINES[0].kwargs[k] for k in ("tensor_parallel_size", "seed", "max_num_seqs")}}
     (out / f"result_{t.dist.rank}.json").write_text(json.dumps({
-        "lines": lines, "completions": trained, "eval": evaluation, "failure": failure, "tools": tool_line,
+        "lines": lines, "completions": trained, "eval": evaluation, "failure": failure, "engine_failure": engine_failure,
+        "tools": tool_line,
         "tool_eval": tool_eval,
         "engines": engines}))
 
