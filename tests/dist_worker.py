@@ -116,8 +116,9 @@ def fault(out: Path, kind: str) -> None:
 
 
 def run(out: Path) -> None:
-    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after" and "tie"); rank 0
-    writes the final weights (full, unsharded) to weights.safetensors. RUN_SPEC a list: its runs one after another
+    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after" and "tie"); each
+    process writes its state.log_history to log_history_<rank>.json and rank 0 the final weights (full, unsharded) to
+    weights.safetensors. RUN_SPEC a list: its runs one after another
     in these processes (a fresh model and trainer each; the process group stays), each in its spec's "out" folder,
     where each process writes returned_<rank> when the run returned (a crash_after run too)."""
     import os
@@ -160,6 +161,7 @@ def run_one(out: Path, spec: dict) -> None:
         t.train(resume_from_checkpoint=resume)
     except Crash:
         return
+    (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
     if t.dist.is_main:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
 

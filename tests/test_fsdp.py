@@ -55,6 +55,13 @@ def test_fsdp2_crash_and_resume_is_bitwise_exact(tmp_path, tr_dpo_fsdp_runs):
         assert torch.equal(a[name], b[name]), name
     kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")][-2:] for run in (straight, crashed)]
     assert kl[0] == kl[1] and kl[0][1] > 0  # the resumed reference is the straight run's (steps 1-2: no signal)
+    # every process's state.log_history: steps 1-2 read back from the checkpoint (on process 1 too), 3-4 trained
+    keys = ("step", "epoch", "loss", "reward", "kl", "grad_norm", "learning_rate")
+    history = {(run.name, r): [{k: line[k] for k in keys if k in line}
+                               for line in json.loads((run / f"log_history_{r}.json").read_text()) if "loss" in line]
+               for run in (straight, crashed) for r in (0, 1)}
+    assert [line["step"] for line in history["straight", 0]] == [1, 2, 3, 4]
+    assert history["straight", 0] == history["straight", 1] == history["crashed", 0] == history["crashed", 1]
 
 
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
