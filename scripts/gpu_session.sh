@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the device machine (GPU): install carried wheels, then run one stage. Used as
 #   bash scripts/gpu_session.sh tests|demo|gen|fast|autotune|profile|profile2|bench
-# Output lands in $OUT (the device tool brings it back). Wheels travel in .whl/ (see benchmarks/results/gpu.md).
+# Output lands in $OUT (the device tool brings it back). Wheels travel in .whl/: scripts/gpu_wheels.sh fetches them
+# (a fresh clone has none); carry ".whl" in the device call (and ".whl_arrow" for `bench`).
 set -uo pipefail
+if ! ls .whl/*.whl >/dev/null 2>&1; then echo "no wheels in .whl/: run scripts/gpu_wheels.sh here and carry .whl"; exit 2; fi
 stage=${1:-tests}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
