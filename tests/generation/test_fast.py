@@ -89,6 +89,25 @@ def test_rows_that_are_not_grouped_are_their_own_group(tokenizer):
     assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
 
 
+@pytest.mark.parametrize("G,k,shared", [(8, 4, 4), (4, 6, 6), (8, 16, 8), (2, None, 3)])
+def test_evaluation_rows_share_their_prompt_whatever_k(tokenizer, G, k, shared):
+    """Training lays a prompt's G rows side by side, evaluation its k = num_generations_eval rows: the prefill is
+    shared by the rows of one prompt for either size (the vLLM server's rule, `repeats`: G first, then k, then the
+    first run of identical rows). 3 prompts of k (or 3) rows each: 12 rows with G = 8, k = 4: 12 % 8 ≠ 0, so 4;
+    18 rows with G = 4, k = 6: 18 % 4 = 2, so 6; 48 rows with G = 8, k = 16: groups of 8 hold one prompt each and G
+    comes first (as on the server), so 8; 9 rows with G = 2 and k None (greedy): 9 % 2 ≠ 0, the first run, 3.
+    Greedy completions equal generate()'s either way."""
+    model = toy.build_model(tokenizer, seed=2, hidden_size=32).eval()
+    per = k or 3
+    ids, mask = encode_prompts([p for p in ["a", "repeat bc:", "d"] for _ in range(per)], tokenizer, None)
+    gen = _fast(tokenizer, group_size=G, eval_group_size=k)
+    assert gen._groups(ids, mask) == shared
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tokenizer, ids, mask))
+    # rows of one prompt split across two groups are not shared: [a a a | a b b] with k = 3 is its own groups
+    ids, mask = encode_prompts(["a"] * 4 + ["d"] * 2, tokenizer, None)
+    assert _fast(tokenizer, group_size=4, eval_group_size=3)._groups(ids, mask) == 1
+
+
 def test_sampled_frequencies_match_the_processed_softmax(tokenizer):
     """One prompt, 6000 rows sharing it, one sampled token each. Expected probabilities: softmax of the logits after
     transformers' own temperature → top-k → top-p → min-p processors. Tolerance: every token's frequency within

@@ -100,8 +100,10 @@ def test_generation_kwargs_override_the_transformers_fields_as_in_trl(tokenizer,
                                 repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id,
                                 eos_token_ids=[tokenizer.eos_token_id],
                                 generation_kwargs={"top_k": 3, "temperature": 0.5, "do_sample": True})
-    assert (gen.sample_config.top_k, gen.sample_config.temperature, gen.sample_config.do_sample) == (3, 0.5, True)
-    assert gen.greedy_config.do_sample is False and gen.temperature == 0.9
+    sample, greedy = gen.configs[False], gen.configs[True]
+    assert (sample.top_k, sample.temperature, sample.do_sample) == (3, 0.5, True)
+    assert greedy.do_sample is False and gen.temperature == 0.9
+    assert sample.disable_compile is greedy.disable_compile is True  # as TRL's GenerationConfig
     ids, mask = encode_prompts(["ab", "c"], tokenizer, None)
     assert gen(tiny_model, ids, mask, logprobs=True).logprobs.shape[0] == 2
     from groupwise.config_base import ConfigError
@@ -207,5 +209,38 @@ def test_transformers_generator_sets_the_outputs_in_its_generation_config(tokeni
     ids, mask = encode_prompts(["ab", "c"], tokenizer, None)
     out = gen(tiny_model, ids, mask, greedy=greedy, logprobs=logprobs)
     assert set(seen[0]) == {"input_ids", "attention_mask", "generation_config"}
-    assert seen[0]["generation_config"].output_logits is logprobs
+    # never output_logits: generate() would keep every step's (N, V) logits (the log-probs are read step by step)
+    assert seen[0]["generation_config"].output_logits is False
     assert (out.logprobs is not None) is logprobs and out.completion_ids.size(0) == 2
+    assert not tiny_model._forward_hooks  # the step-by-step reader is gone after the call
+
+
+def test_transformers_log_probs_equal_generate_s_logits_under_peft_and_penalties(tokenizer):
+    """The transformers backend reads each sampled token's log-prob step by step from the forward generate() runs
+    (one (N, V) step kept at a time): the same numbers as the plain way, log softmax(output_logits_t / τ)[y_t] over
+    the logits generate() keeps for every step, for sampled rows under a repetition penalty and top-k (processors
+    the log-prob leaves out), with rows ending at different steps, through a PEFT model (whose generate() runs its
+    base model's forward)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(toy.build_model(tokenizer, seed=4, hidden_size=32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    eos = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(list("abcdefgh"))]  # rows end early
+    kw = dict(max_completion_length=9, temperature=0.8, top_p=1.0, top_k=6, min_p=None, repetition_penalty=1.3,
+              pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos)
+    ids, mask = encode_prompts(["repeat a:", "ab", "x", "repeat b:"], tokenizer, None)
+    torch.manual_seed(5)
+    out = TransformersGenerator(**kw)(model, ids, mask, logprobs=True)
+    # the plain way: the same draw again with output_logits (the same seed, the same processors)
+    torch.manual_seed(5)
+    gen = TransformersGenerator(**kw)
+    plain = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+        **{**gen.configs[False].to_dict(), "output_logits": True}))
+    completion = plain.sequences[:, ids.size(1):]
+    assert torch.equal(completion, out.completion_ids)
+    expected = torch.stack([torch.log_softmax(l.float() / 0.8, -1).gather(-1, completion[:, t:t + 1]).squeeze(-1)
+                            for t, l in enumerate(plain.logits)], dim=1)
+    cmask, _ = completion_masks(completion, eos, completion.size(1))
+    assert 0 < cmask.sum() < cmask.numel()  # some rows ended early: their tail is padding
+    assert torch.allclose(out.logprobs, expected, atol=1e-6)
+    assert not model.get_base_model()._forward_hooks

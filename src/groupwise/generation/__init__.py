@@ -102,6 +102,21 @@ MODEL_PROCESSOR_FIELDS = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "sup
                           "watermarking_config": None, "guidance_scale": None, "min_p": None}
 
 
+def repeats(rows: list, sizes: tuple[int | None, ...] = ()) -> int:
+    """How many consecutive rows share each prompt. Rollouts lay a prompt's rows side by side (the G completions of a
+    group, or k per prompt in evaluation): a backend prefills each prompt once (fast) or sends it once with n = the
+    group size (vLLM server, as TRL sends `all_prompts[::num_generations]` with n=num_generations). `rows`: one
+    comparable item per row (its prompt ids, or an id of them). The first of `sizes` the rows are whole groups of,
+    else the length of the first run of identical rows if they all come in such runs, else 1."""
+    first = 1
+    while first < len(rows) and rows[first] == rows[0]:
+        first += 1
+    for n in (*sizes, first):
+        if n and len(rows) % n == 0 and all(rows[i] == rows[i - i % n] for i in range(len(rows))):
+            return n
+    return 1
+
+
 def unapplied_generation_config(model, args) -> dict[str, object]:
     """The fields of the model's generation_config that change sampling, which model.generate() (and TRL's
     transformers path) would apply and `args.generation_backend` does not. min_p counts only when the config leaves

@@ -45,7 +45,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from groupwise.generation import Generated
+from groupwise.generation import Generated, repeats
 from groupwise.generation.fused_linear import FusedProjections
 from groupwise.generation.static import StaticState, advance, fused_pick, open_slot, static_refusal
 from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
@@ -127,18 +127,21 @@ def penalty_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Te
 
 class FastGenerator:
     """Generator backend (see groupwise.generation). Rows with identical prompts must be contiguous in groups of
-    `group_size` for the prompt to be shared; otherwise each row is its own group."""
+    `group_size` (training's num_generations) or `eval_group_size` (num_generations_eval), or all in runs as long as
+    the first, for the prompt to be shared; otherwise each row is its own group."""
 
     @classmethod
     def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> "FastGenerator":
         return cls(max_completion_length=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                    pad_token_id=pad_token_id, eos_token_ids=eos_token_ids, group_size=args.num_generations,
+                   eval_group_size=args.num_generations_eval,
                    compile=args.generation_compile, fuse_projections=args.generation_fuse_projections)
 
     def __init__(self, *, max_completion_length: int, temperature: float, top_p: float, top_k: int,
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
-                 group_size: int = 1, compact_fraction: float = 0.1, compile: bool | None = None,
+                 group_size: int = 1, eval_group_size: int | None = None,
+                 compact_fraction: float = 0.1, compile: bool | None = None,
                  compile_mode: dict | None = None, attention_kernel: bool | None = None,
                  fuse_projections: bool = False):
         """compile: decode with the static loop (None: on CUDA only); compile_mode: torch.compile's arguments for
@@ -159,7 +162,7 @@ class FastGenerator:
         self._warned: set[int] = set()  # models named in the warning that the static loop cannot serve them
         self.keep_shapes = 2
         self.pad_token_id, self.eos = pad_token_id, torch.tensor(eos_token_ids)
-        self.group_size, self.compact_fraction = group_size, compact_fraction
+        self.group_sizes, self.compact_fraction = (group_size, eval_group_size), compact_fraction
         self.temperature = temperature
         penalty = [RepetitionPenaltyLogitsProcessor(repetition_penalty)] if repetition_penalty != 1.0 else []
         warpers = []  # generate()'s order and conditions
@@ -175,14 +178,13 @@ class FastGenerator:
         self.greedy_processors = LogitsProcessorList(penalty)
 
     def _groups(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-        G = self.group_size
-        N = prompt_ids.size(0)
-        if G <= 1 or N % G:
+        """The number of consecutive rows that share one prompt, whose prefill is computed once for them all: the
+        rule of `repeats` (num_generations, then num_generations_eval, then the first run of identical rows)."""
+        if prompt_ids.size(0) <= 1:
             return 1
-        ids = prompt_ids.view(N // G, G, -1)
-        mask = prompt_mask.view(N // G, G, -1)
-        same = (ids == ids[:, :1]).all() and (mask == mask[:, :1]).all()
-        return G if bool(same) else 1
+        rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+        ids = torch.unique(rows, dim=0, return_inverse=True)[1].tolist()  # one id per distinct (prompt, mask) row
+        return repeats(ids, self.group_sizes)
 
     def update_weights(self, model) -> None:
         """Samples from the policy module itself: new weights are already there (updated in place, so a captured

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from groupwise.config_base import ConfigError
-from groupwise.generation import Generated
+from groupwise.generation import Generated, repeats
 from groupwise.generation.vllm import WeightTransfer, sampling_fields, vllm_named_weights, weight_transfer
 
 START_SERVER = ("""VLLM_SERVER_DEV_MODE=1 vllm serve <model> --weight-transfer-config '{"backend": "nccl"}' """
@@ -329,20 +329,6 @@ class VLLMServerClient:
 
 
 # ---- the backend ------------------------------------------------------------------------------------------------
-def repeats(prompts: list[list[int]], sizes: tuple[int | None, ...] = ()) -> int:
-    """Completions to ask per prompt: the rows come as groups of identical prompts (the G completions of a group, or
-    k per prompt in evaluation), and the server is sent each prompt once with n = the group size, as TRL sends
-    `all_prompts[::num_generations]` with n=num_generations. The first of `sizes` the rows are whole groups of, else
-    the length of the first run of identical rows if they all come in such runs, else 1."""
-    first = 1
-    while first < len(prompts) and prompts[first] == prompts[0]:
-        first += 1
-    for n in (*sizes, first):
-        if n and len(prompts) % n == 0 and all(prompts[i] == prompts[i - i % n] for i in range(len(prompts))):
-            return n
-    return 1
-
-
 class VLLMServerGenerator:
     @classmethod
     def from_config(cls, args, *, pad_token_id: int, eos_token_ids: list[int], dist=None) -> VLLMServerGenerator:
