@@ -3,6 +3,7 @@
 end), and transformers' EarlyStoppingCallback, which reads state.best_metric."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,17 +47,27 @@ def test_greater_is_better_defaults_from_the_metrics_name():
 
 
 def test_the_best_checkpoint_is_tracked_kept_and_loaded_at_the_end(tmp_path, tokenizer):
-    t = _trainer(tmp_path, tokenizer, load_best_model_at_end=True, save_total_limit=1)
+    from transformers import TrainerCallback
+
+    saved = {}  # step → (the checkpoint's weights, its trainer_state.json's best), read as each save happens
+
+    class Record(TrainerCallback):
+        def on_save(self, args, state, control, checkpoint=None, **kwargs):
+            best = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["best"]
+            saved[state.global_step] = load_file(str(Path(checkpoint) / "model.safetensors")), best
+
+    t = _trainer(tmp_path, tokenizer, callbacks=[Record()], load_best_model_at_end=True, save_total_limit=1)
     t.train()
     out = tmp_path / "out"
     assert t.state.best_metric == 0.0 and t.state.best_global_step == 2
     assert t.state.best_model_checkpoint == str(out / "checkpoint-2")
-    saved = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["best"]  # a resume continues from it
-    assert saved == {"best_metric": 0.0, "best_global_step": 2, "best_model_checkpoint": str(out / "checkpoint-2")}
-    # save_total_limit=1 keeps the newest checkpoint and, older, the best one
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    best = load_file(str(out / "checkpoint-2" / "model.safetensors"))
-    last = load_file(str(out / "checkpoint-4" / "model.safetensors"))
+    # a resume continues from it; checkpoint-2 names itself (transformers sets it before writing the state)
+    best_state = {"best_metric": 0.0, "best_global_step": 2, "best_model_checkpoint": str(out / "checkpoint-2")}
+    assert saved[2][1] == saved[4][1] == best_state
+    # save_total_limit=1 kept the newest checkpoint and, older, the best one during training; at the end the newest
+    # is deleted (transformers' train() end): the best one remains
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    best, last = saved[2][0], saved[4][0]
     state = t.unwrapped.state_dict()
     assert all(torch.equal(state[k], v) for k, v in best.items())  # the model is step 2's again
     assert any(not torch.equal(best[k], last[k]) for k in best)  # which is not the last step's

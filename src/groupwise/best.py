@@ -4,7 +4,8 @@
 After every evaluation during training, the metric (`eval_<name>`) is compared with `state.best_metric`; a better
 value records `state.best_metric` and `state.best_global_step`, and the checkpoint of that step, once written, becomes
 `state.best_model_checkpoint` (so `save_steps` must be a multiple of `eval_steps`). The rotation of
-`save_total_limit` never deletes it, and `load_best_model_at_end` loads its weights when training ends.
+`save_total_limit` never deletes it (and counts it: transformers' rotation), and `load_best_model_at_end` loads its
+weights when training ends. `save_strategy="best"` saves a checkpoint exactly when an evaluation gives a new best.
 EarlyStoppingCallback reads `state.best_metric` the same way.
 """
 
@@ -16,16 +17,28 @@ from pathlib import Path
 from groupwise.config_base import ConfigError
 
 
-def check_fields(args) -> None:
-    """transformers' TrainingArguments rules, plus one of groupwise's: evaluation reports no eval_loss, so the metric
-    is named. Fills `greater_is_better` as transformers does (True unless the name ends with 'loss')."""
+def check_fields(args, *, sharded: bool = False) -> None:
+    """transformers' TrainingArguments and Trainer rules, plus groupwise's: evaluation reports no eval_loss, so the
+    metric is named; save_strategy 'best' needs evaluations. `sharded`: the run uses fsdp. Fills
+    `greater_is_better` as transformers does (True unless the name ends with 'loss')."""
     if args.metric_for_best_model is not None and args.greater_is_better is None:
         args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if args.save_strategy == "best" and args.metric_for_best_model is None:
+        raise ConfigError("save_strategy='best' needs metric_for_best_model (a save follows each evaluation that "
+                          "gives it a new best value): name an evaluation metric, e.g. 'reward'")
+    if args.save_strategy == "best" and args.eval_strategy == "no":
+        raise ConfigError("save_strategy='best' saves after an evaluation that gives a new best metric: set "
+                          "eval_strategy to 'steps' or 'epoch'")
     if not args.load_best_model_at_end:
         return
     if args.metric_for_best_model is None:
         raise ConfigError("load_best_model_at_end=True needs metric_for_best_model: groupwise's evaluation reports no "
                           "eval_loss (transformers' default); name an evaluation metric, e.g. 'reward'")
+    if sharded and args.save_only_model:  # transformers' Trainer refuses it too ("FSDP can't be used with …")
+        raise ConfigError("load_best_model_at_end=True with fsdp and save_only_model=True: such checkpoints hold no "
+                          "shards to load the best model from; drop save_only_model or load_best_model_at_end")
+    if args.save_strategy == "best":  # saves follow the evaluations: any eval_strategy (transformers)
+        return
     if args.eval_strategy == "no" or args.eval_strategy != args.save_strategy:
         raise ConfigError(f"load_best_model_at_end=True needs eval_strategy and save_strategy to match (and not be "
                           f"'no'), got eval_strategy={args.eval_strategy!r}, save_strategy={args.save_strategy!r}")
@@ -61,15 +74,26 @@ class BestModel:
         return True
 
     @staticmethod
+    def at_save(state, output_dir: str | Path, step: int) -> str | None:
+        """The best checkpoint as of the save of `step`: transformers' _save_checkpoint updates
+        state.best_model_checkpoint before it writes trainer_state.json and rotates, so a save at the best step
+        records and protects itself, not the former best."""
+        if state.best_global_step == step:
+            return str(Path(output_dir) / f"checkpoint-{step}")
+        return state.best_model_checkpoint
+
+    @staticmethod
     def saved(state, path: str | Path) -> None:
         """After checkpoint-N is written: the best step's checkpoint becomes state.best_model_checkpoint."""
         if state.best_global_step is not None and Path(path).name == f"checkpoint-{state.best_global_step}":
             state.best_model_checkpoint = str(path)
 
     @staticmethod
-    def state_dict(state) -> dict:
+    def state_dict(state, checkpoint: str | None) -> dict:
+        """What a checkpoint's trainer_state.json keeps; `checkpoint`: the best checkpoint as of this save (at_save:
+        a checkpoint of the best step names itself, as transformers' does)."""
         return {"best_metric": state.best_metric, "best_global_step": state.best_global_step,
-                "best_model_checkpoint": state.best_model_checkpoint}
+                "best_model_checkpoint": checkpoint}
 
     @staticmethod
     def load_state_dict(state, saved: dict | None) -> None:

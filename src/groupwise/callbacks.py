@@ -109,16 +109,17 @@ class CallbackHandler:
 def default_flow(args, state, epoch_end: bool, epochs_done: int) -> tuple[bool, bool, bool]:
     """(log, evaluate, save) after optimizer step state.global_step: logging_strategy / eval_strategy /
     save_strategy "steps" (every state.*_steps: the fields, fractions of max_steps resolved), "epoch" (at the end
-    of a pass over the prompts) or "no", with eval_delay and logging_first_step (transformers' meanings). At the
-    last step groupwise always logs, and evaluates and saves unless the strategy is "no" (transformers saves there
-    only under "steps"): a run's end is never unrecorded."""
+    of a pass over the prompts) or "no", with eval_delay and logging_first_step (transformers' meanings); save_strategy
+    "best" saves after an evaluation that gives a new best metric (the trainer decides it then, as transformers). At
+    the last step groupwise always logs, and evaluates and saves unless the strategy is "no" ("best": unless no new
+    best; transformers saves there only under "steps"): a run's end is never unrecorded."""
     step, last_step = state.global_step, state.global_step >= state.max_steps
 
     def due(strategy: str, every: int) -> bool:
-        return {"steps": bool(every) and step % every == 0, "epoch": epoch_end, "no": False}[strategy]
+        return {"steps": bool(every) and step % every == 0, "epoch": epoch_end, "no": False, "best": False}[strategy]
 
     log = due(args.logging_strategy, max(state.logging_steps, 1)) or last_step or (args.logging_first_step and step == 1)
     delayed = (epochs_done if args.eval_strategy == "epoch" else step) < args.eval_delay
     evaluate = not delayed and (due(args.eval_strategy, state.eval_steps) or (last_step and args.eval_strategy != "no"))
-    save = due(args.save_strategy, state.save_steps) or (last_step and args.save_strategy != "no")
+    save = due(args.save_strategy, state.save_steps) or (last_step and args.save_strategy in ("steps", "epoch"))
     return log, evaluate, save

@@ -20,7 +20,10 @@ bit-flipped or edited), naming the file. A save of a step that has a checkpoint 
 first: a crash before the new folder takes its name leaves the step there, and resume (or the next save) puts it
 back (put_back_replaced). trainer_state.json records the run id; `save_total_limit` rotation only ever deletes
 checkpoints of the same run, a save refuses to replace another run's checkpoint of the same step, and a new run
-refuses an output_dir that holds another run's outputs. Loading is groupwise.checkpoint_load's.
+refuses an output_dir that holds another run's outputs. A checkpoint the rotation deletes is renamed
+.old-checkpoint-N.deleted first (a kill during the deletion never leaves a half checkpoint-N; the leftover is
+removed by the next save or resume). A folder whose trainer_state.json is transformers' TrainerState (a transformers
+/ TRL checkpoint) is never resumed. Loading is groupwise.checkpoint_load's.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from groupwise.config_base import ConfigError
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
 REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see _publish, put_back_replaced
+DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
 MANIFEST = "checksums.json"
 
 
@@ -67,9 +71,33 @@ def _write_manifest(folder: Path) -> None:
     _write_json(folder / MANIFEST, {name: _sha256(folder / name) for name in files})
 
 
+def is_transformers_state(state: dict) -> bool:
+    """Is this trainer_state.json transformers' TrainerState (a checkpoint of transformers' / TRL's Trainer, or an
+    output_dir after trainer.save_state()) rather than groupwise's resume state? TrainerState.save_to_json writes
+    its process and hyper-parameter-search flags, which groupwise's never holds; groupwise's holds the sampler."""
+    return "sampler" not in state and any(k in state for k in ("is_world_process_zero", "is_hyper_param_search",
+                                                                "trial_name"))
+
+
+def foreign_message(folder: str | Path) -> str:
+    return (f"resume_from_checkpoint={str(folder)!r} is a transformers / TRL checkpoint (its trainer_state.json is "
+            "transformers' TrainerState), not groupwise's: it holds no groupwise resume state; start a new run "
+            f"from its weights with model={str(folder)!r}")
+
+
+def _state_of(folder: Path) -> dict | None:
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def verify_checkpoint(folder: str | Path) -> None:
     """Raise CheckpointError unless every file listed in checksums.json is there with its recorded sha256."""
     path = Path(folder)
+    if is_transformers_state(_state_of(path) or {}):
+        raise CheckpointError(foreign_message(path))
     if not (path / MANIFEST).exists() and _run_id_of(path) is None and (path / "trainer_state.json").exists():
         warnings.warn(f"{path} predates checksums (no {MANIFEST}): resumed without verifying its files",
                       RuntimeWarning, stacklevel=2)
@@ -97,7 +125,8 @@ def run_outputs(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or SET_ASIDE_RE.match(p.name)
-                  or REPLACED_RE.match(p.name) or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
+                  or REPLACED_RE.match(p.name) or DELETED_RE.match(p.name)
+                  or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
 
 
 def put_back_replaced(output_dir: str | Path) -> list[Path]:
@@ -105,13 +134,17 @@ def put_back_replaced(output_dir: str | Path) -> list[Path]:
     folder checkpoint-N, then deletes .old-checkpoint-N (_publish). A crash between the two renames leaves the step
     only in .old-checkpoint-N, where resume does not look: it is renamed checkpoint-N again (that save is lost, not
     the step; resume verifies its checksums as any checkpoint's). One whose checkpoint-N is there is what the crash
-    kept from being deleted: it is deleted, unless it holds another run's id. Safe on every process at once (a
-    rename another process made first is skipped). Returns the checkpoint-N folders put back."""
+    kept from being deleted: it is deleted, unless it holds another run's id. A .old-checkpoint-N.deleted folder is
+    what a kill left of a deletion (_delete): it is removed. Safe on every process at once (a rename another process
+    made first is skipped). Returns the checkpoint-N folders put back."""
     root = Path(output_dir)
     try:
-        replaced = sorted(p for p in root.iterdir() if REPLACED_RE.match(p.name))
+        names = list(root.iterdir())
     except OSError:  # no such folder (yet), or not readable: nothing of ours to put back
         return []
+    for leftover in (p for p in names if DELETED_RE.match(p.name)):
+        shutil.rmtree(leftover, ignore_errors=True)
+    replaced = sorted(p for p in names if REPLACED_RE.match(p.name))
     restored = []
     for old in replaced:
         final = root / old.name.removeprefix(".old-")
@@ -134,10 +167,11 @@ def put_back_replaced(output_dir: str | Path) -> list[Path]:
 def _incomplete(folder: Path) -> str | None:
     """Why a checkpoint-N folder cannot be resumed from, or None; cheap (the files' presence, not their checksums,
     which read_state verifies)."""
-    try:
-        state = json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    state = _state_of(folder)
+    if state is None:
         return "no readable trainer_state.json"
+    if is_transformers_state(state):
+        return "a transformers / TRL checkpoint, not groupwise's"
     if state.get("model_only"):
         return "saved with save_only_model=True"
     if not (folder / MANIFEST).exists():
@@ -170,13 +204,14 @@ def latest_checkpoint(output_dir: str | Path) -> str:
         skipped.append(f"{path.name} ({why})")
     listed = "; ".join(skipped[:3]) + (" …" if len(skipped) > 3 else "")
     raise CheckpointError(f"resume_from_checkpoint=True: no complete checkpoint in output_dir {output_dir} "
-                          f"({listed}); start a new run (a save_only_model checkpoint can be its model)")
+                          f"({listed}); start a new run (a save_only_model or transformers checkpoint can be its "
+                          "model)")
 
 
 def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | None:
     """The checkpoint folder resume_from_checkpoint names (True: the newest in output_dir), or None for a new run.
-    A folder that is not there or holds no trainer_state.json is a CheckpointError (cheap: nothing is verified
-    or loaded here)."""
+    A folder that is not there, holds no trainer_state.json or holds transformers' (a transformers / TRL checkpoint)
+    is a CheckpointError (cheap: nothing is verified or loaded here)."""
     if not value:
         return None
     for root in {Path(output_dir), *([] if value is True else [Path(value).parent])}:
@@ -186,6 +221,8 @@ def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | Non
         why = "does not exist" if not Path(folder).exists() else "holds no trainer_state.json"
         raise CheckpointError(f"resume_from_checkpoint={folder!r} {why}: not a checkpoint written by groupwise; "
                               "give a checkpoint-N folder of a run, or true for the newest one in output_dir")
+    if is_transformers_state(_state_of(Path(folder)) or {}):
+        raise CheckpointError(foreign_message(folder))
     return folder
 
 
@@ -404,22 +441,50 @@ def _sync_dir(folder: Path) -> None:
 
 
 def _run_id_of(folder: Path) -> str | None:
-    try:
-        return json.loads((folder / "trainer_state.json").read_text()).get("run_id")
-    except (OSError, json.JSONDecodeError):
-        return None
+    return (_state_of(folder) or {}).get("run_id")
+
+
+def _mine(root: Path, run_id: str | None) -> list[Path]:
+    """This run's checkpoint-N folders in `root`, oldest (smallest N) first."""
+    mine = sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := CHECKPOINT_RE.match(p.name)) and _run_id_of(p) == run_id)
+    return [p for _, p in mine]
+
+
+def _delete(path: Path) -> None:
+    """Delete a checkpoint folder: renamed .old-checkpoint-N.deleted first (atomic), then removed, so a kill during
+    the removal leaves no half checkpoint-N for resume to find (put_back_replaced removes the leftover; hub uploads
+    ignore .old-*)."""
+    trash = path.with_name(f".old-{path.name}.deleted")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash)
 
 
 def _rotate(root: Path, limit: int | None, run_id: str | None, keep: set[Path]) -> None:
-    """Keep the newest `limit` checkpoints of this run, and those in `keep` (the one just written, the best);
-    other runs' are not touched."""
+    """transformers' rotate_checkpoints over this run's checkpoints (other runs' are not touched): with more than
+    `limit`, the oldest are deleted until max(limit, the number protected) remain, never a protected one (`keep`:
+    the one just written and the best). So save_total_limit counts the best checkpoint; at 1 the best and the
+    newest are kept (and the end of training deletes the newest: keep_only_best)."""
     if not limit:
         return
-    mine = sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if (m := CHECKPOINT_RE.match(p.name)) and _run_id_of(p) == run_id)
-    for _, path in mine[:-limit]:
-        if path not in keep:
-            shutil.rmtree(path)
+    mine = _mine(root, run_id)
+    protected = keep & set(mine)
+    remaining = len(mine)
+    for path in mine:
+        if remaining <= max(limit, len(protected)):
+            break
+        if path not in protected:
+            _delete(path)
+            remaining -= 1
+
+
+def keep_only_best(output_dir: str | Path, run_id: str | None, best: str | Path) -> None:
+    """transformers' end of training with save_total_limit=1 and a best checkpoint: this run's other checkpoints
+    (the newest, which the rotation kept beside the best) are deleted."""
+    for path in _mine(Path(output_dir), run_id):
+        if path != Path(best):
+            _delete(path)
 
 
 def read_state(folder: str | Path) -> dict:

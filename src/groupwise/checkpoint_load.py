@@ -164,6 +164,10 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
         raise _error(f"{path} was written with save_only_model=True: it holds the model only (no "
                      "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
                      "run with it as the model")
+    lacking = [k for k in ("global_step", "world_size") if k not in state]
+    if lacking:  # (a transformers / TRL checkpoint is named earlier: checkpoint.resume_folder)
+        raise _error(f"{path}: its trainer_state.json has no {lacking[0]!r}: not a checkpoint groupwise wrote; resume "
+                     "from a checkpoint-N folder of a groupwise run, or start a new run with its weights as the model")
     if state["world_size"] != world_size:
         raise _error(f"{path} was saved by {state['world_size']} processes; resume with the same number "
                      f"(now {world_size}) so the data split and RNG streams match")

@@ -225,7 +225,8 @@ def cmd_train(argv: list[str]) -> int:
                           eval_dataset=eval_data, process_reward_funcs=process_funcs,
                           environment_factory=environment_factory, quantization_config=run["quantization_config"])
     trainer.train()
-    trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
+    if not args.push_to_hub:  # with it, train() ended by saving the final model to output_dir and uploading it
+        trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
     return 0
 
 

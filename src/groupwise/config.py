@@ -62,10 +62,10 @@ class GRPOConfig(StrictConfig):
     log_level_replica: str = option("Log level on the other processes.", default="warning", choices=LOG_LEVELS)
     log_on_each_node: bool = option("In multi-node runs, log (progress bar, warnings) on the main process of each node, not only the first (transformers).", default=True)
     log_unique_prompts: bool = option("The completions table sent to wandb has one row per prompt (its first completion) instead of every completion (TRL).", default=False)
-    save_strategy: str = option("When to write checkpoint-N/: 'steps' (every save_steps, and at the end), 'epoch' (at the end of each pass over the prompts, and at the end) or 'no' (never; save_model() still works).", default="steps", choices=("steps", "epoch", "no"))
+    save_strategy: str = option("When to write checkpoint-N/: 'steps' (every save_steps, and at the end), 'epoch' (at the end of each pass over the prompts, and at the end), 'best' (after each evaluation that gives metric_for_best_model a new best value; transformers) or 'no' (never; save_model() still works).", default="steps", choices=("steps", "epoch", "best", "no"))
     save_steps: int | float = option("Write checkpoint-N/ every this many optimizer steps (0: only at the end; < 1: that fraction of max_steps, rounded up, as transformers).", default=500, ge=0)
     save_only_model: bool = option("Checkpoints hold the model only: no optimizer, scheduler or RNG state (smaller, but a run cannot resume from them).", default=False)
-    save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders (oldest deleted first).", default=None, ge=1)
+    save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first), the best one (metric_for_best_model) counted and never deleted; 1 with a best checkpoint older than the last: both kept, the last deleted at the end (transformers).", default=None, ge=1)
     report_to: str | list[str] = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb', a list, or 'all' (those of the two installed).", default="none", choices=("none", *TRACKERS))
     log_completions: bool = option("Every logging step: print completions with their rewards, write output_dir/completions/completions_<step>.parquet and wandb's `completions` table (TRL).", default=False)
     num_completions_to_print: int | None = option("Completions printed when log_completions is on, drawn at random (None: all).", default=None)
@@ -74,11 +74,11 @@ class GRPOConfig(StrictConfig):
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
     resume_from_checkpoint: str | bool | None = option("A checkpoint-N/ folder to resume from exactly, or true for the newest one in output_dir (transformers' meaning); false or unset: a new run.", default=None)
     restore_callback_states_from_checkpoint: bool = option("On resume, restore the callbacks' states a checkpoint holds (transformers' ExportableState callbacks, e.g. EarlyStoppingCallback's patience counter, and the TrainerControl flags); they are saved at every checkpoint either way.", default=False)
-    push_to_hub: bool = option("Upload the model folder (output_dir) to the hub: at every save (hub_strategy 'every_save') or at the end ('end'), and on trainer.push_to_hub() (needs hub_model_id and a token).", default=False)
+    push_to_hub: bool = option("Upload the model folder (output_dir) to the hub: at every save (hub_strategy) and at the end, and on trainer.push_to_hub() and trainer.save_model() (needs hub_model_id and a token).", default=False)
     hub_model_id: str | None = option("Hub repository ('name' or 'org/name') push_to_hub uploads to (default: the output_dir's folder name).", default=None)
     hub_token: str | None = option("Hub token for push_to_hub (default: HF_TOKEN or the cached login). Never written to metrics.jsonl.", default=None)
     hub_private_repo: bool | None = option("Create the hub repository as private (None: the account's default).", default=None)
-    hub_strategy: str = option("When push_to_hub uploads: 'every_save' (each checkpoint's model, and the end) or 'end'.", default="every_save", choices=("every_save", "end"))
+    hub_strategy: str = option("What push_to_hub uploads (transformers): 'every_save' (each checkpoint's model, and the end), 'checkpoint' (also the whole latest checkpoint, to the repository's last-checkpoint/ folder, for resuming), 'all_checkpoints' (also every checkpoint, each to its checkpoint-N/ folder) or 'end' (the end only).", default="every_save", choices=("every_save", "checkpoint", "all_checkpoints", "end"))
     hub_revision: str | None = option("Branch of the hub repository to push to.", default=None)
     hub_always_push: bool = option("Kept for TRL configs.", default=False, inert="uploads are synchronous, so a push is never skipped")
     data_seed: int | None = option("Seed of the prompt order alone (None: seed), as in TRL / transformers.", default=None)
@@ -255,7 +255,7 @@ class GRPOConfig(StrictConfig):
     eval_on_start: bool = option("Also evaluate before the first optimizer step (a sanity check, transformers).", default=False)
     metric_for_best_model: str | None = option("Evaluation metric that decides the best checkpoint (with or without 'eval_'; e.g. 'reward'): state.best_metric / best_model_checkpoint, read by load_best_model_at_end and EarlyStoppingCallback (transformers; groupwise.best).", default=None)
     greater_is_better: bool | None = option("Is a larger metric_for_best_model better? (None: True unless its name ends with 'loss'; transformers).", default=None)
-    load_best_model_at_end: bool = option("Load the best checkpoint's weights when training ends (transformers): needs metric_for_best_model, eval_strategy = save_strategy, and save_steps a multiple of eval_steps; save_total_limit never deletes the best checkpoint.", default=False)
+    load_best_model_at_end: bool = option("Load the best checkpoint's weights when training ends (transformers; push_to_hub then uploads them): needs metric_for_best_model, and save_strategy 'best' or eval_strategy = save_strategy with save_steps a multiple of eval_steps; save_total_limit never deletes the best checkpoint.", default=False)
     eval_delay: float = option("Do not evaluate (eval_strategy 'steps' / 'epoch') before this many optimizer steps / epochs.", default=0, ge=0)
     num_generations_eval: int | None = option("Completions sampled per eval prompt (None: greedy, one per prompt). With k ≥ 1 evaluation samples at the training temperature and logs mean@k and pass@k per reward function.", default=None, ge=1)
     per_device_eval_batch_size: int = option("Prompts per generation batch during evaluation.", default=16, ge=1)
@@ -333,7 +333,7 @@ class GRPOConfig(StrictConfig):
             self.torch_compile_backend = self.torch_compile_backend or "inductor"
             check_compile_backend(self.torch_compile_backend)
         check_available(self.optim)
-        resolve_sharding(self.fsdp)  # a bad fsdp string fails here, before anything loads
+        sharded = resolve_sharding(self.fsdp) is not None  # a bad fsdp string fails here, before anything loads
         parse_optim_args(self.optim_args)
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.strip().lower()
@@ -356,6 +356,9 @@ class GRPOConfig(StrictConfig):
                 setattr(self, name, int(value))
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps or None  # transformers: eval_steps defaults to logging_steps
+        if self.eval_strategy == "steps" and self.eval_steps is None:  # transformers refuses it alike
+            raise ConfigError("eval_strategy='steps' needs eval_steps, which defaults to logging_steps (0 here): set "
+                              "eval_steps or logging_steps > 0")
         if self.generation_kwargs and not BACKENDS[self.generation_backend].generation_kwargs:
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
                               "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
@@ -390,7 +393,7 @@ class GRPOConfig(StrictConfig):
                                                and math.isfinite(w) for w in weights):
                 raise ConfigError(f"{name} must be a list of finite numbers, got {weights!r}")
         # torchrun / accelerate export WORLD_SIZE; the trainer checks again with the real process count
-        check_best_fields(self)  # load_best_model_at_end's rules (transformers'), greater_is_better filled in
+        check_best_fields(self, sharded=sharded)  # best-model rules (transformers'); greater_is_better filled in
         self.layout(world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
     def __repr__(self) -> str:  # the dataclass repr would print hub_token

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from groupwise.config_base import ConfigError
 from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
-from groupwise.hub import check_card, push_folder, write_model_card
+from groupwise.hub import check_card, push_checkpoint, push_folder, write_model_card
 from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
 
 # transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
@@ -87,7 +87,7 @@ class TransformersHabits:
         are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
         check_card(card)  # on every process, before anything is written
         out = self.args.output_dir
-        self.save_model(out)
+        self.save_model(out, _internal_call=True)
         base = getattr(getattr(self.unwrapped, "config", None), "_name_or_path", None) or None
         if self.dist.is_main:
             write_model_card(out, self.args, base, **card)
@@ -96,6 +96,35 @@ class TransformersHabits:
         return self.dist.run_together(
             lambda: push_folder(self.args, out, commit_message, token=token, revision=revision, private=private)
             if self.dist.is_main else None, "push_to_hub")
+
+    def _push_save(self, checkpoint) -> None:
+        """push_to_hub at a save, by hub_strategy (transformers' _push_from_checkpoint): the model (output_dir), then
+        with 'checkpoint' the whole checkpoint to the repository's last-checkpoint/ folder (replacing it: for
+        resuming), with 'all_checkpoints' to its checkpoint-N/ folder."""
+        message = f"groupwise: step {self.global_step}"
+        self.push_to_hub(commit_message=message)
+        if self.args.hub_strategy in ("checkpoint", "all_checkpoints"):
+            self.dist.run_together(lambda: push_checkpoint(self.args, str(checkpoint), f"{message}, checkpoint")
+                                   if self.dist.is_main else None, "push_to_hub (checkpoint)")
+
+    def _best_at_end(self) -> None:
+        """transformers' end of training: load_best_model_at_end loads the best checkpoint's weights (and the final
+        push uploads them: the last save's push had the last step's); with save_total_limit=1 this run's checkpoints
+        other than the best are deleted (the rotation kept the newest beside it)."""
+        from groupwise.checkpoint import keep_only_best
+        from groupwise.checkpoint_load import load_model_from
+
+        args, best = self.args, self.state.best_model_checkpoint
+        if args.load_best_model_at_end and best is not None:
+            self.dist.run_together(lambda: load_model_from(
+                best, dist=self.dist, model=self.unwrapped,
+                sharded_model=self.unwrapped if self.dist.sharding is not None else None), "loading the best model")
+            self._weights_changed()
+            if Path(best).name != f"checkpoint-{self.global_step}":  # not the weights pushed at this step
+                self._pushed_at = None
+        if best is not None and args.save_total_limit == 1:
+            self.dist.run_together(lambda: self.dist.is_main and keep_only_best(args.output_dir, self.run_id, best),
+                                   "deleting the checkpoints other than the best (save_total_limit=1)")
 
     def _elapsed(self) -> dict[str, float]:
         return {"time/elapsed": time.perf_counter() - self._started}  # this process's run
@@ -229,14 +258,17 @@ class TransformersHabits:
     def remove_callback(self, callback) -> None:
         self.callback_handler.remove_callback(callback)
 
-    def save_model(self, output_dir: str | None = None) -> None:
-        """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name)."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name). With
+        push_to_hub, a call from the user also uploads output_dir's model ("Model save", as transformers)."""
         out = output_dir or self.args.output_dir
         if self.dist.is_main:
             model = self.sampling_model if self.dist.sharding is not None else self.unwrapped  # fsdp: consolidated
             model.save_pretrained(out, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
         self.dist.barrier()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
 
     def log_metrics(self, split: str, metrics: dict) -> None:
         """Print `metrics` as a table under `split` (main process), as transformers' Trainer.log_metrics."""

@@ -34,9 +34,10 @@ def repo_id(args: GRPOConfig) -> str:
 
 
 def push_folder(args: GRPOConfig, folder: str, commit_message: str, *, token: str | None = None,
-                revision: str | None = None, private: bool | None = None) -> str:
-    """Create the repository if needed and upload `folder` (the model, tokenizer, config, model card); returns the
-    commit URL. token / revision / private: this call's values in place of hub_token, hub_revision, hub_private_repo."""
+                revision: str | None = None, private: bool | None = None, **where) -> str:
+    """Create the repository if needed and upload `folder` (the model, tokenizer, config, model card; not what IGNORE
+    names); returns the commit URL. token / revision / private: this call's values in place of hub_token,
+    hub_revision, hub_private_repo. `where`: upload_folder's path_in_repo / ignore_patterns / delete_patterns."""
     from huggingface_hub import HfApi
 
     revision = revision or args.hub_revision
@@ -45,9 +46,20 @@ def push_folder(args: GRPOConfig, folder: str, commit_message: str, *, token: st
                            exist_ok=True).repo_id
     if revision:
         api.create_branch(repo, branch=revision, exist_ok=True)
-    info = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=commit_message,
-                             revision=revision, ignore_patterns=IGNORE)
+    where = {"ignore_patterns": list(IGNORE), **where}  # a copy: upload_folder appends to the list it is given
+    info = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=commit_message, revision=revision,
+                             **where)
     return str(getattr(info, "commit_url", info))
+
+
+def push_checkpoint(args: GRPOConfig, folder: str, commit_message: str) -> str:
+    """hub_strategy 'checkpoint' / 'all_checkpoints' (transformers'): the checkpoint folder, whole (checksums.json
+    too: a download resumes), to the repository's last-checkpoint/ folder, whose files from an earlier checkpoint
+    are deleted in the same commit (a stale rollout file would be resumed), or to its checkpoint-N/ folder."""
+    if args.hub_strategy == "checkpoint":
+        return push_folder(args, folder, commit_message, path_in_repo="last-checkpoint", ignore_patterns=None,
+                           delete_patterns=["*"])
+    return push_folder(args, folder, commit_message, path_in_repo=Path(folder).name, ignore_patterns=None)
 
 
 # model-card keywords of TRL's push_to_hub (create_model_card) and transformers' (the rest)

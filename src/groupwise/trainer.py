@@ -21,7 +21,7 @@ from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
-from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint, load_model_from
+from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
 from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -359,7 +359,9 @@ class GRPOTrainer(TransformersHabits):
         if should_log:
             self._log(rollout)
         if self.dist.any(should_evaluate or control.should_evaluate) and self.eval_data is not None:  # on_log may ask
-            self._best.observe(self.state, self.evaluate())
+            new_best = self._best.observe(self.state, self.evaluate())
+            if args.save_strategy == "best":  # transformers: saved exactly when the evaluation gives a new best
+                should_save = control.should_save = new_best
         if should_save := self.dist.any(should_save or control.should_save):  # then save; on_evaluate may ask
             self._save_round(rollout, done)
         control.should_log = control.should_save = control.should_evaluate = False
@@ -383,8 +385,8 @@ class GRPOTrainer(TransformersHabits):
         path = self.save(rollout.batch if unfinished else None, rollout.metrics, done)
         self._best.saved(self.state, path)
         self._event("on_save", checkpoint=str(path))
-        if self.args.push_to_hub and self.args.hub_strategy == "every_save":
-            self.push_to_hub(commit_message=f"groupwise: step {self.global_step}")
+        if self.args.push_to_hub and self.args.hub_strategy != "end":
+            self._push_save(path)  # the model; with 'checkpoint' / 'all_checkpoints' the checkpoint too
 
     def _finished(self) -> bool:
         return self.global_step >= self.max_steps or self.control.should_training_stop
@@ -394,11 +396,7 @@ class GRPOTrainer(TransformersHabits):
         self.control = self.callback_handler.fire(name, self.args, self.state, self.control, **kwargs)
 
     def _end(self, summary: dict[str, float]) -> TrainResult:
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self.dist.run_together(lambda: load_model_from(
-                self.state.best_model_checkpoint, dist=self.dist, model=self.unwrapped,
-                sharded_model=self.unwrapped if self.dist.sharding is not None else None), "loading the best model")
-            self._weights_changed()
+        self._best_at_end()  # load_best_model_at_end; save_total_limit=1 keeps the best checkpoint only
         self._event("on_train_end")
         if self.args.push_to_hub and getattr(self, "_pushed_at", None) != self.global_step:  # not pushed at this step
             self.push_to_hub()
@@ -416,6 +414,7 @@ class GRPOTrainer(TransformersHabits):
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
+        best = BestModel.at_save(self.state, self.args.output_dir, self.global_step)  # as transformers: this save's
         state = {"global_step": self.global_step, "max_steps": self.max_steps, "sampler": self.sampler.state_dict(),
                  "epochs_done": self._epochs_done, "data": self.train_data.fingerprint(),
                  "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
@@ -425,7 +424,7 @@ class GRPOTrainer(TransformersHabits):
                  "round_metrics": round_metrics if pending is not None else None,
                  "round_rows": json.loads(json.dumps(self._rows, default=str)) if pending is not None else None,
                  "round_span": self._span, "num_input_tokens_seen": self.state.num_input_tokens_seen,
-                 "total_flos": self.state.total_flos, "best": BestModel.state_dict(self.state),
+                 "total_flos": self.state.total_flos, "best": BestModel.state_dict(self.state, best),
                  "stateful_callbacks": self.callback_handler.states(self.control),  # transformers' (ExportableState)
                  "log_history": json.loads(json.dumps(self.state.log_history, default=str)),
                  "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None}
@@ -437,7 +436,7 @@ class GRPOTrainer(TransformersHabits):
                                state=state, pending=pending.tensors() if pending is not None else None,
                                ref_model=self.reference.copy if self.args.sync_ref_model else None,
                                save_total_limit=self.args.save_total_limit, model_only=self.args.save_only_model,
-                               keep=self.state.best_model_checkpoint)
+                               keep=best)
 
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
