@@ -117,3 +117,17 @@ def test_fsdp2_with_tied_embeddings_checkpoints_and_a_sharded_checkpoint_needs_f
     assert returned(tied) and (tied / "weights.safetensors").exists(), proc.stderr[-5000:]
     assert (tied / "checkpoint-2" / "model_shard_1.safetensors").exists()
     assert proc.returncode != 0 and "was saved by a sharded run (fsdp): resume it with fsdp and 2 processes" in proc.stderr
+
+
+def test_fsdp_on_one_process_trains_unsharded_and_says_so(tmp_path, tokenizer):
+    """One process has nothing to shard: the run goes on as without fsdp (no FSDP2 wrapping), with a warning that
+    names the fix, instead of dropping the field silently."""
+    from groupwise import GRPOTrainer
+    from groupwise.tasks import toy
+    from tests.conftest import small_args
+
+    with pytest.warns(UserWarning, match=r"fsdp is set but this run has one process: nothing to shard"):
+        t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
+                        args=small_args(tmp_path, fsdp="full_shard", max_steps=1), train_dataset=toy.dataset(8),
+                        processing_class=tokenizer)
+    assert t.dist.sharding is None

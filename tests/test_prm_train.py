@@ -189,3 +189,22 @@ def test_the_example_config_reads():
     path = Path(__file__).resolve().parent.parent / "examples" / "prm.yaml"
     cfg = PRMTrainConfig(**yaml.safe_load(path.read_text()))  # an unknown or mistyped field raises here
     assert cfg.separator == "\n" and cfg.warmup_steps == 10
+
+
+def test_the_example_s_step_file_is_read_by_prm_train(tmp_path):
+    """examples/make_prm_steps.py writes the steps.jsonl examples/prm.yaml names: worked solutions of the arithmetic
+    task with some lines made wrong, labelled by the task's judge (a corrupted line 0, every true line 1)."""
+    import runpy
+
+    from groupwise.tasks import arithmetic
+
+    make = runpy.run_path("examples/make_prm_steps.py")
+    path = tmp_path / "steps.jsonl"
+    make["main"](str(path), 40)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 40 and len(read_step_jsonl(str(path))) == 40
+    for row in rows:
+        truth = arithmetic.solution_lines(row["prompt"].removeprefix("Q: ").strip())
+        assert row["labels"] == [int(s == t) for s, t in zip(row["steps"], truth)]
+    labels = [x for row in rows for x in row["labels"]]
+    assert 0 < labels.count(0) < labels.count(1)  # both kinds, mostly good steps

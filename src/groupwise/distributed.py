@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import warnings
 
 import torch
 import torch.distributed as torch_dist
@@ -52,6 +53,8 @@ class Distributed:
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
             self.sharding = None  # one process: nothing to shard (the run is the same without it)
+            warnings.warn("fsdp is set but this run has one process: nothing to shard, so it trains unsharded (launch "
+                          "with torchrun or accelerate and 2+ processes to shard)", UserWarning, stacklevel=2)
         atexit.register(self.teardown)
 
     @property

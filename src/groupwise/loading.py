@@ -215,7 +215,7 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.use_vllm and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("use_vllm=True needs vLLM: `pip install groupwise[vllm]` (on a machine with a GPU vLLM "
+        raise ConfigError("use_vllm=True needs vLLM: `pip install vllm` (on a machine with a GPU vLLM "
                           "supports), or drop use_vllm to sample with generation_backend 'fast'")
     if not isinstance(model, (str, torch.nn.Module)):
         raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")

@@ -16,7 +16,7 @@ vllm_named_weights's, the same server mode sends). With `vllm_enable_sleep_mode`
 which discards the weights) after each generation and, before the next, wakes its weights, loads the policy's current
 ones, then wakes its KV cache.
 
-vLLM is optional (`pip install groupwise[vllm]`); nothing imports it until this backend is built. With
+vLLM is optional (`pip install vllm`, the build for the machine's CUDA and torch: docs/vllm.md); nothing imports it until this backend is built. With
 `vllm_mode="server"` the backend is groupwise.generation.vllm_server's client of a separate vLLM server; what both
 modes share lives here: the weights' names (vllm_named_weights), the sampling fields, and the trainer's end of
 vLLM's weight-transfer group (weight_transfer). CI and the development machines have no vLLM: the backend is tested
@@ -44,7 +44,7 @@ def _vllm():
     try:
         import vllm
     except ImportError:
-        raise ConfigError("use_vllm=True needs vLLM: `pip install groupwise[vllm]` (on a machine with a GPU vLLM "
+        raise ConfigError("use_vllm=True needs vLLM: `pip install vllm` (on a machine with a GPU vLLM "
                           "supports)") from None
     return vllm
 
