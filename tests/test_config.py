@@ -207,3 +207,12 @@ def test_importance_sampling_bounds_checked_on_construction():
     GRPOConfig(output_dir="o", vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None)
     with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
         assert GRPOConfig(output_dir="o", vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
+
+
+@pytest.mark.parametrize("supervision", ["process", "both"])
+def test_scale_rewards_with_normalize_then_sum_is_refused_only_where_it_has_no_effect(supervision):
+    # normalize_then_sum fixes the outcome rewards' scale ('batch'); step rewards still read scale_rewards
+    with pytest.raises(ConfigError, match=r"scale_rewards='none' has no effect with multi_objective_aggregation="):
+        GRPOConfig(supervision="outcome", multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
+    c = GRPOConfig(supervision=supervision, multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
+    assert c.estimator_options()["scale"] == "none" and c.estimator_options(outcome=True)["scale"] == "batch"

@@ -87,3 +87,41 @@ def test_a_round_saved_with_the_samplers_log_probs_resumes_exactly(tmp_path, tok
     resumed.train(resume_from_checkpoint=ckpt)
     for a, b in zip(straight.unwrapped.parameters(), resumed.unwrapped.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("form,signal", [("suffix_sum", False), ("step_return", True)])
+def test_no_signal_is_read_from_the_step_advantage_form(form, signal):
+    """Equal step rewards, step counts 2 and 3: suffix_sum's advantages are all 0 (no signal), step_return's are ±1
+    (returns [2, 1] vs [3, 2, 1]), so dynamic sampling must keep the group and process/zero_std_groups is 0."""
+    from types import SimpleNamespace
+
+    from groupwise import GRPOConfig
+    from groupwise.core.advantages import process_advantages
+    from groupwise.dynamic import group_signal
+    from groupwise.rollout_metrics import process_metrics
+    from groupwise.types import StepScores
+
+    R, E = [[[1.0, 1.0], [1.0, 1.0, 1.0]]], [[[1, 3], [1, 3, 5]]]
+    assert bool((process_advantages(R, E, 6, form=form) != 0).any()) == signal
+    scores = StepScores(R, E, [], (), torch.zeros(0))
+    ctx = SimpleNamespace(args=GRPOConfig(supervision="process", step_advantage=form, num_generations=2,
+                                          per_device_train_batch_size=2))
+    assert group_signal(ctx, None, scores).tolist() == [signal]
+    assert process_metrics(scores, form)["process/zero_std_groups"] == float(not signal)
+
+
+def test_unscored_steps_counts_none_and_nan_step_rewards():
+    """Two groups of 2. Rewards [[1, None], []] and [[nan, nan, 0.5], [0]]: None 1 + NaN 2 = 3 unscored steps
+    (a count, like process/no_step_completions); steps 6, so steps_per_completion 6/4 = 1.5; the mean of the scored
+    rewards {1, 0.5, 0} is 0.5."""
+    from groupwise.rollout_metrics import process_metrics
+    from groupwise.types import StepScores
+
+    nan = float("nan")
+    R = [[[1.0, None], []], [[nan, nan, 0.5], [0.0]]]
+    E = [[[0, 1], []], [[0, 1, 2], [0]]]
+    m = process_metrics(StepScores(R, E, [], (), torch.zeros(0)))
+    assert m["process/unscored_steps"] == 3.0
+    assert m["process/steps_per_completion"] == 1.5 and m["process/step_reward_mean"] == 0.5
+    assert process_metrics(StepScores([[[0.5], [1.0]]], [[[0], [0]]], [], (), torch.zeros(0)))[
+        "process/unscored_steps"] == 0.0

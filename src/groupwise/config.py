@@ -291,7 +291,8 @@ class GRPOConfig(StrictConfig):
                 raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with advantage_estimator="
                                   f"{self.advantage_estimator!r} (it reads {[ESTIMATOR_OPTIONS[o] for o in taken] or 'none of them'}); "
                                   f"remove {name} or choose advantage_estimator='grpo'")
-        if aggregation.scale is not None and "scale" in taken and \
+        # the aggregation fixes the outcome rewards' scale only: step rewards (process, both) still read scale_rewards
+        if aggregation.scale is not None and "scale" in taken and not SUPERVISIONS[self.supervision].process and \
                 self.scale_rewards not in (_default("scale_rewards"), aggregation.scale):
             raise ConfigError(f"scale_rewards={self.scale_rewards!r} has no effect with multi_objective_aggregation="
                               f"{self.multi_objective_aggregation!r}, whose summed z-scores are normalised over the "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from groupwise.core.advantages import pack_steps
+from groupwise.core.advantages import step_spread
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.rollout_metrics import spread
 from groupwise.types import Completions, Round, Scores, StepScores
@@ -20,13 +20,14 @@ if TYPE_CHECKING:
 
 def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepScores | None) -> torch.Tensor:
     """(B,) bool over the round: does the group carry a learning signal? A group whose rewards have no spread —
-    in what the supervision variant reads: outcome rewards, step rewards, or either — gets advantage 0."""
+    in what the supervision variant reads: outcome rewards, step rewards (as the step_advantage form compares them:
+    step_return, the returns at each step index), or either — gets advantage 0."""
     variant = SUPERVISIONS[ctx.args.supervision]
     signal = torch.zeros(len(scores.rewards) if scores is not None else len(step_scores.rewards), dtype=torch.bool)
     if variant.outcome and scores is not None:
         signal |= spread(scores.rewards.unsqueeze(-1)) > 1e-6
     if variant.process and step_scores is not None:
-        signal |= spread(pack_steps(step_scores.rewards)) > 1e-6
+        signal |= step_spread(step_scores.rewards, ctx.args.step_advantage) > 1e-6
     return signal
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from groupwise.core.advantages import masked_mean_std, pack_steps
+from groupwise.core.advantages import masked_mean_std, pack_steps, step_spread
 from groupwise.rewards.combine import reward_weights, weighted_nansum
 from groupwise.types import Completions, Round, Scores, StepScores
 
@@ -46,7 +46,7 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
         "completions/max_terminated_length": float(terminated.max()),
     }
     if rnd.step_scores is not None:
-        m.update(process_metrics(rnd.step_scores))
+        m.update(process_metrics(rnd.step_scores, ctx.args.step_advantage))
     if ctx.agent is not None and ctx.agent.toolbox.has_tools:
         m.update(tool_metrics(ctx, comp))
     if scores is None:
@@ -63,14 +63,16 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     return m
 
 
-def process_metrics(s: StepScores) -> dict[str, float]:
+def process_metrics(s: StepScores, form: str = "suffix_sum") -> dict[str, float]:  # form: GRPOConfig.step_advantage
     per_completion = [row for group in s.rewards for row in group]
     packed = pack_steps(s.rewards)  # (B, G, K)
     m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
          "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),
          "process/no_step_completions": float(sum(1 for r in per_completion if not r)),
-         # a group whose step rewards have no spread carries no signal (all its advantages are 0)
-         "process/zero_std_groups": float((~(spread(packed) > 1e-6)).sum())}
+         # steps whose reward is None/NaN (a step function's error with on_reward_error='nan', a PRM cut): a count
+         "process/unscored_steps": float(sum(1 for r in per_completion for v in r if v is None or v != v)),
+         # a group where what the step_advantage form compares has no spread carries no signal (advantages all 0)
+         "process/zero_std_groups": float((~(step_spread(s.rewards, form) > 1e-6)).sum())}
     for f, name in enumerate(s.names):
         m[f"process/{name}/errors"] = float(s.errors[f])
     return m

@@ -301,15 +301,19 @@ def test_step_return_worked_example():
 def _step_return_loop(rewards, ends, T, estimator="grpo", eps=1e-4):
     """The formula written out: for each prompt b and step index j, the returns-to-go G_{i,j} of the completions that
     have a step j, normalised (grpo: population z-score; rloo: minus the others' mean); every token of step j gets
-    its value, tokens after the last step 0. Unscored (None) rewards count 0 in the returns."""
+    its value, tokens after the last step 0. A return over an unscored (None/NaN) step is unknown: that completion
+    is left out of index j's statistics and its step j gets 0."""
+    def unscored(v):
+        return v is None or math.isnan(v)
+
     B, G = len(rewards), len(rewards[0])
     out = torch.zeros(B, G, T, dtype=torch.float64)
     for b in range(B):
-        ret = [[sum(0.0 if v is None else v for v in rewards[b][g][j:]) for j in range(len(rewards[b][g]))]
-               for g in range(G)]
+        ret = [[None if any(unscored(v) for v in rewards[b][g][j:]) else sum(rewards[b][g][j:])
+                for j in range(len(rewards[b][g]))] for g in range(G)]
         K = max(len(r) for r in ret)
         for j in range(K):
-            have = [g for g in range(G) if len(ret[g]) > j]
+            have = [g for g in range(G) if len(ret[g]) > j and ret[g][j] is not None]
             vals = [ret[g][j] for g in have]
             mean = sum(vals) / len(vals)
             sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
@@ -335,13 +339,32 @@ def test_step_return_matches_loop_on_ragged_input(estimator):
         for _ in range(G):
             k = rng.randint(0, 5)
             e = sorted(rng.sample(range(T), k))
-            rg.append([None if rng.random() < 0.1 else rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in e])
+            rg.append([rng.choice([None, float("nan")]) if rng.random() < 0.15
+                       else rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in e])
             eg.append(e)
         rewards.append(rg)
         ends.append(eg)
     opts = {"eps": 1e-4} if estimator == "grpo" else {}
     got = process_advantages(rewards, ends, T, estimator=estimator, form="step_return", **opts)
     torch.testing.assert_close(got, _step_return_loop(rewards, ends, T, estimator), atol=1e-5, rtol=1e-5)
+
+
+def test_step_return_leaves_unscored_returns_out():
+    """An unscored step makes its own return and every earlier one unknown: left out of the step index's
+    statistics, value 0 (as under suffix_sum), never counted as a reward of 0. One prompt, G = 3, T = 2, step ends
+    [0, 1] for every row; rewards row 0 [None, None] (the step function failed), row 1 [1, 1], row 2 [NaN, 0].
+    Returns-to-go: row 0 [?, ?]; row 1 [2, 1]; row 2 [?, 0].
+    Index 0: only row 1 has a return: no comparison, all 0 (the old code counted rows 0 and 2 as returns 0 and 0:
+      mean 2/3, row 0 got −0.70711).
+    Index 1: rows {1, 2} with returns {1, 0}: mean 0.5, population std 0.5 → row 1 +1, row 2 −1; row 0 0.
+    Tokens (t0 = step 0, t1 = step 1): row 0 [0, 0]; row 1 [0, 1]; row 2 [0, −1]."""
+    rewards, ends = [[[None, None], [1.0, 1.0], [float("nan"), 0.0]]], [[[0, 1]] * 3]
+    got = process_advantages(rewards, ends, 2, form="step_return", eps=0.0)
+    torch.testing.assert_close(got, torch.tensor([[[0.0, 0.0], [0.0, 1.0], [0.0, -1.0]]]))
+    # the audit's case: the unscored row gets 0, as under suffix_sum
+    for form in ("suffix_sum", "step_return"):
+        got = process_advantages([[[None, None], [1.0, 1.0]]], [[[0, 1], [0, 1]]], 2, form=form)
+        assert (got[0, 0] == 0).all()
 
 
 @pytest.mark.parametrize("second_step", [0.5, 0.6])

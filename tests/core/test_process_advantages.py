@@ -149,3 +149,23 @@ def test_process_matches_loop_for_every_estimator(estimator, options):
     got = process_advantages(rewards, ends, T, estimator=estimator, **opts)
     expected = _process_loop(rewards, ends, T, estimator=estimator, **opts)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_step_spread_reads_what_the_form_compares():
+    """The 'no signal' test of dynamic sampling and process/zero_std_groups: a group has a signal exactly when the
+    chosen form's advantages are not all 0. Group 0: rewards [[1, 1], [1, 1, 1]] (equal rewards, step counts 2 and
+    3): suffix_sum sees one value, spread 0, advantages 0; step_return sees returns [2, 1] and [3, 2, 1]: index 0
+    {2, 3} population std 0.5, index 1 {1, 2} 0.5, index 2 {1} 0 → 0.5, and its advantages are ±1. Group 1:
+    rewards [[0, 1], [1, 0]]: suffix_sum spread 0.5 (values {0, 1, 1, 0}); returns [1, 1] and [1, 0]: index 0
+    {1, 1} std 0, index 1 {1, 0} 0.5 → 0.5. Group 2: [[1, None], [1, 1]]: suffix_sum {1, 1, 1} spread 0;
+    returns [?, ?] and [2, 1]: one return per index → 0 (its step_return advantages are all 0)."""
+    from groupwise.core.advantages import step_spread
+
+    rewards = [[[1.0, 1.0], [1.0, 1.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]], [[1.0, None], [1.0, 1.0]]]
+    ends = [[[1, 3], [1, 3, 5]], [[1, 3], [1, 3]], [[1, 3], [1, 3]]]
+    assert step_spread(rewards, "suffix_sum").tolist() == [0.0, 0.5, 0.0]
+    assert step_spread(rewards, "step_return").tolist() == [0.5, 0.5, 0.0]
+    for form in ("suffix_sum", "step_return"):
+        adv = process_advantages(rewards, ends, 6, form=form)
+        assert ((adv.abs() > 0).flatten(1).any(-1) == (step_spread(rewards, form) > 1e-6)).all(), form
+    assert step_spread([[[], []]], "step_return").tolist() == [0.0]  # no steps anywhere

@@ -177,3 +177,21 @@ def test_a_delimiter_that_is_a_special_token(tokenizer):
     ids = tokenizer("a=1\nb=2", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     s = StepSplitter().split(ids, tokenizer, ends_with_eos=True, truncated=False)
     assert s.texts == ("a=1", "b=2") and s.ends == (3, 7)
+
+
+@pytest.mark.parametrize("pattern", [r"(?=Step \d)", r"^", r"\b", r"x{0}"])
+def test_a_step_pattern_whose_matches_are_all_empty_is_refused(pattern):
+    # an empty match ends no step: the completion silently became one step; refused at config time, naming the fix
+    from groupwise import ConfigError, GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"step_pattern=.* only matches empty text.*match the delimiter itself"):
+        StepSplitter("regex", pattern=pattern)
+    with pytest.raises(ConfigError, match="step_pattern="):
+        GRPOConfig(supervision="process", step_split="regex", step_pattern=pattern)
+
+
+def test_step_patterns_that_match_text_are_kept():
+    # a lookahead after the delimiter, or a pattern that may but need not match empty text, still splits
+    assert StepSplitter("regex", pattern=r"\n(?=Step \d)").split_text("Step 1: a\nStep 2: b") == [
+        ("Step 1: a", 10), ("Step 2: b", -1)]
+    assert [t for t, _ in StepSplitter("regex", pattern=r"\n*").split_text("a\n\nb")] == ["a", "b"]

@@ -178,9 +178,29 @@ def _suffix_sum(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **o
     return normalized.flip(-1).cumsum(-1).flip(-1)
 
 
+def _returns_to_go(rewards: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:  # (B, G, K), NaN where unknown
+    """G_{i,j} = Σ_{j' ≥ j} r_{i,j'}; padding adds 0, an unscored step makes its own and every earlier return NaN
+    (unknown, not 0: left out of its index's statistics, value 0); NaN past the last step."""
+    summed = torch.where(exists, rewards, torch.zeros_like(rewards)).flip(-1).cumsum(-1).flip(-1)
+    return torch.where(exists, summed, torch.full_like(rewards, float("nan")))
+
+
+def _suffix_sum_spread(rewards: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:  # (B,)
+    r = rewards.double()
+    return masked_mean_std(r, ~torch.isnan(r), (1, 2))[1].view(-1)
+
+
+def _step_return_spread(rewards: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:  # (B,)
+    returns = _returns_to_go(rewards.double(), exists)
+    if returns.size(-1) == 0:
+        return torch.zeros(returns.size(0), dtype=torch.float64)
+    return masked_mean_std(returns, ~torch.isnan(returns), (1,))[1].amax(dim=(1, 2))  # the widest step index
+
+
 def _step_return(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **options) -> torch.Tensor:
-    """Returns-to-go normalised per step index. G_{i,j} = Σ_{j' ≥ j} r_{i,j'} (raw step rewards; an unscored step
-    counts 0), and the estimator normalises G_{·,j} over the completions of the group that have a step j (grpo:
+    """Returns-to-go normalised per step index. G_{i,j} = Σ_{j' ≥ j} r_{i,j'} (raw step rewards; NaN when step j
+    or a later step is unscored: left out of index j's statistics, value 0), and the estimator normalises G_{·,j}
+    over the completions of the group that have a step j (grpo:
     (G_{i,j} − mean_j) / (std_j + eps); rloo: minus the mean of the *other* completions with a step j).
 
     Why: the paper's value of step j, Σ_{j' ≥ j} (r_{i,j'} − μ)/σ = (G_{i,j} − (K_i − j)·μ)/σ, subtracts a baseline
@@ -195,8 +215,7 @@ def _step_return(rewards: torch.Tensor, exists: torch.Tensor, estimator: str, **
     return is one of the n values averaged, the same O(1/n) coupling GRPO's outcome baseline has. The scale
     (std_j) is a per-index positive factor; a step index reached by one completion only has no comparison and gets
     0. For a fixed number of steps equal across the group, this is outcome GRPO on each suffix's return."""
-    returns = torch.where(exists, torch.nan_to_num(rewards, nan=0.0).flip(-1).cumsum(-1).flip(-1),
-                          torch.full_like(rewards, float("nan")))
+    returns = _returns_to_go(rewards, exists)
     B, G, K = returns.shape
     per_index = returns.permute(0, 2, 1).reshape(B * K, G, 1)  # one group per (prompt, step index)
     normalized = _normalize64(per_index, estimator, **options)  # 0 where the completion has no such step
@@ -211,14 +230,26 @@ class StepAdvantage:
 
     value: Callable[..., torch.Tensor]
     summary: str
+    # spread(rewards, exists) → (B,): population std of what the form compares within group b (0 = every value 0)
+    spread: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 STEP_ADVANTAGES: dict[str, StepAdvantage] = {
     "suffix_sum": StepAdvantage(_suffix_sum, "DeepSeekMath §4.1.3: Σ of the group-normalised step rewards of this "
-                                             "and later steps"),
+                                             "and later steps", _suffix_sum_spread),
     "step_return": StepAdvantage(_step_return, "return-to-go normalised per step index: no baseline that grows "
-                                               "with the completion's own number of steps"),
+                                               "with the completion's own number of steps", _step_return_spread),
 }
+
+
+def step_spread(step_rewards: Sequence[Sequence[Sequence[float | None]]], form: str = "suffix_sum") -> torch.Tensor:
+    """(B,) float64: the spread of what step_advantage=`form` compares in each group (suffix_sum: every step reward
+    of the group; step_return: the returns-to-go at each step index, the widest index). ≈ 0: the group's process
+    advantages are all 0, it carries no signal (dynamic sampling, process/zero_std_groups)."""
+    rewards = pack_steps(step_rewards, dtype=torch.float64)
+    lengths = torch.tensor([[len(row) for row in group] for group in step_rewards]).view(*rewards.shape[:2], 1)
+    exists = torch.arange(rewards.size(-1)) < lengths
+    return STEP_ADVANTAGES[form].spread(rewards, exists)
 
 
 def process_advantages(

@@ -56,9 +56,23 @@ class SplitMode:
             raise ConfigError(f"{self.reads}={value!r} is not a valid regex: {e}") from None
 
 
+def _step_regex(pattern: str) -> "re.Pattern[str]":
+    """step_pattern compiled; refused when every match is empty (its longest match is 0 characters: a lookahead or
+    anchor alone), since an empty match cannot end a step and the completion would silently be one step."""
+    compiled = re.compile(pattern)
+    try:  # the regex engine's own parser (Python >= 3.11), whose getwidth() is the (min, max) match length
+        import re._parser as parser
+    except ImportError:  # a Python that moved it: the check is skipped, not the run
+        return compiled
+    if parser.parse(pattern).getwidth()[1] == 0:
+        raise ConfigError(f"step_pattern={pattern!r} only matches empty text, so it ends no step: a match ends a "
+                          r"step, so match the delimiter itself, e.g. r'\n(?=Step \d)'")
+    return compiled
+
+
 SPLIT_MODES: dict[str, SplitMode] = {
     "delimiter": SplitMode("delimiter", "step_delimiter", lambda d: re.compile(re.escape(d))),  # default "\n"
-    "regex": SplitMode("regex", "step_pattern", re.compile),  # each match of step_pattern ends a step
+    "regex": SplitMode("regex", "step_pattern", _step_regex),  # each match of step_pattern ends a step
     "tag": SplitMode("tag", "step_tag", lambda t: re.compile(re.escape(t))),  # a step tag after each step
     "turn": SplitMode("turn", None, None, turns=True),  # each assistant turn (multi-turn rollouts with tools)
 }
