@@ -196,3 +196,25 @@ def test_an_environment_with_step_rewards_trains_under_outcome_supervision(tmp_p
     trainer = GRPOTrainer(model, args=args, train_dataset=[{"prompt": user("count to 2"), "target": 2}],
                           processing_class=TOKENIZER, environment_factory=Counter)
     assert trainer.process_sources == [] and [s.name for s in trainer.reward_sources] == ["Counter"]
+
+
+def test_a_text_step_split_with_tools_is_refused_naming_step_split_turn():
+    # step_split="delimiter" split the whole completion text: the tool's result became a scored step (in the group
+    # statistics) and step ends fell on tool tokens; now refused when the context is built, and at scoring for
+    # completions with tool tokens from elsewhere (a rollout_func's env_mask)
+    from groupwise.rewards.process import load_process_reward_sources
+
+    sources = load_process_reward_sources([lambda steps, **_: [[1.0] * len(s) for s in steps]])
+    ctx, _ = context(two_calls, supervision="process")  # step_split defaults to a text split
+    with pytest.raises(ConfigError, match="step_split='delimiter' splits the completion's text.*set step_split='turn'"):
+        dataclasses.replace(ctx, process_sources=sources, splitter=StepSplitter.from_config(ctx.args))
+    comp = R.generate(ctx, None, [{"prompt": user("What is 3*4+1?")}, {"prompt": user("no tools")}])
+    assert (comp.tool_mask[0] == 0).any()  # the first rollout called tools
+    bare = R.RolloutContext(args=ctx.args, tokenizer=TOKENIZER, generator=None, dist=ctx.dist,
+                            eos_token_ids=ctx.eos_token_ids, process_sources=sources,
+                            splitter=StepSplitter.from_config(ctx.args))  # no agent: tool tokens from a rollout_func
+    with pytest.raises(ConfigError, match="step_split='delimiter' splits the completion's text.*set step_split='turn'"):
+        R.score_steps(bare, comp)
+    turn = dataclasses.replace(ctx, args=dataclasses.replace(ctx.args, step_split="turn"), process_sources=sources,
+                               splitter=StepSplitter("turn"))  # the fix named by the error works
+    assert len(R.score_steps(turn, comp).texts[0]) == 3

@@ -188,7 +188,7 @@ def test_the_example_config_reads():
 
     path = Path(__file__).resolve().parent.parent / "examples" / "prm.yaml"
     cfg = PRMTrainConfig(**yaml.safe_load(path.read_text()))  # an unknown or mistyped field raises here
-    assert cfg.separator == "\n" and cfg.warmup_steps == 10
+    assert cfg.separator == "\n" and cfg.warmup_steps == 100 and cfg.num_train_epochs == 10
 
 
 def test_the_example_s_step_file_is_read_by_prm_train(tmp_path):

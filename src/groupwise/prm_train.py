@@ -5,8 +5,9 @@ as they are), evaluate step-level accuracy and F1 on a held-out split, and save 
 `groupwise.rewards.prm.load_prm` (and `process_reward_funcs: [{path: …}]`) loads directly; groupwise_prm.json
 there records the kind, separator, positive label and max_length, which scoring uses by default.
 
-Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`): the loss is the cross-entropy of
-the step label at the last token of each step's separator; every other position is ignored.
+Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`: the whole text tokenized at once):
+the loss is the cross-entropy of the step label at the last token of each step's separator; every other position is
+ignored.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from groupwise.agents.parsing import as_completions
+from groupwise.config_base import ConfigError
 from groupwise.core.advantages import outcome_advantages, process_advantages
 from groupwise.core.importance import sampling_weights
 from groupwise.core.supervision import token_advantages
@@ -68,6 +69,11 @@ class RolloutContext:
     rollout_func: Callable[[list], Any] | None = None  # TRL's rollout_func, given the trainer (groupwise.custom_rollout)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
+    def __post_init__(self):  # at trainer construction: tools with a text step split (see score_steps)
+        if self.process_sources and self.splitter is not None and not self.splitter.turns \
+                and self.agent is not None and self.agent.toolbox.has_tools:
+            raise ConfigError(_TOOL_TEXT_STEPS.format(self.args.step_split))
+
     @property
     def reward_weights(self) -> torch.Tensor:  # (F,)
         return reward_weights(self.args.reward_weights, len(self.reward_sources))
@@ -75,6 +81,10 @@ class RolloutContext:
     @property
     def process_weights(self) -> torch.Tensor:  # (F_p,)
         return reward_weights(self.args.process_reward_weights, len(self.process_sources))
+
+
+_TOOL_TEXT_STEPS = ("step_split={!r} splits the completion's text into steps, but multi-turn rollouts put tool / "
+                    "environment tokens in it (they would become scored steps): set step_split='turn'")
 
 
 # ---- the one call ---------------------------------------------------------------------------------------------------
@@ -239,6 +249,8 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     if turns and comp.turn_ends is None:
         raise ValueError("step_split='turn' needs multi-turn rollouts: pass tools= or environment_factory= to "
                          "GRPOTrainer (or return env_mask from rollout_func), or choose another step_split")
+    if not turns and comp.tool_mask is not None and bool(((comp.tool_mask == 0) & (comp.completion_mask != 0)).any()):
+        raise ConfigError(_TOOL_TEXT_STEPS.format(args.step_split))  # e.g. a rollout_func returning env_mask
     tool_masks = comp.tool_mask.tolist() if turns else None
     for i, (ids, cut) in enumerate(zip(comp.token_lists(), comp.truncated.tolist())):
         if turns:

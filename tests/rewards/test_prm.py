@@ -190,3 +190,80 @@ def test_a_one_label_token_classifier_scores_its_logit(tokenizer):
         logits = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
         assert row == pytest.approx([float(logits[i]) for i in pos], abs=1e-5)
     assert len({round(v, 6) for row in got for v in row}) > 1
+
+
+def _llama_like_and_byte_level():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Step 1: x = 1 + 2.\n\nStep 2: y = 3.\nSo z = 4.\n"] * 50
+    llama = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))  # SentencePiece-like: Metaspace '▁'
+    llama.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    llama.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    llama.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>"] +
+                                                          [f"<0x{i:02X}>" for i in range(256)]))
+    byte = Tokenizer(models.BPE())
+    byte.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    byte.decoder = decoders.ByteLevel()
+    byte.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return [PreTrainedTokenizerFast(tokenizer_object=llama, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>"),
+            PreTrainedTokenizerFast(tokenizer_object=byte, eos_token="<eos>", pad_token="<eos>")]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["metaspace", "byte_level"])
+def test_prm_input_is_the_joint_tokenization_of_the_text(which):
+    # a PRM is trained on "prompt + step 1 + sep + step 2 + sep" tokenized at once (Math-Shepherd); tokenizing the
+    # pieces apart gave every step a leading '▁' (Metaspace) and broke merges across steps (byte-level "3.\n")
+    tok = _llama_like_and_byte_level()[which]
+    prompt, steps, sep = "Q: x = 1 + 2.", ["Step 1: x = 3.", "Step 2: So z = 4."], "\n"
+    text = prompt + "".join(s + sep for s in steps)
+    enc = tok(text, add_special_tokens=True, return_offsets_mapping=True)
+    ids, pos = build_prm_input(tok, prompt, steps, sep)
+    assert ids == enc.input_ids
+    ends = [len(prompt) + len(steps[0]) + 1, len(text)]  # where each separator ends
+    assert pos == [next(i for i, (a, b) in enumerate(enc.offset_mapping) if a < e <= b) for e in ends]
+    assert tok.decode(ids[:pos[0] + 1]).endswith("x = 3.\n") and pos[1] == len(ids) - 1
+    cut_ids, cut_pos = build_prm_input(tok, prompt, steps, sep, max_length=pos[1])
+    assert cut_ids == ids[:pos[1]] and cut_pos == pos[:1]  # the second step cut by max_length: unscored
+
+
+def test_a_slow_tokenizer_is_refused_with_the_fix(tokenizer):
+    class Slow:
+        is_fast = False
+
+        def __call__(self, text, **kw):
+            return tokenizer(text, **kw)
+
+    with pytest.raises(ValueError, match="slow tokenizer.*use_fast=True"):
+        build_prm_input(Slow(), "q", ["a"], "\n")
+
+
+def test_prefix_classification_is_batch_size_independent_when_the_config_pads_with_another_id():
+    # HF pools at the last token that is not config.pad_token_id; rows were padded with the tokenizer's pad (here
+    # eos, 0) while the config said 5, so padded rows pooled on padding: batch_size 8 differed from batch_size 1
+    from groupwise.tasks import toy
+
+    tok = toy.build_tokenizer(pad_is_eos=True)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=2, pad_token_id=5)).eval()
+    assert tok.pad_token_id != 5
+    prm = PrefixClassificationPRM(model, tok, batch_size=1)
+    steps = [["1+1=2", "so 2"], ["2+3=5", "5", "done"], ["7"]]
+    one = prm(prompts=["q: 1+1", "q: 2+3", "q: 7"], completions=[""] * 3, steps=steps)
+    prm.batch_size = 8
+    eight = prm(prompts=["q: 1+1", "q: 2+3", "q: 7"], completions=[""] * 3, steps=steps)
+    assert [v for r in eight for v in r] == pytest.approx([v for r in one for v in r], abs=1e-6)
+
+
+def test_load_prm_defaults_to_float32_for_a_bf16_saved_prm(tmp_path, tokenizer):
+    # the docstring's default: a PRM saved in bfloat16 loaded as bfloat16 when dtype was not given
+    LlamaForTokenClassification(_cfg(tokenizer, num_labels=2)).to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    assert load_prm(str(tmp_path), kind="token_classification").model.dtype == torch.float32
+    assert load_prm(str(tmp_path), kind="token_classification", dtype="auto").model.dtype == torch.bfloat16
+    assert load_prm(str(tmp_path), kind="token_classification", dtype="bfloat16").model.dtype == torch.bfloat16

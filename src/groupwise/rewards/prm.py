@@ -1,8 +1,8 @@
 """Neural process reward models (PRMs), usable wherever a process reward function is: each is a callable
 `prm(prompts=…, completions=…, steps=…) -> [[score per step] per completion]`.
 
-Every kind reads one input built by `build_prm_input`: prompt tokens, then for each step its tokens followed by the
-separator's tokens; the step is judged at one position inside its separator.
+Every kind reads one input built by `build_prm_input`: the text prompt + step 1 + separator + step 2 + separator …
+tokenized at once (as PRMs are trained); each step is judged at one token of its separator (found by offsets).
 
 TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_label) at the separator's last token
                          (what `groupwise prm train` produces); with one label, that label's logit.
@@ -35,19 +35,35 @@ def _prompt_text(prompt: Any) -> str:
     raise TypeError(f"a prompt must be a string or chat messages, got {type(prompt).__name__}")
 
 
-def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_offset: int = -1,
+def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_char: int = -1,
                     max_length: int | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + Σ (step + separator), and for each step the position that judges it: the token at
-    `judge_offset` inside that step's separator tokens (−1: its last token). Pieces are tokenized separately so
-    positions are exact whatever the tokenizer merges. Steps past max_length are cut (positions stop early)."""
-    sep_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
-    if not sep_ids:
+    """Token ids of the text prompt + Σ (step + separator), tokenized at once as a PRM is trained on it (Math-Shepherd
+    style: tokenizing the pieces apart would give SentencePiece steps a leading '▁' and break byte-level merges
+    across step boundaries), and for each step the position that judges it: the token covering the character
+    `judge_char` of that step's separator (−1: its last character, so the separator's last token). Positions come
+    from the tokenizer's offset mapping, so a fast tokenizer is needed. Steps past max_length are cut (positions
+    stop early)."""
+    if not tokenizer(separator, add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the PRM tokenizer encodes the separator {separator!r} to no tokens")
-    ids = list(tokenizer(_prompt_text(prompt), add_special_tokens=True)["input_ids"])
-    positions = []
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"the PRM tokenizer ({type(tokenizer).__name__}) is a slow tokenizer: it has no offset "
+                         "mapping to find each step's separator in the jointly tokenized text; load the fast one "
+                         "(AutoTokenizer.from_pretrained(..., use_fast=True))")
+    text, judged = _prompt_text(prompt), []
     for step in steps:
-        ids += tokenizer(step, add_special_tokens=False)["input_ids"] + sep_ids
-        positions.append(len(ids) - len(sep_ids) + (judge_offset % len(sep_ids)))
+        text += step + separator
+        judged.append((len(text) - len(separator), len(text) - len(separator) + judge_char % len(separator)))
+    enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    ids, spans = list(enc["input_ids"]), [tuple(s) for s in enc["offset_mapping"]]
+    real = [i for i, (a, b) in enumerate(spans) if a < b]  # special tokens have empty spans
+    positions, k = [], 0
+    for sep_start, c in judged:  # the last token starting at or before c: the one covering it
+        while k < len(real) and spans[real[k]][0] <= c:
+            k += 1
+        if k == 0 or spans[real[k - 1]][1] <= sep_start:
+            raise ValueError(f"the PRM tokenizer leaves the separator {separator!r} out of the text's tokens: no "
+                             "token to judge a step at")
+        positions.append(real[k - 1])
     if max_length is not None and len(ids) > max_length:
         ids = ids[:max_length]
         positions = [p for p in positions if p < max_length]
@@ -99,8 +115,8 @@ class _PRM:
                           "up to the PRM's context, or shorten the prompts", RuntimeWarning, stacklevel=2)
         return out
 
-    def _inputs(self, prompts, steps, judge_offset=-1):
-        built = [build_prm_input(self.tokenizer, p, s, self.separator, judge_offset=judge_offset,
+    def _inputs(self, prompts, steps, judge_char=-1):
+        built = [build_prm_input(self.tokenizer, p, s, self.separator, judge_char=judge_char,
                                  max_length=self.max_length) for p, s in zip(prompts, steps)]
         ids, mask = (t.to(self.device) for t in pad_rows([b[0] for b in built], self.tokenizer.pad_token_id))
         return ids, mask, [b[1] for b in built]
@@ -145,10 +161,9 @@ class StepTagPRM(_PRM):
         if len(tag_ids) != 1:
             raise ValueError(f"the PRM tokenizer does not have the step tag {step_tag!r} as one token "
                              f"(it encodes to {tag_ids}); add it or pick the tag the PRM was trained with")
-        sep_ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
-        if tag_ids[0] not in sep_ids:
-            raise ValueError(f"separator {separator!r} does not contain the step tag {step_tag!r} as a token")
-        self.judge_offset = sep_ids.index(tag_ids[0]) - len(sep_ids)
+        if step_tag not in separator:
+            raise ValueError(f"separator {separator!r} does not contain the step tag {step_tag!r}")
+        self.judge_char = separator.index(step_tag) + len(step_tag) - 1  # judged at the token covering the tag
         self.label_ids = []
         for label in (good_token, bad_token):
             ids = tokenizer(label, add_special_tokens=False)["input_ids"]
@@ -158,7 +173,7 @@ class StepTagPRM(_PRM):
             self.label_ids.append(ids[0])
 
     def _score(self, prompts, steps):
-        ids, mask, positions = self._inputs(prompts, steps, judge_offset=self.judge_offset)
+        ids, mask, positions = self._inputs(prompts, steps, judge_char=self.judge_char)
         logits = self.model(input_ids=ids, attention_mask=mask).logits[..., self.label_ids].float()  # (n, L, 2)
         return self._per_step(torch.softmax(logits, -1)[..., 0], positions, steps)  # P(good)/(P(good)+P(bad))
 
@@ -170,8 +185,11 @@ class PrefixClassificationPRM(_PRM):
         super().__init__(model, tokenizer, **kw)
         n = model.config.num_labels  # one label: the score is logits[0] and positive_label is not read
         self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
-        if model.config.pad_token_id is None:
+        # HF pools at the last token that is not config.pad_token_id: pad with that id (setting it when unset), or
+        # a config pad id other than the tokenizer's would pool on padding and scores would depend on batch size
+        if not isinstance(model.config.pad_token_id, int) or model.config.pad_token_id < 0:
             model.config.pad_token_id = tokenizer.pad_token_id
+        self.pad_id = model.config.pad_token_id
 
     def _score(self, prompts, steps):
         # prefix j = prompt + steps 1..j with their separators = the tokens up to step j's judged position (its
@@ -182,7 +200,7 @@ class PrefixClassificationPRM(_PRM):
         texts = [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
         scores: list[float] = []
         for lo in range(0, len(texts), self.batch_size):
-            ids, mask = (t.to(self.device) for t in pad_rows(texts[lo:lo + self.batch_size], self.tokenizer.pad_token_id))
+            ids, mask = (t.to(self.device) for t in pad_rows(texts[lo:lo + self.batch_size], self.pad_id))
             logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
             if logits.size(-1) == 1:
                 scores += logits[:, 0].tolist()
@@ -202,11 +220,13 @@ _AUTO = {"token_classification": "AutoModelForTokenClassification", "step_tag": 
 def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = False, dtype: str | None = None,
              **options) -> _PRM:
     """Load a PRM from a local folder or the hub. `kind` defaults to the one recorded by `groupwise prm train`;
-    `dtype` ("bfloat16", "float16", "float32", "auto"; default float32) is the weights' dtype, scores are computed
+    `dtype` ("bfloat16", "float16", "float32", "auto": the saved one; default float32, whatever the saved
+    dtype) is the weights' dtype, scores are computed
     from float32 logits whatever it is."""
     import transformers
 
-    if dtype is not None and dtype != "auto":
+    dtype = "float32" if dtype is None else dtype  # as documented; from_pretrained would keep the saved dtype
+    if dtype != "auto":
         if not isinstance(getattr(torch, str(dtype).replace("torch.", ""), None), torch.dtype):
             raise ConfigError(f"PRM dtype={dtype!r} is not a torch dtype (bfloat16, float16, float32 or auto)")
         dtype = getattr(torch, str(dtype).replace("torch.", ""))
@@ -223,7 +243,7 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
                           f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
     kind = kind or saved
     model = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                               **({} if dtype is None else {"dtype": dtype}))
+                                                               dtype=dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     name = options.pop("name", None) or Path(path).name or kind
     return PRM_KINDS[kind](model, tokenizer, name=name, **{**recorded, **options})
