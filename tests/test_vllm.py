@@ -223,7 +223,7 @@ def test_use_vllm_without_vllm_says_what_to_install(tmp_path, base_dir, monkeypa
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"use_vllm=True needs vLLM: `pip install groupwise\[vllm\]`"):
+    with pytest.raises(ConfigError, match=r"use_vllm=True needs vLLM: `pip install vllm`"):
         GRPOTrainer(base_dir, [toy.letter_reward], args=small_args(tmp_path, use_vllm=True),
                     train_dataset=toy.dataset(4))
 
