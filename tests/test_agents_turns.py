@@ -14,12 +14,14 @@ import torch
 
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise import rollout as R
+from groupwise import trainer as trainer_module
 from groupwise.agents import Toolbox
 from groupwise.config_base import ConfigError
+from groupwise.demo import POLICY_DIR
 from groupwise.core.advantages import process_advantages
 from groupwise.rewards.steps import StepSplitter
 from groupwise.tasks import toy
-from tests.agents_support import TOKENIZER, Opening, call, context, two_calls, user
+from tests.agents_support import TOKENIZER, Opening, add, call, context, multiply, two_calls, user
 
 TOOL = "<|im_start|>tool"
 
@@ -198,16 +200,21 @@ def test_an_environment_with_step_rewards_trains_under_outcome_supervision(tmp_p
     assert trainer.process_sources == [] and [s.name for s in trainer.reward_sources] == ["Counter"]
 
 
-def test_a_text_step_split_with_tools_is_refused_naming_step_split_turn():
+def test_a_text_step_split_with_tools_is_refused_naming_step_split_turn(monkeypatch):
     # step_split="delimiter" split the whole completion text: the tool's result became a scored step (in the group
-    # statistics) and step ends fell on tool tokens; now refused when the context is built, and at scoring for
+    # statistics) and step ends fell on tool tokens; now refused before any model loads, and at scoring for
     # completions with tool tokens from elsewhere (a rollout_func's env_mask)
     from groupwise.rewards.process import load_process_reward_sources
 
-    sources = load_process_reward_sources([lambda steps, **_: [[1.0] * len(s) for s in steps]])
+    step_reward = lambda steps, **_: [[1.0] * len(s) for s in steps]  # noqa: E731
+    sources = load_process_reward_sources([step_reward])
     ctx, _ = context(two_calls, supervision="process")  # step_split defaults to a text split
+    loaded = []
+    monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: loaded.append(1) or 1 / 0)
     with pytest.raises(ConfigError, match="step_split='delimiter' splits the completion's text.*set step_split='turn'"):
-        dataclasses.replace(ctx, process_sources=sources, splitter=StepSplitter.from_config(ctx.args))
+        GRPOTrainer(str(POLICY_DIR), process_reward_funcs=[step_reward], tools=[multiply, add], args=ctx.args,
+                    train_dataset=[{"prompt": user("What is 3*4+1?")}], processing_class=TOKENIZER)
+    assert loaded == []  # refused before the model loads
     comp = R.generate(ctx, None, [{"prompt": user("What is 3*4+1?")}, {"prompt": user("no tools")}])
     assert (comp.tool_mask[0] == 0).any()  # the first rollout called tools
     bare = R.RolloutContext(args=ctx.args, tokenizer=TOKENIZER, generator=None, dist=ctx.dist,

@@ -16,7 +16,7 @@ from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.quantization import check_quantization
 from groupwise.rewards.process import resolve_process_spec
-from groupwise.rewards.steps import SPLIT_MODES
+from groupwise.rewards.steps import SPLIT_MODES, TOOL_TEXT_STEPS
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
 from groupwise.text import ensure_pad_token
 
@@ -214,6 +214,8 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                                                      len(process_reward_funcs) + env_step_rewards)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if process_reward_funcs and toolbox is not None and toolbox.has_tools and not SPLIT_MODES[args.step_split].turns:
+        raise ConfigError(TOOL_TEXT_STEPS.format(args.step_split))
     if args.use_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError("use_vllm=True needs vLLM: `pip install vllm` (on a machine with a GPU vLLM "
                           "supports), or drop use_vllm to sample with generation_backend 'fast'")

@@ -30,7 +30,7 @@ from groupwise.modeling import batched_logps
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.combine import reward_weights
 from groupwise.rewards.process import compute_step_rewards
-from groupwise.rewards.steps import StepSplitter
+from groupwise.rewards.steps import TOOL_TEXT_STEPS, StepSplitter
 from groupwise.rollout_metrics import round_metrics, sampling_metrics, trl_reward
 from groupwise.text import (completion_masks, encode_prompts, is_conversational, pad_rows, pad_to_multiple,
                             trim_to_mask)
@@ -69,11 +69,6 @@ class RolloutContext:
     rollout_func: Callable[[list], Any] | None = None  # TRL's rollout_func, given the trainer (groupwise.custom_rollout)
     need_old_logps: bool = False  # π_θold must be kept explicitly (the policy moves within a round)
 
-    def __post_init__(self):  # at trainer construction: tools with a text step split (see score_steps)
-        if self.process_sources and self.splitter is not None and not self.splitter.turns \
-                and self.agent is not None and self.agent.toolbox.has_tools:
-            raise ConfigError(_TOOL_TEXT_STEPS.format(self.args.step_split))
-
     @property
     def reward_weights(self) -> torch.Tensor:  # (F,)
         return reward_weights(self.args.reward_weights, len(self.reward_sources))
@@ -81,10 +76,6 @@ class RolloutContext:
     @property
     def process_weights(self) -> torch.Tensor:  # (F_p,)
         return reward_weights(self.args.process_reward_weights, len(self.process_sources))
-
-
-_TOOL_TEXT_STEPS = ("step_split={!r} splits the completion's text into steps, but multi-turn rollouts put tool / "
-                    "environment tokens in it (they would become scored steps): set step_split='turn'")
 
 
 # ---- the one call ---------------------------------------------------------------------------------------------------
@@ -250,7 +241,7 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
         raise ValueError("step_split='turn' needs multi-turn rollouts: pass tools= or environment_factory= to "
                          "GRPOTrainer (or return env_mask from rollout_func), or choose another step_split")
     if not turns and comp.tool_mask is not None and bool(((comp.tool_mask == 0) & (comp.completion_mask != 0)).any()):
-        raise ConfigError(_TOOL_TEXT_STEPS.format(args.step_split))  # e.g. a rollout_func returning env_mask
+        raise ConfigError(TOOL_TEXT_STEPS.format(args.step_split))  # e.g. a rollout_func returning env_mask
     tool_masks = comp.tool_mask.tolist() if turns else None
     for i, (ids, cut) in enumerate(zip(comp.token_lists(), comp.truncated.tolist())):
         if turns:

@@ -76,6 +76,10 @@ SPLIT_MODES: dict[str, SplitMode] = {
     "tag": SplitMode("tag", "step_tag", lambda t: re.compile(re.escape(t))),  # a step tag after each step
     "turn": SplitMode("turn", None, None, turns=True),  # each assistant turn (multi-turn rollouts with tools)
 }
+# a text split over a multi-turn rollout would make tool / environment text scored steps; refused before any model
+# loads (groupwise.loading.check_inputs) and at scoring (tool tokens from a rollout_func's env_mask)
+TOOL_TEXT_STEPS = ("step_split={!r} splits the completion's text into steps, but multi-turn rollouts put tool / "
+                   "environment tokens in it (they would become scored steps): set step_split='turn'")
 
 
 class StepSplitter:
