@@ -1,5 +1,8 @@
+import inspect
+
 import pytest
 import torch
+import transformers.generation.utils
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
@@ -53,6 +56,8 @@ def test_repetition_penalty_skips_the_left_padding_as_generate_does(pad_is_eos, 
     alone = _generate(model, tok, ids[:1, mask[0].bool()], mask[:1, mask[0].bool()], max_new=16,
                       repetition_penalty=1.3)
     assert torch.equal(out[0, :alone.size(1)], alone[0])
+    if "prompt_ignore_length=" not in inspect.getsource(transformers.generation.utils):
+        pytest.skip(f"transformers {transformers.__version__}'s generate() penalises the left padding")
     ref = _generate(model, tok, ids, mask, max_new=16, repetition_penalty=1.3)
     assert torch.equal(out[:, :ref.size(1)], ref) and out.size(1) == ref.size(1)
 

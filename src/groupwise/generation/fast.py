@@ -104,6 +104,22 @@ def _growing_cache(model) -> DynamicCache:
     return cache
 
 
+def _state_outside_cache(model, cache: DynamicCache) -> bool:
+    """After a prefill: does a layer keep its recurrent state in the model's modules (RecurrentGemma)? Its cache layer
+    is then empty: a linear-attention layer without states, or (transformers < 5.23 gives RecurrentGemma's recurrent
+    blocks sliding-window layers) a layer of a 'recurrent' block never written."""
+    text = model.config.get_text_config(decoder=True)
+    kinds = list(getattr(text, "layers_block_type", None) or ())
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            if not any(layer.is_conv_states_initialized.values()) and not any(
+                    layer.is_recurrent_states_initialized.values()):
+                return True
+        elif i < len(kinds) and kinds[i] == "recurrent" and not getattr(layer, "is_initialized", True):
+            return True
+    return False
+
+
 def select_rows(cache: DynamicCache, indices: torch.Tensor) -> None:
     """Keep the cache rows `indices` (in that order, repeats allowed). A layer holding recurrent or convolution states
     (a hybrid model's linear-attention layers, alone or with attention keys/values) has no batch_select_indices that
@@ -230,8 +246,7 @@ class FastGenerator:
                              "'transformers' for this model")
         out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask),
                     past_key_values=cache, use_cache=True, **extra)
-        if any(isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.is_conv_states_initialized.values())
-               and not any(layer.is_recurrent_states_initialized.values()) for layer in cache.layers):
+        if _state_outside_cache(model, cache):
             # (RecurrentGemma): the rows' states live in the model's modules, out of reach of sharing and dropping rows
             raise ValueError(f"{type(model).__name__} keeps its recurrent state outside the cache, which the fast "
                              "sampler cannot share or reorder: use generation_backend='transformers' for this model")

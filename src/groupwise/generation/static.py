@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import types
 from typing import NamedTuple
 
 import torch
@@ -76,8 +77,9 @@ class StaticState:
             fused_weights = projections.tensors() if projections is not None else []
             for t in (*self.b, *(x for layer in layers for x in (layer.keys, layer.values)), *fused_weights):
                 torch._dynamo.mark_static_address(t)
-            self._step = torch.compile(decode_step, **compile_mode)
-            self._fused = torch.compile(fused_step, **compile_mode)
+            own = not compile_mode.get("dynamic")  # fixed shapes: the graphs of (N, L) kept with their own code
+            self._step = torch.compile(_own_code(decode_step, (N, L)) if own else decode_step, **compile_mode)
+            self._fused = torch.compile(_own_code(fused_step, (N, L)) if own else fused_step, **compile_mode)
         self._graphs = device.type == "cuda" and compile_mode is not None
         text = model.config.get_text_config(decoder=True)
         self.grouped = (impl == "sdpa" and getattr(text, "attn_logit_softcapping", None) is None
@@ -165,6 +167,16 @@ def dispatches_attention(model) -> bool:
             if not hasattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS"):
                 return False
     return found
+
+
+@functools.cache
+def _own_code(fn, shape: tuple):
+    """fn with a code object of its own for the buffers' `shape`. Dynamo keeps compiled graphs per code object and,
+    past torch._dynamo.config.recompile_limit (8) of them, runs the function uncompiled from then on (a logged
+    warning only): with one shared decode_step, the ninth shape of a process (prompt widths in steps of 64,
+    evaluation's batch) would decode without compilation or CUDA graph. One copy per shape, kept for the process,
+    holds that shape's few graphs (greedy or sampled, per model), reused when a dropped state's shape returns."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def decode_step(model, cache, ids, pos_ids, mask):
