@@ -103,3 +103,21 @@ def test_splits_fill_the_gpu_but_not_beyond_the_slots(monkeypatch):
     assert da.choose_splits(1024, 320) == 1
     assert da.choose_splits(24, 76) == 2
     assert da.choose_splits(256, 320) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on CUDA")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_compiled_kernel_writes_only_its_outputs_on_cuda(caplog, splits):
+    """Under torch.compile, inductor reads from the kernel's Triton IR which arguments it stores to; where that
+    analysis fails it assumes every input is written and functionalization copies them, i.e. the whole key and value
+    cache of every layer at every decode step (a silent slowdown, found on CPU where the analysis cannot run). The
+    compiled op must equal the eager one without that fallback."""
+    import logging
+
+    assert da.prepare(torch.device("cuda"))
+    q, k, v, keep = _inputs(*SHAPES[1], torch.bfloat16, "cuda")
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="torch._higher_order_ops.triton_kernel_wrap"):
+        compiled = torch.compile(lambda *a: da.decode_attention(*a, 0.3, splits=splits), fullgraph=True)(q, k, v, keep)
+    assert "assuming every input is mutated" not in caplog.text
+    torch.testing.assert_close(compiled, da.decode_attention(q, k, v, keep, 0.3, splits=splits))
