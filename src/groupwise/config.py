@@ -28,7 +28,7 @@ from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
 from groupwise.logging import LOG_LEVELS, TRACKERS, resolve_report_to, transformers_verbosity
 from groupwise.modeling import check_compile_backend
-from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, parse_optim_args
+from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, check_optim_args
 from groupwise.rewards.combine import MULTI_OBJECTIVE
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
@@ -335,7 +335,7 @@ class GRPOConfig(StrictConfig):
             check_compile_backend(self.torch_compile_backend)
         check_available(self.optim)
         sharded = resolve_sharding(self.fsdp) is not None  # a bad fsdp string fails here, before anything loads
-        parse_optim_args(self.optim_args)
+        check_optim_args(self.optim, self.optim_args)  # a bad item, or a key a field sets
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.strip().lower()
             if text in ("auto", "none", "null"):

@@ -205,10 +205,11 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                           "choose another step_split)")
     if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
         raise ConfigError(f"reward_weights has {len(args.reward_weights)} entries for {len(reward_funcs)} reward "
-                          "functions")
+                          "functions: give one weight per reward function, in reward_funcs' order (None: all 1)")
     if args.process_reward_weights is not None and len(args.process_reward_weights) != len(process_reward_funcs):
         raise ConfigError(f"process_reward_weights has {len(args.process_reward_weights)} entries for "
-                          f"{len(process_reward_funcs)} process reward functions")
+                          f"{len(process_reward_funcs)} process reward functions: give one weight per process reward "
+                          "function, in process_reward_funcs' order (None: all 1)")
     try:
         SUPERVISIONS[args.supervision].check_sources(args.supervision, len(reward_funcs) + env_rewards,
                                                      len(process_reward_funcs) + env_step_rewards)

@@ -4,7 +4,8 @@ Every entry takes parameter groups and the config, and reads `learning_rate`, th
 `optim_args` ("key=value,key=value", transformers' format) for anything else. `weight_decay` applies as in
 transformers' Trainer: to every trainable parameter except biases and normalisation weights (`param_groups`).
 bitsandbytes' optimizers are offered under transformers' names and need `pip install bitsandbytes`; the config
-checks that before any model loads.
+checks that before any model loads; the 8-bit ones keep nn.Embedding weights' state in 32 bits, as transformers'.
+An optim_args key that a field sets (lr, weight_decay; betas, eps for the Adam ones) is refused, naming the field.
 """
 
 from __future__ import annotations
@@ -35,10 +36,31 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"optim_args item {item!r} is not key=value (e.g. optim_args='momentum=0.9')")
+        if value.lower() in _WORDS:  # transformers reads nesterov / centered as true|1|yes: 'false' must be False
+            out[key] = _WORDS[value.lower()]
+            continue
         try:
             out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             out[key] = value
+    return out
+
+
+_WORDS = {"true": True, "yes": True, "false": False, "no": False}
+# optim_args keys that a GRPOConfig field sets (transformers ignores them in optim_args): name them instead
+_FIELD_KEYS = {"lr": "learning_rate", "weight_decay": "weight_decay"}
+_ADAM_KEYS = {"betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon"}
+
+
+def check_optim_args(optim: str, text: str | None) -> dict[str, Any]:
+    """optim_args parsed, refusing a key that a config field already sets for this optimizer (checked with the
+    config)."""
+    out = parse_optim_args(text)
+    fields = {**_FIELD_KEYS, **(_ADAM_KEYS if OPTIMIZERS[optim].adam else {})}
+    for key in out:
+        if key in fields:
+            raise ConfigError(f"optim_args sets {key!r}, which optim={optim!r} takes from {fields[key]}: set "
+                              f"{fields[key]} instead and drop {key} from optim_args")
     return out
 
 
@@ -83,19 +105,21 @@ class Optimizer:
     build: Callable[..., torch.optim.Optimizer]  # (params, args) → optimizer
     summary: str
     requires: str | None = None  # a package the optimizer needs
+    adam: bool = False  # takes adam_beta1 / adam_beta2 / adam_epsilon
+    eight_bit: bool = False  # nn.Embedding weights keep 32-bit state (transformers' Trainer)
 
 
 OPTIMIZERS: dict[str, Optimizer] = {
-    "adamw_torch_fused": Optimizer(_adamw_torch_fused, "torch AdamW, fused kernel (TRL's default)"),
-    "adamw_torch": Optimizer(_adamw_torch, "torch AdamW, for-each kernel"),
+    "adamw_torch_fused": Optimizer(_adamw_torch_fused, "torch AdamW, fused kernel (TRL's default)", adam=True),
+    "adamw_torch": Optimizer(_adamw_torch, "torch AdamW, for-each kernel", adam=True),
     "adafactor": Optimizer(_adafactor, "transformers' Adafactor with a fixed learning rate"),
     "sgd": Optimizer(_torch("SGD"), "torch SGD (optim_args: momentum, nesterov, …)"),
     "adagrad": Optimizer(_torch("Adagrad"), "torch Adagrad"),
     "rmsprop": Optimizer(_torch("RMSprop"), "torch RMSprop"),
-    "adamw_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", requires="bitsandbytes"),
-    "adamw_bnb_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", requires="bitsandbytes"),
-    "paged_adamw_8bit": Optimizer(_bnb("PagedAdamW8bit"), "bitsandbytes paged 8-bit AdamW", requires="bitsandbytes"),
-    "paged_adamw_32bit": Optimizer(_bnb("PagedAdamW32bit"), "bitsandbytes paged AdamW", requires="bitsandbytes"),
+    "adamw_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", "bitsandbytes", True, True),
+    "adamw_bnb_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", "bitsandbytes", True, True),
+    "paged_adamw_8bit": Optimizer(_bnb("PagedAdamW8bit"), "bitsandbytes paged 8-bit AdamW", "bitsandbytes", True, True),
+    "paged_adamw_32bit": Optimizer(_bnb("PagedAdamW32bit"), "bitsandbytes paged AdamW", "bitsandbytes", True),
 }
 
 
@@ -127,10 +151,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 def build_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Optimizer:
     """The `optim` optimizer over `model`'s trainable parameters, in transformers' weight-decay groups."""
+    entry = OPTIMIZERS[args.optim]
     try:
-        return OPTIMIZERS[args.optim].build(param_groups(model, args.weight_decay), args)
+        optimizer = entry.build(param_groups(model, args.weight_decay), args)
     except TypeError as e:  # an optim_args key the optimizer does not take
         raise ConfigError(f"optim={args.optim!r} with optim_args={args.optim_args!r}: {e}") from None
+    if entry.eight_bit:  # as transformers' Trainer: embeddings' optimizer state in 32 bits (8-bit ones are unstable)
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 # transformers' lr_scheduler_type names (get_scheduler) that step once per optimizer step; reduce_lr_on_plateau and

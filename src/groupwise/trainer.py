@@ -119,11 +119,11 @@ class GRPOTrainer(TransformersHabits):
                           seed=data_seed)
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         self.max_steps = args.max_steps if args.max_steps > 0 else \
-            math.ceil(args.num_train_epochs * self.sampler.rounds_per_epoch()) * self.steps_per_round
+            math.ceil(args.num_train_epochs * (self.sampler.rounds_per_epoch() * self.steps_per_round))  # transformers
         from transformers import TrainerControl, TrainerState
 
         # transformers' own records, as TRL users read them: state.global_step, state.log_history, …
-        epochs = args.num_train_epochs if args.max_steps <= 0 else sys.maxsize if stream else \
+        epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else sys.maxsize if stream else \
             math.ceil(self.max_steps / (self.sampler.rounds_per_epoch() * self.steps_per_round))  # as transformers
         self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=epochs,
                                   logging_steps=args.every("logging_steps", self.max_steps),
@@ -154,7 +154,9 @@ class GRPOTrainer(TransformersHabits):
         env_steps = env_steps if SUPERVISIONS[args.supervision].process else []  # outcome only: not read
         self.reward_sources = (load_reward_sources(reward_funcs, reward_processing_classes, device=self.dist.device,
                                                    trust_remote_code=args.trust_remote_code,
-                                                   model_init_kwargs=args.model_init_kwargs) if reward_funcs else []) + env_rewards
+                                                   model_init_kwargs=args.model_init_kwargs,
+                                                   chat_template_kwargs=args.chat_template_kwargs)
+                               if reward_funcs else []) + env_rewards
         self.process_sources = (load_process_reward_sources(process_reward_funcs, device=self.dist.device,
                                 trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
         self.trained, self.optimizer, self.scheduler, self._replica = build_training(

@@ -24,6 +24,7 @@ import os
 import re
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,6 +51,10 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 def is_async(fn: Any) -> bool:
+    """TRL's is_async_callable: calling `fn` gives a coroutine — an `async def` function, an instance whose
+    `__call__` is one, or a functools.partial (nested too) of either."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
@@ -115,6 +120,7 @@ class RewardSource:
     fn: Callable[..., Any] | None = None  # a plain callable …
     model: torch.nn.Module | None = None  # … or an AutoModelForSequenceClassification (score = logits[:, 0])
     tokenizer: Any = None
+    chat_template_kwargs: dict | None = None  # GRPOConfig.chat_template_kwargs, for a model's conversational texts
     # a step-reward function that also takes `dropped_last` (per completion: was its last step, cut by the length
     # budget, left out of `steps`? score_truncated_step=False); an environment's get_step_rewards counts every turn
     takes_dropped_last: bool = False
@@ -179,11 +185,13 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
             raise ConfigError(f"reward_funcs[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
 
 
-def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False,
-                        device=None, model_init_kwargs: dict | None = None) -> list[RewardSource]:
+def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False, device=None,
+                        model_init_kwargs: dict | None = None,
+                        chat_template_kwargs: dict | None = None) -> list[RewardSource]:
     """Accepts a callable, a `"package.module:function"` path, a reward-model path or a loaded model (or a list).
     A reward model given as a path loads with `model_init_kwargs` (TRL: the policy's, dtype / revision /
-    attn_implementation …; its tokenizer from the same revision)."""
+    attn_implementation …; its tokenizer from the same revision); a model renders conversations with its tokenizer's
+    chat template and `chat_template_kwargs` (TRL: GRPOConfig.chat_template_kwargs)."""
     if not isinstance(reward_funcs, (list, tuple)):
         reward_funcs = [reward_funcs]
     if not reward_funcs:
@@ -192,7 +200,8 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
     if classes is not None and not isinstance(classes, (list, tuple)):
         classes = [classes]
     if classes is not None and len(classes) != len(reward_funcs):
-        raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(reward_funcs)} reward_funcs")
+        raise ValueError(f"reward_processing_classes has {len(classes)} entries for {len(reward_funcs)} reward_funcs: "
+                         "give one per reward function (None for those that are not models), in the same order")
     sources = []
     for i, spec in enumerate(reward_funcs):
         tok = classes[i] if classes is not None else None
@@ -204,7 +213,7 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
             model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1, **kwargs)
             revision = {"revision": kwargs["revision"]} if kwargs.get("revision") else {}
             tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=kwargs["trust_remote_code"], **revision)
-            sources.append(_model_source(spec.rstrip("/").split("/")[-1], model, tok, device))
+            sources.append(_model_source(spec.rstrip("/").split("/")[-1], model, tok, device, chat_template_kwargs))
         elif isinstance(spec, torch.nn.Module):
             name = getattr(getattr(spec, "config", None), "_name_or_path", "") or ""
             if tok is None:  # TRL loads the tokenizer the model was saved with
@@ -214,7 +223,8 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-            sources.append(_model_source((name or type(spec).__name__).rstrip("/").split("/")[-1], spec, tok, device))
+            sources.append(_model_source((name or type(spec).__name__).rstrip("/").split("/")[-1], spec, tok, device,
+                                         chat_template_kwargs))
         elif callable(spec):
             fn = spec
             while isinstance(fn, functools.partial):  # TRL names a partial after the function it wraps
@@ -231,26 +241,29 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
     return sources
 
 
-def _model_source(name, model, tok, device) -> RewardSource:
+def _model_source(name, model, tok, device, chat_template_kwargs=None) -> RewardSource:
     model.eval().requires_grad_(False)
     if device is not None and getattr(model, "hf_device_map", None) is None:  # a device_map placed it already
         model.to(device)
     ensure_pad_token(tok, f"the tokenizer of reward model {name!r}")
-    if getattr(model.config, "pad_token_id", None) is None:
-        model.config.pad_token_id = tok.pad_token_id
-    return RewardSource(name=name, model=model, tokenizer=tok)
+    # the model scores the last token that is not its config's pad token: that must be the tokenizer's pad token,
+    # which pads the batch, or a shorter text is scored on its padding (TRL sets it whatever the config said)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.pad_token_id = tok.pad_token_id
+    return RewardSource(name=name, model=model, tokenizer=tok, chat_template_kwargs=dict(chat_template_kwargs or {}))
 
 
 @torch.inference_mode()
 def _score_with_model(src: RewardSource, prompts, completions, batch_size: int = 16) -> list[float]:
     if is_conversational(prompts[0]):
-        texts = [src.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        texts = [src.tokenizer.apply_chat_template(p + c, tokenize=False, **(src.chat_template_kwargs or {}))
+                 for p, c in zip(prompts, completions)]
     else:
         texts = [p + c for p, c in zip(prompts, completions)]
     device = next(src.model.parameters()).device
     out = []
     for start in range(0, len(texts), batch_size):
-        enc = src.tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+        enc = src.tokenizer(text=texts[start:start + batch_size], return_tensors="pt", padding=True,
                             padding_side="right", add_special_tokens=False).to(device)
         out.extend(src.model(**enc).logits[:, 0].float().tolist())
     return out
@@ -269,6 +282,8 @@ def reward_value(v: Any) -> float:
 def _validate(name: str, values: Any, n: int) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
+    elif isinstance(values, Iterator):  # a generator: TRL reads whatever iterates
+        values = list(values)
     if not hasattr(values, "__len__") or isinstance(values, (str, bytes, dict)):
         raise RewardFunctionError(f"reward function {name!r} must return a list with one value per completion, "
                                   f"got {type(values).__name__}")

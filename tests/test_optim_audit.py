@@ -1,0 +1,185 @@
+"""Audit of the optimizer, the learning-rate schedule and the update step against transformers 5's Trainer and TRL
+1.16's GRPOTrainer: the weight-decay groups, warm-up rounding, the schedule's total steps (max_steps from
+num_train_epochs), the logged learning_rate, optim_args parsing and the 8-bit optimizers' embedding override."""
+
+import importlib.machinery
+import json
+import sys
+import types
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments, get_scheduler
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise.config_base import ConfigError
+from groupwise.optim import build_optimizer, build_schedule, param_groups
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+def _config(**kw):
+    return GRPOConfig(output_dir="unused", num_generations=2, per_device_train_batch_size=2, **kw)
+
+
+class _Block(torch.nn.Module):
+    """Names that exercise every one of transformers' no-decay rules, and some that look close but decay."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)  # proj.weight decays, proj.bias does not (r"bias")
+        self.ln_f = torch.nn.LayerNorm(4)  # a torch LayerNorm whose name matches no pattern: excluded by type
+        self.input_layernorm = torch.nn.Module()  # r"layernorm"
+        self.input_layernorm.weight = torch.nn.Parameter(torch.ones(4))
+        self.q_norm = torch.nn.Module()  # r"_norm(?:$|\.)"
+        self.q_norm.weight = torch.nn.Parameter(torch.ones(4))
+        self.norm = torch.nn.Module()  # r"(?:^|\.)norm(?:$|\.)"
+        self.norm.weight = torch.nn.Parameter(torch.ones(4))
+        self.normalizer = torch.nn.Linear(4, 4, bias=False)  # "normalizer.weight": no pattern matches, decays
+        self.RMSNorm_scale = torch.nn.Parameter(torch.ones(4))  # r"rmsnorm" on the lower-cased name
+        self.frozen = torch.nn.Linear(4, 4)  # not trainable: in no group
+        self.frozen.requires_grad_(False)
+
+
+def test_decay_groups_are_transformers_get_decay_parameter_names():
+    """Trainer.create_optimizer: decay = trainable params named in get_decay_parameter_names, the rest 0.0.
+    By hand for _Block: decay {proj.weight, normalizer.weight}; no decay {proj.bias, ln_f.weight, ln_f.bias,
+    input_layernorm.weight, q_norm.weight, norm.weight, RMSNorm_scale}; frozen.* in neither."""
+    tokenizer = toy.build_tokenizer()
+    for model in (_Block(), toy.build_model(tokenizer, hidden_size=16, num_layers=1)):
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = param_groups(model, weight_decay=0.1)
+        got = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"]) for g in groups}
+        hf_decay = set(Trainer.get_decay_parameter_names(None, model))  # self is not used
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert got[0.1] == sorted(n for n in trainable if n in hf_decay)
+        assert got[0.0] == sorted(n for n in trainable if n not in hf_decay)
+    block = _Block()
+    got = {g["weight_decay"]: {n for n, p in block.named_parameters() if any(p is q for q in g["params"])}
+           for g in param_groups(block, 0.1)}
+    assert got[0.1] == {"proj.weight", "normalizer.weight"}
+    assert got[0.0] == {"proj.bias", "ln_f.weight", "ln_f.bias", "input_layernorm.weight", "q_norm.weight",
+                        "norm.weight", "RMSNorm_scale"}
+
+
+@pytest.mark.parametrize("kw, n, expected", [
+    (dict(warmup_steps=3), 10, 3),  # whole steps
+    (dict(warmup_steps=1.5), 10, 1),  # ≥ 1: int(1.5) = 1, as TrainingArguments.get_warmup_steps
+    (dict(warmup_steps=0.25), 10, 3),  # < 1: ceil(10 · 0.25) = ceil(2.5) = 3
+    (dict(warmup_steps=0.1), 7, 1),  # ceil(0.7) = 1
+    (dict(warmup_steps=0.0), 10, 0),
+    (dict(warmup_ratio=0.25), 10, 3),  # transformers 4's warmup_ratio: ceil(2.5) = 3
+    (dict(warmup_steps=2, warmup_ratio=0.5), 10, 2),  # warmup_steps wins, as in transformers 4
+])
+def test_warmup_steps_as_transformers_get_warmup_steps(kw, n, expected):
+    assert _config(**kw).warmup(n) == expected
+    if "warmup_ratio" not in kw:  # transformers 5 has no warmup_ratio
+        assert TrainingArguments(output_dir="unused", **kw).get_warmup_steps(n) == expected
+
+
+@pytest.mark.parametrize("name, kwargs", [("linear", None), ("cosine", None),
+                                          ("cosine_with_restarts", {"num_cycles": 2}),
+                                          ("polynomial", {"power": 2.0, "lr_end": 1e-4}), ("constant", None),
+                                          ("constant_with_warmup", None), ("inverse_sqrt", None),
+                                          ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+                                          ("warmup_stable_decay", {"num_decay_steps": 3})])
+def test_schedule_is_transformers_get_scheduler_step_by_step(name, kwargs):
+    """build_schedule over 10 steps with warmup_steps=0.3 (ceil(3.0) = 3 warm-up steps) gives the rate of
+    Trainer.create_scheduler at every step 0..10. By hand for linear (lr 1.0): steps 0..3 warm up 0, 1/3, 2/3, 1,
+    then (10 − s) / 7: 6/7, 5/7, …, 1/7, 0 at step 10."""
+    args = _config(learning_rate=1.0, lr_scheduler_type=name, lr_scheduler_kwargs=kwargs, warmup_steps=0.3)
+    ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ours = build_schedule(ours_opt, args, max_steps=10)
+    hf = get_scheduler(name, hf_opt, num_warmup_steps=TrainingArguments(output_dir="u", warmup_steps=0.3)
+                       .get_warmup_steps(10), num_training_steps=10, scheduler_specific_kwargs=kwargs)
+    got, want = [], []
+    for _ in range(11):
+        got.append(ours.get_last_lr()[0])
+        want.append(hf.get_last_lr()[0])
+        ours_opt.step(), ours.step(), hf_opt.step(), hf.step()
+    assert got == pytest.approx(want, abs=1e-12)
+    if name == "linear":
+        assert got == pytest.approx([0, 1 / 3, 2 / 3, 1, 6 / 7, 5 / 7, 4 / 7, 3 / 7, 2 / 7, 1 / 7, 0])
+
+
+def test_fractional_epochs_give_transformers_max_steps_and_the_logged_rate_is_the_one_each_step_used(tmp_path):
+    """16 prompts, 4 completions each, per_device_train_batch_size=8, steps_per_generation=2, gas=1: a generation
+    round is 16 rows = 4 prompts, so 4 rounds per epoch of 2 optimizer steps each. TRL's dataloader has
+    4 · 2 = 8 micro-steps per epoch → num_update_steps_per_epoch = 8 and max_steps = ceil(0.3 · 8) = ceil(2.4) = 3
+    (whole rounds would give ceil(0.3 · 4) · 2 = 4); TrainerState.num_train_epochs = ceil(0.3) = 1.
+    warmup_steps=0.5 → ceil(1.5) = 2 warm-up steps; linear, lr 1e-2 → rate used at step 1, 2, 3 (schedule steps
+    0, 1, 2): 0, 0.005, 0.01; after the run the schedule is at step 3: (3 − 3) / (3 − 2) = 0."""
+    tokenizer = toy.build_tokenizer()
+    args = small_args(tmp_path, max_steps=-1, num_train_epochs=0.3, steps_per_generation=2,
+                      lr_scheduler_type="linear", warmup_steps=0.5)
+    trainer = GRPOTrainer(toy.build_model(tokenizer, hidden_size=16, num_layers=1), [toy.letter_reward], args=args,
+                          train_dataset=toy.dataset(16), processing_class=tokenizer)
+    assert (trainer.max_steps, trainer.steps_per_round, trainer.state.num_train_epochs) == (3, 2, 1)
+    trainer.train()
+    logged = [(h["step"], h["learning_rate"]) for h in trainer.state.log_history if "learning_rate" in h]
+    assert logged == [(1, 0.0), (2, pytest.approx(0.005)), (3, pytest.approx(0.01))]
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.0)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["learning_rate"] for x in lines if "learning_rate" in x] == pytest.approx([0.0, 0.005, 0.01])
+
+
+@pytest.mark.parametrize("optim, optim_args, key, want", [
+    ("sgd", "momentum=0.9,nesterov=false", "nesterov", False),  # was the string 'false', which is truthy
+    ("sgd", "momentum=0.9,nesterov=no", "nesterov", False),
+    ("sgd", "momentum=0.9,nesterov=True", "nesterov", True),
+    ("sgd", "momentum=0.9,nesterov=yes", "nesterov", True),
+    ("rmsprop", "centered=false", "centered", False),
+    ("rmsprop", "centered=TRUE", "centered", True),
+    ("sgd", "momentum=0.5", "momentum", 0.5),
+])
+def test_optim_args_read_as_transformers_reads_them(optim, optim_args, key, want):
+    """transformers' _get_sgd / _get_rmsprop: nesterov / centered = value.lower() in ('true', '1', 'yes')."""
+    model = torch.nn.Linear(2, 2)
+    ours = build_optimizer(model, _config(optim=optim, optim_args=optim_args))
+    _, hf_kwargs = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir="u", optim=optim,
+                                                                          optim_args=optim_args))
+    assert ours.defaults[key] == want == hf_kwargs[key]
+
+
+@pytest.mark.parametrize("optim, optim_args, field", [
+    ("sgd", "momentum=0.9,weight_decay=0.1", "weight_decay"),
+    ("adamw_torch", "lr=1e-3", "learning_rate"),
+    ("adamw_torch_fused", "eps=1e-6", "adam_epsilon"),
+    ("adamw_torch", "betas=0.9", "adam_beta1 / adam_beta2"),  # (a tuple cannot be written: "," splits items)
+])
+def test_optim_args_key_that_a_field_sets_is_refused_naming_the_field(optim, optim_args, field):
+    """transformers ignores these in optim_args (the field's value applies); groupwise said 'got multiple values for
+    keyword argument' after loading the model. Now one line at config time naming the field to set."""
+    with pytest.raises(ConfigError) as info:
+        _config(optim=optim, optim_args=optim_args)
+    assert field in str(info.value) and "\n" not in str(info.value)
+    _config(optim="adagrad", optim_args="eps=1e-6,lr_decay=0.1")  # eps is not a field for Adagrad: accepted
+
+
+def test_eight_bit_optimizers_keep_embeddings_in_32_bits(monkeypatch):
+    """transformers' create_optimizer, optim_bits=8: every nn.Embedding's weight is registered with
+    GlobalOptimManager as {'optim_bits': 32}. A stand-in bitsandbytes records the registrations."""
+    registered = []
+
+    class Manager:
+        @staticmethod
+        def get_instance():
+            return Manager()
+
+        def register_module_override(self, module, name, config):
+            registered.append((module, name, config))
+
+    class AdamW8bit(torch.optim.AdamW):
+        pass
+
+    fake = types.ModuleType("bitsandbytes")
+    fake.__spec__ = importlib.machinery.ModuleSpec("bitsandbytes", None)
+    fake.optim = types.SimpleNamespace(AdamW8bit=AdamW8bit, PagedAdamW32bit=AdamW8bit, GlobalOptimManager=Manager)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake)
+    model = toy.build_model(toy.build_tokenizer(), hidden_size=16, num_layers=1)
+    build_optimizer(model, _config(optim="adamw_8bit"))
+    assert registered == [(model.model.embed_tokens, "weight", {"optim_bits": 32})]
+    registered.clear()
+    build_optimizer(model, _config(optim="paged_adamw_32bit"))  # 32-bit: no override, as transformers
+    assert registered == []
