@@ -321,7 +321,7 @@ def test_trackers_get_transformers_names_and_the_end_of_training_line(tmp_path, 
     assert set(run.summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second",
                                 "train_loss", "total_flos"}
     assert not any("train/train_runtime" in m for m in run.logged)  # the summary is not a series
-    assert writer.log_dir.startswith(str(tmp_path / "run" / "runs") + "/") and writer.texts == ["args"]
+    assert writer.log_dir.startswith(str(tmp_path / "run" / "runs") + "/") and writer.texts == ["args", "model_config"]
     assert ("train/loss", run.logged[0]["train/loss"], 1) in writer.scalars
     assert ("train/train_runtime", run.summary["train_runtime"], 2) in writer.scalars
     # the end-of-training line: 2 steps × per_device_train_batch_size 8 × 1 process = 16 samples

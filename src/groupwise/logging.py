@@ -47,13 +47,17 @@ END_OF_TRAINING = "total_flos"
 SUMMARY_ONLY = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
 
 
-def _tensorboard(output_dir: str, config: dict):
+def _tensorboard(output_dir: str, config: dict, model=None):
     """transformers' TensorBoardCallback: a folder per run, output_dir/runs/<date>_<host> (or $TENSORBOARD_LOGGING_DIR),
-    the config as text, scalars under tracker_names."""
+    the config as text `args` and the model's as `model_config`, scalars (bools too) under tracker_names, text
+    values as text; torch's SummaryWriter, else tensorboardX's."""
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ImportError("report_to=['tensorboard'] needs `pip install groupwise[tensorboard]`") from e
+    except ImportError:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:
+            raise ImportError("report_to=['tensorboard'] needs `pip install groupwise[tensorboard]`") from e
     import socket
     from datetime import datetime
 
@@ -61,34 +65,67 @@ def _tensorboard(output_dir: str, config: dict):
         Path(output_dir) / "runs" / f"{datetime.now().strftime('%b%d_%H-%M-%S')}_{socket.gethostname()}")
     writer = SummaryWriter(log_dir=os.path.expanduser(folder))
     writer.add_text("args", json.dumps(config, indent=2, default=str))
+    if getattr(model, "config", None) is not None and hasattr(model.config, "to_json_string"):
+        writer.add_text("model_config", model.config.to_json_string())
 
     def log(step, metrics):
         for k, v in tracker_names(metrics).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, (int, float)):
                 writer.add_scalar(k, v, step)
+            elif isinstance(v, str):
+                writer.add_text(k, v, step)
         writer.flush()
     return Opened(log, lambda failed: writer.close())
 
 
-def _wandb(output_dir: str, config: dict):
+def wandb_config(config: dict, model=None) -> dict:
+    """What transformers' WandbCallback sets as the run's config: the model's config under the training arguments,
+    the PEFT config (`peft_config`) and `model/num_parameters`."""
+    combined = dict(config)
+    if getattr(model, "config", None) is not None:
+        model_config = model.config if isinstance(model.config, dict) else model.config.to_dict()
+        combined = {**model_config, **combined}
+    peft = getattr(model, "peft_config", None)
+    if peft is not None:
+        peft = {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in peft.items()} if isinstance(peft, dict) \
+            else peft
+        combined = {"peft_config": peft, **combined}
+    try:
+        combined["model/num_parameters"] = model.num_parameters()
+    except AttributeError:  # no model, or not a transformers model (transformers leaves it out too)
+        pass
+    return combined
+
+
+def _wandb(output_dir: str, config: dict, model=None):
     """transformers' WandbCallback: a run in $WANDB_PROJECT (default "huggingface"), or the run the user already
-    started (wandb.run: its config updated, and left open at the end: it is the user's); series under tracker_names
-    against `train/global_step`; the end-of-training values (SUMMARY_ONLY) in the run's summary. A run this tracker
-    started is finished at the end of train(), with exit code 1 when training failed."""
+    started (wandb.run: its config updated, and left open at the end: it is the user's); the config of wandb_config;
+    series under tracker_names against `train/global_step`; the end-of-training values (SUMMARY_ONLY) in the run's
+    summary; $WANDB_WATCH as transformers reads it. A run this tracker started is finished at the end of train(),
+    with exit code 1 when training failed. $WANDB_LOG_MODEL (model artifacts) is not supported: a warning."""
     try:
         import wandb
     except ImportError as e:
         raise ImportError("report_to=['wandb'] needs `pip install groupwise[wandb]`") from e
+    if os.getenv("WANDB_LOG_MODEL", "false").lower() in ("end", "checkpoint"):
+        warnings.warn(f"WANDB_LOG_MODEL={os.environ['WANDB_LOG_MODEL']} is not supported by groupwise: no model "
+                      "artifact is uploaded to wandb (upload output_dir's model yourself, or use push_to_hub)",
+                      RuntimeWarning, stacklevel=2)
+    combined = wandb_config(config, model)
     mine = wandb.run is None
-    if mine:
-        run = wandb.init(project=os.getenv("WANDB_PROJECT", "huggingface"), config=config,
-                         name=config.get("run_name"), resume="allow")
+    if mine:  # WANDB_RESUME, when set, decides; else a run id that exists ($WANDB_RUN_ID) is resumed
+        run = wandb.init(project=os.getenv("WANDB_PROJECT", "huggingface"), config=combined,
+                         name=config.get("run_name"), resume=os.getenv("WANDB_RESUME") or "allow")
     else:
         run = wandb.run
-        run.config.update(config, allow_val_change=True)
+        run.config.update(combined, allow_val_change=True)
     if getattr(run, "define_metric", None):
         run.define_metric("train/global_step")
         run.define_metric("*", step_metric="train/global_step", step_sync=True)
+    watch = os.getenv("WANDB_WATCH", "false")
+    if watch in ("all", "parameters", "gradients") and model is not None:
+        steps = config.get("logging_steps") or 0
+        wandb.watch(model, log=watch, log_freq=max(100, int(steps) if steps >= 1 else 0))
 
     def log(step, metrics):
         for k in SUMMARY_ONLY:
@@ -144,19 +181,28 @@ class Opened(NamedTuple):
 
 
 class Tracker(NamedTuple):
-    open: Callable[[str, dict], Opened]  # (output_dir, config)
-    module: str  # what it needs installed
+    open: Callable[..., Opened]  # (output_dir, config, model)
+    modules: tuple[str, ...]  # what it needs installed: one of these
 
 
-# GRPOConfig.report_to: trackers besides metrics.jsonl (always written)
-TRACKERS = {"tensorboard": Tracker(_tensorboard, "tensorboard"), "wandb": Tracker(_wandb, "wandb")}
+# GRPOConfig.report_to: trackers besides metrics.jsonl (always written); TensorBoard with tensorboard or tensorboardX,
+# as transformers
+TRACKERS = {"tensorboard": Tracker(_tensorboard, ("tensorboard", "tensorboardX")), "wandb": Tracker(_wandb, ("wandb",))}
+
+# transformers' other report_to integrations: not trackers here (an error saying so)
+OTHER_INTEGRATIONS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "mlflow",
+                      "neptune", "swanlab", "trackio", "kubeflow")
+
+
+def is_installed(name: str) -> bool:
+    import importlib.util
+
+    return any(m in sys.modules or importlib.util.find_spec(m) is not None for m in TRACKERS[name].modules)
 
 
 def installed_trackers() -> list[str]:
     """report_to="all": the TRACKERS whose package is installed."""
-    import importlib.util
-
-    return [name for name, t in TRACKERS.items() if t.module in sys.modules or importlib.util.find_spec(t.module)]
+    return [name for name in TRACKERS if is_installed(name)]
 
 
 def resolve_report_to(value) -> list[str]:
@@ -169,6 +215,9 @@ def resolve_report_to(value) -> list[str]:
     given = [value] if isinstance(value, str) or value is None else list(value)
     names = [name for name in given if name not in ("none", None)]
     for name in names:
+        if name in OTHER_INTEGRATIONS:
+            raise ConfigError(f"report_to={name!r}: groupwise reports to {list(TRACKERS)} only (and always writes "
+                              f"output_dir/metrics.jsonl); drop {name!r} from report_to")
         if name not in TRACKERS:
             raise ConfigError(f"report_to={name!r} is not one of {['none', 'all', *TRACKERS]}")
     check_trackers(names)
@@ -177,11 +226,8 @@ def resolve_report_to(value) -> list[str]:
 
 def check_trackers(report_to: list[str]) -> None:
     """Before anything loads: every tracker asked for is installed."""
-    import importlib.util
-
     for name in report_to:
-        module = TRACKERS[name].module
-        if module not in sys.modules and importlib.util.find_spec(module) is None:
+        if not is_installed(name):
             raise ConfigError(f"report_to={name!r} needs `pip install groupwise[{name}]` (or drop it from report_to)")
 
 
@@ -190,7 +236,7 @@ class MetricsLogger:
     dropped (they are replayed exactly) and a torn last line (a crash mid-write) is skipped with a warning."""
 
     def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0,
-                 run_id: str | None = None, resumed: bool = False):
+                 run_id: str | None = None, resumed: bool = False, model=None):
         self.enabled, self.run_id = enabled, run_id
         self.path = Path(output_dir) / "metrics.jsonl"
         self.completions_path = Path(output_dir) / "completions.jsonl"
@@ -204,7 +250,7 @@ class MetricsLogger:
             trim_jsonl(self.completions_path, resume_step, run_id)
         for name in report_to:
             try:
-                self.trackers.append(TRACKERS[name].open(output_dir, config))
+                self.trackers.append(TRACKERS[name].open(output_dir, config, model))  # model: its config
             except BaseException:
                 self.close(failed=True)  # the ones already opened
                 raise

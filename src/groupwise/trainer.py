@@ -275,7 +275,7 @@ class GRPOTrainer(TransformersHabits):
         args = self.args
         # opened by the main process; a tracker failing there stops every process
         self._logger = self.dist.run_together(lambda: MetricsLogger(
-            args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(),
+            args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(), model=self.unwrapped,
             resume_step=self.global_step, run_id=self.run_id, resumed=self.global_step > 0), "opening the trackers")
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
                          disable=bool(args.disable_tqdm) or not self.dist.is_main)  # transformers' ProgressCallback

@@ -1,0 +1,184 @@
+"""What a TRL 1.16 user sees in their trackers, checked against transformers' TensorBoardCallback / WandbCallback and
+report_to resolution: the run's config (the model's config, PEFT config, parameter count), TensorBoard's text and
+scalar tags, tensorboardX as a fallback, transformers' other integrations, wandb's environment variables, and a
+tracker failing mid-run. wandb and tensorboard are not installed here: fake modules record the calls."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise.config_base import ConfigError
+from groupwise.logging import MetricsLogger, resolve_report_to, tracker_names, wandb_config
+from groupwise.tasks import toy
+from tests.conftest import small_args, training_lines
+
+
+def _length(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(tmp_path, tokenizer, **kw):
+    args = small_args(tmp_path, output_dir=str(tmp_path / "run"), **kw)
+    return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
+                       train_dataset=toy.dataset(12), eval_dataset=toy.dataset(2), processing_class=tokenizer)
+
+
+class _Run:
+    def __init__(self, fail_at=None, **kw):
+        self.init, self.logged, self.summary, self.updates, self.finished = kw, [], {}, [], None
+        self.fail_at = fail_at
+        self.config = types.SimpleNamespace(update=lambda values, **k: self.updates.append((values, k)))
+
+    def log(self, metrics):
+        if self.fail_at is not None and metrics.get("train/global_step") == self.fail_at:
+            raise ConnectionError("wandb went away")
+        self.logged.append(metrics)
+
+    def define_metric(self, name, **kw):
+        pass
+
+    def finish(self, exit_code=None):
+        self.finished = exit_code
+
+
+def _wandb(monkeypatch, run=None, fail_at=None):
+    runs, watched = [], []
+    module = types.SimpleNamespace(run=run, init=lambda **kw: runs.append(_Run(fail_at, **kw)) or runs[-1],
+                                   watch=lambda model, **kw: watched.append((model, kw)), Table=lambda dataframe: 0)
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    for name in ("WANDB_PROJECT", "WANDB_RESUME", "WANDB_WATCH", "WANDB_LOG_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    return runs, watched
+
+
+class _Writer:
+    made: list = []
+
+    def __init__(self, log_dir):
+        self.log_dir, self.scalars, self.texts = log_dir, [], {}
+        _Writer.made.append(self)
+
+    def add_scalar(self, k, v, step):
+        self.scalars.append((k, v, step))
+
+    def add_text(self, k, v, step=None):
+        self.texts[k] = (v, step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_the_wandb_run_config_holds_the_model_config_as_transformers(tmp_path, tokenizer, monkeypatch):
+    """transformers' WandbCallback.setup sets the run's config to {**model.config, **args} (the arguments win),
+    plus `model/num_parameters` (and `peft_config` for a PEFT model); a run the user started gets the same update."""
+    runs, _ = _wandb(monkeypatch)
+    t = _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"])
+    t.train()
+    config = runs[0].init["config"]
+    assert config["vocab_size"] == t.model.config.vocab_size and config["model_type"] == t.model.config.model_type
+    assert config["model/num_parameters"] == t.model.num_parameters() and config["max_steps"] == 1
+    assert config["learning_rate"] == 1e-2  # a key of both: the training argument's value
+    users = _Run()
+    _wandb(monkeypatch, run=users)
+    _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"], overwrite_output_dir=True).train()
+    assert users.updates[0][0]["model_type"] == t.model.config.model_type and users.finished is None
+    peft = types.SimpleNamespace(config={"a": 1, "lr": 0}, peft_config={"default": types.SimpleNamespace(
+        to_dict=lambda: {"r": 8})}, num_parameters=lambda: 7)
+    assert wandb_config({"lr": 1}, peft) == {"peft_config": {"default": {"r": 8}}, "a": 1, "lr": 1,
+                                             "model/num_parameters": 7}
+    assert wandb_config({"lr": 1}) == {"lr": 1}
+
+
+def test_wandb_environment_variables_as_transformers(tmp_path, tokenizer, monkeypatch):
+    """WANDB_PROJECT names the project, WANDB_RESUME (when set) decides resuming, WANDB_WATCH watches the model
+    (log_freq max(100, logging_steps)); WANDB_LOG_MODEL, which groupwise does not implement, warns."""
+    runs, watched = _wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    monkeypatch.setenv("WANDB_RESUME", "never")
+    monkeypatch.setenv("WANDB_WATCH", "gradients")
+    monkeypatch.setenv("WANDB_LOG_MODEL", "end")
+    t = _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"])
+    with pytest.warns(RuntimeWarning, match="WANDB_LOG_MODEL=end is not supported"):
+        t.train()
+    assert runs[0].init["project"] == "mine" and runs[0].init["resume"] == "never"
+    assert watched == [(t.unwrapped, {"log": "gradients", "log_freq": 100})]
+    runs, watched = _wandb(monkeypatch)
+    _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"], overwrite_output_dir=True).train()
+    assert runs[0].init["project"] == "huggingface" and runs[0].init["resume"] == "allow" and watched == []
+
+
+def test_tensorboard_as_transformers_writes_it(tmp_path, tokenizer, monkeypatch):
+    """TensorBoardCallback: texts `args` (the config as JSON) and `model_config`, scalars (bools included) at
+    state.global_step under rewrite_logs' names, text values as text; output_dir/runs/<date>_<host> or
+    $TENSORBOARD_LOGGING_DIR; tensorboardX's writer when torch's cannot be imported."""
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=_Writer))
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    _Writer.made = []
+    t = _trainer(tmp_path, tokenizer, max_steps=2, report_to="tensorboard", eval_strategy="steps", eval_steps=2)
+    t.train()
+    writer = _Writer.made[0]
+    assert writer.log_dir.startswith(str(tmp_path / "run" / "runs") + "/")
+    assert json.loads(writer.texts["args"][0])["max_steps"] == 2
+    assert json.loads(writer.texts["model_config"][0])["vocab_size"] == t.model.config.vocab_size
+    steps = {k: [s for name, _, s in writer.scalars if name == k] for k in ("train/loss", "eval/reward")}
+    assert steps == {"train/loss": [1, 2], "eval/reward": [2]}
+    logger = MetricsLogger(str(tmp_path / "unit"), ["tensorboard"], enabled=True, config={})
+    logger.log(5, {"flag": True, "note": "hi", "gone": None})
+    logger.close()
+    unit = _Writer.made[-1]
+    assert unit.scalars == [("train/flag", True, 5)] and unit.texts["train/note"] == ("hi", 5)
+    # tensorboardX alone: transformers' is_tensorboard_available and its SummaryWriter fallback
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "tensorboard")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else (
+        object() if n == "tensorboardX" else real(n, *a)))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=_Writer))
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    assert resolve_report_to("tensorboard") == ["tensorboard"]
+    MetricsLogger(str(tmp_path / "x"), ["tensorboard"], enabled=True, config={}).close()
+    assert _Writer.made[-1].log_dir == str(tmp_path / "tb")
+
+
+def test_report_to_spellings_and_errors(monkeypatch):
+    """transformers' spellings: "none" / ["none"] / None → none, "all" / ["all"] → the installed trackers, a string →
+    [it]. transformers' other integrations (trackio, mlflow, …) are an error naming the field and the fix; a
+    tracker that is not installed names the extra to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "wandb" else (
+        None if n in ("tensorboard", "tensorboardX") else real(n, *a)))
+    assert resolve_report_to("all") == resolve_report_to(["all"]) == ["wandb"]
+    assert resolve_report_to("none") == resolve_report_to(["none"]) == resolve_report_to(None) == []
+    assert resolve_report_to("wandb") == ["wandb"] and GRPOConfig(report_to="wandb").report_to == ["wandb"]
+    for name in ("trackio", "mlflow", "comet_ml"):
+        with pytest.raises(ConfigError, match=rf"report_to='{name}': groupwise reports to \['tensorboard', 'wandb'\] "
+                                              rf"only .* drop '{name}' from report_to"):
+            GRPOConfig(report_to=["wandb", name])
+    with pytest.raises(ConfigError, match=r"report_to='tensorboard' needs `pip install groupwise\[tensorboard\]` "
+                                          r"\(or drop it from report_to\)"):
+        GRPOConfig(report_to="tensorboard")
+    assert tracker_names({"eval_reward": 1, "test_x": 2, "evaluation": 3}) == {
+        "eval/reward": 1, "test/x": 2, "train/evaluation": 3}
+
+
+def test_a_tracker_failing_mid_run_stops_the_run_as_transformers_callbacks_do(tmp_path, tokenizer, monkeypatch):
+    """A tracker's log raising (transformers' on_log callback raising) ends train() with that error; the line was
+    written to metrics.jsonl first, and the wandb run is finished as failed (exit code 1)."""
+    runs, _ = _wandb(monkeypatch, fail_at=2)
+    t = _trainer(tmp_path, tokenizer, max_steps=3, report_to=["wandb"])
+    with pytest.raises(ConnectionError, match="wandb went away"):
+        t.train()
+    assert [m["train/global_step"] for m in runs[0].logged] == [1] and runs[0].finished == 1
+    assert [json.loads(x)["step"] for x in training_lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
