@@ -189,12 +189,14 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
 def check_pending(path: str, pending: dict[str, torch.Tensor], args) -> None:
     """The generation batch saved inside a round was built for the loss settings of its run: refuse settings it
     lacks the tensors for (reference log-probs for beta ≠ 0, importance weights for the sampling correction, the
-    sampler's log-probs for the off-policy mask)."""
-    for field, key, needed in (("beta", "ref_logps", args.beta != 0),
-                               ("the importance-sampling correction", "is_weights", args.corrects_sampling),
-                               ("off_policy_mask_threshold", "sampling_logps",
-                                args.off_policy_mask_threshold is not None and args.keeps_sampling_logps)):
-        if needed != (key in pending):
+    sampler's log-probs for the off-policy mask; a rollout_func's log-probs may be there without use_vllm)."""
+    mask = args.off_policy_mask_threshold is not None
+    for field, key, needed, allowed in (("beta", "ref_logps", args.beta != 0, args.beta != 0),
+                                        ("the importance-sampling correction", "is_weights", args.corrects_sampling,
+                                         args.corrects_sampling),
+                                        ("off_policy_mask_threshold", "sampling_logps",
+                                         mask and args.keeps_sampling_logps, mask)):
+        if (key in pending) != needed and (key not in pending or not allowed):
             raise _error(f"{path} stopped inside a generation round built {'without' if needed else 'with'} "
                          f"{key} ({field} changed since): resume with the run's settings, or from a "
                          "checkpoint at a round boundary")

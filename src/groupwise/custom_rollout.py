@@ -7,8 +7,9 @@ returns exactly as on its own samples. GRPO only asks that each question's G out
         "prompt_ids":     [[int, …], …]          one row per prompt: the tokens the completion follows
         "completion_ids": [[int, …], …]          one row per prompt, kept whole (an EOS inside a row does not end it)
         "logprobs":       [[float | None, …], …] the sampler's log-prob of each completion token, or None when nothing
-                                                 reads them (the importance-sampling correction and the off-policy
-                                                 mask do; None entries count as unknown: no correction there)
+                                                 needs them (the importance-sampling correction does; the off-policy
+                                                 mask reads them whenever given, as TRL, else π_θold; None entries
+                                                 count as unknown: no correction, no KL evidence there)
         "env_mask":       [[0 | 1, …], …]        optional: 1 on tokens the model generated, 0 on environment tokens
                                                  (context, never trained on); each run of 1s is one assistant turn
         <any other key>:  [value, …] or value    passed to the reward functions as a keyword: one value per row,
@@ -52,12 +53,13 @@ def check_rollout_func(rollout_func, *, tools: bool) -> None:
 
 def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str, Any]], *, tokenizer,
                         eos_token_ids: list[int], max_completion_length: int, logprobs: bool,
-                        device: torch.device) -> Completions:
+                        device: torch.device, keep_logprobs: bool = False) -> Completions:
     """Call `rollout_func` on the rows' prompts and check its output (one-line errors naming the key and the row),
     as a Completions record: prompts left-padded, completions right-padded with their mask over every returned
     token, `truncated` where a completion does not end with an EOS (or pad) token (TRL's rule), tool_mask and
-    turn_ends from env_mask, the sampler's log-probs when `logprobs` (None entries → NaN), the other keys as
-    reward-function columns."""
+    turn_ends from env_mask, the sampler's log-probs when `logprobs` (required; None entries → NaN) or, when
+    `keep_logprobs` (the off-policy mask, which TRL feeds the function's log-probs whenever it returns them), when
+    given, the other keys as reward-function columns."""
     prompts = [r["prompt"] for r in rows]
     out = rollout_func(copy.deepcopy(prompts))
     n = len(prompts)
@@ -87,7 +89,7 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
     sampling = None
     if out["logprobs"] is not None:
         rows_lp = _rows(out["logprobs"], "logprobs", n, _logprob, lengths)
-        if logprobs:  # 0 on padding, NaN where the sampler gave none
+        if logprobs or keep_logprobs:  # 0 on padding, NaN where the sampler gave none
             sampling, _ = pad_rows(rows_lp, 0.0, side="right", width=width, dtype=torch.float)
     elif logprobs:
         raise ValueError("rollout_func returned logprobs=None, but the importance-sampling correction or the "

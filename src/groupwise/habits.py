@@ -224,7 +224,9 @@ class TransformersHabits:
         if named_datasets(eval_dataset):
             return {k: v for name, data in eval_dataset.items()
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        data = self.eval_data if eval_dataset is None else self._check_lengths(self._eval_data(eval_dataset))
+        data = self.eval_data if eval_dataset is None else self._eval_data(eval_dataset)
+        if eval_dataset is not None and self.rollout_func is None:  # a rollout_func tokenizes its prompts itself
+            self._check_lengths(data)
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
         start = time.perf_counter()

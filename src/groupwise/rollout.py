@@ -167,7 +167,9 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     if ctx.rollout_func is not None:  # a failure on one process (its output refused) stops every process
         comp = ctx.dist.run_together(lambda: rollout_completions(
             ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
-            max_completion_length=args.max_completion_length, logprobs=want, device=device), "rollout_func")
+            max_completion_length=args.max_completion_length, logprobs=want, device=device,
+            keep_logprobs=args.off_policy_mask_threshold is not None and not greedy and not evaluation),
+            "rollout_func")
     elif ctx.agent is not None:
         with independently(ctx.generator, model):
             comp = _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))

@@ -139,8 +139,8 @@ class GRPOTrainer(TransformersHabits):
         self._logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, self._max_positions = load_tokenizer(model, processing_class, args)
-        for data in (self.train_data, self.eval_data):
-            if data is not None:  # a stream checks each row as it is read
+        for data in (self.train_data, self.eval_data):  # a rollout_func tokenizes its prompts itself (TRL: no check)
+            if data is not None and self.rollout_func is None:  # a stream checks each row as it is read
                 self._check_lengths(data)
         self.agent = build_agent(self.toolbox, self.tokenizer, args, (self.train_data, self.eval_data))  # tools
         policy = load_policy(model, args, quantization_config, self.dist.device)
