@@ -1,5 +1,6 @@
 """Review of the static decode loop's CUDA path, by what a CPU can check of it."""
 
+import pytest
 import torch
 
 from groupwise.generation.fast import FastGenerator
@@ -56,3 +57,34 @@ def test_a_recurrent_block_whose_cache_layer_stays_empty_is_state_kept_outside_t
     for layer in cache.layers[:2]:
         layer.update(kv, kv)
     assert not _state_outside_cache(model(["recurrent", "recurrent", "attention"]), cache)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])  # 0: the fused step (sampling in the graph); 5: the logits step
+def test_floats_are_constants_of_the_dynamic_shape_graph(tokenizer, top_k):
+    """Rows that are not groups of one prompt decode through one dynamic-shape graph. There dynamo makes float
+    arguments and attributes (the temperature, the model's norm eps and attention scale) 0-d CPU tensor inputs of the
+    graph, which a CUDA graph cannot take as it takes the static device buffers; they are constants of the graph
+    instead. The sampled tokens are those of the uncompiled loop (same seed)."""
+    inputs = []
+
+    def record(gm, example_inputs):
+        inputs.append([x for x in example_inputs if isinstance(x, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = toy.build_model(tokenizer, seed=1, hidden_size=32).eval()
+    ids, mask = encode_prompts(["ab", "a b c", "b"], tokenizer, None)  # three prompts: not groups of one
+
+    def run(compile_mode):
+        gen = FastGenerator(max_completion_length=4, temperature=0.7, top_p=1.0, top_k=top_k, min_p=None,
+                            repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_ids=[tokenizer.eos_token_id], group_size=3, compile=True,
+                            compile_mode=compile_mode)
+        torch.manual_seed(0)
+        return gen(model, ids, mask).completion_ids
+
+    ours = run({"backend": record, "dynamic": True})
+    assert inputs, "the step was not compiled"
+    for graph in inputs:
+        assert not [x for x in graph if x.dim() == 0 and x.is_floating_point()], "a float became a graph input"
+    assert torch.equal(ours, run("eager"))

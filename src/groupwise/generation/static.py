@@ -78,8 +78,13 @@ class StaticState:
             for t in (*self.b, *(x for layer in layers for x in (layer.keys, layer.values)), *fused_weights):
                 torch._dynamo.mark_static_address(t)
             own = not compile_mode.get("dynamic")  # fixed shapes: the graphs of (N, L) kept with their own code
-            self._step = torch.compile(_own_code(decode_step, (N, L)) if own else decode_step, **compile_mode)
-            self._fused = torch.compile(_own_code(fused_step, (N, L)) if own else fused_step, **compile_mode)
+            # floats (the temperature, the model's norm eps and attention scale) constants of the graph: with dynamic
+            # shapes dynamo would make them 0-d CPU tensor inputs, which a CUDA graph cannot take as it takes buffers
+            constant_floats = torch._dynamo.config.patch(specialize_float=True)
+            self._step = constant_floats(torch.compile(_own_code(decode_step, (N, L)) if own else decode_step,
+                                                       **compile_mode))
+            self._fused = constant_floats(torch.compile(_own_code(fused_step, (N, L)) if own else fused_step,
+                                                        **compile_mode))
         self._graphs = device.type == "cuda" and compile_mode is not None
         text = model.config.get_text_config(decoder=True)
         self.grouped = (impl == "sdpa" and getattr(text, "attn_logit_softcapping", None) is None
