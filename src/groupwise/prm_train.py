@@ -7,7 +7,7 @@ there records the kind, separator, positive label and max_length, which scoring 
 
 Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`: the whole text tokenized at once):
 the loss is the cross-entropy of the step label at the last token of each step's separator; every other position is
-ignored.
+ignored. The weights are float32 whatever the base's saved dtype (as load_prm scores them by default).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,15 @@ def read_step_jsonl(path: str) -> list[dict[str, Any]]:
     """Rows {prompt, steps, labels} of a step-labelled JSONL; the steps may be given as `steps` or, as in TRL's
     stepwise-supervision datasets, `completions`. A bad line is a ConfigError naming the file, line and field."""
     rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # UTF-8 whatever the locale; a bad byte names its line
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{where}: not UTF-8 ({e}): save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -76,23 +81,28 @@ def read_step_jsonl(path: str) -> list[dict[str, Any]]:
             for key in ("prompt", step_key, "labels"):
                 if key not in row:
                     raise ConfigError(f"{where}: missing {key!r} (need prompt, steps (or TRL's completions), labels)")
-            steps, labels = row[step_key], row["labels"]
+            prompt, steps, labels = row["prompt"], row[step_key], row["labels"]
+            if not (isinstance(prompt, str) or isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
+                raise ConfigError(f"{where}: 'prompt' must be a string or a list of chat messages "
+                                  f"({{\"role\", \"content\"}}), got {type(prompt).__name__}")
             if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
                 raise ConfigError(f"{where}: {step_key!r} must be a list of strings (one per step)")
-            if not isinstance(labels, list) or len(labels) != len(steps):
-                raise ConfigError(f"{where}: {len(labels) if isinstance(labels, list) else labels!r} labels for "
-                                  f"{len(steps)} steps (give 'labels' one label per step)")
+            if not isinstance(labels, list):
+                raise ConfigError(f"{where}: 'labels' must be a list of 0/1 (one per step), got {labels!r:.80}")
+            if len(labels) != len(steps):
+                raise ConfigError(f"{where}: {len(labels)} labels for {len(steps)} steps (give 'labels' one label "
+                                  "per step)")
             if not all(lbl in (0, 1) for lbl in labels):  # True / False are 1 / 0
                 raise ConfigError(f"{where}: labels must be 0/1 or true/false, got {labels}")
-            rows.append({"prompt": row["prompt"], "steps": steps, "labels": [int(x) for x in labels]})
+            rows.append({"prompt": prompt, "steps": steps, "labels": [int(x) for x in labels]})
     if not rows:
         raise ConfigError(f"{path}: no examples (need JSONL lines of prompt, steps, labels)")
     return rows
 
 
-def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None):
+def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None, desc: str | None = None):
     out = []
-    for r in rows:
+    for r in tqdm(rows, desc=desc, disable=desc is None or len(rows) < 1000):
         ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator,
                                          max_length=max_length or cfg.max_length)
         labels = [-100] * len(ids)
@@ -115,7 +125,8 @@ def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str,
     """Step-level accuracy, and precision / recall / F1 for both the good (1) and the bad (0) class."""
     preds, golds = [], []
     with eval_mode(model):
-        for ids, mask, labels in _batches(encoded, batch_size, pad_id):
+        for ids, mask, labels in tqdm(_batches(encoded, batch_size, pad_id), desc="PRM eval", leave=False,
+                                      total=math.ceil(len(encoded) / batch_size), disable=len(encoded) <= batch_size):
             pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
             keep = labels != -100
             preds += pred[keep].tolist()
@@ -139,6 +150,10 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     if not Path(cfg.train_file).is_file():
         raise ConfigError(f"train_file={cfg.train_file!r} does not exist: give a JSONL of prompt, steps, labels")
     check_model_location(cfg.model_name_or_path, "model_name_or_path")  # a wrong folder, named before anything
+    base_dir = Path(cfg.model_name_or_path)
+    if base_dir.exists() and Path(cfg.output_dir).resolve() == base_dir.resolve():
+        raise ConfigError(f"output_dir {cfg.output_dir!r} is model_name_or_path: the PRM would overwrite the base "
+                          "model; give another output_dir")
     rows = read_step_jsonl(cfg.train_file)  # data errors surface before any model loads
     rng = random.Random(cfg.seed)
     if cfg.eval_file:
@@ -155,17 +170,31 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     ensure_pad_token(tokenizer, f"the tokenizer of {cfg.model_name_or_path}")
-    model = AutoModelForTokenClassification.from_pretrained(
+    # float32 weights whatever the saved dtype (transformers 5 keeps it): AdamW's small steps vanish in bf16
+    # weights, and load_prm scores in float32 by default, so the held-out numbers are the ones it reproduces
+    model, info = AutoModelForTokenClassification.from_pretrained(
         cfg.model_name_or_path, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
-        trust_remote_code=cfg.trust_remote_code)
+        trust_remote_code=cfg.trust_remote_code, dtype=torch.float32, output_loading_info=True)
+    if info["missing_keys"]:  # a causal LM (or any base without this head): the head starts from the seed
+        base = ", ".join(model.config.architectures or []) or "a model without a token-classification head"
+        print(f"{cfg.model_name_or_path} ({base}): a new 2-label token-classification head "
+              f"({', '.join(sorted(info['missing_keys']))}) initialised with seed {cfg.seed}; label 1 = good step")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     # a base model with fewer positions than max_length (BERT-like: 512) would index past its position table
     max_length = min(cfg.max_length, position_limit(model, tokenizer) or cfg.max_length)
-    train_enc, eval_enc = (_encode(r, tokenizer, cfg, max_length) for r in (train_rows, eval_rows))
-    if not any(lbl != -100 for _, labels in train_enc for lbl in labels):
+    train_enc, eval_enc = (_encode(r, tokenizer, cfg, max_length, desc) for r, desc in
+                           ((train_rows, "PRM tokenize (train)"), (eval_rows, "PRM tokenize (eval)")))
+    # an example whose steps are all past max_length adds no loss: left out, so that every batch is an update and
+    # the schedule's length (warmup, decay to 0) counts the updates that happen
+    n_train, train_enc = len(train_enc), [e for e in train_enc if any(lbl != -100 for lbl in e[1])]
+    if not train_enc:
         raise ConfigError(f"no step of {cfg.train_file} fits in max_length={max_length} tokens (prompt + steps): "
                           "nothing to train on; raise max_length or shorten the prompts")
+    if not any(lbl != -100 for _, labels in eval_enc for lbl in labels):
+        warnings.warn(f"no step of the held-out examples fits in max_length={max_length} tokens (prompt + steps): "
+                      "the eval metrics are empty (eval/steps 0); raise max_length or give another eval_file",
+                      UserWarning, stacklevel=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     steps = cfg.num_train_epochs * math.ceil(len(train_enc) / cfg.per_device_train_batch_size)
     schedule = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
@@ -181,8 +210,6 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         model.train()
         for ids, mask, labels in _batches(train_enc, cfg.per_device_train_batch_size, tokenizer.pad_token_id):
             bar.update(1)
-            if not (labels != -100).any():  # every step cut by max_length: no loss (0/0 = NaN), and no update,
-                continue  # since AdamW's momentum would still move the weights
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
             loss.backward()
@@ -206,7 +233,8 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     (out / PRM_CONFIG).write_text(json.dumps({"kind": "token_classification", "separator": cfg.separator,
                                               "positive_label": 1, "max_length": max_length}, indent=2))
     metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
-               "train/examples": float(len(train_enc)), "train/steps": float(step)}
+               "train/examples": float(n_train), "train/examples_without_steps": float(n_train - len(train_enc)),
+               "train/steps": float(step)}
     (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"PRM step accuracy {before['eval/accuracy']:.3f} → {after['eval/accuracy']:.3f}, "
           f"bad-step F1 {after['eval/bad_f1']:.3f}, good-step F1 {after['eval/good_f1']:.3f}; saved to {out}")
