@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ def is_peft_model(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
+_PLAIN_NAME = re.compile(r"[\w.]+")  # a module name (or dotted suffix), not 'all-linear' or a regular expression
+
+
 def peft_config_from_args(args: GRPOConfig):
     """TRL's ModelConfig LoRA fields (use_peft, lora_*) → a LoraConfig, as TRL's get_peft_config builds it."""
     if not args.use_peft:
@@ -57,8 +61,11 @@ def peft_config_from_args(args: GRPOConfig):
     peft = _peft()
     kwargs = {"target_parameters": args.lora_target_parameters} if args.lora_target_parameters else {}
     targets = args.lora_target_modules
-    if isinstance(targets, (list, tuple)) and list(targets) == ["all-linear"]:
-        targets = "all-linear"  # peft reads the shortcut from a string only; TRL's ModelConfig unwraps the list
+    if isinstance(targets, (list, tuple)) and len(targets) == 1 and not _PLAIN_NAME.fullmatch(str(targets[0])):
+        # TRL's ModelConfig reads a list of one as that string: 'all-linear' (peft reads the shortcut from a string
+        # only) or a regular expression matched against full module names; a plain name ([q_proj], which as a
+        # regular expression TRL matches against nothing) stays a name
+        targets = targets[0]
     return peft.LoraConfig(task_type=args.lora_task_type, r=args.lora_r, target_modules=targets,
                            lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
                            use_rslora=args.use_rslora, use_dora=args.use_dora,

@@ -35,8 +35,9 @@ def is_quantized(model) -> bool:
 
 def from_script_fields(values: dict[str, Any], dtype: str | None):
     """TRL's get_quantization_config: a BitsAndBytesConfig from the script fields, each checked against its type
-    (the 4-bit compute dtype is the model's `dtype`), or None when neither load_in_4bit nor load_in_8bit is set; both
-    set is an error, as TRL's ModelConfig raises."""
+    (the 4-bit compute dtype is the model's `dtype`, so 'auto' with load_in_4bit is an error, where TRL's
+    BitsAndBytesConfig fails), or None when neither load_in_4bit nor load_in_8bit is set; both set is an error, as
+    TRL's ModelConfig raises."""
     fields = {name: coerce(name, ann, values.get(name, default)) for name, (ann, default, _) in QUANTIZATION_FIELDS.items()}
     if fields["load_in_4bit"] and fields["load_in_8bit"]:  # TRL's ModelConfig raises too
         raise ConfigError("load_in_4bit=True and load_in_8bit=True: 8-bit and 4-bit precision cannot be used at the "
@@ -55,7 +56,11 @@ def from_script_fields(values: dict[str, Any], dtype: str | None):
     from transformers import BitsAndBytesConfig
 
     if fields["load_in_4bit"]:
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=None if dtype == "auto" else dtype,
+        if dtype == "auto":  # TRL passes it on too, and BitsAndBytesConfig fails on getattr(torch, "auto")
+            raise ConfigError("load_in_4bit=True with dtype='auto': the 4-bit compute dtype is dtype (TRL's "
+                              "get_quantization_config), which 'auto' does not name: set dtype to 'bfloat16', "
+                              "'float16' or 'float32'")
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype,
                                   bnb_4bit_quant_type=fields["bnb_4bit_quant_type"],
                                   bnb_4bit_use_double_quant=fields["use_bnb_nested_quant"],
                                   bnb_4bit_quant_storage=fields["bnb_4bit_quant_storage"])
