@@ -48,8 +48,12 @@ def fill(args, world_size: int) -> BatchLayout:
 
 
 def resolve(args, world_size: int) -> BatchLayout:
-    """The layout of `args` for `world_size` processes; raises ConfigError naming the fields."""
-    per_round = args.per_device_train_batch_size * world_size
+    """The layout of `args` for `world_size` processes; raises ConfigError naming the fields and a fix. The checks
+    TRL's GRPOConfig.__post_init__ makes, in its words; then groupwise's own (whole optimizer steps per round,
+    dynamic sampling's whole groups per process, vLLM tensor parallelism)."""
+    B, W, G, GA, mu = (args.per_device_train_batch_size, world_size, args.num_generations,
+                       args.gradient_accumulation_steps, args.num_iterations)
+    per_round = B * W  # completions per micro-batch over all processes (TRL's "global batch size")
     user = given(args)
     if len(user) == 2:
         # a dumped TRL config carries both: fine when they agree
@@ -62,33 +66,54 @@ def resolve(args, world_size: int) -> BatchLayout:
                 "generation_batch_size=None with the change)")
         steps = user["steps_per_generation"]
     elif "generation_batch_size" in user:
-        if user["generation_batch_size"] % per_round:
+        gbs = user["generation_batch_size"]
+        if gbs % per_round:
             raise ConfigError(
-                f"generation_batch_size={user['generation_batch_size']} must be divisible by "
-                f"per_device_train_batch_size × processes = {per_round}")
-        steps = user["generation_batch_size"] // per_round
+                f"generation_batch_size={gbs} must be divisible by per_device_train_batch_size × processes = "
+                f"{B} × {W} = {per_round}: set it to a multiple of {per_round} (e.g. {_multiples(per_round, gbs)}), "
+                "or set steps_per_generation instead")
+        steps = gbs // per_round
     else:
-        steps = user.get("steps_per_generation", args.gradient_accumulation_steps)
+        steps = user.get("steps_per_generation", GA)
     gen_batch = per_round * steps
-    G = args.num_generations
+
+    def fits(k: int) -> bool:  # a round of k micro-batches per process passes every check below
+        return (per_round * k) % G == 0 and (k * mu) % GA == 0 and not (args.dynamic_sampling and (B * k) % G)
+
+    def fix() -> str:  # the nearest working round, in the field the user sized it with
+        k = next(k for k in range(steps + 1, steps + 1 + G * GA) if fits(k))  # lcm of the step counts ≤ G · GA
+        if "generation_batch_size" in user:
+            return f"set generation_batch_size={per_round * k} (steps_per_generation={k})"
+        return f"set steps_per_generation={k} (generation_batch_size={per_round * k})"
+
     if gen_batch % G:
+        valid = [b for b in range(1, 4 * G + 1) if b * W * steps % G == 0][:6]
+        change = "" if "generation_batch_size" in user else \
+            f", or per_device_train_batch_size to one of {valid}"
         raise ConfigError(
-            f"the generation batch (per_device_train_batch_size={args.per_device_train_batch_size} × "
-            f"{world_size} process(es) × steps_per_generation={steps} = {gen_batch} completions) must be divisible "
-            f"by num_generations={G}; valid per_device_train_batch_size values here: "
-            f"{[b for b in range(1, 4 * G + 1) if b * world_size * steps % G == 0][:6]}")
-    if args.dynamic_sampling and (gen_batch // world_size) % G:
+            f"generation_batch_size={gen_batch} (= per_device_train_batch_size={B} × {W} process(es) × "
+            f"steps_per_generation={steps}) must be divisible by num_generations={G}, so that every prompt's group "
+            f"is whole: {fix()}{change}")
+    if args.dynamic_sampling and (gen_batch // W) % G:
         raise ConfigError(
-            f"dynamic_sampling needs whole groups on each process: {gen_batch // world_size} completions per "
-            f"process is not a multiple of num_generations={G}")
-    if (steps * args.num_iterations) % args.gradient_accumulation_steps:
+            f"dynamic_sampling needs whole groups on each process: {gen_batch // W} completions per process "
+            f"(per_device_train_batch_size={B} × steps_per_generation={steps}) is not a multiple of "
+            f"num_generations={G}: {fix()}")
+    if (steps * mu) % GA:
         raise ConfigError(
-            f"steps_per_generation × num_iterations = {steps * args.num_iterations} must be a multiple of "
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}, so an optimizer step never spans two "
-            "generation batches")
+            f"steps_per_generation × num_iterations = {steps} × {mu} must be a multiple of "
+            f"gradient_accumulation_steps={GA}, so an optimizer step never spans two generation batches (TRL "
+            f"allows that; groupwise does not): {fix()}, or lower gradient_accumulation_steps to a divisor of "
+            f"{steps * mu}")
     tp = args.vllm_tensor_parallel_size
-    if args.use_vllm and args.vllm_mode == "colocate" and world_size % tp:
+    if args.use_vllm and args.vllm_mode == "colocate" and W % tp:
         raise ConfigError(f"vllm_tensor_parallel_size={tp} must divide the number of training processes "
-                          f"({world_size}): each colocated engine spans {tp} of them; launch a multiple of {tp} "
+                          f"({W}): each colocated engine spans {tp} of them; launch a multiple of {tp} "
                           "processes (torchrun --nproc_per_node), or lower it")
-    return BatchLayout(world_size, steps, gen_batch, gen_batch // G, G, args.per_device_train_batch_size)
+    return BatchLayout(W, steps, gen_batch, gen_batch // G, G, B)
+
+
+def _multiples(step: int, near: int) -> str:
+    """The multiples of `step` either side of `near`, for an error message."""
+    below = near // step * step
+    return f"{below} or {below + step}" if below else str(step)
