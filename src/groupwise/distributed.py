@@ -12,12 +12,37 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import os
 import warnings
 
 import torch
 import torch.distributed as torch_dist
 from accelerate import Accelerator
 
+from groupwise.config_base import ConfigError
+
+
+def launch_bf16(bf16: bool) -> bool:
+    """Whether the run trains in bfloat16 mixed precision: the `bf16` field, or else an `accelerate launch` config's
+    mixed_precision: bf16 (ACCELERATE_MIXED_PRECISION), as transformers' TrainingArguments reads them."""
+    return bf16 or os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "bf16"
+
+
+def check_launch(bf16: bool) -> None:
+    """What an `accelerate launch` exports that groupwise does not apply, refused by name before anything starts:
+    mixed_precision other than bf16 / no (fp16 needs loss scaling, which groupwise does not do, as the `fp16` field)
+    unless `bf16` overrides it, and a dynamo_backend (accelerate would compile the whole model in `prepare`, under DDP
+    only; groupwise compiles with its torch_compile field)."""
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if not bf16 and precision not in ("no", "bf16"):
+        raise ConfigError(f"the accelerate config sets mixed_precision: {precision}, which groupwise does not support "
+                          "(no fp16 loss scaling): set mixed_precision: bf16 or no in the accelerate config file (or "
+                          "--mixed_precision bf16), or bf16: true in the groupwise config")
+    dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if dynamo.lower() != "no":
+        raise ConfigError(f"the accelerate config sets dynamo_backend: {dynamo}, which groupwise does not apply: set "
+                          "dynamo_backend: no in the accelerate config file and torch_compile: true "
+                          f"(torch_compile_backend: {dynamo.lower()}) in the groupwise config")
 
 
 def exact_dtype(device) -> torch.dtype:
@@ -35,8 +60,9 @@ class Distributed:
                  ddp_kwargs: dict | None = None, sharding=None):
         """`backend`: torch.distributed's (None: nccl on GPUs, gloo on CPU); `ddp_kwargs`: DistributedDataParallel
         arguments (find_unused_parameters, bucket_cap_mb, broadcast_buffers, static_graph), None values left out."""
-        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+        from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs
 
+        check_launch(bf16)
         self.timeout = timeout
         handlers = [InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=timeout))]
         ddp = {k: v for k, v in (ddp_kwargs or {}).items() if v is not None}
@@ -49,7 +75,11 @@ class Distributed:
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=False)
-        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else None, kwargs_handlers=handlers)
+        # one micro-batch per accelerate "step": groupwise scales the loss for gradient_accumulation_steps itself, so
+        # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by hand, or by a DeepSpeed launch) must not divide it again;
+        # transformers' Trainer ignores it likewise (it passes its own plugin)
+        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else None, kwargs_handlers=handlers,
+                                       gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
             self.sharding = None  # one process: nothing to shard (the run is the same without it)

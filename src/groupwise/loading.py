@@ -255,7 +255,9 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
     if sharded and args.generation_dtype is not None:
         raise ConfigError("fsdp with generation_dtype is not supported yet: with fsdp generation already runs on "
                           "a full replica in the training dtype; drop generation_dtype")
-    if sharded and args.cast_lm_head_to_fp32 and args.bf16:
+    from groupwise.distributed import launch_bf16
+
+    if sharded and args.cast_lm_head_to_fp32 and launch_bf16(args.bf16):  # the field, or an accelerate bf16 launch
         raise ConfigError("cast_lm_head_to_fp32 with fsdp and bf16 is not supported: FSDP2's mixed precision "
                           "gathers the head in bfloat16; drop one of them")
     if sharded and any(o is not None for o in optimizers):

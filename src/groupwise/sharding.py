@@ -34,6 +34,12 @@ FSDP_OPTIONS = {"full_shard": True, "shard_grad_op": False, "auto_wrap": None}
 @dataclass(frozen=True)
 class Sharding:
     reshard_after_forward: bool  # full_shard: free gathered weights after each forward; shard_grad_op: keep them
+    layer_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap; (): the model's _no_split_modules
+
+
+# FSDP_RESHARD_AFTER_FORWARD as `accelerate launch` exports fsdp_reshard_after_forward (a boolean for FSDP2)
+RESHARD_VALUES = {"true": True, "1": True, "yes": True, "full_shard": True,
+                  "false": False, "0": False, "no": False, "shard_grad_op": False}
 
 
 def resolve(fsdp: str | None) -> Sharding | None:
@@ -62,14 +68,24 @@ def resolve(fsdp: str | None) -> Sharding | None:
             if os.environ.get(env, "false").lower() in ("1", "true"):
                 raise ConfigError(f"the accelerate config sets {key}: true, which groupwise's FSDP2 does not apply "
                                   f"({fix}): set {key}: false in the accelerate config file")
-        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in ("1", "true", "full_shard")
-        return Sharding(reshard_after_forward=reshard)
+        wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")  # left out: layer by layer too
+        if wrap.upper() != "TRANSFORMER_BASED_WRAP":
+            raise ConfigError(f"the accelerate config sets fsdp_auto_wrap_policy: {wrap}, which groupwise's FSDP2 "
+                              "does not apply (it shards decoder layer by decoder layer): set fsdp_auto_wrap_policy: "
+                              "TRANSFORMER_BASED_WRAP in the accelerate config file")
+        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true")
+        if reshard.lower() not in RESHARD_VALUES:
+            raise ConfigError(f"the accelerate config sets fsdp_reshard_after_forward: {reshard}: set it to true "
+                              "(full_shard) or false (shard_grad_op) in the accelerate config file")
+        classes = tuple(c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip())
+        return Sharding(reshard_after_forward=RESHARD_VALUES[reshard.lower()], layer_classes=classes)
     return None
 
 
 def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, device: torch.device,
           bf16: bool = False, frozen: bool = False) -> torch.nn.Module:
-    """fully_shard every decoder layer of `model`, then `root` (the module whose forward runs: PolicyForLogps).
+    """fully_shard every decoder layer of `model` (or the classes named by fsdp_transformer_layer_cls_to_wrap), then
+    `root` (the module whose forward runs: PolicyForLogps).
     bf16: FSDP2's mixed precision (float32 sharded master weights, gathered and computed in bfloat16, gradients
     reduced in float32), as accelerate sets it up for an FSDP2 bf16 launch. frozen: a model that never runs a
     backward (the reference), resharded after every forward whatever the strategy (shard_grad_op keeps the gathered
@@ -78,8 +94,14 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    declared = list(getattr(model, "_no_split_modules", None) or [])
+    layer_names = set(sharding.layer_classes or declared)
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    missing = sorted(layer_names - {type(m).__name__ for m in layers}) if sharding.layer_classes else []
+    if missing:  # as accelerate: every class named must be in the model
+        raise ConfigError(f"the accelerate config's fsdp_transformer_layer_cls_to_wrap names {missing}, which "
+                          f"{type(model).__name__} does not contain: name its decoder layer class ({declared}) in "
+                          "the accelerate config file, or leave the key out")
     if not layers:
         raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules): "
                           "it cannot be sharded layer by layer")

@@ -110,8 +110,9 @@ class GRPOTrainer(TransformersHabits):
                            optimizers=self.optimizers, quantization_config=quantization_config)
         from transformers import enable_full_determinism, set_seed
 
-        # each process samples different completions
-        (enable_full_determinism if args.full_determinism else set_seed)(args.seed + self.dist.rank)
+        # the same seed on every process while the models load (TRL: set_seed(args.seed) before creating them), so
+        # weights drawn then (LoRA, keys missing from a checkpoint) agree; then each process samples its own completions
+        (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
         if args.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
         self.sampler = StreamSampler(self.train_data, self.layout.prompts_per_generation) if stream else \
@@ -161,6 +162,8 @@ class GRPOTrainer(TransformersHabits):
                                 trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
         self.trained, self.optimizer, self.scheduler, self._replica = build_training(
             policy, args, self.dist, optimizers=self.optimizers, reference=self.reference, max_steps=self.max_steps)
+        if self.dist.rank:  # TRL's set_seed(args.seed, device_specific=True) (process 0 goes on from args.seed)
+            set_seed(args.seed + self.dist.rank)
         self.rollout_ctx = self._build_rollout()
         self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,

@@ -1,0 +1,191 @@
+"""What an `accelerate launch` brings with it (the environment variables it exports) and what groupwise does with
+each: honoured, or refused with a one-line error naming the key and the fix. In-process: the variables are set with
+monkeypatch as accelerate exports them (accelerate.utils.launch.prepare_multi_gpu_env)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from groupwise.config_base import ConfigError
+from groupwise.distributed import Distributed
+from tests.conftest import small_args
+
+ROOT = Path(__file__).parents[1]
+
+
+def _fsdp2_launch(monkeypatch, **env):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+# ---- mixed precision ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_accelerate_mixed_precision_other_than_bf16_is_refused_by_name(monkeypatch, precision):
+    # the `fp16` field is refused (no loss scaling); `mixed_precision: fp16` in the accelerate config used to slip
+    # through: accelerate's GradScaler scaled the loss with no unscale on the FSDP2 path, and skipped steps never
+    # updated the scale
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+    with pytest.raises(ConfigError, match=rf"^the accelerate config sets mixed_precision: {precision}, .*set "
+                                          "mixed_precision: bf16 or no in the accelerate config"):
+        Distributed()
+    assert Distributed(bf16=True).accelerator.mixed_precision == "bf16"  # the field wins, as in transformers
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_accelerate_mixed_precision_bf16_or_no_is_honoured(monkeypatch, precision):
+    from groupwise.distributed import launch_bf16
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+    assert Distributed().accelerator.mixed_precision == precision
+    assert launch_bf16(False) is (precision == "bf16")
+
+
+def test_cast_lm_head_to_fp32_with_fsdp_is_refused_under_an_accelerate_bf16_launch_too(monkeypatch, tmp_path):
+    from groupwise.loading import check_combinations
+
+    args = small_args(tmp_path, cast_lm_head_to_fp32=True)
+    check_combinations(args, model="m", sharded=True, peft_config=None, optimizers=(None, None))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # bf16 stays False: the launch's precision applies
+    with pytest.raises(ConfigError, match="cast_lm_head_to_fp32 with fsdp and bf16 is not supported"):
+        check_combinations(args, model="m", sharded=True, peft_config=None, optimizers=(None, None))
+
+
+# ---- gradient accumulation and dynamo -----------------------------------------------------------------------------
+def test_accelerate_gradient_accumulation_steps_does_not_divide_the_loss_again(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")  # groupwise scales for its own field
+    dist = Distributed()
+    assert dist.accelerator.gradient_accumulation_steps == 1
+    layer = torch.nn.Linear(2, 1, bias=False)
+    layer, _ = dist.prepare(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    dist.backward(layer(torch.ones(1, 2)).sum())
+    assert torch.equal(layer.weight.grad, torch.ones(1, 2))
+
+
+def test_accelerate_dynamo_backend_is_refused_by_name_and_no_is_accepted(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")  # what `accelerate launch` exports by default
+    Distributed()
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    with pytest.raises(ConfigError, match=r"^the accelerate config sets dynamo_backend: INDUCTOR, .*torch_compile: "
+                                          r"true \(torch_compile_backend: inductor\)"):
+        Distributed()
+
+
+# ---- FSDP2 options ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["SIZE_BASED_WRAP", "NO_WRAP"])
+def test_fsdp_auto_wrap_policy_other_than_transformer_based_is_refused(monkeypatch, policy):
+    from groupwise import GRPOConfig
+
+    _fsdp2_launch(monkeypatch, FSDP_AUTO_WRAP_POLICY=policy)
+    with pytest.raises(ConfigError, match=rf"fsdp_auto_wrap_policy: {policy}.*set fsdp_auto_wrap_policy: "
+                                          "TRANSFORMER_BASED_WRAP"):
+        GRPOConfig()
+
+
+def test_fsdp_reshard_after_forward_values(monkeypatch):
+    from groupwise.sharding import resolve
+
+    _fsdp2_launch(monkeypatch, FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP")
+    for value, reshard in (("true", True), ("false", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", False)):
+        monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
+        assert resolve(None).reshard_after_forward is reshard
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "HYBRID_SHARD")  # used to shard as shard_grad_op, silently
+    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward: HYBRID_SHARD: set it to true"):
+        resolve(None)
+
+
+def test_examples_fsdp2_yaml_is_an_accelerate_config_whose_launch_groupwise_takes(monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from groupwise.distributed import check_launch
+    from groupwise.sharding import Sharding, resolve
+
+    config_file = str(ROOT / "examples/accelerate/fsdp2.yaml")
+    config = load_config_from_file(config_file)
+    assert (config.distributed_type, config.mixed_precision, config.fsdp_config["fsdp_version"]) == \
+        ("FSDP", "bf16", 2)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", config_file, "x.py"]))
+    env = prepare_multi_gpu_env(args)  # what the 8 processes would see
+    for key, value in env.items():
+        if key.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.setenv(key, value)
+    assert resolve(None) == Sharding(reshard_after_forward=True)
+    check_launch(False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    import torch.distributed as torch_dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    torch_dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_fsdp_transformer_layer_cls_to_wrap_is_honoured_or_refused_by_name(monkeypatch, tokenizer, one_process_group):
+    from torch.distributed.fsdp import FSDPModule
+
+    from groupwise.sharding import resolve, shard
+    from groupwise.tasks import toy
+
+    _fsdp2_launch(monkeypatch, FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaMLP, LlamaAttention")
+    sharding = resolve(None)
+    assert sharding.layer_classes == ("LlamaMLP", "LlamaAttention")
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    shard(model, model, sharding, torch.device("cpu"))
+    units = {type(m).__name__.removeprefix("FSDP") for m in model.modules() if isinstance(m, FSDPModule)}
+    assert {"LlamaMLP", "LlamaAttention"} <= units and "LlamaDecoderLayer" not in units
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "GPT2Block")
+    with pytest.raises(ConfigError, match=r"fsdp_transformer_layer_cls_to_wrap names \['GPT2Block'\], which "
+                                          r"LlamaForCausalLM does not contain: name its decoder layer class"):
+        shard(*(2 * [toy.build_model(tokenizer, seed=0, hidden_size=32)]), resolve(None), torch.device("cpu"))
+
+
+# ---- seeding ------------------------------------------------------------------------------------------------------
+def test_models_load_with_the_same_seed_on_every_process_then_each_samples_with_seed_plus_rank(monkeypatch, tmp_path,
+                                                                                              tokenizer):
+    """TRL: set_seed(args.seed) before the models are created, set_seed(args.seed, device_specific=True) after. A
+    weight drawn while loading (LoRA's, a key missing from the checkpoint) used to differ between processes: DDP
+    broadcast the policy's, but not π_ref's, nor FSDP2's shards or generation replica."""
+    from groupwise import GRPOTrainer
+    from groupwise import trainer as trainer_module
+    from groupwise.tasks import toy
+
+    class Stop(Exception):
+        pass
+
+    seeds = {}
+    load_policy = trainer_module.load_policy
+
+    def loading(*a, **kw):
+        seeds["load"] = torch.initial_seed()
+        return load_policy(*a, **kw)
+
+    def rollout(self):
+        seeds["sample"] = torch.initial_seed()
+        raise Stop
+
+    monkeypatch.setattr(Distributed, "rank", property(lambda self: 1))  # the second process's view of the run
+    monkeypatch.setattr(trainer_module, "load_policy", loading)
+    monkeypatch.setattr(GRPOTrainer, "_build_rollout", rollout)
+    with pytest.raises(Stop):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
+                    args=small_args(tmp_path, seed=7), train_dataset=toy.dataset(8), processing_class=tokenizer)
+    assert seeds == {"load": 7, "sample": 8}
