@@ -53,7 +53,10 @@ def same(out: Path) -> None:
     # "entropy": the top-entropy threshold is over the micro-batch of every process (gathered, of unequal lengths)
     for case, loss_type, supervision, extra in (("dapo", "dapo", "outcome", {}), ("grpo", "grpo", "outcome", {}),
                                                 ("process", "dapo", "both", {}),
-                                                ("entropy", "dapo", "outcome", {"top_entropy_quantile": 0.5})):
+                                                ("entropy", "dapo", "outcome", {"top_entropy_quantile": 0.5}),
+                                                ("fp16", "dapo", "outcome", {"fp16": True})):
+        if extra.get("fp16"):  # float16 autocast + loss scale (last: the Distributed it replaces is not used again)
+            dist = Distributed(fp16=True)
         args = GRPOConfig(num_generations=4, per_device_train_batch_size=n, max_completion_length=T,
                           loss_type=loss_type, learning_rate=1.0, max_grad_norm=0.0, output_dir=str(out),
                           supervision=supervision, **extra)

@@ -30,16 +30,20 @@ def test_two_processes_give_the_same_advantages_loss_and_step_as_one(tmp_path):
     _launch(2, "same", tmp_path / "two")
     one = json.loads((tmp_path / "one" / "result_0.json").read_text())
     two = [json.loads((tmp_path / "two" / f"result_{r}.json").read_text()) for r in (0, 1)]
-    # "process": supervision='both' with step rewards; "entropy": top_entropy_quantile=0.5
-    for loss_type in ("dapo", "grpo", "process", "entropy"):
+    # "process": supervision='both' with step rewards; "entropy": top_entropy_quantile=0.5; "fp16": dapo under fp16
+    # (float16 autocast, the loss scaled on each process, the all-reduced gradient unscaled)
+    for loss_type in ("dapo", "grpo", "process", "entropy", "fp16"):
         # group 1 is split over the two processes: rewards are gathered before the group statistics
         assert two[0][loss_type]["advantages"] == one[loss_type]["advantages"]
         assert two[0][loss_type]["local"] + two[1][loss_type]["local"] == one[loss_type]["local"]
         assert two[0][loss_type]["loss"] == pytest.approx(one[loss_type]["loss"], abs=1e-6)
         w1 = load_file(str(tmp_path / "one" / f"weights_{loss_type}.safetensors"))
         w2 = load_file(str(tmp_path / "two" / f"weights_{loss_type}.safetensors"))
+        # fp16: each process's gradient is rounded to float16 before the all-reduce sums them (one process rounds the
+        # full sum once): 6e-5 apart measured, within float16's precision of an update of ~0.1 (lr 1)
+        atol = 2e-4 if loss_type == "fp16" else 1e-6
         for name in w1:
-            assert torch.allclose(w1[name], w2[name], atol=1e-6), (loss_type, name)
+            assert torch.allclose(w1[name], w2[name], atol=atol), (loss_type, name)
 
 
 @pytest.mark.slow

@@ -104,6 +104,7 @@ class GRPOConfig(StrictConfig):
     fsdp: str | None = option("Shard the policy with FSDP2 over all processes: 'full_shard' (weights gathered per layer for each forward, then freed) or 'shard_grad_op' (kept until the backward) (transformers' names; groupwise.sharding). An accelerate launch with an FSDP2 config does the same.", default=None)
     ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time. Also bounds each request to a vLLM server (vllm_mode='server').", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
+    fp16: bool = option("Train in float16 mixed precision, for GPUs without bfloat16 (T4, V100): float32 master weights, the forward under float16 autocast, the loss multiplied by a dynamic scale whose overflowing steps are skipped (transformers' meaning; logged as train/loss_scale, train/overflow). Not with bf16 or fsdp.", default=False)
     gradient_checkpointing: bool = option("Recompute activations in the backward pass to save memory.", default=False)
     gradient_checkpointing_kwargs: dict | None = option("Arguments of the model's activation checkpointing (transformers': 'use_reentrant', …, and transformers 5's 'every_n_layers', 'offload').", default=None)
     activation_checkpointing: bool | None = option("transformers 5's name for gradient_checkpointing: when set, it wins (and the two mirror each other).", default=None)
@@ -279,6 +280,8 @@ class GRPOConfig(StrictConfig):
 
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""
+        if self.bf16 and self.fp16:  # transformers' rule
+            raise ConfigError("bf16=True and fp16=True: choose one mixed precision (bf16 where the GPU has it)")
         if isinstance(self.scale_rewards, bool):  # TRL's boolean spellings (after coercion: 'True' is one too)
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.scale_rewards not in SCALES:

@@ -50,9 +50,8 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
                                             "(logprob_chunk_tokens)"),
     "liger_kernel_config": NotSupported(None, "Liger kernels are not used"),
     # precision and devices
-    "fp16": NotSupported(False, "use bf16=True (fp16 loss scaling is not implemented)"),
     "bf16_full_eval": NotSupported(False, "evaluation runs in the training precision; set bf16=True"),
-    "fp16_full_eval": NotSupported(False, "evaluation runs in the training precision; set bf16=True"),
+    "fp16_full_eval": NotSupported(False, "evaluation runs in the training precision; set fp16=True"),
     "use_cpu": NotSupported(False, "set ACCELERATE_USE_CPU=1 or CUDA_VISIBLE_DEVICES='' instead"),
     # sharding and launchers
     "deepspeed": NotSupported(None, "DeepSpeed is not supported: shard with FSDP2 instead (fsdp: full_shard, or "

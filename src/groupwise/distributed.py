@@ -12,7 +12,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
+import types
 import warnings
 
 import torch
@@ -22,27 +24,41 @@ from accelerate import Accelerator
 from groupwise.config_base import ConfigError
 
 
-def launch_bf16(bf16: bool) -> bool:
-    """Whether the run trains in bfloat16 mixed precision: the `bf16` field, or else an `accelerate launch` config's
-    mixed_precision: bf16 (ACCELERATE_MIXED_PRECISION), as transformers' TrainingArguments reads them."""
-    return bf16 or os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "bf16"
+PRECISIONS = ("no", "bf16", "fp16")  # what groupwise trains in; accelerate's fp8 is not among them
 
 
-def check_launch(bf16: bool) -> None:
-    """What an `accelerate launch` exports that groupwise does not apply, refused by name before anything starts:
-    mixed_precision other than bf16 / no (fp16 needs loss scaling, which groupwise does not do, as the `fp16` field)
-    unless `bf16` overrides it, and a dynamo_backend (accelerate would compile the whole model in `prepare`, under DDP
-    only; groupwise compiles with its torch_compile field)."""
+def launch_precision(bf16: bool = False, fp16: bool = False) -> str:
+    """The run's mixed precision: 'bf16' or 'fp16' by the fields, or else an `accelerate launch` config's
+    mixed_precision (ACCELERATE_MIXED_PRECISION), as transformers' TrainingArguments reads them; else 'no'."""
+    if bf16 or fp16:
+        return "bf16" if bf16 else "fp16"
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if not bf16 and precision not in ("no", "bf16"):
-        raise ConfigError(f"the accelerate config sets mixed_precision: {precision}, which groupwise does not support "
-                          "(no fp16 loss scaling): set mixed_precision: bf16 or no in the accelerate config file (or "
-                          "--mixed_precision bf16), or bf16: true in the groupwise config")
+    return precision if precision in PRECISIONS else "no"
+
+
+def check_launch(bf16: bool, fp16: bool = False) -> None:
+    """What an `accelerate launch` exports that groupwise does not apply, refused by name before anything starts:
+    mixed_precision other than no / bf16 / fp16 (fp8) unless a field overrides it, and a dynamo_backend (accelerate
+    would compile the whole model in `prepare`, under DDP only; groupwise compiles with its torch_compile field)."""
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if not (bf16 or fp16) and precision not in PRECISIONS:
+        raise ConfigError(f"the accelerate config sets mixed_precision: {precision}, which groupwise does not support: "
+                          "set mixed_precision: bf16, fp16 or no in the accelerate config file (or --mixed_precision "
+                          "bf16), or bf16: true / fp16: true in the groupwise config")
     dynamo = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
     if dynamo.lower() != "no":
         raise ConfigError(f"the accelerate config sets dynamo_backend: {dynamo}, which groupwise does not apply: set "
                           "dynamo_backend: no in the accelerate config file and torch_compile: true "
                           f"(torch_compile_backend: {dynamo.lower()}) in the groupwise config")
+
+
+def _under(context, fn):
+    """`fn` run inside a fresh `context()` at every call."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+    return run
 
 
 def exact_dtype(device) -> torch.dtype:
@@ -57,12 +73,17 @@ class ProcessFailed(RuntimeError):
 
 class Distributed:
     def __init__(self, bf16: bool = False, timeout: float = 1800.0, backend: str | None = None,
-                 ddp_kwargs: dict | None = None, sharding=None):
+                 ddp_kwargs: dict | None = None, sharding=None, fp16: bool = False):
         """`backend`: torch.distributed's (None: nccl on GPUs, gloo on CPU); `ddp_kwargs`: DistributedDataParallel
-        arguments (find_unused_parameters, bucket_cap_mb, broadcast_buffers, static_graph), None values left out."""
+        arguments (find_unused_parameters, bucket_cap_mb, broadcast_buffers, static_graph), None values left out.
+        bf16: accelerate's autocast. fp16: groupwise's own float16 autocast around the prepared model's forward and a
+        dynamic loss scale (torch.amp.GradScaler), the same on every device (accelerate's applies on GPUs only)."""
+        if bf16 and fp16:
+            raise ConfigError("bf16 and fp16 are both set: choose one mixed precision")
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs
 
-        check_launch(bf16)
+        check_launch(bf16, fp16)
+        self.precision = launch_precision(bf16, fp16)
         self.timeout = timeout
         handlers = [InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=timeout))]
         ddp = {k: v for k, v in (ddp_kwargs or {}).items() if v is not None}
@@ -78,13 +99,20 @@ class Distributed:
         # one micro-batch per accelerate "step": groupwise scales the loss for gradient_accumulation_steps itself, so
         # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by hand, or by a DeepSpeed launch) must not divide it again;
         # transformers' Trainer ignores it likewise (it passes its own plugin)
-        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else None, kwargs_handlers=handlers,
+        self.accelerator = Accelerator(mixed_precision="bf16" if self.precision == "bf16" else "no",
+                                       kwargs_handlers=handlers,
                                        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
             self.sharding = None  # one process: nothing to shard (the run is the same without it)
             warnings.warn("fsdp is set but this run has one process: nothing to shard, so it trains unsharded (launch "
                           "with torchrun or accelerate and 2+ processes to shard)", UserWarning, stacklevel=2)
+        if self.precision == "fp16" and self.sharding is not None:
+            raise ConfigError("fsdp with fp16 is not supported yet (FSDP2's float16 gradients need a sharded loss "
+                              "scaler): use bf16: true, or train unsharded")
+        # fp16: gradients of a loss multiplied by a scale that halves when they overflow and doubles after
+        # growth_interval clean steps (transformers / accelerate's defaults)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         atexit.register(self.teardown)
 
     @property
@@ -109,6 +137,10 @@ class Distributed:
         return self.accelerator.device
 
     def prepare(self, *objs):
+        if self.scaler is not None:  # fp16: the modules' forward under float16 autocast, as accelerate wraps it
+            for obj in objs:
+                if isinstance(obj, torch.nn.Module):
+                    obj.forward = types.MethodType(_under(self.autocast, type(obj).forward), obj)
         return self.accelerator.prepare(*objs)
 
     def fully_shard(self, root: torch.nn.Module, model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
@@ -122,13 +154,31 @@ class Distributed:
         """The training forward's precision around another forward (π_ref's): accelerate's autocast, or nothing
         under FSDP2, whose mixed-precision policy casts the gathered weights itself (the policy is not wrapped by
         accelerate there)."""
+        if self.precision == "fp16":
+            return torch.autocast(self.device.type, dtype=torch.float16)
         return contextlib.nullcontext() if self.sharding is not None else self.accelerator.autocast()
 
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
+        self.accelerator.backward(loss if self.scaler is None else self.scaler.scale(loss))
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the factor the loss is multiplied by before the backward (None otherwise)."""
+        return None if self.scaler is None else float(self.scaler.get_scale())
+
+    def unscale(self, optimizer) -> None:
+        """fp16: divide the accumulated gradients by the loss scale, before they are clipped or read."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def update_scale(self) -> None:
+        """fp16, after every optimizer step, taken or skipped: halve the scale if the gradients overflowed, else
+        count toward doubling it (GradScaler.update)."""
+        if self.scaler is not None:
+            self.scaler.update()
 
     def no_sync(self, model, skip_sync: bool):
         """Skip the gradient all-reduce (reduce-scatter when sharded) on micro-batches that are not the last of an

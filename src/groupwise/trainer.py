@@ -72,7 +72,7 @@ class GRPOTrainer(TransformersHabits):
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph},
-            sharding=resolve_sharding(args.fsdp))
+            sharding=resolve_sharding(args.fsdp), fp16=args.fp16)
         # transformers' should_log: each node's main process with log_on_each_node, else the main process only
         should_log = self.dist.is_local_main if args.log_on_each_node else self.dist.is_main
         set_log_level(args.log_level if should_log else args.log_level_replica)
@@ -322,7 +322,8 @@ class GRPOTrainer(TransformersHabits):
         self.global_step += 1
         skipped = bool(metrics["train/skipped"])
         self.skipped_steps += skipped
-        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        if not metrics.get("train/overflow"):  # fp16's loss-scale search is not a failure
+            self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
         if self.consecutive_skipped >= args.max_consecutive_skipped_steps:
             raise TrainingStopped(
                 f"{self.consecutive_skipped} optimizer steps in a row were skipped for a non-finite loss or gradient "
@@ -432,7 +433,8 @@ class GRPOTrainer(TransformersHabits):
                  "total_flos": self.state.total_flos, "best": BestModel.state_dict(self.state, best),
                  "stateful_callbacks": self.callback_handler.states(self.control),  # transformers' (ExportableState)
                  "log_history": json.loads(json.dumps(self.state.log_history, default=str)),
-                 "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None}
+                 "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None,
+                 "grad_scaler": self.dist.scaler.state_dict() if self.dist.scaler is not None else None}
         sharded = self.dist.sharding is not None  # the replica is then the consolidated model
         return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
                                model=self.sampling_model if sharded else self.unwrapped,
@@ -467,6 +469,8 @@ class GRPOTrainer(TransformersHabits):
         self._restored_history = state.get("log_history")  # transformers' TrainerState.log_history
         if self.args.use_adaptive_entropy and state.get("entropy_control"):  # an adapted coefficient, where it was
             self.update_ctx.entropy.load_state_dict(state["entropy_control"])
+        if self.dist.scaler is not None and state.get("grad_scaler"):  # fp16: the loss scale where it was
+            self.dist.scaler.load_state_dict(state["grad_scaler"])
         BestModel.load_state_dict(self.state, state.get("best"))
         self.callback_handler.restore_states(self.args, state.get("stateful_callbacks"), self.control)
         self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))

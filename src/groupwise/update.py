@@ -154,9 +154,15 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
             else:
                 sums[name] += float(value) / k
     params = [p for p in model.parameters() if p.requires_grad]
+    loss_scale = dist.loss_scale  # fp16: the scale these gradients carry (None otherwise)
+    dist.unscale(ctx.optimizer)
     grad_norm = dist.clip_grad_norm(params, args.max_grad_norm)
-    skipped = dist.any(not finite) or not math.isfinite(float(grad_norm))
-    if skipped:
+    loss_finite = not dist.any(not finite)
+    skipped = not loss_finite or not math.isfinite(float(grad_norm))
+    # fp16: gradients that overflow under a scale ≥ 1 are the loss scale's search (it halves; transformers skips the
+    # step silently likewise); below 1 they overflow float16 by themselves, a non-finite step like any other
+    overflow = skipped and loss_finite and loss_scale is not None and loss_scale >= 1.0
+    if skipped and not overflow:
         warnings.warn(f"non-finite loss or gradient (loss {step_loss}, grad norm {float(grad_norm)}): "
                       "optimizer step skipped, weights left untouched", RuntimeWarning, stacklevel=2)
     learning_rate = ctx.scheduler.get_last_lr()[0]  # the rate this step used (transformers logs it)
@@ -165,6 +171,7 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
         ctx.optimizer.step()
         ctx.event("on_optimizer_step")
         ctx.scheduler.step()  # a skipped step does not advance the schedule either
+    dist.update_scale()
     ctx.optimizer.zero_grad(set_to_none=True)
     # average over processes: `loss` is Σ_i (ℓ_i·scale − c·H̄_i/k), the objective minimised (TRL's loss), whose mean
     # over ranks is the step's; policy_loss (logged with an entropy bonus, as TRL) leaves the bonus out
@@ -190,4 +197,7 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     out["grad_norm"] = float(grad_norm)
     out["learning_rate"] = learning_rate
     out["train/skipped"] = float(skipped)
+    if loss_scale is not None:
+        out["train/loss_scale"] = loss_scale
+        out["train/overflow"] = float(overflow)
     return out
