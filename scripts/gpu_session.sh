@@ -44,6 +44,8 @@ case "$stage" in
   fast)  # the compiled sampler: its CUDA tests (the CPU ones ran here already), then the table with ablations;
          # pytest's own limit per test keeps the failure report from being cut off by the outer timeout
          timeout 150 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" --timeout 100 tests/generation -k cuda 2>&1 | tee "$OUT/gen_tests.log" | tail -15
+         # fp16 mixed precision on CUDA (its tests pick the GPU when there is one)
+         timeout 45 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" --timeout 30 tests/test_fp16.py 2>&1 | tee "$OUT/fp16_tests.log" | tail -8
          timeout 400 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
   autotune)  # the compiled loop under torch.compile's max-autotune mode, against the default, at 64×8
