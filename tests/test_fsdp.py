@@ -23,9 +23,16 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp(tmp_path):
     runs(dict(out=tmp_path / "ddp", max_steps=3, save_steps=0),  # one launch: the runs are independent
-         dict(out=tmp_path / "fsdp", max_steps=3, save_steps=0, fsdp="full_shard"))
+         dict(out=tmp_path / "fsdp", max_steps=3, save_steps=0, fsdp="full_shard"),
+         # transformers 5's form: fsdp true, tuned by fsdp_config (the layer classes named, shard_grad_op)
+         dict(out=tmp_path / "fsdp_config", max_steps=3, save_steps=0, fsdp=True,
+              fsdp_config={"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                           "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT"}))
     ddp, fsdp = _weights(tmp_path / "ddp"), _weights(tmp_path / "fsdp")
-    assert ddp.keys() == fsdp.keys()
+    configured = _weights(tmp_path / "fsdp_config")
+    assert ddp.keys() == fsdp.keys() == configured.keys()
+    for name in ddp:
+        assert torch.allclose(ddp[name], configured[name], atol=1e-5), name
     moved = load_file(str(tmp_path / "ddp" / "checkpoint-3" / "model.safetensors"))
     assert moved.keys() <= ddp.keys()
     for name in ddp:

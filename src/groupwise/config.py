@@ -101,7 +101,8 @@ class GRPOConfig(StrictConfig):
     num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=3.0, gt=0)
     per_device_train_batch_size: int = option("Completions (not prompts) per micro-batch on each process (TRL meaning).", default=8, ge=1)
     gradient_accumulation_steps: int = option("Micro-batches accumulated into one optimizer step.", default=1, ge=1)
-    fsdp: str | None = option("Shard the policy with FSDP2 over all processes: 'full_shard' (weights gathered per layer for each forward, then freed) or 'shard_grad_op' (kept until the backward) (transformers' names; groupwise.sharding). An accelerate launch with an FSDP2 config does the same.", default=None)
+    fsdp: bool | str | list[str] | None = option("Shard the policy with FSDP2 over all processes: true (transformers 5's form, tuned by fsdp_config), or transformers' words 'full_shard' (weights gathered per layer for each forward, then freed) / 'shard_grad_op' (kept until the backward), optionally with 'auto_wrap' (groupwise.sharding). An accelerate launch with an FSDP2 config does the same.", default=None)
+    fsdp_config: dict | str | None = option("transformers' FSDP options with fsdp (a mapping, or a JSON file's path; an 'fsdp_' prefix on keys is dropped): reshard_after_forward (default true), transformer_layer_cls_to_wrap (default the model's decoder layer classes), version (2), auto_wrap_policy (TRANSFORMER_BASED_WRAP); cpu_offload / offload_params / activation_checkpointing / xla* must stay false; state_dict_type, cpu_ram_efficient_loading, sync_module_states, use_orig_params, *_prefetch, limit_all_gathers, min_num_params have no effect.", default=None)
     ddp_timeout: float = option("Seconds a collective operation may wait for the other processes (TRL / transformers' name): a process that dies makes the others stop within this time. Also bounds each request to a vLLM server (vllm_mode='server').", default=1800.0, gt=0)
     bf16: bool = option("Train in bfloat16 mixed precision (through accelerate).", default=False)
     fp16: bool = option("Train in float16 mixed precision, for GPUs without bfloat16 (T4, V100): float32 master weights, the forward under float16 autocast, the loss multiplied by a dynamic scale whose overflowing steps are skipped (transformers' meaning; logged as train/loss_scale, train/overflow). Not with bf16 or fsdp.", default=False)
@@ -337,7 +338,7 @@ class GRPOConfig(StrictConfig):
             self.torch_compile_backend = self.torch_compile_backend or "inductor"
             check_compile_backend(self.torch_compile_backend)
         check_available(self.optim)
-        sharded = resolve_sharding(self.fsdp) is not None  # a bad fsdp string fails here, before anything loads
+        sharded = resolve_sharding(self.fsdp, self.fsdp_config) is not None  # a bad value fails here, before loading
         check_optim_args(self.optim, self.optim_args)  # a bad item, or a key a field sets
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.strip().lower()

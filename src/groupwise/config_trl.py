@@ -57,7 +57,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "deepspeed": NotSupported(None, "DeepSpeed is not supported: shard with FSDP2 instead (fsdp: full_shard, or "
                                     "accelerate launch --config_file examples/accelerate/fsdp2.yaml)"),
     "ds3_gather_for_generation": NotSupported(True, "DeepSpeed ZeRO-3 is not supported"),
-    "fsdp_config": NotSupported(None, "launch with `accelerate launch --config_file <fsdp config>` instead"),
     "accelerator_config": NotSupported(None, "configure accelerate with `accelerate launch --config_file …`",
                                        also=lambda value, values: value == ACCELERATOR_CONFIG_DEFAULTS),
     "parallelism_config": NotSupported(None, "context / tensor parallelism is not supported; use data parallelism"),

@@ -42,18 +42,100 @@ RESHARD_VALUES = {"true": True, "1": True, "yes": True, "full_shard": True,
                   "false": False, "0": False, "no": False, "shard_grad_op": False}
 
 
-def resolve(fsdp: str | None) -> Sharding | None:
-    """The sharding asked for by the `fsdp` field or by an accelerate FSDP launch, or None (replicas / DDP)."""
+# transformers' fsdp_config keys (the "fsdp_" prefix stripped, as TrainingArguments does), by what groupwise does
+FSDP_CONFIG_APPLIED = ("version", "reshard_after_forward", "transformer_layer_cls_to_wrap", "auto_wrap_policy")
+FSDP_CONFIG_REFUSED = {  # accepted while false: what groupwise's FSDP2 does not do
+    "cpu_offload": "groupwise keeps the shards on the accelerator",
+    "offload_params": "groupwise keeps the shards on the accelerator",
+    "activation_checkpointing": "set gradient_checkpointing: true instead",
+    "xla": "XLA is not supported", "xla_fsdp_v2": "XLA is not supported", "xla_fsdp_grad_ckpt": "XLA is not supported"}
+FSDP_CONFIG_INERT = (  # accepted, no effect: checkpoints are always per-process shards plus a consolidated model,
+    # every process reads the whole checkpoint (nothing to broadcast), FSDP2 has no FSDP1 prefetch / flat-param knobs,
+    # and min_num_params only applies to size-based wrapping (refused)
+    "state_dict_type", "cpu_ram_efficient_loading", "sync_module_states", "use_orig_params", "forward_prefetch",
+    "backward_prefetch", "limit_all_gathers", "min_num_params", "xla_fsdp_settings")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _flag(key: str, value) -> bool:
+    text = str(value).strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise ConfigError(f"fsdp_config[{key!r}]={value!r} is not a boolean: set true or false")
+    return text in _TRUE
+
+
+def fsdp_options(fsdp_config: dict | str | None) -> dict:
+    """transformers' fsdp_config: a dict, JSON text or a JSON file's path, with the "fsdp_" prefix of its keys
+    stripped; an unknown key is a ConfigError listing the known ones."""
+    if fsdp_config is None or fsdp_config == "":
+        return {}
+    if isinstance(fsdp_config, str):
+        import json
+
+        text = fsdp_config if fsdp_config.lstrip().startswith("{") else None
+        if text is None:
+            try:
+                text = open(fsdp_config, encoding="utf-8").read()
+            except OSError as e:
+                raise ConfigError(f"fsdp_config={fsdp_config!r}: cannot read it ({e.strerror}): give a JSON file's "
+                                  "path or a mapping") from None
+        try:
+            fsdp_config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"fsdp_config={fsdp_config!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(fsdp_config, dict):
+        raise ConfigError(f"fsdp_config must be a mapping (or a JSON file's path), got {type(fsdp_config).__name__}")
+    options = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in fsdp_config.items()}
+    known = (*FSDP_CONFIG_APPLIED, *FSDP_CONFIG_REFUSED, *FSDP_CONFIG_INERT)
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ConfigError(f"fsdp_config has {unknown}, which are not transformers' FSDP options: use {sorted(known)}")
+    return options
+
+
+def _from_config(options: dict, reshard_words: list[bool]) -> Sharding:
+    """The Sharding of an `fsdp` request and its fsdp_config options (transformers 5's reading: the config's
+    reshard_after_forward wins over the strategy word; the version defaults to 2)."""
+    version = str(options.get("version", 2))
+    if version != "2":
+        raise ConfigError(f"fsdp_config version {version}: groupwise shards with FSDP2; set version: 2 (transformers' "
+                          "default) or leave it out")
+    for key, why in FSDP_CONFIG_REFUSED.items():
+        if key in options and _flag(key, options[key]):
+            raise ConfigError(f"fsdp_config sets {key}: true, which groupwise's FSDP2 does not apply ({why}): set it "
+                              "to false or leave it out")
+    wrap = str(options.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"))
+    if wrap.upper() != "TRANSFORMER_BASED_WRAP":
+        raise ConfigError(f"fsdp_config auto_wrap_policy={wrap!r}: groupwise shards decoder layer by decoder layer; "
+                          "set TRANSFORMER_BASED_WRAP or leave it out")
+    if "reshard_after_forward" in options:
+        reshard = _flag("reshard_after_forward", options["reshard_after_forward"])
+    else:
+        reshard = reshard_words[0] if reshard_words else True
+    classes = options.get("transformer_layer_cls_to_wrap") or []
+    classes = [classes] if isinstance(classes, str) else classes
+    if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise ConfigError(f"fsdp_config transformer_layer_cls_to_wrap={classes!r} must be a class name or a list of "
+                          "them (e.g. ['Qwen2DecoderLayer'])")
+    return Sharding(reshard_after_forward=reshard, layer_classes=tuple(c.strip() for c in classes if c.strip()))
+
+
+def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = None) -> Sharding | None:
+    """The sharding asked for by the `fsdp` field (True, or transformers' words 'full_shard' / 'shard_grad_op' /
+    'auto_wrap') with its `fsdp_config`, or by an accelerate FSDP launch, or None (replicas / DDP)."""
+    options = fsdp_options(fsdp_config)
     if fsdp:
-        words = fsdp.replace(",", " ").split()
+        words = [] if fsdp is True else fsdp.replace(",", " ").split() if isinstance(fsdp, str) else list(fsdp)
         unknown = [w for w in words if w not in FSDP_OPTIONS]
         if unknown:
-            raise ConfigError(f"fsdp={fsdp!r}: {unknown} not supported; use 'full_shard' or 'shard_grad_op' "
+            raise ConfigError(f"fsdp={fsdp!r}: {unknown} not supported; use true, 'full_shard' or 'shard_grad_op' "
                               "(optionally with 'auto_wrap': decoder layers are always the units)")
-        reshard = [FSDP_OPTIONS[w] for w in words if FSDP_OPTIONS[w] is not None]
-        if not reshard:
-            raise ConfigError(f"fsdp={fsdp!r} names no sharding strategy: add 'full_shard' or 'shard_grad_op'")
-        return Sharding(reshard_after_forward=reshard[0])
+        return _from_config(options, [FSDP_OPTIONS[w] for w in words if FSDP_OPTIONS[w] is not None])
+    # transformers ignores it then; a forgotten `fsdp` would train unsharded (what older transformers' to_dict()
+    # wrote for every run, its defaults, asks for nothing)
+    dumped = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
+    if any(k not in dumped or v != dumped[k] for k, v in options.items()):
+        raise ConfigError("fsdp_config is set but fsdp is not: set fsdp: true to shard with it, or drop fsdp_config")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
         raise ConfigError("the accelerate config asks for DeepSpeed, which groupwise does not support: shard with FSDP2 "
                           "instead (accelerate launch --config_file examples/accelerate/fsdp2.yaml, or fsdp: full_shard)")

@@ -72,7 +72,7 @@ class GRPOTrainer(TransformersHabits):
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
             "find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph},
-            sharding=resolve_sharding(args.fsdp), fp16=args.fp16)
+            sharding=resolve_sharding(args.fsdp, args.fsdp_config), fp16=args.fp16)
         # transformers' should_log: each node's main process with log_on_each_node, else the main process only
         should_log = self.dist.is_local_main if args.log_on_each_node else self.dist.is_main
         set_log_level(args.log_level if should_log else args.log_level_replica)

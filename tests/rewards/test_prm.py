@@ -267,3 +267,29 @@ def test_load_prm_defaults_to_float32_for_a_bf16_saved_prm(tmp_path, tokenizer):
     assert load_prm(str(tmp_path), kind="token_classification").model.dtype == torch.float32
     assert load_prm(str(tmp_path), kind="token_classification", dtype="auto").model.dtype == torch.bfloat16
     assert load_prm(str(tmp_path), kind="token_classification", dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_prefix_classification_judges_the_separator_even_when_it_is_the_pad_token(batch_size):
+    # HF pools at the rightmost token that is not config.pad_token_id; here that id is "\n", the separator every
+    # prefix ends with, so HF alone would pool on the step's last character instead of its separator
+    from groupwise.tasks import toy
+
+    tok = toy.build_tokenizer()
+    newline = tok.convert_tokens_to_ids("\n")
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=newline)).eval()
+    prm = PrefixClassificationPRM(model, tok, batch_size=batch_size)
+    got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
+    for p, s, row in zip(PROMPTS, STEPS, got):
+        expected = []
+        for j in range(len(s)):
+            ids, pos = build_prm_input(tok, p, s[:j + 1], "\n")
+            assert ids[pos[-1]] == newline  # the judged token is the pad id
+            with torch.no_grad():  # the score head at the judged (last) position, by hand
+                hidden = model.model(input_ids=torch.tensor([ids[:pos[-1] + 1]])).last_hidden_state
+                expected.append(float(model.score(hidden)[0, -1, 0]))
+        assert row == pytest.approx(expected, abs=1e-5)
+    assert model.config.pad_token_id == newline  # restored after each forward

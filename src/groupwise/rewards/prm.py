@@ -199,9 +199,20 @@ class PrefixClassificationPRM(_PRM):
         prefixes = [(i, j) for i, (_, pos) in enumerate(built) for j in range(len(pos))]
         texts = [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
         scores: list[float] = []
+        config = self.model.config.get_text_config()
         for lo in range(0, len(texts), self.batch_size):
-            ids, mask = (t.to(self.device) for t in pad_rows(texts[lo:lo + self.batch_size], self.pad_id))
-            logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+            chunk = texts[lo:lo + self.batch_size]
+            # HF pools at the rightmost token that is not config.pad_token_id: a judged token equal to that id (a
+            # separator that is the pad token) would pool one token early. Pad this batch with an id no prefix ends
+            # with, named in the config for the forward (right padding: the pad id changes no real position)
+            ends = {int(t[-1]) for t in chunk}
+            pad = self.pad_id if self.pad_id not in ends else next(i for i in range(len(ends) + 1) if i not in ends)
+            ids, mask = (t.to(self.device) for t in pad_rows(chunk, pad))
+            saved, config.pad_token_id = config.pad_token_id, pad
+            try:
+                logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+            finally:
+                config.pad_token_id = saved
             if logits.size(-1) == 1:
                 scores += logits[:, 0].tolist()
             else:
