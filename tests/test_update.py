@@ -161,6 +161,14 @@ class _ThreadDist:
     def backward(self, loss):
         loss.backward()
 
+    loss_scale = None  # no fp16 loss scale (Distributed's unscale / update_scale are no-ops without one)
+
+    def unscale(self, optimizer):
+        pass
+
+    def update_scale(self):
+        pass
+
     def clip_grad_norm(self, params, max_norm):
         params = [p for p in params if p.grad is not None]
         every = self.comm.allgather(self.rank, [p.grad.clone() for p in params])
