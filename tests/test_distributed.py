@@ -17,6 +17,11 @@ ROOT = Path(__file__).parents[1]
 
 
 def _launch(nproc: int, mode: str, out: Path) -> None:
+    if nproc == 1 and mode == "same":  # one process: in this one (a subprocess would only add ~10 s of imports)
+        from tests import dist_worker
+
+        out.mkdir(parents=True, exist_ok=True)
+        return dist_worker.same(out)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, WORKER, mode, str(out)] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER, mode, str(out)]

@@ -204,12 +204,13 @@ def _worker(out: str) -> None:
 def test_two_processes_evaluate_every_row_once(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for n, folder in ((1, tmp_path / "one"), (2, tmp_path / "two")):
-        folder.mkdir()
-        cmd = [sys.executable, __file__, str(folder)] if n == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__, str(folder)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (tmp_path / "one").mkdir()
+    _worker(str(tmp_path / "one"))  # one process: here (a subprocess would only add its imports' ~10 s)
+    (tmp_path / "two").mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     one = json.loads((tmp_path / "one" / "eval_0.json").read_text())
     two = [json.loads((tmp_path / "two" / f"eval_{r}.json").read_text()) for r in (0, 1)]
     assert sorted(two[0]["scored"] + two[1]["scored"]) == sorted(one["scored"])  # no row twice, none left out
