@@ -87,7 +87,8 @@ def peak_memory(cuda: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
 
 
-VARIANTS = {"": {}, "eager": dict(generation_compile=False), "bf16": dict(generation_dtype="bfloat16")}
+VARIANTS = {"": {}, "eager": dict(generation_compile=False), "bf16": dict(generation_dtype="bfloat16"),
+            "fp16": dict(bf16=False, fp16=True)}  # fp16 mixed precision (a T4 / V100 run) instead of bf16
 
 
 def run_groupwise(model_dir: str, steps: int, lora: bool, beta: float, small: bool, out: str,
@@ -100,8 +101,8 @@ def run_groupwise(model_dir: str, steps: int, lora: bool, beta: float, small: bo
     kwargs = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules="all-linear") \
         if lora else {}
     kwargs.update(VARIANTS[variant])
-    args = GRPOConfig(output_dir=out, max_steps=steps, save_strategy="no", beta=beta, **kwargs,
-                      **settings(small, cuda))
+    args = GRPOConfig(output_dir=out, max_steps=steps, save_strategy="no", beta=beta,
+                      **{**settings(small, cuda), **kwargs})
     vocab = SHAPES["small" if small else "qwen2.5-0.5b"]["vocab_size"]
     trainer = GRPOTrainer(model_dir, length_reward, args=args, train_dataset=prompts(vocab=vocab),
                           processing_class=tokenizer(model_dir))
@@ -184,8 +185,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--trl", action="store_true", help="also run TRL 1.16 on the same configuration")
     ap.add_argument("--runs", default="full:0,full:0.04,lora:0,lora:0.04",
-                    help="comma-separated kind:β[:variant], kind full|lora, variant eager (generation_compile=False) "
-                         "or bf16 (generation_dtype='bfloat16')")
+                    help="comma-separated kind:β[:variant], kind full|lora, variant eager (generation_compile=False), "
+                         "bf16 (generation_dtype='bfloat16') or fp16 (fp16 mixed precision instead of bf16)")
     ap.add_argument("--which")
     ap.add_argument("--model_dir")
     args = ap.parse_args()
@@ -214,7 +215,7 @@ def main() -> None:
     for which, r in results.items():
         kind, _, rest = which.partition(":")
         beta, _, variant = rest.partition(":")
-        label = {"": "", "eager": ", eager loop", "bf16": ", bf16 sampling"}[variant]
+        label = {"": "", "eager": ", eager loop", "bf16": ", bf16 sampling", "fp16": ", fp16 training"}[variant]
         name = {"trl": "TRL 1.16 (full, β 0)"}.get(which, f"groupwise {kind}, β {beta}{label}")
         rows.append([name, f"{r['step']:.2f}", *(f"{r[k]:.2f}" if k in r else "—" for k in
                                                  ("generate", "rewards", "logprobs", "update")),
@@ -225,7 +226,8 @@ def main() -> None:
              f"{'bf16' if cuda else 'float32'}; medians of steps 3–{args.steps}.",
              "groupwise samples with its fast backend; on CUDA its decode step is compiled (generation_compile, "
              "the default; 'eager loop' turns it off); 'bf16 sampling' samples from a bf16 copy of the weights "
-             "(generation_dtype, importance-corrected).",
+             "(generation_dtype, importance-corrected); 'fp16 training' trains in fp16 mixed precision (float16 autocast, "
+             "loss scale) instead of bf16.",
              "β 0.04 with LoRA uses the same model with the adapters disabled as the reference (no copy); the full "
              "fine-tune keeps a frozen copy. Peak memory: " + ("torch.cuda.max_memory_allocated." if cuda else
                                                                "peak RSS of the process (CPU).")]
