@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -75,7 +76,7 @@ def fsdp_options(fsdp_config: dict | str | None) -> dict:
         text = fsdp_config if fsdp_config.lstrip().startswith("{") else None
         if text is None:
             try:
-                text = open(fsdp_config, encoding="utf-8").read()
+                text = Path(fsdp_config).read_text(encoding="utf-8")
             except OSError as e:
                 raise ConfigError(f"fsdp_config={fsdp_config!r}: cannot read it ({e.strerror}): give a JSON file's "
                                   "path or a mapping") from None
