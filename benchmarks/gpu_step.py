@@ -226,8 +226,8 @@ def main() -> None:
              f"{'bf16' if cuda else 'float32'}; medians of steps 3–{args.steps}.",
              "groupwise samples with its fast backend; on CUDA its decode step is compiled (generation_compile, "
              "the default; 'eager loop' turns it off); 'bf16 sampling' samples from a bf16 copy of the weights "
-             "(generation_dtype, importance-corrected); 'fp16 training' trains in fp16 mixed precision (float16 autocast, "
-             "loss scale) instead of bf16.",
+             "(generation_dtype, importance-corrected); 'fp16 training' trains in fp16 mixed precision (float16 "
+             "autocast, loss scale) instead of bf16.",
              "β 0.04 with LoRA uses the same model with the adapters disabled as the reference (no copy); the full "
              "fine-tune keeps a frozen copy. Peak memory: " + ("torch.cuda.max_memory_allocated." if cuda else
                                                                "peak RSS of the process (CPU).")]

@@ -257,15 +257,16 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
                           "a full replica in the training dtype; drop generation_dtype")
     from groupwise.distributed import launch_precision
 
-    if sharded and args.cast_lm_head_to_fp32 and launch_precision(args.bf16) == "bf16":  # the field, or an accelerate bf16 launch
+    precision = launch_precision(args.bf16, args.fp16)  # the fields, or an accelerate launch's mixed_precision
+    if sharded and args.cast_lm_head_to_fp32 and precision == "bf16":
         raise ConfigError("cast_lm_head_to_fp32 with fsdp and bf16 is not supported: FSDP2's mixed precision "
                           "gathers the head in bfloat16; drop one of them")
-    if launch_precision(args.bf16, args.fp16) == "fp16" and isinstance(model, str) and not lora:
+    if precision == "fp16" and isinstance(model, str) and not lora:  # a model object: checked in build_training
         dtype = policy_init_kwargs(args)["dtype"]
         if dtype in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"fp16 trains float32 weights under float16 autocast (the loss scale is undone in float32), "
-                              f"but model_init_kwargs loads the policy in {dtype}: set its dtype to float32 (the "
-                              "default)")
+            raise ConfigError(f"fp16 trains float32 weights under float16 autocast (the loss scale is undone in "
+                              f"float32), but model_init_kwargs loads the policy in {dtype}: set its dtype to "
+                              "float32 (the default)")
     if sharded and any(o is not None for o in optimizers):
         raise ConfigError("fsdp with optimizers=(…): the optimizer must be built over the sharded parameters; "
                           "choose it with optim / optim_args instead")
