@@ -1,11 +1,8 @@
 """Shared by the fault-injection tests (tests/test_faults.py, tests/test_faults_checkpoints.py): a reward that
 trains every step, a command-line config on a tiny model, the CLI's exit code and first message line, a trainer on
-the toy task, and a script run in a fresh process."""
+the toy task, and a script run in a process of its own."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,6 +12,7 @@ from groupwise import GRPOTrainer
 from groupwise.cli import main
 from groupwise.tasks import toy
 from tests.conftest import small_args
+from tests.launcher import Launch, start
 
 ROOT = Path(__file__).parents[1]
 
@@ -47,9 +45,8 @@ def _trainer(tmp_path, tokenizer, out="run", reward=_length, **kw):
                        train_dataset=toy.dataset(12), processing_class=tokenizer)
 
 
-def _run_script(tmp_path, body: str, timeout=120, **popen):
+def _run_script(tmp_path, body: str) -> Launch:
+    """`body` as a script started in a process of its own (tests/launcher.py: forked with groupwise imported)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **popen)
+    return start(script, nproc=1)

@@ -1,18 +1,17 @@
 """Launches of tests/dist_worker.py's `run` mode on 2 CPU processes (gloo), for the FSDP2 tests.
 
-A launch costs far more than a short run (two processes importing torch and transformers on a small machine), so
+A launch costs more than a short run (two processes setting up gloo and building a model on a small machine), so
 runs that need not start in fresh processes share one launch (`runs`); a resumed run always gets its own."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+from tests.launcher import torchrun
+
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
-ROOT = Path(__file__).parents[1]
 # FSDP2 with a sharded reference that TR-DPO moves every step (its shards are in the checkpoint) and the KL term
 TR_DPO = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_model=True, ref_model_sync_steps=1,
               ref_model_mixup_alpha=0.5)
@@ -20,10 +19,7 @@ TR_DPO = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_
 
 def launch(out: Path, spec) -> subprocess.CompletedProcess:
     """dist_worker.py run OUT on 2 processes with RUN_SPEC `spec` (one run's dict, or a list of runs)."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "RUN_SPEC": json.dumps(spec),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, "run", str(out)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return torchrun(WORKER, "run", out, env={"RUN_SPEC": json.dumps(spec)}, timeout=600)
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:

@@ -194,17 +194,11 @@ def test_trainer_arguments_are_checked_before_the_model_loads(tmp_path):
 def test_two_processes_run_their_own_tool_loops_and_sum_the_tool_metrics(tmp_path):
     """Rank 0's rows call tools (two rounds), rank 1's do not: rank 1 makes one generator call per round, rank 0
     three, and nothing waits on a collective; tools/* are over both processes' rollouts."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(root / "tests" / "agents_dist_worker.py"), str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    from tests.launcher import torchrun
+
+    proc = torchrun(Path(__file__).with_name("agents_dist_worker.py"), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     calls = [json.loads((tmp_path / f"result_{r}.json").read_text())["calls"] for r in (0, 1)]
     assert calls == [[2, 2, 2] * 2, [2] * 2]

@@ -53,18 +53,13 @@ def test_a_save_failing_on_one_process_stops_every_process_with_its_message(tmp_
     """Rank 1 cannot write its files: rank 0 used to wait in the save's barrier (until ddp_timeout, or until the
     dead peer's socket closed, with gloo's 'Connection closed by peer'); now both stop at once, rank 0 naming rank
     1's error. Nothing is left under a checkpoint-N name."""
-    import os
-    import subprocess
-    import sys
     import time
 
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(root / "tests" / "checkpoint_audit_worker.py"), str(tmp_path / "out")]
+    from tests.launcher import torchrun
+
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    # grace=60: the launcher would stop the other process 60 s after the first failed; it must stop by itself
+    proc = torchrun(Path(__file__).with_name("checkpoint_audit_worker.py"), tmp_path / "out", grace=60)
     seconds = time.perf_counter() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and seconds < 50, (seconds, out[-3000:])

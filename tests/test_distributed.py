@@ -1,4 +1,5 @@
-"""Real multi-process runs: torch.distributed.run with 2 CPU processes (gloo)."""
+"""Real multi-process runs with 2 (or 4) CPU processes (gloo): one launched by torch.distributed.run as users do, the
+others forked from tests/launcher.py's server with torchrun's environment (the same runs without ~7 s of imports)."""
 
 import json
 import os
@@ -11,21 +12,28 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import training_lines
+from tests.launcher import torchrun
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 ROOT = Path(__file__).parents[1]
 
 
-def _launch(nproc: int, mode: str, out: Path) -> None:
-    if nproc == 1 and mode == "same":  # one process: in this one (a subprocess would only add ~10 s of imports)
+def _launch(nproc: int, mode: str, out: Path, real_torchrun: bool = False) -> None:
+    """dist_worker.py MODE OUT on `nproc` processes: forked from tests/launcher.py's preloaded server, or with
+    `real_torchrun` as a user launches it (`python -m torch.distributed.run`, every process importing from scratch)."""
+    if nproc == 1 and mode == "same":  # one process: in this one
         from tests import dist_worker
 
         out.mkdir(parents=True, exist_ok=True)
         return dist_worker.same(out)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, WORKER, mode, str(out)] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER, mode, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if real_torchrun:
+        env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER,
+               mode, str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    else:
+        proc = torchrun(WORKER, mode, out, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -53,7 +61,7 @@ def test_two_processes_give_the_same_advantages_loss_and_step_as_one(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_training_run(tmp_path):
-    _launch(2, "train", tmp_path)
+    _launch(2, "train", tmp_path, real_torchrun=True)  # the launch users type
     results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
     assert results[0]["world"] == 2 and results[0]["checksum"] == results[1]["checksum"]  # replicas stay in sync
     ckpt = tmp_path / "checkpoint-2"

@@ -6,9 +6,7 @@ an eval set that does not split evenly (every row scored once)."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +20,7 @@ from groupwise.callbacks import CallbackHandler
 from groupwise.config_base import ConfigError
 from groupwise.tasks import toy
 from tests.conftest import small_args
-
-ROOT = Path(__file__).parents[1]
+from tests.launcher import torchrun
 
 
 def _length(completions, **_):
@@ -202,14 +199,10 @@ def _worker(out: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_evaluate_every_row_once(tmp_path):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "one").mkdir()
-    _worker(str(tmp_path / "one"))  # one process: here (a subprocess would only add its imports' ~10 s)
+    _worker(str(tmp_path / "one"))  # one process: here
     (tmp_path / "two").mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           str(tmp_path / "two")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(__file__, tmp_path / "two")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     one = json.loads((tmp_path / "one" / "eval_0.json").read_text())
     two = [json.loads((tmp_path / "two" / f"eval_{r}.json").read_text()) for r in (0, 1)]

@@ -254,16 +254,9 @@ def test_frac_reward_zero_std_follows_the_std_the_advantages_use():
 def test_log_metric_is_averaged_over_every_process(tmp_path):
     """TRL gathers each log_metric name's sum and count over the processes: with 2 processes logging their rank,
     the training line and the evaluation both log 0.5 (not the main process's 0)."""
-    import os
-    import subprocess
-    import sys
+    from tests.launcher import torchrun
 
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(__file__).with_name("metrics_dist_worker.py")), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(Path(__file__).with_name("metrics_dist_worker.py"), tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["rank"] for x in lines if "rank" in x] == [0.5]

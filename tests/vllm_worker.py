@@ -59,17 +59,12 @@ def build_tool_model(folder: Path):
 
 def launch(out: Path, nproc: int, env: dict[str, str]) -> list[dict]:
     """Run this worker on `nproc` gloo processes (plain python for 1) with `env` added; every process's result."""
-    import subprocess
+    from tests.launcher import torchrun
 
-    root = Path(__file__).parents[1]
     standin = str(Path(__file__).with_name("vllm_standin"))
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **env,
-           "PYTHONPATH": os.pathsep.join([standin, str(root), os.environ.get("PYTHONPATH", "")])}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # from an earlier engine in the test process: the launcher sets its own
-    cmd = [sys.executable, __file__, str(out)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    env = {**env, "PYTHONPATH": os.pathsep.join([standin, os.environ.get("PYTHONPATH", "")])}
+    # the launcher drops RANK, WORLD_SIZE, MASTER_* left by an earlier engine in the test process and sets its own
+    proc = torchrun(__file__, out, nproc=nproc, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"result_{r}.json").read_text()) for r in range(nproc)]
 
