@@ -174,11 +174,13 @@ def test_choices_come_from_the_registries():
 
 
 def test_import_groupwise_stays_light():
-    """`import groupwise` and building a config import neither transformers nor an optional backend."""
+    """`import groupwise` and building a config import neither transformers nor an optional backend; telling
+    plain rows from a datasets.IterableDataset does not import datasets (~1 s)."""
     import subprocess
     import sys
 
-    code = ("import sys, groupwise; groupwise.GRPOConfig(); "
+    code = ("import sys, groupwise; groupwise.GRPOConfig(); from groupwise.data import is_stream; "
+            "assert not is_stream([{'prompt': 'a'}]) and is_stream(iter([])); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'accelerate', 'datasets', "
             "'vllm', 'peft', 'wandb', 'deepspeed', 'tensorboard'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
