@@ -119,7 +119,8 @@ def fault(out: Path, kind: str) -> None:
 
 
 def run(out: Path) -> None:
-    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after" and "tie"); each
+    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after", "tie" and
+    "poison_step": _poison_row_0 at that global step); each
     process writes its state.log_history to log_history_<rank>.json and rank 0 the final weights (full, unsharded) to
     weights.safetensors. RUN_SPEC a list: its runs one after another
     in these processes (a fresh model and trainer each; the process group stays), each in its spec's "out" folder,
@@ -141,7 +142,7 @@ def run_one(out: Path, spec: dict) -> None:
     from groupwise import GRPOTrainer
 
     resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
-    tie = spec.pop("tie", False)
+    tie, poison = spec.pop("tie", False), spec.pop("poison_step", None)
     tok = toy.build_tokenizer()
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
                       learning_rate=1e-2, logging_steps=1, lr_scheduler_type="constant", **spec)
@@ -158,6 +159,8 @@ def run_one(out: Path, spec: dict) -> None:
     if tie:  # embeddings and output head share one tensor (Qwen2.5-0.5B's layout)
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
+    if poison is not None:
+        _poison_row_0(model, lambda: t.state.global_step == poison)
     t = GRPOTrainer(model, [toy.letter_reward], args=args, train_dataset=toy.dataset(16), processing_class=tok,
                     callbacks=[CrashAfter()])
     try:
@@ -167,6 +170,33 @@ def run_one(out: Path, spec: dict) -> None:
     (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
     if t.dist.is_main:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
+
+
+def _poison_row_0(model: torch.nn.Module, when) -> None:
+    """On rank 1, while when(): the gradient of row 0 of lm_head.weight this process computes becomes inf before it
+    is reduced. Under FSDP2 row 0 is in rank 0's shard, so only rank 0's shard overflows; with DDP every process's
+    gradient does. The hook goes on the weight the forward uses (FSDP2 gathers it into another Parameter), found
+    when the final norm runs (the log-probs read lm_head.weight without calling lm_head)."""
+    import os
+
+    if os.environ.get("RANK") != "1":
+        return
+    hooked: list[torch.Tensor] = []  # the objects themselves: FSDP2 may gather into a new one, at a freed one's id
+
+    def poison(grad):
+        if not when():
+            return grad
+        grad = grad.clone()
+        grad[0] = float("inf")
+        return grad
+
+    def pre_forward(*_):
+        weight = model.lm_head.weight
+        if weight.requires_grad and not any(w is weight for w in hooked):
+            hooked.append(weight)
+            weight.register_hook(poison)
+
+    model.model.norm.register_forward_pre_hook(pre_forward)
 
 
 def replica(out: Path) -> None:

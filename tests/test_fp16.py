@@ -198,14 +198,6 @@ def test_fp16_and_bf16_together_are_refused():
         Distributed(bf16=True, fp16=True)
 
 
-def test_fp16_with_fsdp_over_several_processes_is_refused(monkeypatch):
-    from groupwise.sharding import Sharding
-
-    monkeypatch.setattr("groupwise.distributed.torch_dist.is_initialized", lambda: True)  # as under torchrun
-    with pytest.raises(ConfigError, match=r"^fsdp with fp16 is not supported yet .*use bf16: true"):
-        Distributed(fp16=True, sharding=Sharding(reshard_after_forward=True))
-
-
 def test_a_trl_fp16_config_is_accepted():
     # what a TRL user on a T4 writes: bf16 off, fp16 on
     args = GRPOConfig(fp16=True, bf16=False, fp16_full_eval=False)

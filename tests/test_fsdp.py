@@ -71,6 +71,29 @@ def test_fsdp2_crash_and_resume_is_bitwise_exact(tmp_path, tr_dpo_fsdp_runs):
     assert history["straight", 0] == history["straight", 1] == history["crashed", 0] == history["crashed", 1]
 
 
+@pytest.mark.slow
+def test_fsdp2_fp16_trains_like_ddp_fp16_and_an_overflow_in_one_shard_skips_the_step_everywhere(tmp_path):
+    """fp16 under FSDP2: float32 shards, the forward under float16 autocast, the loss scaled. At step 2 process 1's
+    gradient of lm_head row 0 is made inf before the reduction: under FSDP2 that row is in process 0's shard, so
+    process 1's own shards are finite; the overflow check is reduced over the processes (DTensor), so both skip
+    the step and halve the scale (65536 → 32768), as DDP, whose all-reduce spreads the inf to every process."""
+    common = dict(max_steps=3, save_steps=0, fp16=True, poison_step=1)
+    runs(dict(out=tmp_path / "ddp", **common), dict(out=tmp_path / "fsdp", fsdp="full_shard", **common))
+    keys = ("step", "train/loss_scale", "train/overflow", "train/skipped")
+    for run in ("ddp", "fsdp"):
+        history = [[{k: line[k] for k in keys} for line in
+                    json.loads((tmp_path / run / f"log_history_{r}.json").read_text()) if "loss" in line]
+                   for r in (0, 1)]
+        assert history[0] == history[1] == [
+            {"step": 1, "train/loss_scale": 65536.0, "train/overflow": 0.0, "train/skipped": 0.0},
+            {"step": 2, "train/loss_scale": 65536.0, "train/overflow": 1.0, "train/skipped": 1.0},
+            {"step": 3, "train/loss_scale": 32768.0, "train/overflow": 0.0, "train/skipped": 0.0}], run
+    ddp, fsdp = _weights(tmp_path / "ddp"), _weights(tmp_path / "fsdp")
+    assert ddp.keys() == fsdp.keys()
+    for name in ddp:
+        assert fsdp[name].dtype == torch.float32 and torch.allclose(ddp[name], fsdp[name], atol=1e-5), name
+
+
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
     from groupwise.config_base import ConfigError
     from groupwise.sharding import resolve

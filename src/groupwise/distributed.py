@@ -107,11 +107,10 @@ class Distributed:
             self.sharding = None  # one process: nothing to shard (the run is the same without it)
             warnings.warn("fsdp is set but this run has one process: nothing to shard, so it trains unsharded (launch "
                           "with torchrun or accelerate and 2+ processes to shard)", UserWarning, stacklevel=2)
-        if self.precision == "fp16" and self.sharding is not None:
-            raise ConfigError("fsdp with fp16 is not supported yet (FSDP2's float16 gradients need a sharded loss "
-                              "scaler): use bf16: true, or train unsharded")
         # fp16: gradients of a loss multiplied by a scale that halves when they overflow and doubles after
-        # growth_interval clean steps (transformers / accelerate's defaults)
+        # growth_interval clean steps (transformers / accelerate's defaults). Under FSDP2 the gradients are shards
+        # (DTensors): unscale_'s overflow check is reduced over the mesh by DTensor (max), so every process sees
+        # an overflow in any shard and keeps the same scale
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         atexit.register(self.teardown)
 
@@ -136,19 +135,28 @@ class Distributed:
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    def _autocast_forward(self, module: torch.nn.Module) -> None:
+        """fp16: the module's forward under float16 autocast, as accelerate wraps a prepared model's."""
+        if self.scaler is not None:
+            module.forward = types.MethodType(_under(self.autocast, type(module).forward), module)
+
     def prepare(self, *objs):
-        if self.scaler is not None:  # fp16: the modules' forward under float16 autocast, as accelerate wraps it
-            for obj in objs:
-                if isinstance(obj, torch.nn.Module):
-                    obj.forward = types.MethodType(_under(self.autocast, type(obj).forward), obj)
+        for obj in objs:
+            if isinstance(obj, torch.nn.Module):
+                self._autocast_forward(obj)
         return self.accelerator.prepare(*objs)
 
     def fully_shard(self, root: torch.nn.Module, model: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
-        """FSDP2 over all processes (groupwise.sharding): `model`'s decoder layers, then `root`."""
+        """FSDP2 over all processes (groupwise.sharding): `model`'s decoder layers, then `root`. fp16: float32
+        shards gathered as they are, the trained forward under float16 autocast (π_ref's runs under
+        `autocast()`), so the numerics are DDP's."""
         from groupwise.sharding import shard
 
-        return shard(root, model, self.sharding, self.device, bf16=self.accelerator.mixed_precision == "bf16",
+        root = shard(root, model, self.sharding, self.device, bf16=self.accelerator.mixed_precision == "bf16",
                      frozen=frozen)
+        if not frozen:
+            self._autocast_forward(root)
+        return root
 
     def autocast(self):
         """The training forward's precision around another forward (π_ref's): accelerate's autocast, or nothing

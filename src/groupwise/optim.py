@@ -200,6 +200,11 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
     from groupwise.modeling import PolicyForLogps
 
     optimizer, scheduler = optimizers
+    if dist.precision == "fp16":  # GradScaler refuses float16 gradients; bfloat16 ones would not need it
+        low = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
+        if low:
+            raise ConfigError(f"fp16 trains float32 weights under float16 autocast, but the policy's trainable weights "
+                              f"are {', '.join(low)}: load the model in float32 (model.float(), or dtype float32)")
     replica = None
     if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
         replica = copy.deepcopy(policy).to(dist.device, GENERATION_DTYPES[args.generation_dtype])
@@ -223,11 +228,6 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
             from groupwise.checkpoint import check_json_state
 
             check_json_state({"param_groups": optimizer.state_dict()["param_groups"]}, "optimizers[0]")
-    if dist.precision == "fp16":  # GradScaler refuses float16 gradients; bfloat16 ones would not need it
-        low = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
-        if low:
-            raise ConfigError(f"fp16 trains float32 weights under float16 autocast, but the policy's trainable weights "
-                              f"are {', '.join(low)}: load the model in float32 (model.float(), or dtype float32)")
     scheduler = build_schedule(optimizer, args, max_steps, given=scheduler)
     trained, optimizer = dist.prepare(PolicyForLogps(policy, args.logprob_chunk_tokens, args.compile_kwargs), optimizer)
     return trained, optimizer, scheduler, replica
