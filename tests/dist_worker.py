@@ -144,8 +144,9 @@ def run_one(out: Path, spec: dict) -> None:
     resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
     tie, poison = spec.pop("tie", False), spec.pop("poison_step", None)
     tok = toy.build_tokenizer()
-    args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
-                      learning_rate=1e-2, logging_steps=1, lr_scheduler_type="constant", **spec)
+    args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
+                         "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
+                         "lr_scheduler_type": "constant", **spec})
 
     class Crash(Exception):
         pass

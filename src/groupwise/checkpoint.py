@@ -8,7 +8,8 @@ checkpoint-N/
   rng_state_<rank>.safetensors + .json              torch (CPU, CUDA), numpy and python RNG of each process
   rollout_<rank>.safetensors                        the generation batch, when N falls inside a round
   ref_model.safetensors                             the reference model, when TR-DPO moves it
-  model_shard_<rank>.safetensors, optimizer_<rank>.*  each process's shards, when the run is sharded (FSDP2); the
+  model_shard_<rank>.safetensors, optimizer_<rank>.*  each process's shards, when the run is sharded (FSDP2; with
+                                                    LoRA of the adapters only); the
                                                     optimizer.* files are then absent and model.safetensors is the
                                                     consolidated model; ref_model_shard_<rank>.safetensors
                                                     replaces ref_model.safetensors (a sharded run resumes
@@ -372,9 +373,9 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
                 save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()},
                           str(tmp / f"rollout_{dist.rank}.safetensors"))
         if sharded_model is not None and not model_only:
-            from groupwise.sharding import local_tensors, optimizer_local
+            from groupwise.sharding import local_tensors, optimizer_local, trained_state
 
-            save_file(local_tensors(sharded_model.state_dict()), str(tmp / f"model_shard_{dist.rank}.safetensors"))
+            save_file(local_tensors(trained_state(sharded_model)), str(tmp / f"model_shard_{dist.rank}.safetensors"))
             _optimizer_to_files(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
             if ref_model is not None:  # sharded alike (adapters.Reference.shard): each process its shards
                 save_file(local_tensors(ref_model.state_dict()), str(tmp / f"ref_model_shard_{dist.rank}.safetensors"))

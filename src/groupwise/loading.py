@@ -249,9 +249,6 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
     if peft_config is not None and args.use_peft:
         raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
                           "Python scripts; use_peft with the lora_* fields in config files)")
-    if sharded and lora:
-        raise ConfigError("fsdp with LoRA is not supported yet: train the adapters with DDP (drop fsdp), or shard "
-                          "a full fine-tune")
     if sharded and args.generation_dtype is not None:
         raise ConfigError("fsdp with generation_dtype is not supported yet: with fsdp generation already runs on "
                           "a full replica in the training dtype; drop generation_dtype")

@@ -213,8 +213,10 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
         if replica is None:
             replica = copy.deepcopy(policy).to(dist.device).eval().requires_grad_(False)
         trained = dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens, args.compile_kwargs), policy)
-        if reference is not None:  # π_ref sharded alike: π_θ's numerics, 1 / world of the memory
+        if reference is not None and reference.copy is not None:  # sharded alike: π_θ's numerics, 1 / world
             reference.shard(dist, args.logprob_chunk_tokens)
+        elif reference is not None:  # LoRA: π_ref is the sharded policy itself with its adapters off
+            reference.root = trained
         optimizer = build_optimizer(policy, args)
         return trained, optimizer, build_schedule(optimizer, args, max_steps), replica
     if optimizer is None:

@@ -203,11 +203,30 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _adapters_only(model: torch.nn.Module) -> bool:
+    """A PeftModel: only its trainable tensors (the adapters) ever change; the frozen base stays as loaded."""
+    from groupwise.adapters import is_peft_model
+
+    return is_peft_model(model)
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole, unsharded state dict on every process (an all-gather of every shard)."""
+    """The unsharded state dict on every process (an all-gather of every shard); of a PeftModel, the trainable
+    tensors only (gathering the frozen base after every step would move the whole model for nothing)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=_adapters_only(model))
+    return get_model_state_dict(model, options=options)
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a sharded checkpoint keeps of the model: its state dict, or of a PeftModel the trainable tensors (the
+    base is the model the run loads, unchanged: checkpoints stay adapter-sized)."""
+    state = model.state_dict()
+    if not _adapters_only(model):
+        return state
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}
 
 
 def local_tensors(state: dict) -> dict[str, torch.Tensor]:
@@ -217,10 +236,10 @@ def local_tensors(state: dict) -> dict[str, torch.Tensor]:
 
 
 def load_local(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy this process's saved shards back into the sharded parameters and buffers, exactly."""
+    """Copy this process's saved shards back into the sharded parameters and buffers (`trained_state`), exactly."""
     from groupwise.checkpoint import CheckpointError
 
-    state = model.state_dict()
+    state = trained_state(model)
     if set(state) != set(tensors):
         missing, unexpected = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
         raise CheckpointError(f"{source}: the model shards do not match the model (missing {missing[:5]}, "

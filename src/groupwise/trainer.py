@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
-from groupwise.adapters import Reference, peft_config_from_args, wrap
+from groupwise.adapters import Reference, is_peft_model, peft_config_from_args, wrap
 from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
@@ -221,8 +221,11 @@ class GRPOTrainer(TransformersHabits):
     def _weights_changed(self) -> None:
         """After an optimizer step (or a resume): the replica and the sampler see the new weights."""
         if self._replica is not None:  # load_state_dict casts to the replica's dtype
-            state = full_state_dict(self.unwrapped) if self.dist.sharding is not None else self.unwrapped.state_dict()
-            self._replica.load_state_dict(state)
+            if self.dist.sharding is not None:  # gathered; of a LoRA policy the adapters only (the base is as copied)
+                state, adapters = full_state_dict(self.unwrapped), is_peft_model(self.unwrapped)
+                self._replica.load_state_dict(state, strict=not adapters)
+            else:
+                self._replica.load_state_dict(self.unwrapped.state_dict())
         self.rollout_ctx.generator.update_weights(self.sampling_model)
 
     @property
