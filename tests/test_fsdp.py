@@ -128,6 +128,31 @@ def test_fsdp2_lora_trains_like_ddp_lora_keeps_adapter_sized_shards_and_resumes_
         assert torch.equal(p, got[name]), name  # the adapter file and the frozen base: the run's final weights
 
 
+@pytest.mark.slow
+def test_fsdp2_samples_from_a_generation_dtype_replica_and_saves_the_float32_weights(tmp_path):
+    """generation_dtype under FSDP2: the unsharded replica generation runs on is the bfloat16 copy, refreshed from
+    the gathered shards after every step (for LoRA the gathered adapters). The training equals DDP's with the same
+    bfloat16 sampler (the same importance-sampling ratios), and checkpoint-2's consolidated model — and adapter —
+    are the float32 trained weights, as DDP writes them, not the bfloat16 replica."""
+    common = dict(max_steps=2, save_steps=2, generation_dtype="bfloat16", learning_rate=0.05)
+    lora = dict(use_peft=True, lora_target_modules=["q_proj", "v_proj"])
+    names = ("ddp", "fsdp", "ddp_lora", "fsdp_lora")
+    runs(*[dict(out=tmp_path / name, **common, **(lora if "lora" in name else {}),
+                **(dict(fsdp="full_shard") if "fsdp" in name else {})) for name in names])
+    for kind, saved in (("", "model.safetensors"), ("_lora", "adapter_model.safetensors")):
+        ddp, fsdp = tmp_path / f"ddp{kind}", tmp_path / f"fsdp{kind}"
+        sampled = _weights(fsdp)  # the replica generation ran on
+        assert {w.dtype for w in sampled.values()} == {torch.bfloat16}
+        lines = [[json.loads(x) for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp)]
+        ratio = "sampling/importance_sampling_ratio/mean"
+        assert all(x[ratio] != 1.0 for x in lines[1])  # a bfloat16 sampler: corrected
+        assert [x[ratio] for x in lines[1]] == pytest.approx([x[ratio] for x in lines[0]], abs=1e-6)
+        want, got = (load_file(str(run / "checkpoint-2" / saved)) for run in (ddp, fsdp))
+        assert want.keys() == got.keys() and len(want) > 0
+        for name in want:
+            assert got[name].dtype == torch.float32 and torch.allclose(want[name], got[name], atol=1e-6), name
+
+
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
     from groupwise.config_base import ConfigError
     from groupwise.sharding import resolve

@@ -269,7 +269,6 @@ def test_feature_combinations_that_do_not_work_together_are_refused_by_name(tiny
     from groupwise.loading import check_combinations
 
     cases = [
-        (dict(sharded=True), dict(generation_dtype="bfloat16"), "fsdp with generation_dtype is not supported yet"),
         (dict(sharded=True), dict(cast_lm_head_to_fp32=True, bf16=True), "cast_lm_head_to_fp32 with fsdp and bf16"),
         (dict(sharded=True, optimizers=(object(), None)), {}, r"fsdp with optimizers=\(…\)"),
         (dict(peft_config=object()), dict(use_peft=True), "peft_config and use_peft=True both ask for adapters"),

@@ -345,12 +345,14 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
 def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optimizer, scheduler, state: dict,
                     pending: dict[str, torch.Tensor] | None = None, ref_model=None,
                     save_total_limit: int | None = None, model_only: bool = False,
-                    sharded_model: torch.nn.Module | None = None, keep: str | None = None) -> Path:
+                    sharded_model: torch.nn.Module | None = None, keep: str | None = None,
+                    model_state: dict[str, torch.Tensor] | None = None) -> Path:
     """checkpoint-<step>/: the model (safetensors, from_pretrained-loadable), tokenizer, optimizer, scheduler, each
     process's RNG state, the trainer state and an unfinished round; written to a temporary folder, checksummed,
     then renamed. `model_only` (save_only_model) writes the model, tokenizer and trainer state only: such a
     checkpoint cannot be resumed. `sharded_model` (FSDP2): every process also writes its shards of the weights and
-    of the optimizer state; `model` is then the consolidated (unsharded) copy written for from_pretrained.
+    of the optimizer state; `model` is then the consolidated (unsharded) copy written for from_pretrained, or the
+    model whose `model_state` (the gathered weights) is written.
     `keep`: a checkpoint the save_total_limit rotation leaves alone (state.best_model_checkpoint)."""
     root = Path(output_dir)
     final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
@@ -380,7 +382,7 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
             if ref_model is not None:  # sharded alike (adapters.Reference.shard): each process its shards
                 save_file(local_tensors(ref_model.state_dict()), str(tmp / f"ref_model_shard_{dist.rank}.safetensors"))
         if dist.is_main:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            model.save_pretrained(str(tmp), safe_serialization=True, state_dict=model_state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
             _write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})

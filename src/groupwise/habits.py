@@ -264,9 +264,9 @@ class TransformersHabits:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name). With
         push_to_hub, a call from the user also uploads output_dir's model ("Model save", as transformers)."""
         out = output_dir or self.args.output_dir
+        model, weights = self.consolidated()  # every process: with fsdp it may gather
         if self.dist.is_main:
-            model = self.sampling_model if self.dist.sharding is not None else self.unwrapped  # fsdp: consolidated
-            model.save_pretrained(out, safe_serialization=True)
+            model.save_pretrained(out, safe_serialization=True, state_dict=weights)
             self.tokenizer.save_pretrained(out)
         self.dist.barrier()
         if self.args.push_to_hub and not _internal_call:

@@ -249,9 +249,6 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
     if peft_config is not None and args.use_peft:
         raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
                           "Python scripts; use_peft with the lora_* fields in config files)")
-    if sharded and args.generation_dtype is not None:
-        raise ConfigError("fsdp with generation_dtype is not supported yet: with fsdp generation already runs on "
-                          "a full replica in the training dtype; drop generation_dtype")
     from groupwise.distributed import launch_precision
 
     precision = launch_precision(args.bf16, args.fp16)  # the fields, or an accelerate launch's mixed_precision

@@ -228,6 +228,16 @@ class GRPOTrainer(TransformersHabits):
                 self._replica.load_state_dict(self.unwrapped.state_dict())
         self.rollout_ctx.generator.update_weights(self.sampling_model)
 
+    def consolidated(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
+        """What save_pretrained writes the trained weights from: (model, its state_dict or None for its own). The
+        policy; with fsdp its unsharded replica, or when the replica is cast to generation_dtype the policy's
+        gathered float32 weights (of a LoRA policy the adapters): a collective, called on every process."""
+        if self.dist.sharding is None:
+            return self.unwrapped, None
+        if self.args.generation_dtype is None:
+            return self._replica, None
+        return self.unwrapped, full_state_dict(self.unwrapped)
+
     @property
     def model(self):
         """The Hugging Face model being trained, as `trainer.model` in TRL (the module that trains is `trained`:
@@ -438,10 +448,10 @@ class GRPOTrainer(TransformersHabits):
                  "log_history": json.loads(json.dumps(self.state.log_history, default=str)),
                  "entropy_control": self.update_ctx.entropy.state_dict() if self.args.use_adaptive_entropy else None,
                  "grad_scaler": self.dist.scaler.state_dict() if self.dist.scaler is not None else None}
-        sharded = self.dist.sharding is not None  # the replica is then the consolidated model
-        return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist,
-                               model=self.sampling_model if sharded else self.unwrapped,
-                               sharded_model=self.unwrapped if sharded else None,
+        sharded = self.dist.sharding is not None
+        consolidated, weights = self.consolidated()
+        return save_checkpoint(self.args.output_dir, self.global_step, dist=self.dist, model=consolidated,
+                               model_state=weights, sharded_model=self.unwrapped if sharded else None,
                                tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
                                state=state, pending=pending.tensors() if pending is not None else None,
                                ref_model=self.reference.copy if self.args.sync_ref_model else None,
