@@ -5,7 +5,6 @@ checkpoint is refused naming the file or field (tests/test_faults.py has the oth
 import json
 import os
 import signal
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,7 @@ from groupwise.checkpoint import CheckpointError, verify_checkpoint
 from groupwise.cli import main
 from groupwise.tasks import toy
 from tests.conftest import small_args, training_lines
-from tests.faults_support import _config, _exit_and_first_line, _length, _trainer
-from tests.launcher import torchrun
+from tests.faults_support import _config, _exit_and_first_line, _length, _run_script, _trainer
 
 
 # ---- resumes that cannot continue exactly ----------------------------------------------------------------------------
@@ -152,8 +150,7 @@ def test_a_kill_during_a_save_never_leaves_a_checkpoint_resume_accepts(tmp_path,
     """The process is SIGKILLed at the kill_at-th file write of its first save (or while writing checksums.json):
     whatever is left on disk, no checkpoint-N folder that resume accepts exists, and a later run resumes from an
     earlier, complete checkpoint."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(f"""
+    proc = _run_script(tmp_path, f"""
         import os, signal
         import groupwise.checkpoint as C
         from groupwise import GRPOTrainer
@@ -176,8 +173,7 @@ def test_a_kill_during_a_save_never_leaves_a_checkpoint_resume_accepts(tmp_path,
         args = small_args(Path({str(tmp_path)!r}), max_steps=2, save_steps=1)
         GRPOTrainer(toy.build_model(tok, hidden_size=32), [lambda completions, **_: [float(len(c)) for c in completions]],
                     args=args, train_dataset=toy.dataset(8), processing_class=tok).train()
-    """))
-    proc = torchrun(script, nproc=1, timeout=120)  # a process of its own, forked with groupwise already imported
+    """).wait(timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     out = tmp_path / "out"
     for folder in out.glob("checkpoint-*"):

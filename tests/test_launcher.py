@@ -28,7 +28,8 @@ def _probes(out: Path, nproc: int) -> list[dict]:
 @pytest.mark.slow
 def test_workers_see_what_torchrun_gives_them(tmp_path):
     real, forked = tmp_path / "real", tmp_path / "forked"
-    real.mkdir(), forked.mkdir()
+    real.mkdir()
+    forked.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)

@@ -222,8 +222,8 @@ class GRPOTrainer(TransformersHabits):
         """After an optimizer step (or a resume): the replica and the sampler see the new weights."""
         if self._replica is not None:  # load_state_dict casts to the replica's dtype
             if self.dist.sharding is not None:  # gathered; of a LoRA policy the adapters only (the base is as copied)
-                state, adapters = full_state_dict(self.unwrapped), is_peft_model(self.unwrapped)
-                self._replica.load_state_dict(state, strict=not adapters)
+                self._replica.load_state_dict(full_state_dict(self.unwrapped),
+                                              strict=not is_peft_model(self.unwrapped))
             else:
                 self._replica.load_state_dict(self.unwrapped.state_dict())
         self.rollout_ctx.generator.update_weights(self.sampling_model)
