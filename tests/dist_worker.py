@@ -143,6 +143,7 @@ def run_one(out: Path, spec: dict) -> None:
 
     resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
     tie, poison = spec.pop("tie", False), spec.pop("poison_step", None)
+    adapter = spec.pop("trained_adapter", None)  # a PeftModel passed in, its adapter trained before (lora_B ≠ 0)
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -162,6 +163,8 @@ def run_one(out: Path, spec: dict) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
     if poison is not None:
         _poison_row_0(model, lambda: t.state.global_step == poison)
+    if adapter is not None:
+        model = _trained_adapter(model, adapter)
     t = GRPOTrainer(model, [toy.letter_reward], args=args, train_dataset=toy.dataset(16), processing_class=tok,
                     callbacks=[CrashAfter()])
     try:
@@ -171,6 +174,21 @@ def run_one(out: Path, spec: dict) -> None:
     (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
     if t.dist.is_main:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
+
+
+def _trained_adapter(model: torch.nn.Module, target_modules: list[str]) -> torch.nn.Module:
+    """`model` in a PeftModel whose LoRA adapter is not at its start (B ≠ 0, as after SFT): the policy differs from
+    the base model, so π_ref (the adapter's initial values) differs from the adapters-off model. The same values on
+    every process (seeded)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return peft_model
 
 
 def _poison_row_0(model: torch.nn.Module, when) -> None:

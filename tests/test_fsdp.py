@@ -129,6 +129,30 @@ def test_fsdp2_lora_trains_like_ddp_lora_keeps_adapter_sized_shards_and_resumes_
 
 
 @pytest.mark.slow
+def test_fsdp2_with_a_peft_model_passed_in_keeps_its_initial_adapter_as_the_reference(tmp_path):
+    """A PeftModel passed in whose adapter was trained before (lora_B ≠ 0): π_ref is the policy with the adapter's
+    initial values (TRL's frozen "ref" copy of it), not the adapters-off base model. Under FSDP2 those values are
+    put back into this process's shards for the reference pass, with every unit resharded around it (shard_grad_op
+    leaves units gathered after a no-grad forward). KL at step 1 is exactly 0 (the adapters-off model would differ:
+    lora_B is far from 0); the training equals DDP's; a resume from step 6 (after the first steps with a reward
+    signal, 5-6) in fresh processes is bitwise exact, its π_ref the adapter's initial values, not the checkpoint's."""
+    common = dict(max_steps=8, save_steps=6, trained_adapter=["q_proj", "v_proj"], learning_rate=0.05, beta=0.04,
+                  num_iterations=2)  # π_θold's no-grad pass first: shard_grad_op leaves its units gathered
+    ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
+    runs(dict(out=ddp, **common), dict(out=fsdp, fsdp="shard_grad_op", **common),
+         dict(out=crashed, fsdp="shard_grad_op", crash_after=6, **common))
+    _run(crashed, resume=str(crashed / "checkpoint-6"), fsdp="shard_grad_op", **common)
+    want, got, resumed = _weights(ddp), _weights(fsdp), _weights(crashed)
+    assert want.keys() == got.keys() == resumed.keys()
+    for name in want:
+        assert torch.allclose(want[name], got[name], atol=1e-6), name
+        assert torch.equal(got[name], resumed[name]), name
+    kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp, crashed)]
+    assert kl[0][0] == kl[1][0] == 0.0 and min(kl[1][5:]) > 0  # steps 1-4: no reward signal, nothing moves
+    assert kl[1] == pytest.approx(kl[0], abs=1e-7) and kl[2] == kl[1]  # the resumed run's π_ref: the initial adapter
+
+
+@pytest.mark.slow
 def test_fsdp2_samples_from_a_generation_dtype_replica_and_saves_the_float32_weights(tmp_path):
     """generation_dtype under FSDP2: the unsharded replica generation runs on is the bfloat16 copy, refreshed from
     the gathered shards after every step (for LoRA the gathered adapters). The training equals DDP's with the same

@@ -280,17 +280,15 @@ def test_feature_combinations_that_do_not_work_together_are_refused_by_name(tiny
         with pytest.raises(ConfigError, match=message):
             check_combinations(GRPOConfig(**fields), **kw)
     check_combinations(GRPOConfig(), model=tiny_model, sharded=True, peft_config=None, optimizers=(None, None))
-    # LoRA under fsdp: adapters groupwise creates (peft_config / use_peft) train; a PeftModel passed in only at
-    # beta 0 (its π_ref would be the adapter's initial values, restored into unsharded weights only)
+    # LoRA under fsdp: adapters groupwise creates (peft_config / use_peft) and a PeftModel passed in, with the KL
+    # term (test_fsdp.py trains both)
     check_combinations(GRPOConfig(beta=0.04), model=tiny_model, sharded=True, peft_config=object(),
                        optimizers=(None, None))
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=2, target_modules=["q_proj"]))
-    check_combinations(GRPOConfig(beta=0.0), model=peft_model, sharded=True, peft_config=None, optimizers=(None, None))
-    with pytest.raises(ConfigError, match=r"fsdp with a PeftModel passed in and beta > 0 is not supported yet: .*"
-                                          r"pass the base model with peft_config"):
-        check_combinations(GRPOConfig(beta=0.04), model=peft_model, sharded=True, peft_config=None,
+    for beta in (0.0, 0.04):
+        check_combinations(GRPOConfig(beta=beta), model=peft_model, sharded=True, peft_config=None,
                            optimizers=(None, None))
 
 

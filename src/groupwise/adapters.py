@@ -167,6 +167,13 @@ class Reference:
 
         self.root = dist.fully_shard(PolicyForLogps(self.model, chunk_tokens), self.model, frozen=True)
 
+    def use_sharded(self, root: torch.nn.Module) -> None:
+        """FSDP2 with adapters: π_ref is the sharded policy `root` itself. A passed-in adapter's initial tensors are
+        taken again as this process's shards of them (the parameters now are; nothing trained since `of`)."""
+        self.root = root
+        if self.initial is not None:
+            self.initial = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
     @property
     def logps_model(self) -> torch.nn.Module:
         """What computes π_ref's log-probs (groupwise.modeling.batched_logps)."""
@@ -190,7 +197,14 @@ class Reference:
     @contextlib.contextmanager
     def _initial_adapter(self):
         """The passed-in adapter's initial tensors in place of the trained ones for the block, then the trained
-        ones back, bit for bit (no_grad: the reference pass builds no graph)."""
+        ones back, bit for bit (no_grad: the reference pass builds no graph). Sharded (FSDP2), the swap is of this
+        process's shards, with every unit resharded before and after: a unit left gathered (shard_grad_op keeps
+        them until a backward) would otherwise run the reference with the trained values, and then π_θ with the
+        initial ones."""
+        from groupwise.sharding import reshard
+
+        if self.root is not None:
+            reshard(self.root)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             trained = {n: params[n].detach().clone() for n in self.initial}
@@ -199,6 +213,8 @@ class Reference:
         try:
             yield
         finally:
+            if self.root is not None:
+                reshard(self.root)
             with torch.no_grad():
                 for n, t in trained.items():
                     params[n].copy_(t)

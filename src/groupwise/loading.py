@@ -249,10 +249,6 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
     if peft_config is not None and args.use_peft:
         raise ConfigError("peft_config and use_peft=True both ask for adapters: give one (peft_config wins in "
                           "Python scripts; use_peft with the lora_* fields in config files)")
-    if sharded and is_peft_model(model) and args.beta != 0.0:
-        raise ConfigError("fsdp with a PeftModel passed in and beta > 0 is not supported yet: π_ref is then its "
-                          "adapter's initial values, which groupwise puts back into unsharded weights only; pass the "
-                          "base model with peft_config (π_ref = adapters off), or set beta=0.0")
     from groupwise.distributed import launch_precision
 
     precision = launch_precision(args.bf16, args.fp16)  # the fields, or an accelerate launch's mixed_precision

@@ -215,8 +215,8 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
         trained = dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens, args.compile_kwargs), policy)
         if reference is not None and reference.copy is not None:  # sharded alike: π_θ's numerics, 1 / world
             reference.shard(dist, args.logprob_chunk_tokens)
-        elif reference is not None:  # LoRA: π_ref is the sharded policy itself with its adapters off
-            reference.root = trained
+        elif reference is not None:  # LoRA: π_ref is the sharded policy itself, adapters off or at their start
+            reference.use_sharded(trained)
         optimizer = build_optimizer(policy, args)
         return trained, optimizer, build_schedule(optimizer, args, max_steps), replica
     if optimizer is None:

@@ -197,6 +197,16 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     return root
 
 
+def reshard(root: torch.nn.Module) -> None:
+    """Free every gathered unit of a sharded model: its parameters are this process's shards again (a later
+    forward gathers them anew)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
