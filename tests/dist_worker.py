@@ -144,6 +144,7 @@ def run_one(out: Path, spec: dict) -> None:
     resume, crash_after = spec.pop("resume", None), spec.pop("crash_after", None)
     tie, poison = spec.pop("tie", False), spec.pop("poison_step", None)
     adapter = spec.pop("trained_adapter", None)  # a PeftModel passed in, its adapter trained before (lora_B ≠ 0)
+    probe = spec.pop("probe_head", False)  # after training: the head's log-probs against float32 (cast_lm_head_to_fp32)
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -172,6 +173,8 @@ def run_one(out: Path, spec: dict) -> None:
     except Crash:
         return
     (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
+    if probe:
+        (out / f"head_probe_{t.dist.rank}.json").write_text(json.dumps(_probe_head(t)))
     if t.dist.is_main:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
 
@@ -189,6 +192,30 @@ def _trained_adapter(model: torch.nn.Module, target_modules: list[str]) -> torch
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return peft_model
+
+
+def _probe_head(t) -> dict:
+    """One log-prob forward of the trained model (sharded or not, in its precision) with a hook on the output head
+    taking its input hidden states, targets and log-probs; the same log-probs recomputed from those hidden states
+    with the full head weight in float32, and in bfloat16: the largest differences to each."""
+    head = t.unwrapped.get_output_embeddings()
+    weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight.detach()
+    seen = []
+    handle = head.register_forward_hook(lambda module, args, output: seen.append((args, output)))
+    gen = torch.Generator().manual_seed(3 + t.dist.rank)
+    ids = torch.randint(3, t.unwrapped.config.vocab_size, (4, 10), generator=gen)
+    with torch.no_grad(), t.dist.autocast():
+        t.trained(ids, torch.ones_like(ids), 6)
+    handle.remove()
+    (hidden, targets), (logps, _) = seen[0]
+
+    def recomputed(w):
+        logits = hidden.float() @ w.float().T
+        return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    return {"weight_dtype": str(weight.dtype), "hidden_dtype": str(hidden.dtype),
+            "to_float32": (logps - recomputed(weight)).abs().max().item(),
+            "to_bfloat16": (logps - recomputed(weight.bfloat16())).abs().max().item()}
 
 
 def _poison_row_0(model: torch.nn.Module, when) -> None:

@@ -153,6 +153,28 @@ def test_fsdp2_with_a_peft_model_passed_in_keeps_its_initial_adapter_as_the_refe
 
 
 @pytest.mark.slow
+def test_fsdp2_bf16_with_cast_lm_head_to_fp32_gathers_the_head_in_float32(tmp_path):
+    """cast_lm_head_to_fp32 under FSDP2's bf16 mixed precision: the output head is an FSDP unit of its own whose
+    weights are gathered (and gradients reduced) in float32, the rest of the model in bfloat16. After 3 steps
+    (β > 0: the sharded reference has the same head unit) a log-prob forward's head output equals the float32
+    recomputation from its bfloat16 hidden states (measured ≤ 5e-7), and not the bfloat16-weight one (measured
+    3e-4 to 6e-4 away): the head inside the root unit was gathered in bfloat16 (measured 6e-4 from float32, 0 from
+    bfloat16). DDP's bf16 autocast path (CPU autocast leaves the final norm's output float32), the same probe."""
+    common = dict(max_steps=3, save_steps=0, bf16=True, cast_lm_head_to_fp32=True, beta=0.04, probe_head=True)
+    runs(dict(out=tmp_path / "ddp", **common), dict(out=tmp_path / "fsdp", fsdp="full_shard", **common))
+    for run in ("ddp", "fsdp"):
+        for r in (0, 1):
+            probe = json.loads((tmp_path / run / f"head_probe_{r}.json").read_text())
+            assert probe["weight_dtype"] == "torch.float32", (run, probe)
+            assert probe["hidden_dtype"] == ("torch.bfloat16" if run == "fsdp" else "torch.float32"), (run, probe)
+            assert probe["to_float32"] < 2e-6 and probe["to_bfloat16"] > 1e-4, (run, r, probe)
+        lines = training_lines(tmp_path / run / "metrics.jsonl")
+        assert len(lines) == 3 and all(torch.isfinite(torch.tensor(json.loads(x)["loss"])) for x in lines)
+    weights = _weights(tmp_path / "fsdp")
+    assert weights["lm_head.weight"].dtype == torch.float32
+
+
+@pytest.mark.slow
 def test_fsdp2_samples_from_a_generation_dtype_replica_and_saves_the_float32_weights(tmp_path):
     """generation_dtype under FSDP2: the unsharded replica generation runs on is the bfloat16 copy, refreshed from
     the gathered shards after every step (for LoRA the gathered adapters). The training equals DDP's with the same

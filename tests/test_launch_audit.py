@@ -47,16 +47,6 @@ def test_accelerate_mixed_precision_is_honoured(monkeypatch, precision):
     assert (dist.scaler is not None) is (precision == "fp16")
 
 
-def test_cast_lm_head_to_fp32_with_fsdp_is_refused_under_an_accelerate_bf16_launch_too(monkeypatch, tmp_path):
-    from groupwise.loading import check_combinations
-
-    args = small_args(tmp_path, cast_lm_head_to_fp32=True)
-    check_combinations(args, model="m", sharded=True, peft_config=None, optimizers=(None, None))
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # bf16 stays False: the launch's precision applies
-    with pytest.raises(ConfigError, match="cast_lm_head_to_fp32 with fsdp and bf16 is not supported"):
-        check_combinations(args, model="m", sharded=True, peft_config=None, optimizers=(None, None))
-
-
 # ---- gradient accumulation and dynamo -----------------------------------------------------------------------------
 def test_accelerate_gradient_accumulation_steps_does_not_divide_the_loss_again(monkeypatch):
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")  # groupwise scales for its own field

@@ -270,7 +270,6 @@ def test_feature_combinations_that_do_not_work_together_are_refused_by_name(tiny
     from groupwise.loading import check_combinations
 
     cases = [
-        (dict(sharded=True), dict(cast_lm_head_to_fp32=True, bf16=True), "cast_lm_head_to_fp32 with fsdp and bf16"),
         (dict(sharded=True, optimizers=(object(), None)), {}, r"fsdp with optimizers=\(…\)"),
         (dict(peft_config=object()), dict(use_peft=True), "peft_config and use_peft=True both ask for adapters"),
         (dict(peft_config=object()), dict(beta=0.1, sync_ref_model=True), "sync_ref_model=True with LoRA"),
@@ -280,6 +279,9 @@ def test_feature_combinations_that_do_not_work_together_are_refused_by_name(tiny
         with pytest.raises(ConfigError, match=message):
             check_combinations(GRPOConfig(**fields), **kw)
     check_combinations(GRPOConfig(), model=tiny_model, sharded=True, peft_config=None, optimizers=(None, None))
+    # the head its own float32 unit under bf16 (test_fsdp.py)
+    check_combinations(GRPOConfig(cast_lm_head_to_fp32=True, bf16=True), model=tiny_model, sharded=True,
+                       peft_config=None, optimizers=(None, None))
     # LoRA under fsdp: adapters groupwise creates (peft_config / use_peft) and a PeftModel passed in, with the KL
     # term (test_fsdp.py trains both)
     check_combinations(GRPOConfig(beta=0.04), model=tiny_model, sharded=True, peft_config=object(),

@@ -252,9 +252,6 @@ def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, o
     from groupwise.distributed import launch_precision
 
     precision = launch_precision(args.bf16, args.fp16)  # the fields, or an accelerate launch's mixed_precision
-    if sharded and args.cast_lm_head_to_fp32 and precision == "bf16":
-        raise ConfigError("cast_lm_head_to_fp32 with fsdp and bf16 is not supported: FSDP2's mixed precision "
-                          "gathers the head in bfloat16; drop one of them")
     if precision == "fp16" and isinstance(model, str) and not lora:  # a model object: checked in build_training
         dtype = policy_init_kwargs(args)["dtype"]
         if dtype in (torch.float16, torch.bfloat16):

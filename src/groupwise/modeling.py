@@ -68,9 +68,14 @@ def completion_logps(
 
 
 class Float32Head(torch.nn.Linear):
-    """An output head whose matmul runs in float32 outside autocast, whatever the hidden states' dtype."""
+    """An output head whose matmul runs in float32 outside autocast, whatever the hidden states' dtype. Called with
+    `targets`, it returns the chunked log-probs (logps_from_hidden) instead of the logits: PolicyForLogps calls it
+    so, through the module, so that under FSDP2 the head can be its own unit, gathered in float32 while the rest of
+    the model is gathered in bfloat16 (groupwise.sharding.shard)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, **logps_kwargs):
+        if targets is not None:
+            return logps_from_hidden(hidden, self.weight, targets, bias=self.bias, head_fp32=True, **logps_kwargs)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             return torch.nn.functional.linear(hidden.float(), self.weight.float(),
                                               None if self.bias is None else self.bias.float())
@@ -134,10 +139,12 @@ class PolicyForLogps(torch.nn.Module):
         else:
             hidden = self._run(decoder)(**inputs).last_hidden_state
         hidden = hidden[:, -(T + 1):-1, :]  # (N, T, H): position p predicts token p + 1
-        out = logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, temperature=temperature,
-                                softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
-                                compute_entropy=compute_entropy, entropy_grad=entropy_grad,
-                                head_fp32=isinstance(head, Float32Head))
+        kwargs = dict(temperature=temperature, softcap=self.softcap, scale=self.scale, chunk_tokens=self.chunk_tokens,
+                      compute_entropy=compute_entropy, entropy_grad=entropy_grad)
+        if isinstance(head, Float32Head):  # through the module (its own FSDP2 unit, when sharded)
+            out = head(hidden, input_ids[:, -T:], **kwargs)
+        else:
+            out = logps_from_hidden(hidden, head.weight, input_ids[:, -T:], bias=head.bias, **kwargs)
         return (*out, aux) if aux_loss else out
 
     def _run(self, module: torch.nn.Module):

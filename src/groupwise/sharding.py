@@ -8,6 +8,7 @@ applies `fully_shard` itself, the same way on GPUs and on CPU (gloo), where acce
   wrapper (`PolicyForLogps`), so the embeddings, final norm and output head are gathered around every forward that
   computes log-probs: training and π_θold go through it; the reference model (β > 0) is a frozen copy sharded the
   same way, with the same mixed precision, so π_ref's forward has π_θ's numerics and costs 1 / world of its weights;
+  with `cast_lm_head_to_fp32` the output head is a unit of its own, gathered in float32 whatever the mixed precision;
 - generation runs on a full, unsharded replica of the policy on each process, refreshed from the shards after every
   optimizer step (one all-gather of the weights per step): sampling then needs no collective, and processes may
   finish their rows at different times. Memory: the replica costs one full copy of the weights per process, while
@@ -193,6 +194,11 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     reshard = frozen or sharding.reshard_after_forward
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    from groupwise.modeling import Float32Head
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, Float32Head):  # cast_lm_head_to_fp32: its own unit, gathered and reduced in float32
+        fully_shard(head, mesh=mesh, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     return root
 
