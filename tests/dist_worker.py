@@ -5,6 +5,7 @@ same:  fixed completions of 3 prompts × 4; rewards, advantages, loss and one SG
 train: a short GRPOTrainer run; writes result_<rank>.json with a checksum of the final weights.
 """
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -119,8 +120,10 @@ def fault(out: Path, kind: str) -> None:
 
 
 def run(out: Path) -> None:
-    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after", "tie" and
-    "poison_step": _poison_row_0 at that global step); each
+    """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after", "tie",
+    "poison_step" (_poison_row_0 at that global step), "trained_adapter" (_trained_adapter), "probe_head"
+    (_probe_head, written to head_probe_<rank>.json) and "model_path" (the model loaded from there; with use_vllm
+    the stand-in engine's loads are checked, engine_<rank>.json)); each
     process writes its state.log_history to log_history_<rank>.json and rank 0 the final weights (full, unsharded) to
     weights.safetensors. RUN_SPEC a list: its runs one after another
     in these processes (a fresh model and trainer each; the process group stays), each in its spec's "out" folder,
@@ -145,6 +148,7 @@ def run_one(out: Path, spec: dict) -> None:
     tie, poison = spec.pop("tie", False), spec.pop("poison_step", None)
     adapter = spec.pop("trained_adapter", None)  # a PeftModel passed in, its adapter trained before (lora_B ≠ 0)
     probe = spec.pop("probe_head", False)  # after training: the head's log-probs against float32 (cast_lm_head_to_fp32)
+    path = spec.pop("model_path", None)  # the model saved there (vLLM loads the policy from a path)
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -166,8 +170,10 @@ def run_one(out: Path, spec: dict) -> None:
         _poison_row_0(model, lambda: t.state.global_step == poison)
     if adapter is not None:
         model = _trained_adapter(model, adapter)
-    t = GRPOTrainer(model, [toy.letter_reward], args=args, train_dataset=toy.dataset(16), processing_class=tok,
-                    callbacks=[CrashAfter()])
+    t = GRPOTrainer(path or model, [toy.letter_reward], args=args, train_dataset=toy.dataset(16),
+                    processing_class=tok, callbacks=[CrashAfter()])
+    if args.use_vllm:  # the stand-in engine (tests/vllm_standin on PYTHONPATH)
+        pushes = _record_pushes(t)
     try:
         t.train(resume_from_checkpoint=resume)
     except Crash:
@@ -175,6 +181,8 @@ def run_one(out: Path, spec: dict) -> None:
     (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
     if probe:
         (out / f"head_probe_{t.dist.rank}.json").write_text(json.dumps(_probe_head(t)))
+    if args.use_vllm:
+        (out / f"engine_{t.dist.rank}.json").write_text(json.dumps(pushes))
     if t.dist.is_main:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
 
@@ -192,6 +200,31 @@ def _trained_adapter(model: torch.nn.Module, target_modules: list[str]) -> torch
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return peft_model
+
+
+def _record_pushes(t) -> list[float]:
+    """Every load of weights into the (stand-in) vLLM engine — when it starts, then after each optimizer step: the
+    largest difference between the engine's weights after the load and the policy's (the weights the trainer
+    optimizes: the sharded ones gathered, a LoRA policy merged) at that moment."""
+    from groupwise.adapters import merged
+    from groupwise.sharding import full_state_dict
+
+    generator, pushes = t.rollout_ctx.generator, []
+    load = generator._load
+
+    def recorded(model):
+        load(model)
+        policy = t.unwrapped
+        state = full_state_dict(policy) if t.dist.sharding is not None else policy.state_dict()
+        reference = copy.deepcopy(t.sampling_model)  # the replica's layout, the policy's current values
+        reference.load_state_dict(state, strict=False)
+        with merged(reference):
+            want = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
+                    for n, p in reference.named_parameters() if "lora_" not in n}
+        pushes.append(max((p - want[n]).abs().max().item() for n, p in generator.llm.hf.named_parameters()))
+
+    generator._load = recorded
+    return pushes
 
 
 def _probe_head(t) -> dict:

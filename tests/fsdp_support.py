@@ -17,9 +17,16 @@ TR_DPO = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_
               ref_model_mixup_alpha=0.5)
 
 
+VLLM_STANDIN = str(Path(__file__).with_name("vllm_standin"))
+
+
 def launch(out: Path, spec) -> subprocess.CompletedProcess:
-    """dist_worker.py run OUT on 2 processes with RUN_SPEC `spec` (one run's dict, or a list of runs)."""
-    return torchrun(WORKER, "run", out, env={"RUN_SPEC": json.dumps(spec)}, timeout=600)
+    """dist_worker.py run OUT on 2 processes with RUN_SPEC `spec` (one run's dict, or a list of runs); the vLLM
+    stand-in importable when a run sets use_vllm."""
+    env = {"RUN_SPEC": json.dumps(spec)}
+    if any(s.get("use_vllm") for s in (spec if isinstance(spec, list) else [spec])):
+        env["PYTHONPATH"] = VLLM_STANDIN
+    return torchrun(WORKER, "run", out, env=env, timeout=600)
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:

@@ -175,6 +175,39 @@ def test_fsdp2_bf16_with_cast_lm_head_to_fp32_gathers_the_head_in_float32(tmp_pa
 
 
 @pytest.mark.slow
+def test_fsdp2_with_vllm_colocate_trains_like_ddp_and_the_engine_gets_the_gathered_weights(tmp_path):
+    """use_vllm (colocate, the in-repo stand-in engine: one per process) under FSDP2, full and LoRA: the engine is
+    loaded from the unsharded replica, which holds the gathered shards (LoRA: the gathered adapters, merged for the
+    push) after every optimizer step. Every load — at the start, then after each of the 3 steps — leaves the engine
+    with exactly the policy's current weights; the training equals DDP's with the same engines; the importance
+    weights are 1 (the engine samples with the policy's numerics)."""
+    from groupwise.tasks import toy
+
+    base = tmp_path / "base"  # the workers' model (toy.build_model, seed 0), saved: vLLM loads a path
+    toy.build_model(toy.build_tokenizer(), seed=0, hidden_size=32).save_pretrained(base)
+    common = dict(max_steps=3, save_steps=0, use_vllm=True, vllm_mode="colocate", learning_rate=0.05,
+                  model_path=str(base))
+    lora = dict(use_peft=True, lora_target_modules=["q_proj", "v_proj"])
+    names = ("ddp", "fsdp", "ddp_lora", "fsdp_lora")
+    runs(*[dict(out=tmp_path / name, **common, **(lora if "lora" in name else {}),
+                **({"fsdp": "full_shard"} if "fsdp" in name else {})) for name in names])
+    for name in names:
+        for r in (0, 1):
+            pushes = json.loads((tmp_path / name / f"engine_{r}.json").read_text())
+            assert len(pushes) == 4 and max(pushes) < 1e-6, (name, r, pushes)
+        lines = [json.loads(x) for x in training_lines(tmp_path / name / "metrics.jsonl")]
+        assert [line["sampling/importance_sampling_ratio/mean"] for line in lines] == pytest.approx([1.0] * 3, abs=1e-4)
+    for kind in ("", "_lora"):
+        want, got = _weights(tmp_path / f"ddp{kind}"), _weights(tmp_path / f"fsdp{kind}")
+        assert want.keys() == got.keys()
+        start = load_file(str(base / "model.safetensors"))
+        assert any(not torch.equal(want[n], start[n]) for n in start if n in want) or kind  # full: it trained
+        assert any(not torch.equal(want[n], torch.zeros_like(want[n])) for n in want if "lora_B" in n) or not kind
+        for name in want:
+            assert torch.allclose(want[name], got[name], atol=1e-5), (kind, name)
+
+
+@pytest.mark.slow
 def test_fsdp2_samples_from_a_generation_dtype_replica_and_saves_the_float32_weights(tmp_path):
     """generation_dtype under FSDP2: the unsharded replica generation runs on is the bfloat16 copy, refreshed from
     the gathered shards after every step (for LoRA the gathered adapters). The training equals DDP's with the same
