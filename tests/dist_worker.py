@@ -33,6 +33,11 @@ def step_has_letter(prompts, steps, **_):
     return [[float(p[7] in s) for s in row] for p, row in zip(prompts, steps)]
 
 
+def length_reward(completions, **_):
+    """A reward that varies within every group (the completions' lengths): every step has a signal."""
+    return [float(len(c)) for c in completions]
+
+
 def same(out: Path) -> None:
     dist = Distributed()
     tok = toy.build_tokenizer()
@@ -122,8 +127,9 @@ def fault(out: Path, kind: str) -> None:
 def run(out: Path) -> None:
     """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after", "tie",
     "poison_step" (_poison_row_0 at that global step), "trained_adapter" (_trained_adapter), "probe_head"
-    (_probe_head, written to head_probe_<rank>.json) and "model_path" (the model loaded from there; with use_vllm
-    the stand-in engine's loads are checked, engine_<rank>.json)); each
+    (_probe_head, written to head_probe_<rank>.json), "model_path" (the model loaded from there; with use_vllm
+    the stand-in engine's loads are checked, engine_<rank>.json) and "reward" ("letter", toy.letter_reward, or
+    "length")); each
     process writes its state.log_history to log_history_<rank>.json and rank 0 the final weights (full, unsharded) to
     weights.safetensors. RUN_SPEC a list: its runs one after another
     in these processes (a fresh model and trainer each; the process group stays), each in its spec's "out" folder,
@@ -149,6 +155,7 @@ def run_one(out: Path, spec: dict) -> None:
     adapter = spec.pop("trained_adapter", None)  # a PeftModel passed in, its adapter trained before (lora_B ≠ 0)
     probe = spec.pop("probe_head", False)  # after training: the head's log-probs against float32 (cast_lm_head_to_fp32)
     path = spec.pop("model_path", None)  # the model saved there (vLLM loads the policy from a path)
+    reward = {"letter": toy.letter_reward, "length": length_reward}[spec.pop("reward", "letter")]
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -170,7 +177,7 @@ def run_one(out: Path, spec: dict) -> None:
         _poison_row_0(model, lambda: t.state.global_step == poison)
     if adapter is not None:
         model = _trained_adapter(model, adapter)
-    t = GRPOTrainer(path or model, [toy.letter_reward], args=args, train_dataset=toy.dataset(16),
+    t = GRPOTrainer(path or model, [reward], args=args, train_dataset=toy.dataset(16),
                     processing_class=tok, callbacks=[CrashAfter()])
     if args.use_vllm:  # the stand-in engine (tests/vllm_standin on PYTHONPATH)
         pushes = _record_pushes(t)

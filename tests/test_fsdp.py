@@ -232,6 +232,32 @@ def test_fsdp2_samples_from_a_generation_dtype_replica_and_saves_the_float32_wei
             assert got[name].dtype == torch.float32 and torch.allclose(want[name], got[name], atol=1e-6), name
 
 
+@pytest.mark.slow
+def test_fsdp2_with_gradient_checkpointing_and_the_everyday_switches_trains_like_ddp(tmp_path):
+    """What a run of a large model under FSDP2 turns on, together: gradient_checkpointing (transformers' activation
+    checkpointing inside each sharded layer: the backward re-gathers a layer's weights to recompute it),
+    top_entropy_quantile (the entropy threshold of the micro-batch over both processes), gradient accumulation over
+    2 micro-batches, num_iterations 2 (π_θold's no-grad forward, then two optimizer steps per generation), β > 0;
+    full and LoRA (a frozen base: the checkpointed blocks need input gradients). Same training as DDP's."""
+    common = dict(max_steps=4, save_steps=0, gradient_checkpointing=True, top_entropy_quantile=0.5,
+                  gradient_accumulation_steps=2, per_device_train_batch_size=2, num_iterations=2, beta=0.04,
+                  learning_rate=0.05, reward="length")
+    lora = dict(use_peft=True, lora_target_modules=["q_proj", "v_proj"])
+    names = ("ddp", "fsdp", "ddp_lora", "fsdp_lora")
+    runs(*[dict(out=tmp_path / name, **common, **(lora if "lora" in name else {}),
+                **({"fsdp": "full_shard"} if "fsdp" in name else {})) for name in names])
+    for kind in ("", "_lora"):
+        want, got = _weights(tmp_path / f"ddp{kind}"), _weights(tmp_path / f"fsdp{kind}")
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.allclose(want[name], got[name], atol=1e-5), (kind, name)
+        lines = [[json.loads(x) for x in training_lines(tmp_path / f"{run}{kind}" / "metrics.jsonl")]
+                 for run in ("ddp", "fsdp")]
+        assert len(lines[0]) == 4 and max(line["grad_norm"] for line in lines[0]) > 0  # it trained
+        for a, b in zip(*lines, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["kl"] == pytest.approx(b["kl"], abs=1e-7)
+
+
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
     from groupwise.config_base import ConfigError
     from groupwise.sharding import resolve
