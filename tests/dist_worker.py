@@ -127,7 +127,7 @@ def fault(out: Path, kind: str) -> None:
 def run(out: Path) -> None:
     """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after", "tie",
     "poison_step" (_poison_row_0 at that global step), "trained_adapter" (_trained_adapter), "probe_head"
-    (_probe_head, written to head_probe_<rank>.json), "model_path" (the model loaded from there; with use_vllm
+    (_probe_head, written to head_probe_<rank>.json), "load_in_bits" (4 or 8: QLoRA, with model_path), "model_path" (the model loaded from there; with use_vllm
     the stand-in engine's loads are checked, engine_<rank>.json) and "reward" ("letter", toy.letter_reward, or
     "length")); each
     process writes its state.log_history to log_history_<rank>.json and rank 0 the final weights (full, unsharded) to
@@ -156,6 +156,7 @@ def run_one(out: Path, spec: dict) -> None:
     probe = spec.pop("probe_head", False)  # after training: the head's log-probs against float32 (cast_lm_head_to_fp32)
     path = spec.pop("model_path", None)  # the model saved there (vLLM loads the policy from a path)
     reward = {"letter": toy.letter_reward, "length": length_reward}[spec.pop("reward", "letter")]
+    bits = spec.pop("load_in_bits", None)  # QLoRA: the model at model_path loaded in 4 (or 8) bits
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -177,7 +178,13 @@ def run_one(out: Path, spec: dict) -> None:
         _poison_row_0(model, lambda: t.state.global_step == poison)
     if adapter is not None:
         model = _trained_adapter(model, adapter)
-    t = GRPOTrainer(path or model, [reward], args=args, train_dataset=toy.dataset(16),
+    quantization = None
+    if bits is not None:
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32) if bits == 4 \
+            else BitsAndBytesConfig(load_in_8bit=True)
+    t = GRPOTrainer(path or model, [reward], args=args, quantization_config=quantization, train_dataset=toy.dataset(16),
                     processing_class=tok, callbacks=[CrashAfter()])
     if args.use_vllm:  # the stand-in engine (tests/vllm_standin on PYTHONPATH)
         pushes = _record_pushes(t)
@@ -190,6 +197,11 @@ def run_one(out: Path, spec: dict) -> None:
         (out / f"head_probe_{t.dist.rank}.json").write_text(json.dumps(_probe_head(t)))
     if args.use_vllm:
         (out / f"engine_{t.dist.rank}.json").write_text(json.dumps(pushes))
+    if bits is not None:  # the packed weights the sampling replica uses: the policy's own objects, or copies
+        packed = [(n, p) for n, p in t.unwrapped.named_parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]
+        replica = dict(t.sampling_model.named_parameters())
+        (out / f"packed_{t.dist.rank}.json").write_text(json.dumps(
+            {"count": len(packed), "shared": sum(replica[n] is p for n, p in packed)}))
     if t.dist.is_main:
         save_file({k: v.clone() for k, v in t.sampling_model.state_dict().items()}, str(out / "weights.safetensors"))
 

@@ -258,6 +258,41 @@ def test_fsdp2_with_gradient_checkpointing_and_the_everyday_switches_trains_like
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["kl"] == pytest.approx(b["kl"], abs=1e-7)
 
 
+@pytest.mark.slow
+def test_fsdp2_qlora_keeps_the_4bit_base_whole_trains_like_ddp_and_resumes_exactly(tmp_path):
+    """QLoRA under FSDP2 (bitsandbytes 4-bit, its CPU backend): the packed base weights are left out of the sharding
+    (fully_shard's ignored_params: FSDP2 would gather a Params4bit back as a plain tensor, without its quantization
+    state) and stay whole on every process, frozen; the adapters and the float weights are sharded. The training
+    equals DDP's QLoRA (the packed weights too: untouched); checkpoint shards hold the adapters only; a resume from
+    step 2 in fresh processes is bitwise exact."""
+    pytest.importorskip("bitsandbytes")
+    from groupwise.tasks import toy
+
+    base = tmp_path / "base"
+    toy.build_model(toy.build_tokenizer(), seed=0, hidden_size=32).save_pretrained(base)
+    common = dict(max_steps=4, save_steps=2, use_peft=True, lora_target_modules=["q_proj", "v_proj"], beta=0.04,
+                  learning_rate=0.05, reward="length", model_path=str(base), load_in_bits=4)
+    ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
+    runs(dict(out=ddp, **common), dict(out=fsdp, fsdp="full_shard", **common),
+         dict(out=crashed, fsdp="full_shard", crash_after=2, **common))
+    _run(crashed, resume=str(crashed / "checkpoint-2"), fsdp="full_shard", **common)
+    want, got, resumed = _weights(ddp), _weights(fsdp), _weights(crashed)
+    assert want.keys() == got.keys() == resumed.keys()
+    assert any(want[n].dtype == torch.uint8 for n in want)  # the packed 4-bit weights
+    for name in want:
+        assert torch.allclose(want[name].float(), got[name].float(), atol=1e-6), name
+        assert torch.equal(got[name], resumed[name]), name
+    assert any(not torch.equal(want[n], torch.zeros_like(want[n])) for n in want if "lora_B" in n)  # it trained
+    kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp)]
+    assert kl[0][0] == kl[1][0] == 0.0 and kl[1][-1] > 0 and kl[1] == pytest.approx(kl[0], abs=1e-7)
+    shards = [load_file(str(fsdp / "checkpoint-4" / f"model_shard_{r}.safetensors")) for r in (0, 1)]
+    assert set(shards[0]) == set(shards[1]) == {n for n in want if "lora_" in n}
+    # the sampling replica shares the packed base with the policy (one copy per process, not two); with DDP the
+    # policy samples itself
+    for r in (0, 1):
+        assert json.loads((fsdp / f"packed_{r}.json").read_text()) == {"count": 14, "shared": 14}
+
+
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
     from groupwise.config_base import ConfigError
     from groupwise.sharding import resolve

@@ -88,6 +88,14 @@ def test_what_cannot_work_is_refused_before_the_weights_load(tmp_path, base_dir,
         _trainer(tmp_path, base_dir, model_init_kwargs={"quantization_config": FOUR_BIT})
     with pytest.raises(ConfigError, match="with generation_dtype is not supported yet"):
         _trainer(tmp_path, base_dir, generation_dtype="bfloat16")
+    from groupwise.quantization import check_quantization
+
+    for config in (BitsAndBytesConfig(load_in_8bit=True), {"load_in_8bit": True}):  # 4 bits: tests/test_fsdp.py
+        with pytest.raises(ConfigError, match=r"^8-bit weights \(load_in_8bit\) with fsdp are not supported .*load "
+                                              r"the base in 4 bits"):
+            check_quantization(small_args(tmp_path), "path", config, lora=True, sharded=True)
+        check_quantization(small_args(tmp_path), "path", config, lora=True, sharded=False)
+    check_quantization(small_args(tmp_path), "path", FOUR_BIT, lora=True, sharded=True)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ConfigError, match=r"quantization_config loads the model with bitsandbytes, which is not "

@@ -210,8 +210,11 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
         replica = copy.deepcopy(policy).to(dist.device, GENERATION_DTYPES[args.generation_dtype])
         replica.eval().requires_grad_(False)
     if dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
-        if replica is None:
-            replica = copy.deepcopy(policy).to(dist.device).eval().requires_grad_(False)
+        if replica is None:  # QLoRA: the packed base weights (frozen, never sharded) shared, not copied
+            from groupwise.sharding import QUANTIZED_PARAMETERS
+
+            shared = {id(p): p for p in policy.parameters() if type(p).__name__ in QUANTIZED_PARAMETERS}
+            replica = copy.deepcopy(policy, memo=shared).to(dist.device).eval().requires_grad_(False)
         trained = dist.fully_shard(PolicyForLogps(policy, args.logprob_chunk_tokens, args.compile_kwargs), policy)
         if reference is not None and reference.copy is not None:  # sharded alike: π_θ's numerics, 1 / world
             reference.shard(dist, args.logprob_chunk_tokens)

@@ -2,8 +2,8 @@
 `load_in_4bit` / `load_in_8bit` / `bnb_4bit_quant_type` / `use_bnb_nested_quant` / `bnb_4bit_quant_storage`.
 
 The base weights load in 4 or 8 bits (bitsandbytes) and stay frozen; the adapters (peft_config / use_peft) train in
-full precision, and the reference policy is the base with the adapters off (no copy). Everything is checked before
-the weights load."""
+full precision, and the reference policy is the base with the adapters off (no copy). Under FSDP2 the packed 4-bit
+weights stay whole on every process (groupwise.sharding). Everything is checked before the weights load."""
 
 from __future__ import annotations
 
@@ -88,10 +88,14 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
     if not lora:
         raise ConfigError(f"{what}: quantized weights cannot be trained; train adapters on them (QLoRA): pass "
                           "peft_config=LoraConfig(…) or set use_peft=True")
-    for on, field in ((sharded, "fsdp"), (args.generation_dtype is not None, "generation_dtype"),
+    for on, field in ((args.generation_dtype is not None, "generation_dtype"),
                       (args.use_vllm, "use_vllm")):
         if on:
             raise ConfigError(f"{what} with {field} is not supported yet: drop {field}, or load the model unquantized")
+    config = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else quantization_config or {}
+    if sharded and (config.get("load_in_8bit") or getattr(model, "is_loaded_in_8bit", False)):
+        raise ConfigError("8-bit weights (load_in_8bit) with fsdp are not supported (their scales are not "
+                          "parameters FSDP2 can gather): load the base in 4 bits (load_in_4bit, QLoRA), or drop fsdp")
 
 
 def _need_bitsandbytes(field: str) -> None:

@@ -166,6 +166,9 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
     return None
 
 
+QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")  # bitsandbytes' Parameter classes (4-bit and 8-bit weights)
+
+
 def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, device: torch.device,
           bf16: bool = False, frozen: bool = False) -> torch.nn.Module:
     """fully_shard every decoder layer of `model` (or the classes named by fsdp_transformer_layer_cls_to_wrap), then
@@ -192,14 +195,17 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     reshard = frozen or sharding.reshard_after_forward
+    # QLoRA: bitsandbytes' packed weights (frozen, already 4 / 8 bits) stay whole on every process; sharding them
+    # would drop their quantization state (FSDP2 gathers a Parameter subclass back as a plain tensor)
+    ignored = {p for p in model.parameters() if type(p).__name__ in QUANTIZED_PARAMETERS} or None
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     from groupwise.modeling import Float32Head
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, Float32Head):  # cast_lm_head_to_fp32: its own unit, gathered and reduced in float32
         fully_shard(head, mesh=mesh, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
-    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     return root
 
 
