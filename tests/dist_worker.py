@@ -193,6 +193,13 @@ def run_one(out: Path, spec: dict) -> None:
     except Crash:
         return
     (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
+    if t.dist.sharding is not None:  # each FSDP2 unit's offload policy, the policy's and the reference's
+        from torch.distributed.fsdp import FSDPModule
+
+        roots = [t.trained] + ([t.reference.logps_model] if t.reference is not None else [])
+        policies = sorted({type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+                           for root in roots for m in root.modules() if isinstance(m, FSDPModule)})
+        (out / f"units_{t.dist.rank}.json").write_text(json.dumps(policies))
     if probe:
         (out / f"head_probe_{t.dist.rank}.json").write_text(json.dumps(_probe_head(t)))
     if args.use_vllm:

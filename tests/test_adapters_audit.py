@@ -137,18 +137,20 @@ def test_each_trainer_gets_its_own_bf16_setting_in_one_process(tmp_path, tokeniz
         assert t.dist.accelerator.mixed_precision == ("bf16" if bf16 else "no")
 
 
-@pytest.mark.parametrize("env, key", [("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params"),
-                                      ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing")])
-def test_accelerate_fsdp_settings_groupwise_does_not_apply_are_refused(monkeypatch, env, key):
+def test_accelerate_fsdp_settings_groupwise_does_not_apply_are_refused_and_offload_is_applied(monkeypatch):
     from groupwise.sharding import resolve
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    monkeypatch.setenv(env, "true")
+    key = "fsdp_activation_checkpointing"
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     with pytest.raises(ConfigError, match=f"sets {key}: true.*set {key}: false in the accelerate config"):
         resolve(None)
-    monkeypatch.setenv(env, "false")  # accelerate launch exports the defaults as "false"
-    assert resolve(None).reshard_after_forward is True
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")  # accelerate launch exports the defaults as "false"
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
+    assert resolve(None).reshard_after_forward is True and resolve(None).offload is False
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")  # fsdp_offload_params: true
+    assert resolve(None).offload is True
 
 
 def test_prompt_learning_adapters_are_refused_by_name(tmp_path, tokenizer):

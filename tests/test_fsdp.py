@@ -293,6 +293,27 @@ def test_fsdp2_qlora_keeps_the_4bit_base_whole_trains_like_ddp_and_resumes_exact
         assert json.loads((fsdp / f"packed_{r}.json").read_text()) == {"count": 14, "shared": 14}
 
 
+@pytest.mark.slow
+def test_fsdp2_cpu_offload_trains_like_fsdp2_and_resumes_exactly(tmp_path):
+    """fsdp: "full_shard offload" (transformers' word; fsdp_config cpu_offload, accelerate's fsdp_offload_params):
+    FSDP2's CPUOffloadPolicy on every unit, the policy's and the TR-DPO reference's (which is mixed on the CPU).
+    Here the device is the CPU too, so this checks the wiring (the same training as without offload, the shards'
+    checkpoint and an exact resume), not the memory saved on a GPU."""
+    offload = dict(TR_DPO, fsdp="full_shard offload")
+    plain, offloaded, crashed = tmp_path / "plain", tmp_path / "offloaded", tmp_path / "crashed"
+    runs(dict(out=plain, **TR_DPO), dict(out=offloaded, **offload), dict(out=crashed, crash_after=2, **offload))
+    _run(crashed, resume=str(crashed / "checkpoint-2"), **offload)
+    want, got, resumed = _weights(plain), _weights(offloaded), _weights(crashed)
+    assert want.keys() == got.keys() == resumed.keys()
+    for name in want:
+        assert torch.allclose(want[name], got[name], atol=1e-6), name
+        assert torch.equal(got[name], resumed[name]), name
+    kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (plain, offloaded)]
+    assert kl[1][-1] > 0 and kl[1] == pytest.approx(kl[0], abs=1e-7)
+    for run, policy in ((plain, "OffloadPolicy"), (offloaded, "CPUOffloadPolicy"), (crashed, "CPUOffloadPolicy")):
+        assert json.loads((run / "units_1.json").read_text()) == [policy], run  # every unit, policy and reference
+
+
 def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(monkeypatch):
     from groupwise.config_base import ConfigError
     from groupwise.sharding import resolve
@@ -300,8 +321,8 @@ def test_sharding_is_asked_for_by_the_field_or_by_an_accelerate_fsdp2_launch(mon
     assert resolve(None) is None
     assert resolve("full_shard auto_wrap").reshard_after_forward is True
     assert resolve("shard_grad_op").reshard_after_forward is False
-    with pytest.raises(ConfigError, match=r"fsdp='offload full_shard': \['offload'\] not supported"):
-        resolve("offload full_shard")
+    with pytest.raises(ConfigError, match=r"fsdp='hybrid_shard offload': \['hybrid_shard'\] not supported"):
+        resolve("hybrid_shard offload")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")

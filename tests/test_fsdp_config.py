@@ -23,6 +23,11 @@ from groupwise.sharding import Sharding, resolve
     ("shard_grad_op", {"reshard_after_forward": True}, Sharding(True)),
     (True, {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}, Sharding(True, ("LlamaDecoderLayer",))),
     (True, {"transformer_layer_cls_to_wrap": ["A", "B"], "version": 2}, Sharding(True, ("A", "B"))),
+    # CPU offload: transformers' "offload" word (→ fsdp_config cpu_offload), its cpu_offload key, accelerate's name
+    ("full_shard offload", None, Sharding(True, offload=True)),
+    (["shard_grad_op", "offload"], None, Sharding(False, offload=True)),
+    (True, {"cpu_offload": True}, Sharding(True, offload=True)),
+    (True, {"fsdp_offload_params": "true"}, Sharding(True, offload=True)),
     # accepted without effect (listed in docs/trl_compat.md)
     (True, {"state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": True, "use_orig_params": True,
             "sync_module_states": True, "forward_prefetch": False, "backward_prefetch": "BACKWARD_PRE",
@@ -34,8 +39,7 @@ def test_fsdp_and_fsdp_config_map_onto_fsdp2(fsdp, config, expected):
 
 @pytest.mark.parametrize("config, message", [
     ({"version": 1}, r"fsdp_config version 1: groupwise shards with FSDP2; set version: 2"),
-    ({"cpu_offload": True}, r"fsdp_config sets cpu_offload: true, .*keeps the shards on the accelerator"),
-    ({"fsdp_offload_params": "true"}, r"fsdp_config sets offload_params: true"),
+    ({"cpu_offload": "sometimes"}, r"fsdp_config\['cpu_offload'\]='sometimes' is not a boolean"),
     ({"activation_checkpointing": True}, r"activation_checkpointing: true, .*set gradient_checkpointing: true instead"),
     ({"xla": True}, r"xla: true, .*XLA is not supported"),
     ({"auto_wrap_policy": "SIZE_BASED_WRAP"}, r"auto_wrap_policy='SIZE_BASED_WRAP': .*set TRANSFORMER_BASED_WRAP"),
@@ -77,7 +81,7 @@ def test_the_config_fields_are_checked_on_construction_before_anything_loads():
     assert args.fsdp is True
     assert GRPOConfig(fsdp="true").fsdp is True  # `--fsdp true` on the command line
     assert GRPOConfig(fsdp=["full_shard", "auto_wrap"]).fsdp == ["full_shard", "auto_wrap"]
-    with pytest.raises(ConfigError, match="fsdp_config sets cpu_offload: true"):
-        GRPOConfig(fsdp=True, fsdp_config={"cpu_offload": True})
+    with pytest.raises(ConfigError, match="fsdp_config sets activation_checkpointing: true"):
+        GRPOConfig(fsdp=True, fsdp_config={"activation_checkpointing": True})
     with pytest.raises(ConfigError, match=r"fsdp=\['hybrid_shard'\]: \['hybrid_shard'\] not supported"):
         GRPOConfig(fsdp=["hybrid_shard"])

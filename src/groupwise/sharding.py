@@ -29,14 +29,16 @@ import torch
 
 from groupwise.config_base import ConfigError
 
-# transformers' `fsdp` strings groupwise takes (the FSDP1 option names, mapped onto FSDP2)
-FSDP_OPTIONS = {"full_shard": True, "shard_grad_op": False, "auto_wrap": None}
+# transformers' `fsdp` strings groupwise takes (the FSDP1 option names, mapped onto FSDP2 as transformers 5 maps
+# them: a strategy → reshard_after_forward, "offload" → fsdp_config cpu_offload, "auto_wrap" → nothing)
+FSDP_OPTIONS = {"full_shard": True, "shard_grad_op": False, "auto_wrap": None, "offload": None}
 
 
 @dataclass(frozen=True)
 class Sharding:
     reshard_after_forward: bool  # full_shard: free gathered weights after each forward; shard_grad_op: keep them
     layer_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap; (): the model's _no_split_modules
+    offload: bool = False  # cpu_offload: shards, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)
 
 
 # FSDP_RESHARD_AFTER_FORWARD as `accelerate launch` exports fsdp_reshard_after_forward (a boolean for FSDP2)
@@ -45,10 +47,9 @@ RESHARD_VALUES = {"true": True, "1": True, "yes": True, "full_shard": True,
 
 
 # transformers' fsdp_config keys (the "fsdp_" prefix stripped, as TrainingArguments does), by what groupwise does
-FSDP_CONFIG_APPLIED = ("version", "reshard_after_forward", "transformer_layer_cls_to_wrap", "auto_wrap_policy")
+FSDP_CONFIG_APPLIED = ("version", "reshard_after_forward", "transformer_layer_cls_to_wrap", "auto_wrap_policy",
+                       "cpu_offload", "offload_params")  # the last two: transformers' and accelerate's name of one switch
 FSDP_CONFIG_REFUSED = {  # accepted while false: what groupwise's FSDP2 does not do
-    "cpu_offload": "groupwise keeps the shards on the accelerator",
-    "offload_params": "groupwise keeps the shards on the accelerator",
     "activation_checkpointing": "set gradient_checkpointing: true instead",
     "xla": "XLA is not supported", "xla_fsdp_v2": "XLA is not supported", "xla_fsdp_grad_ckpt": "XLA is not supported"}
 FSDP_CONFIG_INERT = (  # accepted, no effect: checkpoints are always per-process shards plus a consolidated model,
@@ -95,7 +96,7 @@ def fsdp_options(fsdp_config: dict | str | None) -> dict:
     return options
 
 
-def _from_config(options: dict, reshard_words: list[bool]) -> Sharding:
+def _from_config(options: dict, reshard_words: list[bool], offload_word: bool = False) -> Sharding:
     """The Sharding of an `fsdp` request and its fsdp_config options (transformers 5's reading: the config's
     reshard_after_forward wins over the strategy word; the version defaults to 2)."""
     version = str(options.get("version", 2))
@@ -119,7 +120,9 @@ def _from_config(options: dict, reshard_words: list[bool]) -> Sharding:
     if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
         raise ConfigError(f"fsdp_config transformer_layer_cls_to_wrap={classes!r} must be a class name or a list of "
                           "them (e.g. ['Qwen2DecoderLayer'])")
-    return Sharding(reshard_after_forward=reshard, layer_classes=tuple(c.strip() for c in classes if c.strip()))
+    offload = offload_word or any(_flag(key, options[key]) for key in ("cpu_offload", "offload_params") if key in options)
+    return Sharding(reshard_after_forward=reshard, layer_classes=tuple(c.strip() for c in classes if c.strip()),
+                    offload=offload)
 
 
 def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = None) -> Sharding | None:
@@ -131,8 +134,9 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
         unknown = [w for w in words if w not in FSDP_OPTIONS]
         if unknown:
             raise ConfigError(f"fsdp={fsdp!r}: {unknown} not supported; use true, 'full_shard' or 'shard_grad_op' "
-                              "(optionally with 'auto_wrap': decoder layers are always the units)")
-        return _from_config(options, [FSDP_OPTIONS[w] for w in words if FSDP_OPTIONS[w] is not None])
+                              "(optionally with 'offload', and 'auto_wrap': decoder layers are always the units)")
+        return _from_config(options, [FSDP_OPTIONS[w] for w in words if FSDP_OPTIONS[w] is not None],
+                            offload_word="offload" in words)
     # transformers ignores it then; a forgotten `fsdp` would train unsharded (what older transformers' to_dict()
     # wrote for every run, its defaults, asks for nothing)
     dumped = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
@@ -146,12 +150,10 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
         if version != "2":
             raise ConfigError(f"the accelerate config asks for FSDP version {version}: groupwise shards with FSDP2; "
                               "set fsdp_version: 2 in the accelerate config file")
-        for env, key, fix in (("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", "groupwise keeps the shards on the "
-                               "accelerator"), ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing",
-                               "set gradient_checkpointing: true in the groupwise config instead")):
-            if os.environ.get(env, "false").lower() in ("1", "true"):
-                raise ConfigError(f"the accelerate config sets {key}: true, which groupwise's FSDP2 does not apply "
-                                  f"({fix}): set {key}: false in the accelerate config file")
+        if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() in ("1", "true"):
+            raise ConfigError("the accelerate config sets fsdp_activation_checkpointing: true, which groupwise's FSDP2 "
+                              "does not apply (set gradient_checkpointing: true in the groupwise config instead): set "
+                              "fsdp_activation_checkpointing: false in the accelerate config file")
         wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")  # left out: layer by layer too
         if wrap.upper() != "TRANSFORMER_BASED_WRAP":
             raise ConfigError(f"the accelerate config sets fsdp_auto_wrap_policy: {wrap}, which groupwise's FSDP2 "
@@ -162,7 +164,8 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
             raise ConfigError(f"the accelerate config sets fsdp_reshard_after_forward: {reshard}: set it to true "
                               "(full_shard) or false (shard_grad_op) in the accelerate config file")
         classes = tuple(c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip())
-        return Sharding(reshard_after_forward=RESHARD_VALUES[reshard.lower()], layer_classes=classes)
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("1", "true")
+        return Sharding(reshard_after_forward=RESHARD_VALUES[reshard.lower()], layer_classes=classes, offload=offload)
     return None
 
 
@@ -176,9 +179,11 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     bf16: FSDP2's mixed precision (float32 sharded master weights, gathered and computed in bfloat16, gradients
     reduced in float32), as accelerate sets it up for an FSDP2 bf16 launch. frozen: a model that never runs a
     backward (the reference), resharded after every forward whatever the strategy (shard_grad_op keeps the gathered
-    weights for the backward, which would then never come: a full copy would stay)."""
+    weights for the backward, which would then never come: a full copy would stay). sharding.offload: every unit's
+    shards (and so its gradients and the optimizer state built over them) live in host memory and are copied to the
+    device for each all-gather; the optimizer step runs on the CPU."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     declared = list(getattr(model, "_no_split_modules", None) or [])
@@ -198,14 +203,18 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     # QLoRA: bitsandbytes' packed weights (frozen, already 4 / 8 bits) stay whole on every process; sharding them
     # would drop their quantization state (FSDP2 gathers a Parameter subclass back as a plain tensor)
     ignored = {p for p in model.parameters() if type(p).__name__ in QUANTIZED_PARAMETERS} or None
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if sharding.offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
+                    ignored_params=ignored)
     from groupwise.modeling import Float32Head
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, Float32Head):  # cast_lm_head_to_fp32: its own unit, gathered and reduced in float32
-        fully_shard(head, mesh=mesh, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy())
-    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+        fully_shard(head, mesh=mesh, reshard_after_forward=reshard, mp_policy=MixedPrecisionPolicy(),
+                    offload_policy=offload)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
+                ignored_params=ignored)
     return root
 
 
