@@ -243,7 +243,8 @@ def _record_pushes(t) -> list[float]:
         policy = t.unwrapped
         state = full_state_dict(policy) if t.dist.sharding is not None else policy.state_dict()
         reference = copy.deepcopy(t.sampling_model)  # the replica's layout, the policy's current values
-        reference.load_state_dict(state, strict=False)
+        loaded = reference.load_state_dict(state, strict=False)
+        assert not loaded.unexpected_keys and len(state) > 0, loaded  # every tensor gathered reached the copy
         with merged(reference):
             want = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
                     for n, p in reference.named_parameters() if "lora_" not in n}

@@ -85,3 +85,19 @@ def test_the_config_fields_are_checked_on_construction_before_anything_loads():
         GRPOConfig(fsdp=True, fsdp_config={"activation_checkpointing": True})
     with pytest.raises(ConfigError, match=r"fsdp=\['hybrid_shard'\]: \['hybrid_shard'\] not supported"):
         GRPOConfig(fsdp=["hybrid_shard"])
+
+
+def test_cpu_offload_on_gpus_gets_gloo_next_to_nccl():
+    """With CPU offload the gradient norm and the fp16 overflow check reduce shards held in host memory: on GPUs
+    the process group must have a CPU backend next to NCCL (accelerate sets the same for fsdp_offload_params)."""
+    from groupwise.sharding import process_group_backend
+
+    offload, plain = Sharding(True, offload=True), Sharding(True)
+    assert process_group_backend(None, offload, cuda=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda:nccl,cpu:gloo", offload, cuda=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend(None, offload, cuda=False) is None  # CPU processes: gloo, torch's default
+    assert process_group_backend("nccl", plain, cuda=True) == "nccl"
+    assert process_group_backend(None, None, cuda=True) is None
+    with pytest.raises(ConfigError, match=r"^fsdp with CPU offload and ddp_backend='nccl': .*leave ddp_backend unset, "
+                                          r"or set it to 'cuda:nccl,cpu:gloo'"):
+        process_group_backend("nccl", offload, cuda=True)

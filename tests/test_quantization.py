@@ -91,11 +91,13 @@ def test_what_cannot_work_is_refused_before_the_weights_load(tmp_path, base_dir,
     from groupwise.quantization import check_quantization
 
     for config in (BitsAndBytesConfig(load_in_8bit=True), {"load_in_8bit": True}):  # 4 bits: tests/test_fsdp.py
-        with pytest.raises(ConfigError, match=r"^8-bit weights \(load_in_8bit\) with fsdp are not supported .*load "
-                                              r"the base in 4 bits"):
+        with pytest.raises(ConfigError, match=r"^quantization_config with fsdp is supported in 4 bits only .*load the "
+                                              r"base with load_in_4bit, or drop fsdp"):
             check_quantization(small_args(tmp_path), "path", config, lora=True, sharded=True)
         check_quantization(small_args(tmp_path), "path", config, lora=True, sharded=False)
     check_quantization(small_args(tmp_path), "path", FOUR_BIT, lora=True, sharded=True)
+    with pytest.raises(ConfigError, match="with fsdp is supported in 4 bits only"):  # another quantizer
+        check_quantization(small_args(tmp_path), "path", {"quant_method": "gptq", "bits": 4}, lora=True, sharded=True)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ConfigError, match=r"quantization_config loads the model with bitsandbytes, which is not "

@@ -108,6 +108,13 @@ def test_coefficient_resolution_as_trl(tokenizer, tiny_model):
     assert router_aux_loss_coef(GRPOConfig(), tiny_model.config) == 0.0  # dense: nothing to weight
     with pytest.raises(ConfigError, match=r"router_aux_loss_coef=0.1 but LlamaConfig is not a Mixture-of-Experts"):
         router_aux_loss_coef(GRPOConfig(router_aux_loss_coef=0.1), tiny_model.config)
+    # under FSDP2 the float32 head is its own unit, which the model's forward (for aux_loss) would call a second time
+    sharded_cast = dict(fsdp="full_shard", cast_lm_head_to_fp32=True)
+    with pytest.raises(ConfigError, match=r"^cast_lm_head_to_fp32 with fsdp and the router loss of MixtralConfig "
+                                          r"\(router_aux_loss_coef=0.02\) is not supported yet"):
+        router_aux_loss_coef(GRPOConfig(**sharded_cast), moe)
+    assert router_aux_loss_coef(GRPOConfig(**sharded_cast, router_aux_loss_coef=0.0), moe) == 0.0
+    assert router_aux_loss_coef(GRPOConfig(cast_lm_head_to_fp32=True), moe) == 0.02  # unsharded: one head call
 
 
 def _spread(completions, **_):

@@ -112,6 +112,12 @@ def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
     tied.lm_head.weight = tied.model.embed_tokens.weight
     with pytest.raises(ConfigError, match="cast_lm_head_to_fp32=True needs an output head that is not tied"):
         _trainer(tmp_path, tokenizer, model=tied, cast_lm_head_to_fp32=True)
+    # adapters on the head replace the float32 head by PEFT's wrapper (whose matmul would not be float32)
+    for lora in (dict(lora_modules_to_save=["lm_head"]), dict(lora_target_modules=["q_proj", "lm_head"])):
+        with pytest.raises(ConfigError, match=r"^cast_lm_head_to_fp32=True with adapters on the output head \(it is "
+                                              r"a (ModulesToSaveWrapper|Linear)"):
+            _trainer(tmp_path, tokenizer, model=toy.build_model(tokenizer, seed=0, hidden_size=32),
+                     cast_lm_head_to_fp32=True, use_peft=True, **lora)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

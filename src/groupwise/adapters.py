@@ -151,6 +151,13 @@ def merged(model: torch.nn.Module):
                 p.copy_(original)
 
 
+def _wait_for_device() -> None:
+    """Let the GPU finish its queued copies: with CPU offload FSDP2 copies the shards from pinned host memory
+    asynchronously, so writing into them from the host must wait for those reads."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Reference:
     """π_ref of the KL term, the initial policy: `model` evaluated inside `context()`. For a PeftModel: the policy
     itself (no second copy of the base weights), with the adapters groupwise created disabled, or with the initial
@@ -205,6 +212,7 @@ class Reference:
 
         if self.root is not None:
             reshard(self.root)
+            _wait_for_device()
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             trained = {n: params[n].detach().clone() for n in self.initial}
@@ -215,6 +223,7 @@ class Reference:
         finally:
             if self.root is not None:
                 reshard(self.root)
+                _wait_for_device()
             with torch.no_grad():
                 for n, t in trained.items():
                     params[n].copy_(t)

@@ -85,6 +85,9 @@ class Distributed:
         check_launch(bf16, fp16)
         self.precision = launch_precision(bf16, fp16)
         self.timeout = timeout
+        from groupwise.sharding import process_group_backend
+
+        backend = process_group_backend(backend, sharding, torch.cuda.is_available())
         handlers = [InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=timeout))]
         ddp = {k: v for k, v in (ddp_kwargs or {}).items() if v is not None}
         if ddp:

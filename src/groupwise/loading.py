@@ -98,6 +98,13 @@ def router_aux_loss_coef(args: GRPOConfig, config) -> float:
     if coef and args.torch_compile:
         raise ConfigError(f"torch_compile with the router loss of {type(config).__name__} (router_aux_loss_coef="
                           f"{coef}) is not supported yet: set router_aux_loss_coef=0.0, or drop torch_compile")
+    from groupwise.sharding import resolve
+
+    # under FSDP2 the float32 head is a unit of its own, which the model's own forward (for aux_loss) would call too
+    if coef and args.cast_lm_head_to_fp32 and resolve(args.fsdp, args.fsdp_config) is not None:
+        raise ConfigError(f"cast_lm_head_to_fp32 with fsdp and the router loss of {type(config).__name__} "
+                          f"(router_aux_loss_coef={coef}) is not supported yet: set router_aux_loss_coef=0.0, or drop "
+                          "cast_lm_head_to_fp32")
     return coef
 
 
@@ -162,6 +169,16 @@ def cast_head_to_fp32(model) -> None:
                           "(a PEFT adapter on lm_head?); set cast_lm_head_to_fp32=False")
     head.float()
     head.__class__ = Float32Head  # a copy (the reference model) keeps the behaviour
+
+
+def check_head_cast(policy) -> None:
+    """cast_lm_head_to_fp32 after the adapters are added: PEFT on the output head (lora_modules_to_save or
+    target_modules with lm_head) replaces the float32 head by its wrapper, whose matmul would not be float32."""
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    if not isinstance(head, Float32Head):
+        raise ConfigError(f"cast_lm_head_to_fp32=True with adapters on the output head (it is a {type(head).__name__}: "
+                          "lm_head in lora_modules_to_save or lora_target_modules): leave lm_head out of the adapters, "
+                          "or set cast_lm_head_to_fp32=False")
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

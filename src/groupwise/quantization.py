@@ -93,9 +93,11 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
         if on:
             raise ConfigError(f"{what} with {field} is not supported yet: drop {field}, or load the model unquantized")
     config = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else quantization_config or {}
-    if sharded and (config.get("load_in_8bit") or getattr(model, "is_loaded_in_8bit", False)):
-        raise ConfigError("8-bit weights (load_in_8bit) with fsdp are not supported (their scales are not "
-                          "parameters FSDP2 can gather): load the base in 4 bits (load_in_4bit, QLoRA), or drop fsdp")
+    four_bit = config.get("load_in_4bit", False) and config.get("quant_method", "bitsandbytes") == "bitsandbytes" \
+        if quantization_config is not None else getattr(model, "is_loaded_in_4bit", False)
+    if sharded and not four_bit:  # only bitsandbytes' 4-bit weights are left out of the sharding (groupwise.sharding)
+        raise ConfigError(f"{what} with fsdp is supported in 4 bits only (bitsandbytes' load_in_4bit, QLoRA; 8-bit "
+                          "weights keep scales FSDP2 cannot gather): load the base with load_in_4bit, or drop fsdp")
 
 
 def _need_bitsandbytes(field: str) -> None:

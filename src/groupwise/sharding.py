@@ -169,7 +169,7 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
     return None
 
 
-QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")  # bitsandbytes' Parameter classes (4-bit and 8-bit weights)
+QUANTIZED_PARAMETERS = ("Params4bit",)  # bitsandbytes' 4-bit weights (8 bits with fsdp: refused, groupwise.quantization)
 
 
 def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, device: torch.device,
@@ -296,14 +296,31 @@ def optimizer_from_local(optimizer: torch.optim.Optimizer, local: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def sharded(v: torch.Tensor, p) -> torch.Tensor:
+        t = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        # from_local places the shard on the mesh's device; with CPU offload the parameter's shard is in host
+        # memory: back there at once, one tensor at a time (not the whole optimizer state on the GPU)
+        return t if t.device == p.device else t.to(p.device)
+
     state = {}
     for idx, st in local["state"].items():
         p = params[int(idx)]
-        state[idx] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                             stride=p.stride())
-                          if _is_dtensor(p) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+        state[idx] = {k: (sharded(v, p) if _is_dtensor(p) and isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                       for k, v in st.items()}
     return {"param_groups": local["param_groups"], "state": state}
+
+
+def process_group_backend(backend: str | None, sharding: Sharding | None, cuda: bool) -> str | None:
+    """The torch.distributed backend: `backend` (ddp_backend) or None (torch's default). With CPU offload on GPUs
+    the gradient norm and the fp16 overflow check reduce CPU-held shards, which NCCL cannot: NCCL for CUDA tensors
+    and gloo for CPU ones ("cuda:nccl,cpu:gloo", as accelerate sets up for fsdp_offload_params)."""
+    if not (cuda and sharding is not None and sharding.offload):
+        return backend
+    if backend in (None, "cuda:nccl,cpu:gloo"):
+        return "cuda:nccl,cpu:gloo"
+    raise ConfigError(f"fsdp with CPU offload and ddp_backend={backend!r}: the offloaded shards are reduced on the CPU, "
+                      "which needs gloo next to NCCL: leave ddp_backend unset, or set it to 'cuda:nccl,cpu:gloo'")
 
 
 def total_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

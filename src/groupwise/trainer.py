@@ -30,8 +30,8 @@ from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler,
 from groupwise.distributed import Distributed
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
-from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
-                               router_aux_loss_coef)
+from groupwise.loading import (as_list, check_combinations, check_head_cast, check_inputs, eos_token_ids, load_policy,
+                               load_tokenizer, router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, resolve_report_to, set_log_level
 from groupwise.signals import stop_on_signals
@@ -147,6 +147,8 @@ class GRPOTrainer(TransformersHabits):
         policy = load_policy(model, args, quantization_config, self.dist.device)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
+            if args.cast_lm_head_to_fp32:
+                check_head_cast(policy)
             if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)
                 disable_dropout(policy)
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
