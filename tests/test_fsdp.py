@@ -20,6 +20,22 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "weights.safetensors"))
 
 
+def _like_ddp_and_resumed(tmp_path: Path, common: dict, fsdp: str, crash_after: int) -> tuple[Path, Path, Path]:
+    """`common` under DDP, under FSDP2 (`fsdp`), and under FSDP2 dying right after checkpoint `crash_after`, then
+    resumed from it in fresh processes: checks that FSDP2's final weights are DDP's (1e-6) and the resumed run's
+    FSDP2's bit for bit; returns the three folders (ddp, fsdp, crashed)."""
+    ddp, sharded, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
+    runs(dict(out=ddp, **common), dict(out=sharded, fsdp=fsdp, **common),
+         dict(out=crashed, fsdp=fsdp, crash_after=crash_after, **common))
+    _run(crashed, resume=str(crashed / f"checkpoint-{crash_after}"), fsdp=fsdp, **common)
+    want, got, resumed = _weights(ddp), _weights(sharded), _weights(crashed)
+    assert want.keys() == got.keys() == resumed.keys()
+    for name in want:
+        assert torch.allclose(want[name].float(), got[name].float(), atol=1e-6), name
+        assert torch.equal(got[name], resumed[name]), name
+    return ddp, sharded, crashed
+
+
 @pytest.mark.slow
 def test_fsdp2_trains_like_ddp(tmp_path):
     runs(dict(out=tmp_path / "ddp", max_steps=3, save_steps=0),  # one launch: the runs are independent
@@ -102,15 +118,8 @@ def test_fsdp2_lora_trains_like_ddp_lora_keeps_adapter_sized_shards_and_resumes_
     model the run loads); a run resumed from step 2 in fresh processes ends bitwise equal to the straight one."""
     common = dict(max_steps=4, save_steps=2, use_peft=True, lora_target_modules=["q_proj", "v_proj"],
                   learning_rate=0.05, beta=0.04)
-    ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
-    runs(dict(out=ddp, **common), dict(out=fsdp, fsdp="full_shard", **common),
-         dict(out=crashed, fsdp="full_shard", crash_after=2, **common))
-    _run(crashed, resume=str(crashed / "checkpoint-2"), fsdp="full_shard", **common)
-    want, got, resumed = _weights(ddp), _weights(fsdp), _weights(crashed)
-    assert want.keys() == got.keys() == resumed.keys()
-    for name in want:
-        assert torch.allclose(want[name], got[name], atol=1e-6), name
-        assert torch.equal(got[name], resumed[name]), name
+    ddp, fsdp, _ = _like_ddp_and_resumed(tmp_path, common, "full_shard", crash_after=2)
+    want, got = _weights(ddp), _weights(fsdp)
     kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp)]
     assert kl[0][0] == kl[1][0] == 0.0 and kl[1][1] > 0 and kl[1] == pytest.approx(kl[0], abs=1e-7)
     ckpt = fsdp / "checkpoint-4"
@@ -138,15 +147,7 @@ def test_fsdp2_with_a_peft_model_passed_in_keeps_its_initial_adapter_as_the_refe
     signal, 5-6) in fresh processes is bitwise exact, its π_ref the adapter's initial values, not the checkpoint's."""
     common = dict(max_steps=8, save_steps=6, trained_adapter=["q_proj", "v_proj"], learning_rate=0.05, beta=0.04,
                   num_iterations=2)  # π_θold's no-grad pass first: shard_grad_op leaves its units gathered
-    ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
-    runs(dict(out=ddp, **common), dict(out=fsdp, fsdp="shard_grad_op", **common),
-         dict(out=crashed, fsdp="shard_grad_op", crash_after=6, **common))
-    _run(crashed, resume=str(crashed / "checkpoint-6"), fsdp="shard_grad_op", **common)
-    want, got, resumed = _weights(ddp), _weights(fsdp), _weights(crashed)
-    assert want.keys() == got.keys() == resumed.keys()
-    for name in want:
-        assert torch.allclose(want[name], got[name], atol=1e-6), name
-        assert torch.equal(got[name], resumed[name]), name
+    ddp, fsdp, crashed = _like_ddp_and_resumed(tmp_path, common, "shard_grad_op", crash_after=6)
     kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp, crashed)]
     assert kl[0][0] == kl[1][0] == 0.0 and min(kl[1][5:]) > 0  # steps 1-4: no reward signal, nothing moves
     assert kl[1] == pytest.approx(kl[0], abs=1e-7) and kl[2] == kl[1]  # the resumed run's π_ref: the initial adapter
@@ -272,16 +273,9 @@ def test_fsdp2_qlora_keeps_the_4bit_base_whole_trains_like_ddp_and_resumes_exact
     toy.build_model(toy.build_tokenizer(), seed=0, hidden_size=32).save_pretrained(base)
     common = dict(max_steps=4, save_steps=2, use_peft=True, lora_target_modules=["q_proj", "v_proj"], beta=0.04,
                   learning_rate=0.05, reward="length", model_path=str(base), load_in_bits=4)
-    ddp, fsdp, crashed = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "crashed"
-    runs(dict(out=ddp, **common), dict(out=fsdp, fsdp="full_shard", **common),
-         dict(out=crashed, fsdp="full_shard", crash_after=2, **common))
-    _run(crashed, resume=str(crashed / "checkpoint-2"), fsdp="full_shard", **common)
-    want, got, resumed = _weights(ddp), _weights(fsdp), _weights(crashed)
-    assert want.keys() == got.keys() == resumed.keys()
-    assert any(want[n].dtype == torch.uint8 for n in want)  # the packed 4-bit weights
-    for name in want:
-        assert torch.allclose(want[name].float(), got[name].float(), atol=1e-6), name
-        assert torch.equal(got[name], resumed[name]), name
+    ddp, fsdp, _ = _like_ddp_and_resumed(tmp_path, common, "full_shard", crash_after=2)
+    want = _weights(ddp)
+    assert any(want[n].dtype == torch.uint8 for n in want)  # the packed 4-bit weights (compared too)
     assert any(not torch.equal(want[n], torch.zeros_like(want[n])) for n in want if "lora_B" in n)  # it trained
     kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp)]
     assert kl[0][0] == kl[1][0] == 0.0 and kl[1][-1] > 0 and kl[1] == pytest.approx(kl[0], abs=1e-7)
