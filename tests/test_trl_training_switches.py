@@ -112,12 +112,23 @@ def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
     tied.lm_head.weight = tied.model.embed_tokens.weight
     with pytest.raises(ConfigError, match="cast_lm_head_to_fp32=True needs an output head that is not tied"):
         _trainer(tmp_path, tokenizer, model=tied, cast_lm_head_to_fp32=True)
-    # adapters on the head replace the float32 head by PEFT's wrapper (whose matmul would not be float32)
-    for lora in (dict(lora_modules_to_save=["lm_head"]), dict(lora_target_modules=["q_proj", "lm_head"])):
-        with pytest.raises(ConfigError, match=r"^cast_lm_head_to_fp32=True with adapters on the output head \(it is "
-                                              r"a (ModulesToSaveWrapper|Linear)"):
-            _trainer(tmp_path, tokenizer, model=toy.build_model(tokenizer, seed=0, hidden_size=32),
-                     cast_lm_head_to_fp32=True, use_peft=True, **lora)
+    # adapters on the head: PEFT wraps the float32 head, whose own matmul stays float32 (the trained copy of
+    # modules_to_save is a Float32Head too); under fsdp the wrapper cannot be the float32 unit: refused
+    from peft import LoraConfig, get_peft_model
+
+    from groupwise.loading import cast_head_to_fp32, check_head_cast
+
+    for lora in (dict(modules_to_save=["lm_head"], target_modules=["q_proj"]), dict(target_modules=["lm_head"])):
+        model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+        cast_head_to_fp32(model)
+        wrapped = get_peft_model(model, LoraConfig(r=2, **lora))
+        hidden = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert wrapped.get_output_embeddings()(hidden).dtype == torch.float32
+        with pytest.raises(ConfigError, match=r"^cast_lm_head_to_fp32=True with fsdp and adapters on the output head "
+                                              r"\(it is a (ModulesToSaveWrapper|Linear)"):
+            check_head_cast(wrapped)
+    check_head_cast(t.unwrapped)  # no adapters: the float32 head itself
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

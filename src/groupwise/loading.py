@@ -172,13 +172,15 @@ def cast_head_to_fp32(model) -> None:
 
 
 def check_head_cast(policy) -> None:
-    """cast_lm_head_to_fp32 after the adapters are added: PEFT on the output head (lora_modules_to_save or
-    target_modules with lm_head) replaces the float32 head by its wrapper, whose matmul would not be float32."""
+    """cast_lm_head_to_fp32 under FSDP2, after the adapters are added: PEFT on the output head (lora_modules_to_save
+    or target_modules with lm_head) puts a wrapper in its place, so the head is not the float32 unit groupwise.sharding
+    makes of it and would be gathered in the mixed precision (unsharded, the wrapped Float32Head still computes in
+    float32)."""
     head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
     if not isinstance(head, Float32Head):
-        raise ConfigError(f"cast_lm_head_to_fp32=True with adapters on the output head (it is a {type(head).__name__}: "
-                          "lm_head in lora_modules_to_save or lora_target_modules): leave lm_head out of the adapters, "
-                          "or set cast_lm_head_to_fp32=False")
+        raise ConfigError(f"cast_lm_head_to_fp32=True with fsdp and adapters on the output head (it is a "
+                          f"{type(head).__name__}: lm_head in lora_modules_to_save or lora_target_modules) is not "
+                          "supported yet: leave lm_head out of the adapters, or set cast_lm_head_to_fp32=False")
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

@@ -147,7 +147,7 @@ class GRPOTrainer(TransformersHabits):
         policy = load_policy(model, args, quantization_config, self.dist.device)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
-            if args.cast_lm_head_to_fp32:
+            if args.cast_lm_head_to_fp32 and self.dist.sharding is not None:
                 check_head_cast(policy)
             if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)
                 disable_dropout(policy)
