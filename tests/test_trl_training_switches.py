@@ -225,7 +225,7 @@ def test_ddp_fields_reach_accelerate_and_switches_apply(tmp_path, tokenizer, mon
     import transformers
 
     called = []
-    monkeypatch.setattr("groupwise.trainer._empty_cache", lambda device: called.append(device))
+    monkeypatch.setattr("groupwise.trainer.empty_cache", lambda device: called.append(device))
     t = _trainer(tmp_path, tokenizer, max_steps=4, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=10,
                  tf32=False, log_level="error", torch_empty_cache_steps=2)
     handler = t.dist.accelerator.ddp_handler

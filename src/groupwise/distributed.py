@@ -66,6 +66,14 @@ def exact_dtype(device) -> torch.dtype:
     float32 on MPS, which has no float64."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
+def empty_cache(device: torch.device) -> None:
+    """torch_empty_cache_steps: give cached accelerator memory back (nothing to do on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
 class ProcessFailed(RuntimeError):
     """Another process raised in a `run_together` block (or, sharing a tensor-parallel vLLM engine, in a block of
     generation.independently()); the message is that process's."""

@@ -210,6 +210,10 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
         replica = copy.deepcopy(policy).to(dist.device, GENERATION_DTYPES[args.generation_dtype])
         replica.eval().requires_grad_(False)
     if dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
+        if args.cast_lm_head_to_fp32:  # the head must be the Float32Head that becomes a float32 unit
+            from groupwise.loading import check_head_cast
+
+            check_head_cast(policy)
         if replica is None:  # QLoRA: the packed base weights (frozen, never sharded) shared, not copied
             from groupwise.sharding import QUANTIZED_PARAMETERS
 

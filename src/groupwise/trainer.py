@@ -27,11 +27,11 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream, named_datasets
-from groupwise.distributed import Distributed
+from groupwise.distributed import Distributed, empty_cache
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
-from groupwise.loading import (as_list, check_combinations, check_head_cast, check_inputs, eos_token_ids, load_policy,
-                               load_tokenizer, router_aux_loss_coef)
+from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
+                               router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, resolve_report_to, set_log_level
 from groupwise.signals import stop_on_signals
@@ -147,8 +147,6 @@ class GRPOTrainer(TransformersHabits):
         policy = load_policy(model, args, quantization_config, self.dist.device)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
-            if args.cast_lm_head_to_fp32 and self.dist.sharding is not None:
-                check_head_cast(policy)
             if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)
                 disable_dropout(policy)
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
@@ -359,7 +357,7 @@ class GRPOTrainer(TransformersHabits):
         self.state.epoch = start + (end - start) * done / self.steps_per_round
         self._maybe_sync_ref()
         if args.torch_empty_cache_steps and self.global_step % args.torch_empty_cache_steps == 0:
-            _empty_cache(self.dist.device)
+            empty_cache(self.dist.device)
         self._bar.update(1)
         epoch_end = done == self.steps_per_round and int(self.sampler.progress()) > self._epochs_done
         self._epochs_done = max(self._epochs_done, int(self.sampler.progress())) if epoch_end else self._epochs_done
@@ -497,11 +495,3 @@ class GRPOTrainer(TransformersHabits):
         device = self.dist.device  # the checkpoint's tensors load on the CPU
         return Rollout(TrainBatch.from_tensors({k: v.to(device) for k, v in pending.items()}),
                        state["round_metrics"]), state["round_step"]
-
-
-def _empty_cache(device: torch.device) -> None:
-    """torch_empty_cache_steps: give cached accelerator memory back (nothing to do on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    elif device.type == "mps":
-        torch.mps.empty_cache()
