@@ -50,10 +50,27 @@ def _forkserver():
     return _context
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A port nothing listens on, for a test to hand to a process that binds it later. Chosen below the kernel's
+    ephemeral range: a port the kernel picked (bind to 0) is free again once released, and the kernel may give it
+    to any later connection or listener (gloo's pairs, a TCPStore client) before the process binds it
+    (EADDRINUSE, seen once in test_vllm_server); below that range only an explicit bind takes a port."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # not the tests' seeded global generator: two pytest processes would pick alike
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def _child(script: str, args: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str) -> None:
@@ -145,7 +162,7 @@ def start(script, *args, nproc: int = 2, env: dict[str, str] | None = None, cwd=
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")])
     for name in [k for k in base if k in TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]:
         base.pop(name)  # left by an earlier run in the test process: torchrun sets its own
-    port, argv, run_id = _free_port(), [str(script), *map(str, args)], uuid.uuid4().hex
+    port, argv, run_id = free_port(), [str(script), *map(str, args)], uuid.uuid4().hex
     logs = tempfile.TemporaryDirectory(prefix="launch-")
     procs = []
     for rank in range(nproc):

@@ -4,7 +4,6 @@ monkeypatch as accelerate exports them (accelerate.utils.launch.prepare_multi_gp
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from groupwise.config_base import ConfigError
 from groupwise.distributed import Distributed
 from tests.conftest import small_args
+from tests.launcher import free_port
 
 ROOT = Path(__file__).parents[1]
 
@@ -111,18 +111,12 @@ def test_examples_fsdp2_yaml_is_an_accelerate_config_whose_launch_groupwise_take
     check_launch(False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_process_group(monkeypatch):
     import torch.distributed as torch_dist
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     torch_dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield

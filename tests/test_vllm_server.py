@@ -23,6 +23,7 @@ from groupwise.loading import check_combinations
 from groupwise.tasks import toy
 from groupwise.text import encode_prompts
 from tests.conftest import small_args
+from tests.launcher import free_port
 
 STANDIN = str(Path(__file__).with_name("vllm_standin"))
 
@@ -51,15 +52,9 @@ def server(vllm, base_dir):
         yield s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_args(tmp_path, url, **kw):
     return small_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                      vllm_group_port=_free_port(), vllm_server_timeout=5.0, **kw)
+                      vllm_group_port=free_port(), vllm_server_timeout=5.0, **kw)
 
 
 def _generator(args, tokenizer):
@@ -214,7 +209,7 @@ def test_lora_policy_pushes_merged_weights_under_vllm_names(tmp_path, base_dir, 
 
 
 def test_unreachable_server_fails_within_the_timeout_naming_url_and_fix(tmp_path, base_dir, vllm):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     args = small_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
                       vllm_server_port=port, vllm_server_timeout=1.0)
     start = time.monotonic()
@@ -426,7 +421,7 @@ def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, 
             server.reply = scripted_replies(tok)
             results[nproc] = launch(tmp_path / str(nproc), nproc, {
                 "VLLM_MODE": "server", "BASE_DIR": str(base_dir), "STANDIN_URL": server.url,
-                "STANDIN_GROUP_PORT": str(_free_port())})
+                "STANDIN_GROUP_PORT": str(free_port())})
             requests[nproc] = [body for _, p, body in server.requests if p == "/v1/completions"][:5]
             updates[nproc] = (server.updates - 2, server.paths().count("/init_weight_transfer_engine") - 1)
     # one request per round from the main process: 2 prompts × n = 4, the same in both runs; then the evaluation's
