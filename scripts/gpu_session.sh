@@ -46,6 +46,8 @@ case "$stage" in
          timeout 150 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" --timeout 100 tests/generation -k cuda 2>&1 | tee "$OUT/gen_tests.log" | tail -15
          # fp16 mixed precision on CUDA (its tests pick the GPU when there is one)
          timeout 45 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" --timeout 30 tests/test_fp16.py 2>&1 | tee "$OUT/fp16_tests.log" | tail -8
+         # FSDP2 on CUDA: one process with CPU offload (NCCL with gloo next to it, pinned host copies)
+         timeout 90 python3 -m pytest -q -rf -p no:cacheprovider -o addopts="" --timeout 80 tests/test_fsdp.py -k one_process 2>&1 | tee "$OUT/fsdp_tests.log" | tail -8
          timeout 400 python3 benchmarks/generation.py --gpu --ablate 2>&1 | tee "$OUT/generation.log" | tail -30
          cp benchmarks/results/generation_gpu.md "$OUT/" 2>/dev/null ;;
   autotune)  # the compiled loop under torch.compile's max-autotune mode, against the default, at 64×8

@@ -20,27 +20,28 @@ TR_DPO = dict(max_steps=4, save_steps=2, fsdp="full_shard", beta=0.04, sync_ref_
 VLLM_STANDIN = str(Path(__file__).with_name("vllm_standin"))
 
 
-def launch(out: Path, spec) -> subprocess.CompletedProcess:
-    """dist_worker.py run OUT on 2 processes with RUN_SPEC `spec` (one run's dict, or a list of runs); the vLLM
-    stand-in importable when a run sets use_vllm."""
+def launch(out: Path, spec, nproc: int = 2) -> subprocess.CompletedProcess:
+    """dist_worker.py run OUT on `nproc` processes with RUN_SPEC `spec` (one run's dict, or a list of runs); the
+    vLLM stand-in importable when a run sets use_vllm."""
     env = {"RUN_SPEC": json.dumps(spec)}
     if any(s.get("use_vllm") for s in (spec if isinstance(spec, list) else [spec])):
         env["PYTHONPATH"] = VLLM_STANDIN
-    return torchrun(WORKER, "run", out, env=env, timeout=600)
+    return torchrun(WORKER, "run", out, nproc=nproc, env=env, timeout=600)
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
-def run(out: Path, **spec) -> None:
+def run(out: Path, nproc: int = 2, **spec) -> None:
     """One run in fresh processes, which must succeed."""
-    _check(launch(out, spec))
+    _check(launch(out, spec, nproc))
 
 
-def runs(*specs: dict) -> None:
-    """Runs one after another in the same 2 processes, each in its spec's "out" folder; all must succeed."""
-    _check(launch(Path(specs[0]["out"]), [{**s, "out": str(s["out"])} for s in specs]))
+def runs(*specs: dict, nproc: int = 2) -> None:
+    """Runs one after another in the same processes (2, or `nproc`), each in its spec's "out" folder; all must
+    succeed."""
+    _check(launch(Path(specs[0]["out"]), [{**s, "out": str(s["out"])} for s in specs], nproc))
 
 
 def returned(out: Path) -> bool:

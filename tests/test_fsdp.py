@@ -363,6 +363,29 @@ def test_fsdp2_with_tied_embeddings_checkpoints_and_a_sharded_checkpoint_needs_f
     assert proc.returncode != 0 and "was saved by a sharded run (fsdp): resume it with fsdp and 2 processes" in proc.stderr
 
 
+@pytest.mark.slow
+def test_fsdp_offload_on_one_process_shards_over_it_alone_to_offload(tmp_path):
+    """With 'offload', one process is worth sharding: FSDP2 over a one-process group (gloo on CPU; NCCL with gloo
+    next to it on a GPU) keeps the weights, gradients and optimizer state in host memory. The same training as
+    without fsdp (β > 0: the reference offloaded too), every unit offloaded, a checkpoint with the process's shards,
+    a resume bitwise exact (in a fresh process)."""
+    common = dict(max_steps=4, save_steps=2, beta=0.04, learning_rate=0.05, reward="length")
+    offload = dict(common, fsdp="full_shard offload")
+    plain, offloaded, crashed = tmp_path / "plain", tmp_path / "offloaded", tmp_path / "crashed"
+    runs(dict(out=plain, **common), dict(out=offloaded, **offload), dict(out=crashed, crash_after=2, **offload),
+         nproc=1)
+    _run(crashed, nproc=1, resume=str(crashed / "checkpoint-2"), **offload)
+    want, got, resumed = _weights(plain), _weights(offloaded), _weights(crashed)
+    assert want.keys() == got.keys() == resumed.keys()
+    for name in want:
+        assert torch.allclose(want[name], got[name], atol=1e-6), name
+        assert torch.equal(got[name], resumed[name]), name
+    assert json.loads((offloaded / "units_0.json").read_text()) == ["CPUOffloadPolicy"]
+    assert (offloaded / "checkpoint-4" / "model_shard_0.safetensors").exists()
+    lines = [json.loads(x) for x in training_lines(offloaded / "metrics.jsonl")]
+    assert max(line["grad_norm"] for line in lines) > 0 and lines[-1]["kl"] > 0  # it trained, away from π_ref
+
+
 def test_fsdp_on_one_process_trains_unsharded_and_says_so(tmp_path, tokenizer):
     """One process has nothing to shard: the run goes on as without fsdp (no FSDP2 wrapping), with a warning that
     names the fix, instead of dropping the field silently."""

@@ -115,9 +115,14 @@ class Distributed:
                                        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
-            self.sharding = None  # one process: nothing to shard (the run is the same without it)
-            warnings.warn("fsdp is set but this run has one process: nothing to shard, so it trains unsharded (launch "
-                          "with torchrun or accelerate and 2+ processes to shard)", UserWarning, stacklevel=2)
+            if sharding.offload:  # one process: FSDP2 over it alone, to keep the weights and state in host memory
+                torch_dist.init_process_group(backend=backend or "gloo", store=torch_dist.HashStore(), rank=0,
+                                              world_size=1, timeout=datetime.timedelta(seconds=timeout))
+            else:
+                self.sharding = None  # one process: nothing to shard (the run is the same without it)
+                warnings.warn("fsdp is set but this run has one process: nothing to shard, so it trains unsharded "
+                              "(launch with torchrun or accelerate and 2+ processes to shard; with 'offload' one "
+                              "process keeps its weights in host memory)", UserWarning, stacklevel=2)
         # fp16: gradients of a loss multiplied by a scale that halves when they overflow and doubles after
         # growth_interval clean steps (transformers / accelerate's defaults). Under FSDP2 the gradients are shards
         # (DTensors): unscale_'s overflow check is reduced over the mesh by DTensor (max), so every process sees
