@@ -386,6 +386,28 @@ def test_fsdp_offload_on_one_process_shards_over_it_alone_to_offload(tmp_path):
     assert max(line["grad_norm"] for line in lines) > 0 and lines[-1]["kl"] > 0  # it trained, away from π_ref
 
 
+@pytest.mark.slow
+def test_fsdp_offload_on_one_process_with_a_passed_in_adapter_and_a_float32_head(tmp_path):
+    """The FSDP2 paths that copy into offloaded shards or add a unit, on one process (so that a one-GPU machine runs
+    them too: scripts/gpu_session.sh): a PeftModel passed in with β > 0 (its initial adapter swapped into the shards
+    for every reference pass) trains as without fsdp; cast_lm_head_to_fp32 under bf16 gathers the head in float32."""
+    adapter = dict(max_steps=8, save_steps=0, trained_adapter=["q_proj", "v_proj"], beta=0.04, learning_rate=0.05,
+                   num_iterations=2, reward="length")
+    head = dict(max_steps=2, save_steps=0, bf16=True, cast_lm_head_to_fp32=True, beta=0.04, probe_head=True,
+                fsdp="full_shard offload")
+    plain, offloaded = tmp_path / "plain", tmp_path / "offloaded"
+    runs(dict(out=plain, **adapter), dict(out=offloaded, fsdp="shard_grad_op offload", **adapter),
+         dict(out=tmp_path / "head", **head), nproc=1)
+    want, got = _weights(plain), _weights(offloaded)
+    for name in want:
+        assert torch.allclose(want[name], got[name], atol=1e-6), name
+    kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (plain, offloaded)]
+    assert kl[1][0] == 0.0 and kl[1][-1] > 0 and kl[1] == pytest.approx(kl[0], abs=1e-7)
+    probe = json.loads((tmp_path / "head" / "head_probe_0.json").read_text())
+    assert probe["to_float32"] < 2e-6 and probe["to_bfloat16"] > 1e-4, probe
+    assert json.loads((tmp_path / "head" / "units_0.json").read_text()) == ["CPUOffloadPolicy"]
+
+
 def test_fsdp_on_one_process_trains_unsharded_and_says_so(tmp_path, tokenizer):
     """One process has nothing to shard: the run goes on as without fsdp (no FSDP2 wrapping), with a warning that
     names the fix, instead of dropping the field silently."""
