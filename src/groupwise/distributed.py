@@ -66,6 +66,7 @@ def exact_dtype(device) -> torch.dtype:
     float32 on MPS, which has no float64."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
+
 def empty_cache(device: torch.device) -> None:
     """torch_empty_cache_steps: give cached accelerator memory back (nothing to do on CPU)."""
     if device.type == "cuda":
