@@ -232,7 +232,7 @@ def _record_pushes(t) -> list[float]:
     """Every load of weights into the (stand-in) vLLM engine — when it starts, then after each optimizer step: the
     largest difference between the engine's weights after the load and the policy's (the weights the trainer
     optimizes: the sharded ones gathered, a LoRA policy merged) at that moment."""
-    from groupwise.adapters import merged
+    from groupwise.generation.vllm import vllm_named_weights
     from groupwise.sharding import full_state_dict
 
     generator, pushes = t.rollout_ctx.generator, []
@@ -245,9 +245,8 @@ def _record_pushes(t) -> list[float]:
         reference = copy.deepcopy(t.sampling_model)  # the replica's layout, the policy's current values
         loaded = reference.load_state_dict(state, strict=False)
         assert not loaded.unexpected_keys and len(state) > 0, loaded  # every tensor gathered reached the copy
-        with merged(reference):
-            want = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
-                    for n, p in reference.named_parameters() if "lora_" not in n}
+        with vllm_named_weights(reference) as named:  # vLLM's names (tests/test_vllm.py checks them), merged
+            want = {n: p.detach().clone() for n, p in named}
         pushes.append(max((p - want[n]).abs().max().item() for n, p in generator.llm.hf.named_parameters()))
 
     generator._load = recorded
