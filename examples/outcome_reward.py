@@ -14,16 +14,18 @@ def short_and_on_letter(completions, letter, **kwargs):
     return [text.count(c) / len(text) - 0.01 * len(text) if text else -0.5 for text, c in zip(completions, letter)]
 
 
-def main():
+def main(**overrides):
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(tokenizer, seed=0)
-    args = GRPOConfig(output_dir="outputs/example-outcome", overwrite_output_dir=True, num_generations=8, per_device_train_batch_size=32,
-                      max_completion_length=12, max_steps=30, learning_rate=1e-2, logging_steps=10,
-                      lr_scheduler_type="constant", log_completions=True, num_completions_to_print=2)
+    args = GRPOConfig(**{"output_dir": "outputs/example-outcome", "overwrite_output_dir": True,
+                         "num_generations": 8, "per_device_train_batch_size": 32, "max_completion_length": 12,
+                         "max_steps": 30, "learning_rate": 1e-2, "logging_steps": 10, "lr_scheduler_type": "constant",
+                         "log_completions": True, "num_completions_to_print": 2, **overrides})
     trainer = GRPOTrainer(model, short_and_on_letter, args=args, train_dataset=toy.dataset(128),
                           processing_class=tokenizer)
     metrics = trainer.train()
     print(f"final mean reward {metrics['reward']:.3f}")
+    return trainer
 
 
 if __name__ == "__main__":

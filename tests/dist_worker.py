@@ -128,7 +128,7 @@ def run(out: Path) -> None:
     """A GRPOTrainer run described by RUN_SPEC (JSON: config fields, plus "resume", "crash_after", "tie",
     "poison_step" (_poison_row_0 at that global step), "trained_adapter" (_trained_adapter), "probe_head"
     (_probe_head, written to head_probe_<rank>.json), "load_in_bits" (4 or 8: QLoRA, with model_path), "model_path" (the model loaded from there; with use_vllm
-    the stand-in engine's loads are checked, engine_<rank>.json) and "reward" ("letter", toy.letter_reward, or
+    in colocate mode the stand-in engine's loads are checked, engine_<rank>.json) and "reward" ("letter", toy.letter_reward, or
     "length")); each
     process writes its state.log_history to log_history_<rank>.json and rank 0 the final weights (full, unsharded) to
     weights.safetensors. RUN_SPEC a list: its runs one after another
@@ -186,7 +186,8 @@ def run_one(out: Path, spec: dict) -> None:
             else BitsAndBytesConfig(load_in_8bit=True)
     t = GRPOTrainer(path or model, [reward], args=args, quantization_config=quantization, train_dataset=toy.dataset(16),
                     processing_class=tok, callbacks=[CrashAfter()])
-    if args.use_vllm:  # the stand-in engine (tests/vllm_standin on PYTHONPATH)
+    colocate = args.use_vllm and args.vllm_mode == "colocate"
+    if colocate:  # the stand-in engine (tests/vllm_standin on PYTHONPATH)
         pushes = _record_pushes(t)
     try:
         t.train(resume_from_checkpoint=resume)
@@ -202,7 +203,7 @@ def run_one(out: Path, spec: dict) -> None:
         (out / f"units_{t.dist.rank}.json").write_text(json.dumps(policies))
     if probe:
         (out / f"head_probe_{t.dist.rank}.json").write_text(json.dumps(_probe_head(t)))
-    if args.use_vllm:
+    if colocate:
         (out / f"engine_{t.dist.rank}.json").write_text(json.dumps(pushes))
     if bits is not None:  # the packed weights the sampling replica uses: the policy's own objects, or copies
         packed = [(n, p) for n, p in t.unwrapped.named_parameters() if type(p).__name__ in ("Params4bit", "Int8Params")]

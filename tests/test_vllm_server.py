@@ -6,6 +6,7 @@ weights reaching the server after every optimizer step, errors — not vLLM."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import socket
 import subprocess
@@ -433,3 +434,57 @@ def test_two_training_processes_share_the_server_through_the_main_one(tmp_path, 
     # each process sent its own evaluation batches: 2 + 1 rows on one process and 2 on the other, 2 + 2 + 1 on one
     assert sorted(len(b["prompt"]) for b in requests[2][2:]) == sorted(len(b["prompt"]) for b in requests[1][2:]) \
         == [1, 2, 2]
+
+
+@pytest.mark.slow
+def test_fsdp2_pushes_the_gathered_weights_to_the_server_as_ddp_does(tmp_path, vllm):
+    """vllm_mode="server" under FSDP2 (2 processes), full and LoRA: the main process pushes the unsharded replica,
+    refreshed from the gathered shards (LoRA: the gathered adapters, merged for the push) after every step. Each run
+    has its own server (seed 0), so DDP and FSDP2 runs get the same samples for the same weights: the server holds
+    the same weights after each of the 4 pushes (the start, then each of the 3 steps) in both, those weights change
+    at every step, the importance ratios are 1 (the server sampled with the policy's current weights: a stale push
+    would read ≠ 1), and the trained weights are DDP's."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import training_lines
+    from tests.fsdp_support import runs
+    from tests.vllm_standin.serve import StandinServer
+
+    base = tmp_path / "base"  # the server's model: the workers' (toy.build_model, seed 0)
+    toy.build_model(toy.build_tokenizer(), seed=0, hidden_size=32).save_pretrained(base)
+    lora = dict(use_peft=True, lora_target_modules=["q_proj", "v_proj"])
+    names = ("ddp", "fsdp", "ddp_lora", "fsdp_lora")
+    servers = {name: StandinServer(str(base)).start() for name in names}
+    pushed = {name: [] for name in names}
+    for name, server in servers.items():  # the server's weights after every completed update
+        def finish(server=server, log=pushed[name], done=server.finish_update):
+            out = done()
+            log.append({k: v.detach().clone() for k, v in server.llm.hf.state_dict().items()})
+            return out
+        server.finish_update = finish
+    try:
+        runs(*[dict(out=tmp_path / name, max_steps=3, save_steps=0, learning_rate=0.05, model_path=str(base),
+                    use_vllm=True, vllm_mode="server", vllm_server_base_url=servers[name].url,
+                    vllm_group_port=free_port(), **(lora if "lora" in name else {}),
+                    **({"fsdp": "full_shard"} if "fsdp" in name else {})) for name in names])
+    finally:
+        for server in servers.values():
+            server.stop()
+    start = load_file(str(base / "model.safetensors"))
+    for kind in ("", "_lora"):
+        want, got = pushed[f"ddp{kind}"], pushed[f"fsdp{kind}"]
+        assert len(want) == len(got) == 4
+        assert all(torch.equal(want[0][n], start[n]) for n in start)  # the first push: the untrained policy
+        for i in range(1, 4):  # each step moved the weights the server samples with
+            assert any(not torch.equal(want[i][n], want[i - 1][n]) for n in start), (kind, i)
+        for i in range(4):
+            for n in want[i]:
+                assert torch.allclose(want[i][n], got[i][n], atol=1e-5), (kind, i, n)
+        for name in (f"ddp{kind}", f"fsdp{kind}"):
+            lines = [json.loads(x) for x in training_lines(tmp_path / name / "metrics.jsonl")]
+            ratio = [x["sampling/importance_sampling_ratio/mean"] for x in lines]
+            assert ratio == pytest.approx([1.0] * 3, abs=1e-4), (name, ratio)
+        trained = [load_file(str(tmp_path / f"{run}{kind}" / "weights.safetensors")) for run in ("ddp", "fsdp")]
+        assert trained[0].keys() == trained[1].keys()
+        for n in trained[0]:
+            assert torch.allclose(trained[0][n], trained[1][n], atol=1e-5), (kind, n)
