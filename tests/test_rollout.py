@@ -86,3 +86,33 @@ def test_reward_metric_is_the_weighted_sum_under_either_aggregation():
         scores = Scores(per_func, rewards, ("f", "g"), torch.zeros(2))
         m = round_metrics(ctx, Round(comp, torch.zeros(4), rewards.view(-1), None, None, None, scores))
         assert m["reward"] == 2.0 and abs(m["reward_std"] - 1.581139) < 1e-6, aggregation
+
+
+def test_a_completion_ended_by_a_stop_string_keeps_its_last_step(tokenizer):
+    """Only a cut by max_completion_length leaves the open last step out (score_truncated_step=False). A backend
+    that stopped a row early without EOS (a stop string: Generated.lengths < max_completion_length) finished it:
+    its last step is judged. Rows (T = 8): "a\\nb" ended by a stop (3 tokens, no EOS) keeps steps a, b; "a\\nbbbbbb"
+    cut at 8 tokens loses its open step. Step rewards a → 1, others → 0: group [1, 0] and [1] ⇒ mean 2/3, population
+    std √(2/9) = 0.4714 ⇒ b's normalized reward (0 − 2/3) / 0.4714 = −1.4142 lands on its tokens 2 (and nothing
+    after: no EOS), a's +0.7071 on tokens 0–1 of both rows: row 0 = [0.7071 − 1.4142] ×2, −1.4142; row 1 = 0.7071 ×2."""
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, supervision="process",
+                      advantage_eps=0.0)
+    reward = lambda steps, **_: [[1.0 if s == "a" else 0.0 for s in row] for row in steps]  # noqa: E731
+    ctx = R.RolloutContext(args=args, tokenizer=tokenizer, generator=None, dist=Distributed(),
+                           eos_token_ids=[tokenizer.eos_token_id], process_sources=load_process_reward_sources([reward]),
+                           splitter=StepSplitter())
+    texts = ["a\nb", "a\nbbbbbb"]
+    pids, pmask = encode_prompts(["q:"] * 2, tokenizer, None)
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert [len(r) for r in rows] == [3, 8]  # one token per character in the tests' tokenizer
+    cids = torch.full((2, 8), tokenizer.pad_token_id)
+    for i, r in enumerate(rows):
+        cids[i, :len(r)] = torch.tensor(r)
+    cmask, trunc = completion_masks(cids, [tokenizer.eos_token_id], 8, lengths=torch.tensor([3, 8]))
+    assert trunc.tolist() == [True, True]  # TRL's `truncated`: no EOS in either
+    comp = Completions(pids, pmask, cids, cmask, trunc, ["q:"] * 2, texts, {})
+    steps = R.score_steps(ctx, comp)
+    assert steps.texts == [["a", "b"], ["a"]] and steps.ends == [[[1, 2], [1]]]
+    adv = R.advantages(ctx, comp, None, steps)
+    a, b = 1 / 3 / (2 / 9) ** 0.5, -2 / 3 / (2 / 9) ** 0.5
+    assert torch.allclose(adv, torch.tensor([[a + b, a + b, b, 0, 0, 0, 0, 0], [a, a, 0, 0, 0, 0, 0, 0]]), atol=1e-6)

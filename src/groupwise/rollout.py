@@ -245,11 +245,14 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     if not turns and comp.tool_mask is not None and bool(((comp.tool_mask == 0) & (comp.completion_mask != 0)).any()):
         raise ConfigError(TOOL_TEXT_STEPS.format(args.step_split))  # e.g. a rollout_func returning env_mask
     tool_masks = comp.tool_mask.tolist() if turns else None
-    for i, (ids, cut) in enumerate(zip(comp.token_lists(), comp.truncated.tolist())):
+    for i, (ids, no_eos) in enumerate(zip(comp.token_lists(), comp.truncated.tolist())):
+        # cut by max_completion_length; a row that ended without EOS before it (a stop string or stop token) is
+        # finished: its last step is judged (TRL's `truncated`, no EOS, still counts it for clipped_ratio)
+        cut = no_eos and len(ids) >= args.max_completion_length
         if turns:
             s = ctx.splitter.split_turns(ids, tool_masks[i], comp.turn_ends[i], tok, truncated=cut)
         else:
-            s = ctx.splitter.split(ids, tok, ends_with_eos=not cut, truncated=cut)
+            s = ctx.splitter.split(ids, tok, ends_with_eos=not no_eos, truncated=cut)
         dropped.append(s.truncated_last and not args.score_truncated_step)
         if dropped[-1]:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
