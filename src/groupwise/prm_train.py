@@ -3,7 +3,7 @@
 the Math-Shepherd / PRM800K shape; TRL's stepwise-supervision datasets, whose steps are in `completions`, are read
 as they are), evaluate step-level accuracy and F1 on a held-out split, and save a folder that
 `groupwise.rewards.prm.load_prm` (and `process_reward_funcs: [{path: …}]`) loads directly; groupwise_prm.json
-there records the kind, separator, positive label and max_length, which scoring uses by default.
+there records the kind, separator, prompt_separator, positive label and max_length, which scoring uses by default.
 
 Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`: the whole text tokenized at once):
 the loss is the cross-entropy of the step label at the last token of each step's separator; every other position is
@@ -37,6 +37,7 @@ class PRMTrainConfig(StrictConfig):
     eval_fraction: float = option("Share of train_file held out when eval_file is not given.", default=0.1, gt=0, lt=1)
     output_dir: str = option("Where the trained PRM (safetensors), its tokenizer and eval_metrics.json go.", default="outputs/prm")
     separator: str = option("Text after each step; the step is judged at its last token.", default="\n")
+    prompt_separator: str = option("Text between the prompt and the first step (recorded for scoring).", default="\n")
     learning_rate: float = option("AdamW learning rate.", default=2e-5, gt=0)
     weight_decay: float = option("AdamW weight decay.", default=0.0, ge=0)
     lr_scheduler_type: str = option("Learning-rate schedule over the run (transformers' names).", default="linear", choices=("linear", "cosine", "constant", "constant_with_warmup"))
@@ -104,7 +105,8 @@ def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None,
     out = []
     for r in tqdm(rows, desc=desc, disable=desc is None or len(rows) < 1000):
         ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator,
-                                         max_length=max_length or cfg.max_length)
+                                         max_length=max_length or cfg.max_length,
+                                         prompt_separator=cfg.prompt_separator)
         labels = [-100] * len(ids)
         for p, lbl in zip(positions, r["labels"]):
             labels[p] = lbl
@@ -231,7 +233,8 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     tokenizer.save_pretrained(out)
     # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
     (out / PRM_CONFIG).write_text(json.dumps({"kind": "token_classification", "separator": cfg.separator,
-                                              "positive_label": 1, "max_length": max_length}, indent=2))
+                                              "prompt_separator": cfg.prompt_separator, "positive_label": 1,
+                                              "max_length": max_length}, indent=2))
     metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
                "train/examples": float(n_train), "train/examples_without_steps": float(n_train - len(train_enc)),
                "train/steps": float(step)}

@@ -25,6 +25,26 @@ def test_build_prm_input_positions(tokenizer):
     assert tokenizer.decode(ids) == "abc\nde\n" and pos == [3, 6]
     ids, pos = build_prm_input(tokenizer, "ab", ["c", "de"], "\n", max_length=5)
     assert len(ids) == 5 and pos == [3]  # the second step was cut off
+    # a prompt_separator between the prompt and step 1: a b \n c \n d e \n, judged at 4 and 7
+    ids, pos = build_prm_input(tokenizer, "ab", ["c", "de"], "\n", prompt_separator="\n")
+    assert tokenizer.decode(ids) == "ab\nc\nde\n" and pos == [4, 7]
+    assert build_prm_input(tokenizer, "", ["c"], "\n", prompt_separator="\n")[1] == [1]  # no prompt text: none
+
+
+def test_each_kind_keeps_the_prompt_and_step_1_apart(tokenizer):
+    # joined with nothing, the question's last characters and step 1's first are tokenized together (a BPE merge
+    # across them): " " for a step-tag PRM, Math-Shepherd's f"{question} {output}", "\n" for the other kinds
+    tokenizer.add_tokens(["ки"])
+    tag = StepTagPRM(LlamaForCausalLM(_cfg(tokenizer)).eval(), tokenizer)
+    assert tag.prompt_separator == " "
+    ids, _ = tag._inputs(["q: 1+1"], [["1+1=2", "so 2"]], tag.judge_char)[::2]
+    assert tokenizer.decode(ids[0]) == "q: 1+1 1+1=2 ки\nso 2 ки\n"
+    token = TokenClassificationPRM(LlamaForTokenClassification(_cfg(tokenizer, num_labels=2)), tokenizer)
+    prefix = PrefixClassificationPRM(LlamaForSequenceClassification(_cfg(tokenizer, num_labels=1)), tokenizer)
+    assert token.prompt_separator == prefix.prompt_separator == "\n"
+    assert TokenClassificationPRM(token.model, tokenizer, prompt_separator="").prompt_separator == ""
+    with pytest.raises(ConfigError, match="prompt_separator=3 must be a string"):
+        TokenClassificationPRM(token.model, tokenizer, prompt_separator=3)
 
 
 def test_token_classification_prm_matches_single_forward(tokenizer):
@@ -32,7 +52,7 @@ def test_token_classification_prm_matches_single_forward(tokenizer):
     prm = TokenClassificationPRM(model, tokenizer, batch_size=2)
     got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
     for p, s, row in zip(PROMPTS, STEPS, got):
-        ids, pos = build_prm_input(tokenizer, p, s, "\n")
+        ids, pos = build_prm_input(tokenizer, p, s, "\n", prompt_separator="\n")
         probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[:, 1]
         assert row == pytest.approx([float(probs[i]) for i in pos], abs=1e-5)
 
@@ -45,7 +65,7 @@ def test_step_tag_prm_is_p_good_over_good_plus_bad(tokenizer):
     good, bad = tokenizer.convert_tokens_to_ids("+"), tokenizer.convert_tokens_to_ids("-")
     tag = tokenizer.convert_tokens_to_ids("ки")
     for p, s, row in zip(PROMPTS, STEPS, got):
-        ids, _ = build_prm_input(tokenizer, p, s, " ки\n")
+        ids, _ = build_prm_input(tokenizer, p, s, " ки\n", prompt_separator=" ")
         logits = model(input_ids=torch.tensor([ids])).logits[0]
         tag_positions = [i for i, t in enumerate(ids) if t == tag]
         expected = [float(torch.softmax(logits[i, [good, bad]], -1)[0]) for i in tag_positions]
@@ -65,19 +85,20 @@ def test_prefix_classification_prm(tokenizer):
     model = LlamaForSequenceClassification(_cfg(tokenizer, num_labels=1)).eval()
     got = PrefixClassificationPRM(model, tokenizer, batch_size=3)(prompts=PROMPTS, completions=["", ""], steps=STEPS)
     assert [len(r) for r in got] == [2, 3]
-    ids, _ = build_prm_input(tokenizer, PROMPTS[1], STEPS[1][:2], "\n")  # prompt + steps 1..2
+    ids, _ = build_prm_input(tokenizer, PROMPTS[1], STEPS[1][:2], "\n", prompt_separator="\n")  # prompt + steps 1..2
     assert got[1][1] == pytest.approx(float(model(input_ids=torch.tensor([ids])).logits[0, 0]), abs=1e-5)
 
 
 def test_prefix_classification_leaves_steps_cut_by_max_length_unscored(tokenizer):
     # char tokenizer, no BOS: "q:" = 2 tokens, then each step "ab" "cd" "ef" "gh" + "\n" = 3 tokens, so the steps'
     # separators sit at 4, 7, 10, 13; max_length=8 keeps steps 1 and 2 (prefixes of 5 and 8 tokens), and steps 3
-    # and 4 get None, without a forward pass (before, they were scored on the cut 8-token prefix: step 2's score)
+    # and 4 get None, without a forward pass (before, they were scored on the cut 8-token prefix: step 2's score).
+    # No prompt_separator, for these positions
     model = LlamaForSequenceClassification(_cfg(tokenizer, num_labels=1)).eval()
     rows_seen = []
     model.register_forward_hook(lambda m, args, kwargs, out: rows_seen.append(kwargs["input_ids"].shape),
                                 with_kwargs=True)
-    prm = PrefixClassificationPRM(model, tokenizer, max_length=8)
+    prm = PrefixClassificationPRM(model, tokenizer, max_length=8, prompt_separator="")
     with pytest.warns(RuntimeWarning, match=r"steps past max_length=8 tokens \(prompt \+ steps\) are unscored"):
         got = prm(prompts=["q:"], completions=[""], steps=[["ab", "cd", "ef", "gh"]])
     ids, pos = build_prm_input(tokenizer, "q:", ["ab", "cd", "ef", "gh"], "\n")
@@ -104,6 +125,8 @@ def test_load_prm_from_folder_with_recorded_kind(tmp_path, tokenizer):
     (tmp_path / "groupwise_prm.json").write_text(json.dumps({"kind": "token_classification", "separator": "\n"}))
     prm = load_prm(str(tmp_path))
     assert isinstance(prm, TokenClassificationPRM) and prm.separator == "\n"
+    # a file from before prompt_separator was recorded: trained with nothing between prompt and step 1, read so
+    assert prm.prompt_separator == ""
     # a file from before max_length was recorded still loads; its inputs stop at the model's position limit
     assert prm.max_length == model.config.max_position_embeddings == 2048
     assert len(prm(prompts=["a"], completions=[""], steps=[["b", "c"]])[0]) == 2
@@ -129,9 +152,10 @@ def test_a_prm_without_max_length_stops_at_its_position_limit(tokenizer):
     # GPT-2 (absolute positions) with 16 of them. Char tokenizer, no BOS: "q: 1+1" = 6 tokens, then "1+1=2" + "\n"
     # = 6 (separator at 11), "so the answer" + "\n" = 14 (separator at 25), "ok" + "\n" (28): 29 tokens. Without a
     # max_length the whole input went in and position 16 indexed past the table (IndexError on CPU, a device-side
-    # assert on GPU); now the input stops at 16 tokens, step 1 is scored on them and steps 2–3 are unscored (None)
+    # assert on GPU); now the input stops at 16 tokens, step 1 is scored on them and steps 2–3 are unscored (None).
+    # No prompt_separator, for these positions
     model = _gpt2_token_classifier(tokenizer, 16)
-    prm = TokenClassificationPRM(model, tokenizer)
+    prm = TokenClassificationPRM(model, tokenizer, prompt_separator="")
     assert prm.max_length == 16
     steps = ["1+1=2", "so the answer", "ok"]
     ids, pos = build_prm_input(tokenizer, "q: 1+1", steps, "\n")
@@ -186,7 +210,7 @@ def test_a_one_label_token_classifier_scores_its_logit(tokenizer):
     model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=1)).eval()
     got = TokenClassificationPRM(model, tokenizer)(prompts=PROMPTS, completions=["", ""], steps=STEPS)
     for p, s, row in zip(PROMPTS, STEPS, got):
-        ids, pos = build_prm_input(tokenizer, p, s, "\n")
+        ids, pos = build_prm_input(tokenizer, p, s, "\n", prompt_separator="\n")
         logits = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
         assert row == pytest.approx([float(logits[i]) for i in pos], abs=1e-5)
     assert len({round(v, 6) for row in got for v in row}) > 1
@@ -286,7 +310,7 @@ def test_prefix_classification_judges_the_separator_even_when_it_is_the_pad_toke
     for p, s, row in zip(PROMPTS, STEPS, got):
         expected = []
         for j in range(len(s)):
-            ids, pos = build_prm_input(tok, p, s[:j + 1], "\n")
+            ids, pos = build_prm_input(tok, p, s[:j + 1], "\n", prompt_separator="\n")
             assert ids[pos[-1]] == newline  # the judged token is the pad id
             with torch.no_grad():  # the score head at the judged (last) position, by hand
                 hidden = model.model(input_ids=torch.tensor([ids[:pos[-1] + 1]])).last_hidden_state

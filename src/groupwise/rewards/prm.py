@@ -1,8 +1,11 @@
 """Neural process reward models (PRMs), usable wherever a process reward function is: each is a callable
 `prm(prompts=…, completions=…, steps=…) -> [[score per step] per completion]`.
 
-Every kind reads one input built by `build_prm_input`: the text prompt + step 1 + separator + step 2 + separator …
-tokenized at once (as PRMs are trained); each step is judged at one token of its separator (found by offsets).
+Every kind reads one input built by `build_prm_input`: the text prompt + prompt_separator + step 1 + separator +
+step 2 + separator … tokenized at once (as PRMs are trained); each step is judged at one token of its separator
+(found by offsets). prompt_separator keeps the question's last characters and step 1's first apart (else a BPE
+merge across them shows the PRM text it never saw): " " for a step-tag PRM (Math-Shepherd's f"{question} {output}"),
+"\n" for the other kinds, "" for a PRM `groupwise prm train` saved before the option existed (trained without).
 
 TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_label) at the separator's last token
                          (what `groupwise prm train` produces); with one label, that label's logit.
@@ -36,8 +39,9 @@ def _prompt_text(prompt: Any) -> str:
 
 
 def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_char: int = -1,
-                    max_length: int | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the text prompt + Σ (step + separator), tokenized at once as a PRM is trained on it (Math-Shepherd
+                    max_length: int | None = None, prompt_separator: str = "") -> tuple[list[int], list[int]]:
+    """Token ids of the text prompt + prompt_separator (when the prompt has text) + Σ (step + separator), tokenized
+    at once as a PRM is trained on it (Math-Shepherd
     style: tokenizing the pieces apart would give SentencePiece steps a leading '▁' and break byte-level merges
     across step boundaries), and for each step the position that judges it: the token covering the character
     `judge_char` of that step's separator (−1: its last character, so the separator's last token). Positions come
@@ -50,6 +54,7 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
                          "mapping to find each step's separator in the jointly tokenized text; load the fast one "
                          "(AutoTokenizer.from_pretrained(..., use_fast=True))")
     text, judged = _prompt_text(prompt), []
+    text += prompt_separator if text else ""
     for step in steps:
         text += step + separator
         judged.append((len(text) - len(separator), len(text) - len(separator) + judge_char % len(separator)))
@@ -83,15 +88,21 @@ def position_limit(model, tokenizer=None) -> int | None:
 
 class _PRM:
     kind = ""
+    prompt_separator = "\n"  # between the prompt and step 1, unless given
 
     def __init__(self, model, tokenizer, *, separator: str = "\n", batch_size: int = 8, max_length: int | None = None,
-                 name: str | None = None):
+                 name: str | None = None, prompt_separator: str | None = None):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         ensure_pad_token(tokenizer, "the PRM's tokenizer")
         # no max_length: the PRM's own position limit, so a long prompt + steps leaves its last steps unscored
         # instead of indexing past the position table (an IndexError, a device-side assert on GPU)
         self.separator, self.batch_size = separator, batch_size
+        if prompt_separator is not None:
+            if not isinstance(prompt_separator, str):
+                raise ConfigError(f"prompt_separator={prompt_separator!r} must be a string (the text between the "
+                                  "prompt and the first step)")
+            self.prompt_separator = prompt_separator
         self.max_length = position_limit(model, tokenizer) if max_length is None else max_length
         self.__name__ = name or f"prm_{self.kind}"
 
@@ -117,7 +128,8 @@ class _PRM:
 
     def _inputs(self, prompts, steps, judge_char=-1):
         built = [build_prm_input(self.tokenizer, p, s, self.separator, judge_char=judge_char,
-                                 max_length=self.max_length) for p, s in zip(prompts, steps)]
+                                 max_length=self.max_length, prompt_separator=self.prompt_separator)
+                 for p, s in zip(prompts, steps)]
         ids, mask = (t.to(self.device) for t in pad_rows([b[0] for b in built], self.tokenizer.pad_token_id))
         return ids, mask, [b[1] for b in built]
 
@@ -152,6 +164,7 @@ class TokenClassificationPRM(_PRM):
 
 class StepTagPRM(_PRM):
     kind = "step_tag"
+    prompt_separator = " "  # Math-Shepherd: f"{question} {output}"
 
     def __init__(self, model, tokenizer, *, step_tag: str = "ки", good_token: str = "+", bad_token: str = "-",
                  separator: str | None = None, **kw):
@@ -194,8 +207,8 @@ class PrefixClassificationPRM(_PRM):
     def _score(self, prompts, steps):
         # prefix j = prompt + steps 1..j with their separators = the tokens up to step j's judged position (its
         # separator's last token); a step cut by max_length has no position: None, and no forward pass
-        built = [build_prm_input(self.tokenizer, p, s, self.separator, max_length=self.max_length)
-                 for p, s in zip(prompts, steps)]
+        built = [build_prm_input(self.tokenizer, p, s, self.separator, max_length=self.max_length,
+                                 prompt_separator=self.prompt_separator) for p, s in zip(prompts, steps)]
         prefixes = [(i, j) for i, (_, pos) in enumerate(built) for j in range(len(pos))]
         texts = [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
         scores: list[float] = []
@@ -246,6 +259,7 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
     cfg = Path(path) / PRM_CONFIG
     if cfg.exists():
         recorded = json.loads(cfg.read_text())
+        recorded.setdefault("prompt_separator", "")  # saved before the option: trained with nothing there
     saved = recorded.pop("kind", None)
     if (kind or saved) not in PRM_KINDS:
         raise ValueError(f"PRM kind {kind or saved!r} is not one of {sorted(PRM_KINDS)} (set `kind` for {path})")
