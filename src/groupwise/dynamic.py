@@ -30,7 +30,7 @@ def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepSc
     if variant.outcome and scores is not None and not (both and args.outcome_advantage_weight == 0):
         signal |= spread(scores.rewards.unsqueeze(-1)) > 1e-6
     if variant.process and step_scores is not None and not (both and args.process_advantage_weight == 0):
-        signal |= step_spread(step_scores.rewards, ctx.args.step_advantage) > 1e-6
+        signal |= step_spread(step_scores.rewards, args.step_advantage, args.advantage_estimator) > 1e-6
     return signal
 
 

@@ -46,7 +46,7 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
         "completions/max_terminated_length": float(terminated.max()),
     }
     if rnd.step_scores is not None:
-        m.update(process_metrics(rnd.step_scores, ctx.args.step_advantage))
+        m.update(process_metrics(rnd.step_scores, ctx.args.step_advantage, ctx.args.advantage_estimator))
     if ctx.agent is not None and ctx.agent.toolbox.has_tools:
         m.update(tool_metrics(ctx, comp))
     if scores is None:
@@ -63,7 +63,8 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     return m
 
 
-def process_metrics(s: StepScores, form: str = "suffix_sum") -> dict[str, float]:  # form: GRPOConfig.step_advantage
+def process_metrics(s: StepScores, form: str = "suffix_sum",  # GRPOConfig.step_advantage
+                    estimator: str = "grpo") -> dict[str, float]:  # GRPOConfig.advantage_estimator
     per_completion = [row for group in s.rewards for row in group]
     packed = pack_steps(s.rewards)  # (B, G, K)
     m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
@@ -72,7 +73,7 @@ def process_metrics(s: StepScores, form: str = "suffix_sum") -> dict[str, float]
          # steps whose reward is None/NaN (a step function's error with on_reward_error='nan', a PRM cut): a count
          "process/unscored_steps": float(sum(1 for r in per_completion for v in r if v is None or v != v)),
          # a group where what the step_advantage form compares has no spread carries no signal (advantages all 0)
-         "process/zero_std_groups": float((~(step_spread(s.rewards, form) > 1e-6)).sum())}
+         "process/zero_std_groups": float((~(step_spread(s.rewards, form, estimator) > 1e-6)).sum())}
     for f, name in enumerate(s.names):
         m[f"process/{name}/errors"] = float(s.errors[f])
     return m

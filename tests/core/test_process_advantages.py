@@ -169,3 +169,23 @@ def test_step_spread_reads_what_the_form_compares():
         adv = process_advantages(rewards, ends, 6, form=form)
         assert ((adv.abs() > 0).flatten(1).any(-1) == (step_spread(rewards, form) > 1e-6)).all(), form
     assert step_spread([[[], []]], "step_return").tolist() == [0.0]  # no steps anywhere
+
+
+def test_step_spread_under_rloo_needs_two_completions_with_scored_steps():
+    """rloo's baseline for a step of completion i is the mean of the *other* completions' step rewards: when only one
+    completion of the group has a scored step (the others have none, or only unscored ones), every advantage is 0,
+    so the group has no signal, whatever the spread of that completion's own steps. Group 0: [[0, 1], []]; group 1:
+    [[0, 1], [None, None]]; group 2: [[0, 1], [0.5]]: steps {0, 1, 0.5}, spread √(1/6) = 0.4082, and completion 0's
+    steps get 0 − 0.5 and 1 − 0.5 (≠ 0). grpo compares all steps of the group, one completion's too: 0.5, 0.5."""
+    from groupwise.core.advantages import step_spread
+
+    rewards = [[[0.0, 1.0], []], [[0.0, 1.0], [None, None]], [[0.0, 1.0], [0.5]]]
+    ends = [[[1, 3], []], [[1, 3], [1, 3]], [[1, 3], [1]]]
+    got = step_spread(rewards, "suffix_sum", "rloo").tolist()
+    assert got[:2] == [0.0, 0.0] and got[2] == pytest.approx((1 / 6) ** 0.5)
+    assert step_spread(rewards, "suffix_sum", "grpo").tolist()[:2] == [0.5, 0.5]
+    for form in ("suffix_sum", "step_return"):
+        for estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+            adv = process_advantages(rewards, ends, 6, form=form, estimator=estimator)
+            has = (adv.abs() > 0).flatten(1).any(-1)
+            assert (has == (step_spread(rewards, form, estimator) > 1e-6)).all(), (form, estimator, has)

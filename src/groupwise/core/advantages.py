@@ -111,11 +111,14 @@ class Estimator:
     normalize: Callable[..., torch.Tensor]
     options: tuple[str, ...]
     summary: str
+    # the fewest completions of a group with a reward for any r̃ ≠ 0: rloo's baseline is the *other* completions'
+    min_rewarded: int = 1
 
 
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(_grpo, ("scale", "std", "eps"), "group z-score, DeepSeekMath §4.1.2/§4.1.3"),
-    "rloo": Estimator(_rloo, (), "leave-one-out baseline: r_i − mean of the other completions' rewards"),
+    "rloo": Estimator(_rloo, (), "leave-one-out baseline: r_i − mean of the other completions' rewards",
+                      min_rewarded=2),
     "reinforce_plus_plus_baseline": Estimator(_reinforce_pp, ("std", "eps"),
                                               "group-mean baseline, then batch whitening"),
 }
@@ -242,14 +245,18 @@ STEP_ADVANTAGES: dict[str, StepAdvantage] = {
 }
 
 
-def step_spread(step_rewards: Sequence[Sequence[Sequence[float | None]]], form: str = "suffix_sum") -> torch.Tensor:
+def step_spread(step_rewards: Sequence[Sequence[Sequence[float | None]]], form: str = "suffix_sum",
+                estimator: str = "grpo") -> torch.Tensor:
     """(B,) float64: the spread of what step_advantage=`form` compares in each group (suffix_sum: every step reward
-    of the group; step_return: the returns-to-go at each step index, the widest index). ≈ 0: the group's process
-    advantages are all 0, it carries no signal (dynamic sampling, process/zero_std_groups)."""
+    of the group; step_return: the returns-to-go at each step index, the widest index), and 0 where fewer
+    completions have a scored step than the estimator compares (rloo: 2). ≈ 0: the group's process advantages
+    are all 0, it carries no signal (dynamic sampling, process/zero_std_groups)."""
     rewards = pack_steps(step_rewards, dtype=torch.float64)
     lengths = torch.tensor([[len(row) for row in group] for group in step_rewards]).view(*rewards.shape[:2], 1)
     exists = torch.arange(rewards.size(-1)) < lengths
-    return STEP_ADVANTAGES[form].spread(rewards, exists)
+    spread = STEP_ADVANTAGES[form].spread(rewards, exists)
+    rewarded = (~torch.isnan(rewards)).any(-1).sum(-1)  # (B,) completions with a scored step
+    return torch.where(rewarded >= ESTIMATORS[estimator].min_rewarded, spread, torch.zeros_like(spread))
 
 
 def process_advantages(
