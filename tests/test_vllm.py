@@ -192,6 +192,16 @@ def test_generation_kwargs_override_the_sampling_fields_as_in_trl(tmp_path, base
     with pytest.raises(ConfigError, match=r"generation_kwargs\['max_tokens'\] would change the shape of the "
                                           r"completions: set max_completion_length instead"):
         small_args(tmp_path, use_vllm=True, generation_kwargs={"max_tokens": 4})
+    # logprobs: TRL's generation_kwargs win here too (was: SamplingParams got logprobs twice, a TypeError); the
+    # sampled token's log-prob is still among the top 2 vLLM returns. None would return none: refused
+    args = small_args(tmp_path, use_vllm=True, generation_kwargs={"logprobs": 2})
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(4))
+    out = t.rollout_ctx.generator(t.unwrapped, torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long),
+                                  logprobs=True)
+    assert torch.isfinite(out.logprobs[0, :int(out.lengths[0])]).all()
+    for bad in (None, -2, 1.5, True):
+        with pytest.raises(ConfigError, match=r"generation_kwargs\['logprobs'\]=.*the sampled token's log-prob"):
+            small_args(tmp_path, use_vllm=True, generation_kwargs={"logprobs": bad})
 
 
 def test_a_completion_vllm_ends_without_eos_is_masked_to_its_length(tmp_path, base_dir, vllm):
@@ -305,3 +315,36 @@ def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm,
     assert structured_outputs(small_args(tmp_path, use_vllm=True), {"choice": ["x"]}) == {"choice": ["x"]}
     with pytest.warns(UserWarning, match="vllm_structured_outputs_regex='a' has no effect without use_vllm=True"):
         small_args(tmp_path, vllm_structured_outputs_regex="a")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_weights_pushed_are_in_the_checkpoint_layout_vllm_loads(tmp_path, lora):
+    """vLLM loads a checkpoint's names and layout. transformers 5 holds a MoE's experts fused (Qwen3-MoE:
+    `mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj`), where its checkpoints — the files vLLM reads —
+    have `mlp.experts.<i>.gate_proj.weight` …: the push converts back as save_pretrained does, so the names and
+    tensors pushed are exactly those of the model's saved safetensors (LoRA: merged into the base first). Before,
+    the fused names went out, which vLLM's MoE loaders do not know."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from groupwise.generation.vllm import vllm_named_weights
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2))
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())  # fused in memory
+    policy = model
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with vllm_named_weights(policy) as named:
+        pushed = {n: t.clone() for n, t in named}
+    # the checkpoint of the (merged) policy
+    (copy.deepcopy(policy).merge_and_unload() if lora else model).save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in pushed
+    assert pushed.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(pushed[name], tensor), name

@@ -53,7 +53,11 @@ def _vllm():
 def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The policy's parameters under the names vLLM loads, as TRL 1.16 walks an unsharded model (tied weights once):
     a LoRA policy merged while the caller reads them (groupwise.adapters.merged: the frozen base is restored bit for
-    bit afterwards), adapters and `modules_to_save`'s originals left out."""
+    bit afterwards), adapters and `modules_to_save`'s originals left out. vLLM loads a checkpoint's names and layout:
+    where transformers ≥ 5 holds a model in another layout than its checkpoints (a MoE's experts fused into one
+    `experts.gate_up_proj` tensor, where the checkpoint has `experts.<i>.gate_proj.weight` …), the weights are
+    converted back as save_pretrained converts them (transformers' revert_weight_conversion); for the other models
+    that changes nothing."""
     from groupwise.adapters import is_peft_model, merged
 
     peft = is_peft_model(model)
@@ -67,7 +71,20 @@ def vllm_named_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch
                     continue
                 name = name.replace("modules_to_save.default.", "")
             named.append((name.replace("_checkpoint_wrapped_module.", ""), param.data))
-        yield named
+        yield checkpoint_layout(model.get_base_model() if peft else model, named)
+
+
+def checkpoint_layout(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`named` (the model's own parameter names) in its checkpoints' names and layout, as save_pretrained writes
+    them: unchanged for a model transformers holds as its checkpoints do (dense models, transformers 4)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: models hold their checkpoints' layout
+        return named
+    reverted = revert_weight_conversion(model, dict(named))
+    if list(reverted) == [n for n, _ in named]:
+        return named
+    return list(reverted.items())
 
 
 def launcher_environment() -> int:
@@ -194,7 +211,7 @@ class VLLMColocateGenerator:
             from vllm.sampling_params import StructuredOutputsParams  # passes as it is
 
             fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
-        return vllm.SamplingParams(n=1, logprobs=0, **fields)
+        return vllm.SamplingParams(**{"n": 1, "logprobs": 0, **fields})  # generation_kwargs' logprobs wins (TRL)
 
     @torch.no_grad()
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:

@@ -37,6 +37,11 @@ def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> No
         if args.generation_dtype is not None:
             raise ConfigError("use_vllm=True samples with vLLM: generation_dtype does not apply")
         args.generation_backend = "vllm"
+        top = (args.generation_kwargs or {}).get("logprobs", 0)
+        if isinstance(top, bool) or not isinstance(top, int) or top < -1:
+            raise ConfigError(f"generation_kwargs['logprobs']={top!r}: vLLM must return the sampled token's log-prob "
+                              "(logprobs=0; k > 0 adds the top k, -1 every token, which groupwise does not read): "
+                              "drop it, or give an int ≥ -1")
     elif args.generation_backend == "vllm":
         raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
     elif args.vllm_structured_outputs_regex is not None:  # TRL reads it with vLLM only; a dumped config still loads
