@@ -55,7 +55,9 @@ def test_resume_from_a_checkpoint_that_is_not_there_is_named_before_the_model_lo
     cfg = _config(tmp_path, model_dir)
     missing = str(tmp_path / "run" / "checkpoint-7")
     assert main(["train", cfg, "--resume_from_checkpoint", missing]) == 2
-    assert f"resume_from_checkpoint={missing!r} does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"resume_from_checkpoint={missing!r} does not exist; give a checkpoint-N folder" in err
+    assert "not a checkpoint written by groupwise" not in err  # it is not there at all
     assert main(["train", cfg, "--resume_from_checkpoint", "true"]) == 2
     assert "resume_from_checkpoint=True: no checkpoint-N folder in output_dir" in capsys.readouterr().err
     (tmp_path / "run" / "checkpoint-7").mkdir(parents=True)
@@ -103,7 +105,11 @@ def test_demo_runs_two_steps(tmp_path, capsys):
     assert [x["step"] for x in evals] == [0, 2]
     assert 0.15 <= evals[0]["eval_rewards/accuracy/mean"] <= 0.5  # the shipped warm start leaves room for RL
     assert any("process/step_reward_mean" in x for x in lines)
-    assert "before" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "before" in printed and "supervision process, 2 steps, " in printed and "resumed" not in printed
+    # resumed, the summary's time is this call's steps only, and says so
+    assert main(["train", "--max_steps", "3", "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert "3 steps, " in (printed := capsys.readouterr().out) and "(steps 3-3, resumed from checkpoint-2)" in printed
 
 
 def test_builtin_task_brings_its_step_rewards(tmp_path):

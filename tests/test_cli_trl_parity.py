@@ -228,3 +228,17 @@ def test_a_negative_max_grad_norm_means_no_clipping():
     p.grad = torch.tensor([3.0, 4.0])
     assert float(dist.clip_grad_norm([p], args.max_grad_norm)) == pytest.approx(5.0)
     assert torch.equal(p.grad, torch.tensor([3.0, 4.0]))  # untouched, as transformers skips clipping
+
+
+def test_fields_help_and_a_closed_pipe(capsys):
+    """`groupwise fields --help` says what the command prints (it printed every field); `groupwise fields | head`
+    ends quietly when the reader leaves (it was a BrokenPipeError traceback)."""
+    import subprocess
+    import sys
+
+    assert main(["fields", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: groupwise fields") and "num_generations" not in out
+    proc = subprocess.run(f"{sys.executable} -m groupwise fields | head -1", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith("model_name_or_path") and "Traceback" not in proc.stderr, proc.stderr[-2000:]

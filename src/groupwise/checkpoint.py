@@ -219,9 +219,10 @@ def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | Non
         put_back_replaced(root)  # before anything looks for checkpoints, or sets the later ones aside
     folder = latest_checkpoint(output_dir) if value is True else str(value)
     if not (Path(folder) / "trainer_state.json").is_file():
-        why = "does not exist" if not Path(folder).exists() else "holds no trainer_state.json"
-        raise CheckpointError(f"resume_from_checkpoint={folder!r} {why}: not a checkpoint written by groupwise; "
-                              "give a checkpoint-N folder of a run, or true for the newest one in output_dir")
+        why = "does not exist" if not Path(folder).exists() else \
+            "holds no trainer_state.json: not a checkpoint written by groupwise"
+        raise CheckpointError(f"resume_from_checkpoint={folder!r} {why}; give a checkpoint-N folder of a run, or "
+                              "true for the newest one in output_dir")
     if is_transformers_state(_state_of(Path(folder)) or {}):
         raise CheckpointError(foreign_message(folder))
     return folder

@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 — a stopped run: one line, the traceback with --debug
         from groupwise.distributed import ProcessFailed
         from groupwise.rewards import RewardFunctionError
-        from groupwise.trainer import TrainingInterrupted, TrainingStopped
+        from groupwise.signals import TrainingInterrupted
+        from groupwise.trainer import TrainingStopped
 
         if isinstance(e, TrainingInterrupted) and not debug:
             print(f"groupwise: {e}", file=sys.stderr)
@@ -302,18 +303,31 @@ def _main(argv: list[str]) -> int:
     if command == "train":
         return cmd_train(rest)
     if command == "prm":
+        usage = "usage: groupwise prm train CONFIG.yaml [--field value …] (groupwise prm train --help: the fields)"
+        if rest and rest[0] in ("-h", "--help"):
+            print(usage)
+            return 0
         if not rest or rest[0] != "train":
-            parser.error("usage: groupwise prm train CONFIG.yaml [--field value …]")
+            parser.error(usage)
         return cmd_prm_train(rest[1:])
     if command == "export":
         return cmd_export(rest)
     if command == "fields":
-        for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items():
-            print(f"{name:32s} {help_text} (default {default!r})")
+        if rest and rest[0] in ("-h", "--help"):
+            print("usage: groupwise fields: every field of `groupwise train` (run fields, then GRPOConfig's) with "
+                  "its help and default")
+            return 0
+        if rest:
+            parser.error(f"groupwise fields takes no arguments, got {rest}")
+        lines = [f"{name:32s} {help_text} (default {default!r})"
+                 for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items()]
         for name, help_text, default, choices in GRPOConfig.describe():
-            print(f"{name:32s} {help_text} (default {default!r})")
-            for choice in choices:
-                print(f"{'':34s}- {choice}")
+            lines += [f"{name:32s} {help_text} (default {default!r})"] + [f"{'':34s}- {c}" for c in choices]
+        try:
+            print("\n".join(lines))
+            sys.stdout.flush()
+        except BrokenPipeError:  # `groupwise fields | head`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     parser.error(f"unknown command {command!r}")
     return 2

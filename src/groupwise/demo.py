@@ -111,13 +111,17 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     evals = [x for x in lines if eval_key in x]
     before, after = evals[0][eval_key], evals[-1][eval_key]
     plot = plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png", eval_key=eval_key)
+    took = f"{time.perf_counter() - start:.0f} s"
+    if trainer._first_step:  # resumed: the time is this call's steps only
+        took += (f" (steps {trainer._first_step + 1}-{trainer.global_step}, resumed from "
+                 f"checkpoint-{trainer._first_step})")
     print(f"\n  {demo.title}held-out greedy accuracy ({NUM_EVAL_PROBLEMS} problems)\n"
           + "  ┌──────────┬──────────┬──────────┐\n  │  before  │  after   │  change  │\n"
           + "  ├──────────┼──────────┼──────────┤\n"
           + f"  │  {before:6.1%}  │  {after:6.1%}  │ {100 * (after - before):+5.1f} pt │\n"
           + "  └──────────┴──────────┴──────────┘\n"
-          + f"  supervision {trainer.args.supervision}, {trainer.global_step} steps, "
-          + f"{time.perf_counter() - start:.0f} s\n  metrics {out / 'metrics.jsonl'}\n"
+          + f"  supervision {trainer.args.supervision}, {trainer.global_step} steps, {took}\n"
+          + f"  metrics {out / 'metrics.jsonl'}\n"
           + f"  model   {out / f'checkpoint-{trainer.global_step}'}\n" + (f"  plot    {plot}\n" if plot else ""))
     return 0
 
