@@ -208,3 +208,41 @@ def test_the_example_s_step_file_is_read_by_prm_train(tmp_path):
         assert row["labels"] == [int(s == t) for s, t in zip(row["steps"], truth)]
     labels = [x for row in rows for x in row["labels"]]
     assert 0 < labels.count(0) < labels.count(1)  # both kinds, mostly good steps
+
+
+def test_prm_help_and_a_bare_prm_say_the_usage(capsys):
+    assert main(["prm", "--help"]) == 0  # was an argparse error (exit 2)
+    assert "usage: groupwise prm train CONFIG.yaml" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["prm"])
+    assert e.value.code == 2 and "usage: groupwise prm train CONFIG.yaml" in capsys.readouterr().err
+
+
+def test_a_signal_stops_prm_training_with_the_prm_so_far_saved(tmp_path, model_dir):
+    """SIGTERM during `groupwise prm train`: the step in progress finishes, then the PRM trained so far is evaluated
+    and saved (loadable, its eval_metrics.json counting the steps done of those planned), and the process exits
+    with 128 + 15 and one line saying so. It was killed with nothing saved."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    train = _write(tmp_path / "steps.jsonl", _synthetic(400, 0))
+    out = tmp_path / "prm"
+    proc = subprocess.Popen([sys.executable, "-m", "groupwise", "prm", "train", "--model_name_or_path", model_dir,
+                             "--train_file", train, "--output_dir", str(out), "--num_train_epochs", "50",
+                             "--per_device_train_batch_size", "4", "--logging_steps", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and log.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "groupwise: stopped by SIGTERM after step" in stderr and "does not resume" in stderr, stderr[-2000:]
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    assert 3 <= metrics["train/steps"] < metrics["train/planned_steps"] == 50 * 90  # 360 rows / 4 per step
+    assert metrics["train/steps"] == len(log.read_text().splitlines())  # it stopped where its log stops
+    assert "PRM step accuracy" in stdout
+    assert isinstance(load_prm(str(out)), TokenClassificationPRM)

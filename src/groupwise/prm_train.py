@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
 from groupwise.modeling import eval_mode
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
+from groupwise.signals import TrainingInterrupted, stop_on_signals
 from groupwise.text import ensure_pad_token, pad_rows
 
 
@@ -207,25 +209,12 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     log = (out / "train_log.jsonl").open("w")
     bar = tqdm(total=steps, desc="PRM")
     step = 0
-    for _ in range(cfg.num_train_epochs):
-        rng.shuffle(train_enc)
-        model.train()
-        for ids, mask, labels in _batches(train_enc, cfg.per_device_train_batch_size, tokenizer.pad_token_id):
-            bar.update(1)
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-            lr = schedule.get_last_lr()[0]  # the rate this step uses
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step % cfg.logging_steps == 0:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-                log.write(json.dumps({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
-                                      "learning_rate": lr}) + "\n")
-                log.flush()
+    with stop_on_signals() as received:  # SIGINT / SIGTERM: stop after this step, evaluate and save what is trained
+        for _ in range(cfg.num_train_epochs):
+            if received:
+                break
+            step = _epoch(model, optimizer, schedule, train_enc, rng, cfg, tokenizer.pad_token_id, bar, log, step,
+                          received)
     bar.close()
     log.close()
     after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
@@ -237,8 +226,39 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
                                               "max_length": max_length}, indent=2))
     metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
                "train/examples": float(n_train), "train/examples_without_steps": float(n_train - len(train_enc)),
-               "train/steps": float(step)}
+               "train/steps": float(step), "train/planned_steps": float(steps)}
     (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"PRM step accuracy {before['eval/accuracy']:.3f} → {after['eval/accuracy']:.3f}, "
           f"bad-step F1 {after['eval/bad_f1']:.3f}, good-step F1 {after['eval/good_f1']:.3f}; saved to {out}")
+    if received:
+        raise TrainingInterrupted(received[0], f"stopped by {signal.Signals(received[0]).name} after step {step} of "
+                                               f"{steps}; the PRM trained so far is saved in {out} (evaluated above; "
+                                               "prm train does not resume: run it again to train it fully)")
     return metrics
+
+
+def _epoch(model, optimizer, schedule, train_enc, rng, cfg: PRMTrainConfig, pad_id: int, bar, log, step: int,
+           received: list[int]) -> int:
+    """One pass over the shuffled training examples; stops early after the step during which a signal arrived.
+    Returns the step count."""
+    rng.shuffle(train_enc)
+    model.train()
+    for ids, mask, labels in _batches(train_enc, cfg.per_device_train_batch_size, pad_id):
+        bar.update(1)
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+        lr = schedule.get_last_lr()[0]  # the rate this step uses
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.logging_steps == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            log.write(json.dumps({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
+                                  "learning_rate": lr}) + "\n")
+            log.flush()
+        if received:
+            break
+    return step

@@ -13,6 +13,15 @@ import time
 from tqdm.auto import tqdm
 
 
+class TrainingInterrupted(RuntimeError):
+    """SIGINT / SIGTERM stopped the run after an optimizer step (GRPO: a checkpoint written when save_on_interrupt;
+    prm train: the PRM trained so far saved). The CLI exits with 128 + signum."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
 @contextlib.contextmanager
 def stop_on_signals():
     """Yields the list the received signal numbers go into."""

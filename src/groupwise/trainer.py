@@ -34,7 +34,7 @@ from groupwise.loading import (as_list, check_combinations, check_inputs, eos_to
                                router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import MetricsLogger, resolve_report_to, set_log_level
-from groupwise.signals import stop_on_signals
+from groupwise.signals import TrainingInterrupted, stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
 from groupwise.sharding import full_state_dict, resolve as resolve_sharding
@@ -47,14 +47,6 @@ from groupwise.update import UpdateContext, optimizer_step, windows
 
 class TrainingStopped(RuntimeError):
     """The run stopped itself (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGINT / SIGTERM stopped the run after an optimizer step (a checkpoint written when save_on_interrupt)."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
 
 
 class GRPOTrainer(TransformersHabits):
