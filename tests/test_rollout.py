@@ -21,17 +21,22 @@ def _completions(tokenizer, texts, T=8):
     return Completions(pids, pmask, cids, cmask, trunc, prompts, texts, {})
 
 
+def _a_is_right(tokenizer) -> R.RolloutContext:
+    """Process supervision of G = 2, T = 8, eps 0, one step function: a step "a" scores 1, any other 0."""
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, supervision="process",
+                      advantage_eps=0.0)
+    reward = lambda steps, **_: [[1.0 if s == "a" else 0.0 for s in row] for row in steps]  # noqa: E731
+    return R.RolloutContext(args=args, tokenizer=tokenizer, generator=None, dist=Distributed(),
+                            eos_token_ids=[tokenizer.eos_token_id],
+                            process_sources=load_process_reward_sources([reward]), splitter=StepSplitter())
+
+
 def test_process_advantages_through_the_rollout_by_hand(tokenizer):
     """One group of G = 2: "a\\nb" (steps a, b) and "\\n" (no steps).
     Step rewards: a → 1, b → 0 ⇒ R = [1, 0], mean 0.5, population std 0.5 ⇒ r̃ = [+1, −1] (eps 0).
     Tokens of completion 0: a(0) \\n(1) b(2) <eos>(3); step a ends at 1, step b at the EOS (3):
     A = [1 − 1, 1 − 1, −1, −1] = [0, 0, −1, −1], then 0. Completion 1 has no steps: all 0, counted."""
-    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, supervision="process",
-                      advantage_eps=0.0)
-    reward = lambda steps, **_: [[1.0 if s == "a" else 0.0 for s in row] for row in steps]  # noqa: E731
-    ctx = R.RolloutContext(args=args, tokenizer=tokenizer, generator=None, dist=Distributed(),
-                           eos_token_ids=[tokenizer.eos_token_id], process_sources=load_process_reward_sources([reward]),
-                           splitter=StepSplitter())
+    ctx = _a_is_right(tokenizer)
     comp = _completions(tokenizer, ["a\nb", "\n"])
     steps = R.score_steps(ctx, comp)
     assert steps.texts == [["a", "b"], []] and steps.ends == [[[1, 3], []]]
@@ -95,12 +100,7 @@ def test_a_completion_ended_by_a_stop_string_keeps_its_last_step(tokenizer):
     cut at 8 tokens loses its open step. Step rewards a → 1, others → 0: group [1, 0] and [1] ⇒ mean 2/3, population
     std √(2/9) = 0.4714 ⇒ b's normalized reward (0 − 2/3) / 0.4714 = −1.4142 lands on its tokens 2 (and nothing
     after: no EOS), a's +0.7071 on tokens 0–1 of both rows: row 0 = [0.7071 − 1.4142] ×2, −1.4142; row 1 = 0.7071 ×2."""
-    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, supervision="process",
-                      advantage_eps=0.0)
-    reward = lambda steps, **_: [[1.0 if s == "a" else 0.0 for s in row] for row in steps]  # noqa: E731
-    ctx = R.RolloutContext(args=args, tokenizer=tokenizer, generator=None, dist=Distributed(),
-                           eos_token_ids=[tokenizer.eos_token_id], process_sources=load_process_reward_sources([reward]),
-                           splitter=StepSplitter())
+    ctx = _a_is_right(tokenizer)
     texts = ["a\nb", "a\nbbbbbb"]
     pids, pmask = encode_prompts(["q:"] * 2, tokenizer, None)
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
