@@ -239,6 +239,9 @@ def test_fields_help_and_a_closed_pipe(capsys):
     assert main(["fields", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: groupwise fields") and "num_generations" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["fields", "x"])
+    assert e.value.code == 2 and "groupwise fields takes no arguments, got ['x']" in capsys.readouterr().err
     proc = subprocess.run(f"{sys.executable} -m groupwise fields | head -1", shell=True, capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.startswith("model_name_or_path") and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -81,10 +81,7 @@ def checkpoint_layout(model: torch.nn.Module, named: list[tuple[str, torch.Tenso
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: models hold their checkpoints' layout
         return named
-    reverted = revert_weight_conversion(model, dict(named))
-    if list(reverted) == [n for n, _ in named]:
-        return named
-    return list(reverted.items())
+    return list(revert_weight_conversion(model, dict(named)).items())
 
 
 def launcher_environment() -> int:
