@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import warnings
 
 import torch
 
@@ -92,6 +93,51 @@ def check_compile_backend(backend: str) -> None:
                           f"{torch._dynamo.list_backends()}")
 
 
+# what a model's forward does to lm_head's output before returning it, by the text config's model_type (prefix): the
+# factor the logits are multiplied by (then Gemma-style softcapping, final_logit_softcapping, where the config has it)
+LOGIT_SCALES = {
+    "cohere": lambda cfg: cfg.logit_scale,  # Cohere, Cohere 2 (MoE), Command-R
+    "granite": lambda cfg: 1.0 / cfg.logits_scaling,  # Granite 3 / 4, MoE, hybrid: logits / logits_scaling
+    "minicpm3": lambda cfg: 1.0 / cfg.logits_scaling,  # the hidden states / logits_scaling, then a head without bias
+    "hyperclovax": lambda cfg: cfg.logits_scaling,  # multiplies where Granite divides
+    "falcon_h1": lambda cfg: cfg.lm_head_multiplier,
+}
+
+
+def logit_transform(model: torch.nn.Module) -> tuple[float, float | None]:
+    """(scale, softcap): the model's logits are tanh(scale · lm_head(h) / softcap) · softcap (softcap None: no tanh).
+    Read from the text config, where a multimodal model keeps them (Gemma 3 / 4: text_config)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_type = getattr(cfg, "model_type", "") or ""
+    rule = next((f for prefix, f in LOGIT_SCALES.items() if model_type.startswith(prefix)), None)
+    scale = rule(cfg) if rule is not None else None
+    return float(1.0 if scale is None else scale), getattr(cfg, "final_logit_softcapping", None)
+
+
+@torch.no_grad()
+def head_reproduces_logits(model: torch.nn.Module, decoder, head, scale: float, softcap: float | None) -> bool:
+    """Does the model's forward return transform(head(decoder's last hidden states)), as PolicyForLogps computes
+    it? One forward of 8 tokens, the hidden states taken from inside it (a hook on the decoder), so the head sees the
+    very tensor the model's own head saw: what remains is what the model does after lm_head (a scale, a softcap, a
+    slice of the vocabulary …), compared at a relative 1e-2 (bfloat16's rounding of one operation is 4e-3). No
+    random stream moves (eval mode, forked RNG)."""
+    device = next(model.parameters()).device
+    captured = []
+    handle = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0] if isinstance(
+        output, tuple) else output.last_hidden_state))
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(1, 9, device=device) % vocab).unsqueeze(0)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), eval_mode(model):
+        try:
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.float()
+        finally:
+            handle.remove()
+        mine = head(captured[-1]).float() * scale
+    if softcap is not None:
+        mine = torch.tanh(mine / softcap) * softcap
+    return mine.shape == logits.shape and bool(torch.allclose(mine, logits, rtol=1e-2, atol=1e-3))
+
+
 class PolicyForLogps(torch.nn.Module):
     """Wraps a causal LM so that one forward returns per-token log-probs of the completion, computed from the
     final hidden states with the output head applied in checkpointed chunks: the (N, T, V) logits never exist.
@@ -106,9 +152,7 @@ class PolicyForLogps(torch.nn.Module):
         self.chunk_tokens = chunk_tokens
         self.compile_kwargs = compile_kwargs
         self.__dict__["_compiled"] = {}  # id(module) → its torch.compile wrapper (kept out of the module tree)
-        cfg = model.config
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+        self.scale, self.softcap = logit_transform(model)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         # a head whose weight is the (V, H) matrix: a quantized one (bitsandbytes' Linear4bit / Linear8bitLt subclass
@@ -118,6 +162,22 @@ class PolicyForLogps(torch.nn.Module):
         self.chunked = plain and decoder is not None and decoder is not model
         if not self.chunked:
             log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
+        else:
+            self.chunked = self._head_checked(decoder, head)
+
+    def _head_checked(self, decoder, head) -> bool:
+        """head_reproduces_logits, once per model object (the reference model is wrapped at every batched_logps);
+        a model whose logits it does not reproduce is warned about then, and uses the full logits."""
+        key = (self.scale, self.softcap, id(head))
+        cached = self.model.__dict__.get("_groupwise_head_check")
+        if cached is None or cached[0] != key:
+            cached = (key, head_reproduces_logits(self.model, decoder, head, self.scale, self.softcap))
+            self.model.__dict__["_groupwise_head_check"] = cached
+            if not cached[1]:
+                warnings.warn(f"{type(self.model).__name__}: its forward changes lm_head's output in a way groupwise "
+                              "does not reproduce (modeling.LOGIT_SCALES): log-probs use the model's full logits "
+                              "(correct; more memory than the chunked head)", RuntimeWarning, stacklevel=4)
+        return cached[1]
 
     def forward(self, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                 compute_entropy: bool = False, entropy_grad: bool = False, aux_loss: bool = False):
