@@ -240,9 +240,16 @@ def test_a_signal_stops_prm_training_with_the_prm_so_far_saved(tmp_path, model_d
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "groupwise: stopped by SIGTERM after step" in stderr and "does not resume" in stderr, stderr[-2000:]
+    assert "groupwise: stopped by SIGTERM after step" in stderr and "--resume_from_checkpoint true" in stderr, \
+        stderr[-2000:]
     metrics = json.loads((out / "eval_metrics.json").read_text())
     assert 3 <= metrics["train/steps"] < metrics["train/planned_steps"] == 50 * 90  # 360 rows / 4 per step
     assert metrics["train/steps"] == len(log.read_text().splitlines())  # it stopped where its log stops
     assert "PRM step accuracy" in stdout
     assert isinstance(load_prm(str(out)), TokenClassificationPRM)
+    # and a resumable checkpoint of that step (test_prm_checkpoint.py resumes them)
+    from groupwise.checkpoint import read_state, resume_folder
+
+    ckpt = resume_folder(True, out, command="prm train")
+    assert ckpt == str(out / f"checkpoint-{int(metrics['train/steps'])}")
+    assert read_state(ckpt)["step"] == metrics["train/steps"]  # (read_state verifies the checksums)

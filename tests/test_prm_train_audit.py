@@ -124,6 +124,7 @@ class _Fixed(torch.nn.Module):
         super().__init__()
         self.pred = torch.tensor(pred)
         self.w = torch.nn.Parameter(torch.zeros(()))
+        self.device = self.w.device  # as a transformers model's
 
     def forward(self, input_ids, attention_mask):
         from types import SimpleNamespace

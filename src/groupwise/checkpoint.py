@@ -209,9 +209,10 @@ def latest_checkpoint(output_dir: str | Path) -> str:
                           "model)")
 
 
-def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | None:
+def resume_folder(value: str | bool | None, output_dir: str | Path, command: str = "train") -> str | None:
     """The checkpoint folder resume_from_checkpoint names (True: the newest in output_dir), or None for a new run.
-    A folder that is not there, holds no trainer_state.json or holds transformers' (a transformers / TRL checkpoint)
+    A folder that is not there, holds no trainer_state.json, holds transformers' (a transformers / TRL checkpoint)
+    or was written by another groupwise command (`groupwise train`'s state has no "command"; `prm train`'s says so)
     is a CheckpointError (cheap: nothing is verified or loaded here)."""
     if not value:
         return None
@@ -223,8 +224,13 @@ def resume_folder(value: str | bool | None, output_dir: str | Path) -> str | Non
             "holds no trainer_state.json: not a checkpoint written by groupwise"
         raise CheckpointError(f"resume_from_checkpoint={folder!r} {why}; give a checkpoint-N folder of a run, or "
                               "true for the newest one in output_dir")
-    if is_transformers_state(_state_of(Path(folder)) or {}):
+    state = _state_of(Path(folder)) or {}
+    if is_transformers_state(state):
         raise CheckpointError(foreign_message(folder))
+    if (written_by := state.get("command", "train")) != command:
+        raise CheckpointError(f"resume_from_checkpoint={folder!r} is a checkpoint of `groupwise {written_by}`, not "
+                              f"of `groupwise {command}`: resume it with `groupwise {written_by}`, or give a "
+                              f"checkpoint of a `groupwise {command}` run")
     return folder
 
 

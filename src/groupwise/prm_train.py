@@ -7,11 +7,14 @@ there records the kind, separator, prompt_separator, positive label and max_leng
 
 Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`: the whole text tokenized at once):
 the loss is the cross-entropy of the step label at the last token of each step's separator; every other position is
-ignored. The weights are float32 whatever the base's saved dtype (as load_prm scores them by default).
+ignored. The weights are float32 whatever the base's saved dtype (as load_prm scores them by default). One process,
+on the GPU when CUDA is there (CUDA_VISIBLE_DEVICES='' keeps it on the CPU). Every save_steps it writes a resumable
+checkpoint-N/ (groupwise.prm_checkpoint); a signal stops it after the current step with one written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from groupwise import prm_checkpoint
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
 from groupwise.modeling import eval_mode
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
@@ -50,6 +54,10 @@ class PRMTrainConfig(StrictConfig):
     max_length: int = option("Tokens kept per example (steps past it are not trained on).", default=1024, ge=1)
     seed: int = option("Seed of the split, the order and the head initialisation.", default=42)
     logging_steps: int = option("Every this many steps: the progress bar's loss, and a line of output_dir/train_log.jsonl (step, loss, grad_norm before clipping, learning_rate).", default=10, ge=1)
+    save_steps: int = option("Write a resumable checkpoint-N/ to output_dir every this many optimizer steps (0: none; a signal still writes one). Each also loads as a PRM.", default=500, ge=0)
+    save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first; transformers).", default=None, ge=1)
+    resume_from_checkpoint: str | bool | None = option("A checkpoint-N/ folder of a prm train run to resume exactly, or true for the newest in output_dir (transformers' meaning).", default=None)
+    overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints another run left in output_dir; without it such a run refuses to start.", default=False)
     trust_remote_code: bool = option("Allow the base model's repository to run its own code.", default=False)
 
     def validate(self) -> None:
@@ -131,7 +139,7 @@ def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str,
     with eval_mode(model):
         for ids, mask, labels in tqdm(_batches(encoded, batch_size, pad_id), desc="PRM eval", leave=False,
                                       total=math.ceil(len(encoded) / batch_size), disable=len(encoded) <= batch_size):
-            pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+            pred = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.argmax(-1).cpu()
             keep = labels != -100
             preds += pred[keep].tolist()
             golds += labels[keep].tolist()
@@ -153,12 +161,14 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
 
     if not Path(cfg.train_file).is_file():
         raise ConfigError(f"train_file={cfg.train_file!r} does not exist: give a JSONL of prompt, steps, labels")
-    check_model_location(cfg.model_name_or_path, "model_name_or_path")  # a wrong folder, named before anything
+    if not cfg.resume_from_checkpoint:  # a resume loads the checkpoint, not the base
+        check_model_location(cfg.model_name_or_path, "model_name_or_path")  # a wrong folder, named before anything
     base_dir = Path(cfg.model_name_or_path)
     if base_dir.exists() and Path(cfg.output_dir).resolve() == base_dir.resolve():
         raise ConfigError(f"output_dir {cfg.output_dir!r} is model_name_or_path: the PRM would overwrite the base "
                           "model; give another output_dir")
     rows = read_step_jsonl(cfg.train_file)  # data errors surface before any model loads
+    resume, state = prm_checkpoint.start(cfg)  # so do a checkpoint of another run, and output_dir's claim
     rng = random.Random(cfg.seed)
     if cfg.eval_file:
         train_rows, eval_rows = rows, read_step_jsonl(cfg.eval_file)
@@ -172,12 +182,13 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         eval_rows = [rows[i] for i in order[:n_eval]]
         train_rows = [rows[i] for i in order[n_eval:]]
     torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    ensure_pad_token(tokenizer, f"the tokenizer of {cfg.model_name_or_path}")
+    source = resume or cfg.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    ensure_pad_token(tokenizer, f"the tokenizer of {source}")
     # float32 weights whatever the saved dtype (transformers 5 keeps it): AdamW's small steps vanish in bf16
     # weights, and load_prm scores in float32 by default, so the held-out numbers are the ones it reproduces
     model, info = AutoModelForTokenClassification.from_pretrained(
-        cfg.model_name_or_path, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
+        source, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
         trust_remote_code=cfg.trust_remote_code, dtype=torch.float32, output_loading_info=True)
     if info["missing_keys"]:  # a causal LM (or any base without this head): the head starts from the seed
         base = ", ".join(model.config.architectures or []) or "a model without a token-classification head"
@@ -185,8 +196,12 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
               f"({', '.join(sorted(info['missing_keys']))}) initialised with seed {cfg.seed}; label 1 = good step")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    model.to("cuda" if torch.cuda.is_available() else "cpu")  # CUDA_VISIBLE_DEVICES='' for the CPU
     # a base model with fewer positions than max_length (BERT-like: 512) would index past its position table
     max_length = min(cfg.max_length, position_limit(model, tokenizer) or cfg.max_length)
+    # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
+    record = {"kind": "token_classification", "separator": cfg.separator, "prompt_separator": cfg.prompt_separator,
+              "positive_label": 1, "max_length": max_length}
     train_enc, eval_enc = (_encode(r, tokenizer, cfg, max_length, desc) for r, desc in
                            ((train_rows, "PRM tokenize (train)"), (eval_rows, "PRM tokenize (eval)")))
     # an example whose steps are all past max_length adds no loss: left out, so that every batch is an update and
@@ -203,62 +218,92 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     steps = cfg.num_train_epochs * math.ceil(len(train_enc) / cfg.per_device_train_batch_size)
     schedule = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps,
                              num_training_steps=steps)
-    before = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+    if resume:  # the held-out metrics before training are the first run's
+        prm_checkpoint.restore(resume, optimizer=optimizer, scheduler=schedule)
+    else:
+        state["eval_before"] = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+    before, step = state["eval_before"], state["step"]
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    log = (out / "train_log.jsonl").open("w")
-    bar = tqdm(total=steps, desc="PRM")
-    step = 0
-    with stop_on_signals() as received:  # SIGINT / SIGTERM: stop after this step, evaluate and save what is trained
-        for _ in range(cfg.num_train_epochs):
+    log = _open_log(out / "train_log.jsonl", step)
+    bar = tqdm(total=steps, initial=step, desc="PRM")
+    saved = step
+
+    def save_checkpoint() -> Path:
+        return prm_checkpoint.save(cfg, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                                   scheduler=schedule, state=state, prm_record=record)
+
+    model.train()
+    with stop_on_signals() as received:  # SIGINT / SIGTERM: stop after this step, checkpoint, evaluate and save
+        for ids, mask, labels in _remaining_batches(train_enc, rng, cfg, tokenizer.pad_token_id, step):
+            loss, grad_norm, lr = _train_step(model, optimizer, schedule, ids, mask, labels, cfg.max_grad_norm)
+            step += 1
+            bar.update(1)
+            if step % cfg.logging_steps == 0:
+                bar.set_postfix(loss=f"{loss:.4f}")
+                log.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr})
+                          + "\n")
+                log.flush()
+            if cfg.save_steps and step % cfg.save_steps == 0 or received and step > saved:
+                save_checkpoint()
+                saved = step
             if received:
                 break
-            step = _epoch(model, optimizer, schedule, train_enc, rng, cfg, tokenizer.pad_token_id, bar, log, step,
-                          received)
     bar.close()
     log.close()
     after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
-    (out / PRM_CONFIG).write_text(json.dumps({"kind": "token_classification", "separator": cfg.separator,
-                                              "prompt_separator": cfg.prompt_separator, "positive_label": 1,
-                                              "max_length": max_length}, indent=2))
+    (out / PRM_CONFIG).write_text(json.dumps(record, indent=2))
     metrics = {**after, **{k.replace("eval/", "eval_before/"): v for k, v in before.items()},
                "train/examples": float(n_train), "train/examples_without_steps": float(n_train - len(train_enc)),
                "train/steps": float(step), "train/planned_steps": float(steps)}
     (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"PRM step accuracy {before['eval/accuracy']:.3f} → {after['eval/accuracy']:.3f}, "
           f"bad-step F1 {after['eval/bad_f1']:.3f}, good-step F1 {after['eval/good_f1']:.3f}; saved to {out}")
-    if received:
+    if received and step < steps:
         raise TrainingInterrupted(received[0], f"stopped by {signal.Signals(received[0]).name} after step {step} of "
-                                               f"{steps}; the PRM trained so far is saved in {out} (evaluated above; "
-                                               "prm train does not resume: run it again to train it fully)")
+                                               f"{steps}; the PRM trained so far is saved in {out} (evaluated above) "
+                                               f"and in {out / f'checkpoint-{step}'}: resume it with "
+                                               "--resume_from_checkpoint true")
     return metrics
 
 
-def _epoch(model, optimizer, schedule, train_enc, rng, cfg: PRMTrainConfig, pad_id: int, bar, log, step: int,
-           received: list[int]) -> int:
-    """One pass over the shuffled training examples; stops early after the step during which a signal arrived.
-    Returns the step count."""
-    rng.shuffle(train_enc)
-    model.train()
-    for ids, mask, labels in _batches(train_enc, cfg.per_device_train_batch_size, pad_id):
-        bar.update(1)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-        lr = schedule.get_last_lr()[0]  # the rate this step uses
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % cfg.logging_steps == 0:
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-            log.write(json.dumps({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
-                                  "learning_rate": lr}) + "\n")
-            log.flush()
-        if received:
-            break
-    return step
+def _open_log(path: Path, step: int):
+    """train_log.jsonl for appending from `step`: a new run starts it empty; a resume keeps its lines up to the
+    checkpoint's step (the lines past it are the interrupted branch's)."""
+    kept = []
+    if step and path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
+                if json.loads(line).get("step", math.inf) <= step:
+                    kept.append(line + "\n")
+    path.write_text("".join(kept))
+    return path.open("a")
+
+
+def _remaining_batches(train_enc, rng: random.Random, cfg: PRMTrainConfig, pad_id: int, done: int):
+    """Every epoch's batches, the examples shuffled by `rng` at the start of each, from step done + 1 on: a resume
+    replays the (seeded) shuffles of the steps done and skips their batches, so it sees the uninterrupted order."""
+    step = 0
+    for _ in range(cfg.num_train_epochs):
+        rng.shuffle(train_enc)
+        for batch in _batches(train_enc, cfg.per_device_train_batch_size, pad_id):
+            step += 1
+            if step > done:
+                yield batch
+
+
+def _train_step(model, optimizer, schedule, ids, mask, labels, max_grad_norm: float) -> tuple[float, float, float]:
+    """One optimizer step on the cross-entropy of the labelled positions; returns (loss, the gradient norm before
+    clipping, the learning rate the step used)."""
+    ids, mask, labels = (t.to(model.device) for t in (ids, mask, labels))
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+    lr = schedule.get_last_lr()[0]  # the rate this step uses
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item(), grad_norm.item(), lr
