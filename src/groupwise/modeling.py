@@ -119,8 +119,9 @@ def head_reproduces_logits(model: torch.nn.Module, decoder, head, scale: float, 
     """Does the model's forward return transform(head(decoder's last hidden states)), as PolicyForLogps computes
     it? One forward of 8 tokens, the hidden states taken from inside it (a hook on the decoder), so the head sees the
     very tensor the model's own head saw: what remains is what the model does after lm_head (a scale, a softcap, a
-    slice of the vocabulary …), compared at a relative 1e-2 (bfloat16's rounding of one operation is 4e-3). No
-    random stream moves (eval mode, forked RNG)."""
+    slice of the vocabulary …), compared at a relative 1e-2 (bfloat16's rounding of one operation is 4e-3; NaN
+    where the model's logits are NaN counts as equal: weights gone bad are not a head mismatch). No random stream
+    moves (eval mode, forked RNG)."""
     device = next(model.parameters()).device
     captured = []
     handle = decoder.register_forward_hook(lambda module, args, output: captured.append(output[0] if isinstance(
@@ -135,7 +136,7 @@ def head_reproduces_logits(model: torch.nn.Module, decoder, head, scale: float, 
         mine = head(captured[-1]).float() * scale
     if softcap is not None:
         mine = torch.tanh(mine / softcap) * softcap
-    return mine.shape == logits.shape and bool(torch.allclose(mine, logits, rtol=1e-2, atol=1e-3))
+    return mine.shape == logits.shape and bool(torch.allclose(mine, logits, rtol=1e-2, atol=1e-3, equal_nan=True))
 
 
 class PolicyForLogps(torch.nn.Module):
