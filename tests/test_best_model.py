@@ -80,3 +80,31 @@ def test_early_stopping_callback_stops_once_the_metric_worsens(tmp_path, tokeniz
     t.train()  # transformers logs that the best model will not be loaded: load_best_model_at_end is off
     # rewards −1, 0, −1: step 3 is worse than the best (step 2), so patience 1 stops the run after step 3
     assert t.global_step == 3 and t.state.best_metric == 0.0 and t.state.best_global_step == 2
+
+
+def test_the_best_checkpoint_survives_a_resume_with_output_dir_spelt_otherwise(tmp_path, tokenizer, monkeypatch):
+    """A run with a relative output_dir records its best as 'out/checkpoint-2'. Resumed from another working
+    directory with the absolute path, it used to forget the best (that relative path is not there), so the rotation
+    deleted checkpoint-2 and the run ended with the last step's weights; the same working directory with another
+    spelling kept it unprotected too (the rotation compared paths as written)."""
+    from transformers import TrainerCallback
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    monkeypatch.chdir(first)
+    kw = dict(output_dir="out", load_best_model_at_end=True, save_total_limit=2)
+    t = _trainer(tmp_path, tokenizer, callbacks=[StopAt3()], **kw)
+    t.train()
+    assert t.global_step == 3 and t.state.best_model_checkpoint == "out/checkpoint-2"
+    best = load_file(str(first / "out" / "checkpoint-2" / "model.safetensors"))
+    monkeypatch.chdir(second)
+    t = _trainer(tmp_path, tokenizer, **{**kw, "output_dir": str(first / "out")})
+    t.train(resume_from_checkpoint=True)
+    assert t.global_step == 4 and t.state.best_model_checkpoint == str(first / "out" / "checkpoint-2")
+    assert sorted(p.name for p in (first / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    state = t.unwrapped.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in best.items())  # load_best_model_at_end: step 2's weights

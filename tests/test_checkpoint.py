@@ -263,3 +263,20 @@ def test_a_crashed_replace_of_a_later_step_is_set_aside_when_an_earlier_checkpoi
     assert sorted(p.name for p in out.glob("*checkpoint-*")) == ["checkpoint-2", "checkpoint-4",
                                                                  "checkpoint-4.abandoned"]
     verify_checkpoint(out / "checkpoint-4.abandoned")
+
+
+@pytest.mark.parametrize("limit", [None, 0, -1])
+def test_save_total_limit_of_0_or_less_is_no_limit_as_in_transformers(tmp_path, limit):
+    """transformers' rotate_checkpoints does nothing for None or <= 0; -1 used to be refused by the config, and the
+    rotation would have kept only the protected checkpoint."""
+    from groupwise import GRPOConfig
+    from groupwise.checkpoint import _rotate
+
+    assert GRPOConfig(save_total_limit=limit).save_total_limit == limit
+    for step in (1, 2, 3):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"run_id": "r"}))
+    _rotate(tmp_path, limit, "r", keep={tmp_path / "checkpoint-3"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    _rotate(tmp_path, 1, "r", keep={tmp_path / "checkpoint-3"})  # while 1 keeps the protected one only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]

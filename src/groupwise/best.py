@@ -96,11 +96,15 @@ class BestModel:
                 "best_model_checkpoint": checkpoint}
 
     @staticmethod
-    def load_state_dict(state, saved: dict | None) -> None:
-        """A resumed run continues from the checkpoint's best (one whose folder is gone is forgotten, as
-        transformers does)."""
+    def load_state_dict(state, saved: dict | None, output_dir: str | Path) -> None:
+        """A resumed run continues from the checkpoint's best. The path was recorded as output_dir was spelt then
+        (relative to that run's working directory, perhaps): the run's checkpoint of that name in this output_dir
+        is taken first, so that another spelling or working directory does not lose it (the rotation would then
+        delete it). One whose folder is gone is forgotten, as transformers does."""
         saved = saved or {}
         state.best_metric = saved.get("best_metric")
         state.best_global_step = saved.get("best_global_step")
         folder = saved.get("best_model_checkpoint")
-        state.best_model_checkpoint = folder if folder is not None and Path(folder).is_dir() else None
+        here = Path(output_dir) / Path(folder).name if folder is not None else None
+        state.best_model_checkpoint = str(here) if here is not None and here.is_dir() else \
+            folder if folder is not None and Path(folder).is_dir() else None

@@ -476,10 +476,11 @@ def _rotate(root: Path, limit: int | None, run_id: str | None, keep: set[Path]) 
     `limit`, the oldest are deleted until max(limit, the number protected) remain, never a protected one (`keep`:
     the one just written and the best). So save_total_limit counts the best checkpoint; at 1 the best and the
     newest are kept (and the end of training deletes the newest: keep_only_best)."""
-    if not limit:
+    if limit is None or limit <= 0:  # transformers: no limit
         return
     mine = _mine(root, run_id)
-    protected = keep & set(mine)
+    kept = {k.resolve() for k in keep}  # the best as recorded may be spelt otherwise (relative, another path)
+    protected = {p for p in mine if p.resolve() in kept}
     remaining = len(mine)
     for path in mine:
         if remaining <= max(limit, len(protected)):
@@ -493,7 +494,7 @@ def keep_only_best(output_dir: str | Path, run_id: str | None, best: str | Path)
     """transformers' end of training with save_total_limit=1 and a best checkpoint: this run's other checkpoints
     (the newest, which the rotation kept beside the best) are deleted."""
     for path in _mine(Path(output_dir), run_id):
-        if path != Path(best):
+        if path.resolve() != Path(best).resolve():
             _delete(path)
 
 

@@ -52,6 +52,8 @@ def load_model_from(folder: str, *, dist, model, sharded_model: torch.nn.Module 
     from groupwise.adapters import ADAPTER_WEIGHTS, is_peft_model, load_adapter
 
     path = Path(folder)
+    if not path.is_dir():
+        raise _error(f"checkpoint {folder} does not exist (deleted or moved since it was saved): nothing to load")
     if sharded_model is not None:
         from groupwise.sharding import load_local
 

@@ -55,7 +55,7 @@ class PRMTrainConfig(StrictConfig):
     seed: int = option("Seed of the split, the order and the head initialisation.", default=42)
     logging_steps: int = option("Every this many steps: the progress bar's loss, and a line of output_dir/train_log.jsonl (step, loss, grad_norm before clipping, learning_rate).", default=10, ge=1)
     save_steps: int = option("Write a resumable checkpoint-N/ to output_dir every this many optimizer steps (0: none; a signal still writes one). Each also loads as a PRM.", default=500, ge=0)
-    save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first; transformers).", default=None, ge=1)
+    save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first; null, 0 or less: no limit; transformers).", default=None)
     resume_from_checkpoint: str | bool | None = option("A checkpoint-N/ folder of a prm train run to resume exactly, or true for the newest in output_dir (transformers' meaning).", default=None)
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints another run left in output_dir; without it such a run refuses to start.", default=False)
     trust_remote_code: bool = option("Allow the base model's repository to run its own code.", default=False)

@@ -476,7 +476,7 @@ class GRPOTrainer(TransformersHabits):
             self.update_ctx.entropy.load_state_dict(state["entropy_control"])
         if self.dist.scaler is not None and state.get("grad_scaler"):  # fp16: the loss scale where it was
             self.dist.scaler.load_state_dict(state["grad_scaler"])
-        BestModel.load_state_dict(self.state, state.get("best"))
+        BestModel.load_state_dict(self.state, state.get("best"), self.args.output_dir)
         self.callback_handler.restore_states(self.args, state.get("stateful_callbacks"), self.control)
         self._span = start, end = tuple(state.get("round_span", (self.sampler.progress(),) * 2))
         self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
