@@ -128,17 +128,59 @@ class NappingSqlEnv(SqlEnv):
         self.turns += 1
 
 
-def test_a_timed_out_tool_leaves_its_thread_and_the_next_reset_gets_a_fresh_one():
+def test_a_timed_out_tool_leaves_its_thread_and_the_next_rollout_gets_a_new_instance():
     ctx, _ = context(one_call("nap", seconds=3), tools=(), environment_factory=NappingSqlEnv, tool_timeout=0.3)
     comp = R.generate(ctx, None, [{"prompt": user("q")}])
     assert comp.tool_timeouts.tolist() == [1]
+    napping = comp.columns["environments"][0]
     with pytest.raises(sqlite3.ProgrammingError):  # until the next reset, the instance's calls run on a new thread
         ctx.agent.toolbox.reward_sources[0].fn(environments=comp.columns["environments"])
     ctx = dataclasses.replace(ctx, generator=Scripted(one_call("query", sql="select x from t")))
     start = time.perf_counter()
-    comp = R.generate(ctx, None, [{"prompt": user("q")}])  # the same instance, reset while the nap still runs
+    comp = R.generate(ctx, None, [{"prompt": user("q")}])  # while the nap still runs on the old instance
     assert time.perf_counter() - start < 2.0
     assert comp.completions[0][1]["content"] == "[(42,)]" and comp.tool_failures.tolist() == [0]
+    assert comp.columns["environments"][0] is not napping and ctx.agent.toolbox.replaced == 1
+
+
+class LateScore:
+    """A tool that overruns the timeout and changes the instance after its caller gave up."""
+
+    def reset(self, **row) -> None:
+        self.score = 0
+
+    def slow_step(self, n: int) -> str:
+        """
+        A step that is sometimes slow.
+
+        Args:
+            n: A number.
+        """
+        time.sleep(0.6)
+        self.score += 100  # lands after the caller gave up
+        return "ok"
+
+    def get_reward(self) -> float:
+        return float(self.score)
+
+
+def test_a_call_given_up_on_does_not_change_the_next_rollout():
+    """A timed-out tool runs on in its abandoned thread. Its instance was reset and reused by the next batch, so the
+    late `score += 100` landed in a rollout that never called the tool: reward 100 instead of 0. The instance is now
+    left to that call and a new one made in its place."""
+    from groupwise.agents import Toolbox
+    from groupwise.agents.execution import run_tool_calls
+
+    box = Toolbox([], LateScore)
+    (first,), _, _ = box.start([{"prompt": user("a")}], threaded=True)
+    call = [{"type": "function", "function": {"name": "slow_step", "arguments": {"n": 1}}}]
+    assert run_tool_calls(call, box.tools_of(first), 0.2, box.threads_of(first)).timeouts == 1
+    (second,), _, _ = box.start([{"prompt": user("b")}], threaded=True)  # the next batch, while the call runs on
+    assert second is not first and box.replaced == 1
+    time.sleep(0.8)  # the late write lands (in the old instance)
+    assert box.call_on(second, second.get_reward) == 0.0 and first.score == 100
+    (third,), _, _ = box.start([{"prompt": user("c")}], threaded=True)  # nothing runs any more: pooled as usual
+    assert third is second and box.replaced == 1
 
 
 def checked_eval(expr: str) -> str:

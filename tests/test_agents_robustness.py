@@ -113,3 +113,41 @@ def test_eval_rows_may_lack_a_prompt_with_an_environment():
     toolbox = Toolbox(environment_factory=Numbered)
     data = PromptData(environment_prompts([{"problem": "1 + 2"}], toolbox), "eval_dataset")
     assert data[0]["prompt"] == [{"role": "user", "content": ""}]
+
+
+async def cancelled_fetch(url: str) -> str:
+    """
+    Awaits a task that gets cancelled: asyncio's CancelledError, a BaseException, leaves the tool.
+
+    Args:
+        url: Where.
+    """
+    import asyncio
+
+    task = asyncio.ensure_future(asyncio.sleep(10))
+    task.cancel()
+    await task
+    return url
+
+
+def cancelling_sync(n: int) -> str:
+    """
+    Raises CancelledError from a sync tool.
+
+    Args:
+        n: A number.
+    """
+    import asyncio
+
+    raise asyncio.CancelledError("gave up")
+
+
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_a_tool_raising_cancelled_error_is_its_error_message_not_the_run_s_end(timeout):
+    """CancelledError is a BaseException: it left run_tool_calls and stopped training, where TRL's
+    gather(return_exceptions=True) keeps it as the call's result (message str(e): '' or its text)."""
+    calls = [{"type": "function", "function": {"name": "cancelled_fetch", "arguments": {"url": "u"}}},
+             {"type": "function", "function": {"name": "cancelling_sync", "arguments": {"n": 1}}}]
+    out = run_tool_calls(calls, {"cancelled_fetch": cancelled_fetch, "cancelling_sync": cancelling_sync}, timeout)
+    assert [m["content"] for m in out.messages] == [str({"error": "gave up"}), str({"error": ""})]
+    assert (out.calls, out.failures, out.timeouts) == (2, 2, 0)

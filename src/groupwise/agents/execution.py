@@ -59,12 +59,16 @@ class ToolThread:
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue | None = None
         self._last: threading.Event | None = None  # set when the last call submitted has returned
+        self._left: list[threading.Event] = []  # the last calls of abandoned threads, while they run
 
     @property
-    def busy(self) -> bool:
-        """Is a call still running on the thread (one whose caller gave up waiting)?"""
+    def stale(self) -> bool:
+        """Does a call still run that this thread's caller gave up on: on the thread (its caller's own timeout), or
+        on a thread it abandoned (a timed-out tool)? What that call does to its instance lands later, in whatever
+        rollout uses the instance next."""
         with self._lock:
-            return self._last is not None and not self._last.is_set()
+            self._left = [e for e in self._left if not e.is_set()]
+            return bool(self._left) or (self._last is not None and not self._last.is_set())
 
     def abandon(self, jobs: queue.SimpleQueue | None = None) -> None:
         """Leave the current thread to its call (when it is still the one serving `jobs`); the next call starts a
@@ -72,6 +76,8 @@ class ToolThread:
         with self._lock:
             if self._jobs is not None and (jobs is None or jobs is self._jobs):
                 self._jobs.put(None)
+                if self._last is not None and not self._last.is_set():
+                    self._left.append(self._last)
                 self._jobs, self._last = None, None
 
     def call(self, fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
@@ -141,7 +147,8 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
               thread: ToolThread | None = None) -> tuple[str | list, str | None]:
     """fn(**arguments) within `timeout` seconds (on `thread` when given, else on a thread of its own; None: on this
     thread, no limit): (the message content, None), or (str({"error": message}), "exception" | "timeout"). Never
-    raises but KeyboardInterrupt."""
+    raises but KeyboardInterrupt (asyncio's CancelledError, a BaseException, is the tool's error, as TRL's gather
+    returns it)."""
     def run():
         value = fn(**arguments)  # a non-mapping is TRL's TypeError ("argument after ** must be a mapping")
         return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
@@ -155,8 +162,10 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
             value = timed_call(run, timeout, f"tool {name!r}")
     except RewardTimeout:
         return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"
-    except (Exception, SystemExit) as e:  # TRL: str(e); reported to the model, never raised
-        return str({"error": _error_text(name, e)}), "exception"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 — TRL: str(e); reported to the model, never raised (SystemExit,
+        return str({"error": _error_text(name, e)}), "exception"  # asyncio's CancelledError: TRL's gather keeps them)
     return tool_content(name, value)
 
 
@@ -182,7 +191,9 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
         elif is_async(fn):
             try:  # TRL makes the coroutine here: bad arguments are an error in call order, before the async results
                 coroutine = fn(**arguments)
-            except Exception as e:  # noqa: BLE001 — reported to the model, as in TRL
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 — reported to the model, as in TRL
                 failures += 1
                 done.append((name, str({"error": _error_text(name, e)})))
             else:
@@ -252,7 +263,9 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
         value = timed_call(call, timeout_s, f"tool {name!r}")
     except RewardTimeout:
         return ToolOutcome(False, f"tool {name!r} timed out after {timeout_s:g} s", "timeout", time.monotonic() - t0)
-    except (Exception, SystemExit) as e:  # reported to the model as the tool's message, never raised
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 — reported to the model as the tool's message, never raised
         return ToolOutcome(False, f"{type(e).__name__}: {e}", "exception", time.monotonic() - t0)
     return ToolOutcome(True, _as_text(value), None, time.monotonic() - t0)
 

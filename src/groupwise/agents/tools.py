@@ -131,6 +131,7 @@ class Toolbox:
         self.process_sources: list[RewardSource] = []  # get_step_rewards (groupwise), for step_split="turn"
         self.threaded = False  # the last start() ran the environments on their threads (a tool timeout)
         self._threads: dict[int, ToolThread] = {}  # id(instance) → its thread; instances live in the pool
+        self.replaced = 0  # pooled instances replaced by new ones: a call given up on still ran on them (start)
         self._standalone_thread = ToolThread("groupwise tools")
         class_names: dict[type, str] = {}  # each environment class's name in the reward sources (unique)
         for name, factory in factories.items():
@@ -201,14 +202,21 @@ class Toolbox:
             k = taken.get(name, 0)
             while len(self.pool[name]) <= k:
                 self.pool[name].append(self.factories[name]())
-            envs.append(self.pool[name][k])
+            env = self.pool[name][k]
+            if (thread := self._threads.get(id(env))) is not None and thread.stale:
+                # a call its caller gave up on (a timed-out tool or reward) still runs on this instance: what it
+                # does would land in this rollout, so the instance is left to it and a new one takes its place
+                self._threads.pop(id(env)).abandon()
+                env = self.pool[name][k] = self.factories[name]()
+                self.replaced += 1
+            envs.append(env)
             taken[name] = k + 1
         observations = []
         for env, row in zip(envs, rows):
             kwargs = {k: v for k, v in row.items() if not (k == "environment" and self.multi)
                       and not (k == "prompt" and isinstance(v, EmptyPrompt))}  # TRL: a defaulted prompt is not passed
-            if threaded and (thread := self._thread_of(env)).busy:  # a call whose caller gave up still runs there
-                thread.abandon()  # (a reward that timed out): reset on a fresh thread
+            if threaded:
+                self._thread_of(env)  # its thread from now on: reset, tools, rewards
             observation = self.call_on(env, lambda env=env, kwargs=kwargs: env.reset(**kwargs))
             if observation is not None and not isinstance(observation, (str, list)):
                 raise TypeError(f"{type(env).__name__}.reset() returned a {type(observation).__name__}: return None, "
