@@ -28,9 +28,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 @pytest.fixture(autouse=True)
 def same_user_allowed(monkeypatch):
-    """The containment tests also run where only the same-user mode exists (non-root, no user namespaces), which
-    run_python refuses by default (test_same_user_mode_is_refused_unless_allowed)."""
+    """The containment tests also run where only the same-user mode exists (non-root, no user namespaces), and
+    where no network namespace can be made (the "fallback" mode below), which run_python refuses by default
+    (test_same_user_mode_is_refused_unless_allowed, test_the_socket_patch_is_refused_unless_allowed)."""
     monkeypatch.setenv("GROUPWISE_SANDBOX_ALLOW_SAME_USER", "1")
+    monkeypatch.setenv("GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH", "1")
 
 
 @pytest.fixture(params=["namespaces", "fallback"])
@@ -321,6 +323,36 @@ def test_same_user_mode_is_refused_unless_allowed(monkeypatch):
     assert run_python(code).ok
 
 
+def test_the_socket_patch_is_refused_unless_allowed(monkeypatch):
+    """Where no network namespace can be made, network=False used to fall back to a Python-level socket block that
+    `_socket` gets past (reported only in result.network): refused now, naming the fix, unless accepted."""
+    monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)  # as where unshare(CLONE_NEWNET) is refused
+    monkeypatch.delenv("GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH")
+    with pytest.raises(RuntimeError, match=r"network=False, but no network namespace could be made .* ctypes, "
+                                           r"_socket or a subprocess gets past .*run_python\(allow_socket_patch=True\)"):
+        run_python("print('ran')")
+    r = run_python("print('ran')", allow_socket_patch=True)
+    assert r.ok and r.stdout == "ran\n" and r.network == "python-socket-patch"
+    assert run_python("print('ran')", network=True).ok  # no block asked for: nothing to refuse
+    monkeypatch.setenv("GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH", "1")
+    assert run_python("print('ran')").network == "python-socket-patch"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not sandbox._OWN_UID, reason="a uid of the call's own (root) is needed to "
+                    "tell the call's files from the trainer's")
+def test_what_the_call_left_in_the_shared_temp_dirs_is_deleted():
+    """/dev/shm (RAM), /tmp and /var/tmp outlived the call: 3 calls of 8 × 15 MiB files held 360 MiB of /dev/shm."""
+    tag = f"groupwise-test-{os.getpid()}"
+    code = (f"import os\nfor top in ('/dev/shm', '/tmp', '/var/tmp'):\n"
+            f"    open(os.path.join(top, '{tag}'), 'wb').write(b'x' * 1024)\n"
+            f"    os.makedirs(os.path.join(top, '{tag}-dir', 'sub'))\n"
+            f"    os.symlink('/etc', os.path.join(top, '{tag}-dir', 'sub', 'etc'))\nprint('left')")
+    r = run_python(code)
+    assert r.ok and r.stdout == "left\n", r.stderr
+    assert not [p for top in sandbox.SHARED_TEMP_DIRS for p in os.listdir(top) if p.startswith(tag)]
+    assert os.path.isfile("/etc/hostname") or os.path.isdir("/etc")  # the symlink was removed, not followed
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the parent-death signal is cleared by the drop to the call's own uid")
 def test_the_program_dies_with_a_killed_trainer():
     marker = f"96{os.getpid() % 1000}{time.time_ns() % 10**6:06d}"
@@ -379,3 +411,15 @@ def test_a_program_that_cannot_be_executed_is_a_setup_failure(monkeypatch, tmp_p
     monkeypatch.setattr(subprocess, "Popen", start)
     with pytest.raises(RuntimeError, match="could not be set up, the code did not run: PermissionError"):
         run_python("print(1)")
+
+
+def test_removing_a_tree_never_changes_the_folder_that_holds_it(tmp_path):
+    """_remove_tree's retry made the parent of a refused entry 0700; for the tree itself (already gone, as the
+    workdir once _remove_files_of has deleted it) that parent was /tmp: every other user lost it."""
+    tmp_path.chmod(0o1777)
+    sandbox._remove_tree(str(tmp_path / "gone"))
+    (tmp_path / "tree" / "sub").mkdir(parents=True)
+    (tmp_path / "tree" / "sub" / "f").touch()
+    (tmp_path / "tree" / "sub").chmod(0o500)  # a folder the code made unwritable (for a non-root trainer)
+    sandbox._remove_tree(str(tmp_path / "tree"))
+    assert not (tmp_path / "tree").exists() and oct(tmp_path.stat().st_mode & 0o7777) == "0o1777"

@@ -44,7 +44,10 @@ reported as missing, never claimed):
     the code can add at most max_processes tasks whatever it does and the trainer keeps its own (larger) limit;
     concurrent sandboxes of one user share that headroom. Reported as "nproc-relative".
 * Files (`max_file_mb`, RLIMIT_FSIZE per file written; RLIMIT_CORE=0, RLIMIT_NOFILE=256). The number of files is not
-  limited: the code can fill the disk of its temp dir (or /tmp) until the wall clock stops it.
+  limited: the code can fill the disk of its temp dir (or /tmp) until the wall clock stops it. As root (a uid of its
+  own), what that uid left at the top of /tmp, /var/tmp and /dev/shm (RAM) is deleted after the call, with the
+  call's processes; deeper, in another user's world-writable directory, it stays. A non-root trainer's code runs
+  as the trainer's user, whose files cannot be told apart: what it leaves there stays.
 * Leftover processes: when the program's main process ends (or at the deadline) every process it started is killed,
   detached ones (setsid, double fork) included: with a pid namespace its pid 1 (the reaper) exits, and the kernel
   kills the rest; as root, additionally every process of the call's uid is killed; otherwise the reaper is a child
@@ -52,9 +55,11 @@ reported as missing, never claimed):
   kills the reaper first leave a detached process behind. (Killed processes can stay zombies, dead and holding
   nothing, until the system's init reaps them.)
 * Network (`network=False`): a new network namespace where allowed (only a loopback device that is down: no
-  connection to anything, localhost included), reported as network="netns". Where unshare is refused, a
-  Python-level block that replaces `socket.socket` for non-Unix families inside the child: this stops ordinary
-  Python code but NOT ctypes, `_socket`, or a subprocess such as curl: reported as network="python-socket-patch".
+  connection to anything, localhost included), reported as network="netns". Where unshare is refused, the call is
+  refused (run_python raises, naming the fix) unless `allow_socket_patch=True` or
+  GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH=1: then a Python-level block replaces `socket.socket` for non-Unix families
+  inside the child, which stops ordinary Python code but NOT ctypes, `_socket`, or a subprocess such as curl:
+  reported as network="python-socket-patch".
 * Environment: the trainer's environment variables (tokens, keys) are not passed on.
 * The temporary directory is deleted after the call.
 
@@ -173,10 +178,37 @@ class _Capture:
         return text[:self.max_chars], truncated
 
 
+SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable: where code of any uid can leave files
+
+
+def _remove_files_of(uid: int) -> None:
+    """Delete what `uid` (a call's own, its processes killed) left at the top of the shared temp directories: files
+    there outlive the call (/dev/shm's hold RAM), and a sticky directory lets no one else's be taken for its.
+    Symlinks are removed, never followed."""
+    for top in SHARED_TEMP_DIRS:
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    _remove_tree(entry.path)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+
+
 def _remove_tree(path: str) -> None:
+    """Delete the tree at `path`, whatever modes the code gave its folders (made 0700 on a refusal, inside the tree
+    only: never the folder that holds `path`, such as /tmp)."""
     def retry(func, p, _exc):
         try:
-            os.chmod(os.path.dirname(p), 0o700)
+            if p != path:
+                os.chmod(os.path.dirname(p), 0o700)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, 0o700)
             func(p)
@@ -254,7 +286,8 @@ def _killpg(pgid: int) -> None:
 
 def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, max_processes: int = 32,
                max_output_chars: int = 10_000, max_file_mb: int = 16, network: bool = False,
-               site_packages: bool = False, allow_same_user: bool = False) -> SandboxResult:
+               site_packages: bool = False, allow_same_user: bool = False,
+               allow_socket_patch: bool = False) -> SandboxResult:
     """Run `code` as a Python program in a contained child process tree and return what it printed and how it ended.
 
     timeout_s: wall clock for the whole call (default 5 s); at the deadline every process of the call is killed.
@@ -267,6 +300,9 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
     allow_same_user: run the code even where it would run as the trainer's own user without a user and a pid namespace
     (non-root, namespaces refused: it could then read the trainer's environment in /proc and signal it); refused by
     default (a RuntimeError naming the fix) unless this or GROUPWISE_SANDBOX_ALLOW_SAME_USER=1 is set.
+    allow_socket_patch: with network=False where no network namespace can be made, run the code behind the
+    Python-level socket block (which ctypes, _socket or a subprocess gets past); refused by default (a RuntimeError
+    naming the fix) unless this or GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH=1 is set.
 
     Thread-safe: calls may run concurrently (each has its own directory, pipes, process tree and, as root, uid).
     The module docstring says what is and is not contained.
@@ -275,11 +311,12 @@ def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: 
         raise ValueError("run_python: timeout_s > 0, cpu_s >= 1, memory_mb >= 32, max_processes >= 1, "
                          "max_output_chars >= 0 and max_file_mb >= 0 are required")
     return _run(code, timeout_s, cpu_s, memory_mb, max_processes, max_output_chars, max_file_mb, network,
-                site_packages, allow_same_user, access=...)
+                site_packages, allow_same_user, allow_socket_patch, access=...)
 
 
 def _run(code: str, timeout_s: float, cpu_s: int, memory_mb: int, max_processes: int, max_output_chars: int,
-         max_file_mb: int, network: bool, site_packages: bool, allow_same_user: bool, access: Any) -> SandboxResult:
+         max_file_mb: int, network: bool, site_packages: bool, allow_same_user: bool, allow_socket_patch: bool,
+         access: Any) -> SandboxResult:
     """run_python; `access`: how a uid of its own reaches the interpreter (sandbox_uids._access_plan; ...: ask it)."""
     claimed = _ClaimedUid() if os.geteuid() == 0 and _OWN_UID else None
     workdir = status_r = proc = None
@@ -303,7 +340,8 @@ def _run(code: str, timeout_s: float, cpu_s: int, memory_mb: int, max_processes:
                "cpu_s": int(cpu_s), "memory_mb": int(memory_mb), "max_processes": int(max_processes),
                "max_file_mb": int(max_file_mb), "max_open_files": _MAX_OPEN_FILES, "env": env,
                "argv": flags + ["main.py"], "argv_socket_patch": flags + ["-c", _SOCKET_PATCH],
-               "allow_same_user": allow_same_user or os.environ.get("GROUPWISE_SANDBOX_ALLOW_SAME_USER") == "1"}
+               "allow_same_user": allow_same_user or os.environ.get("GROUPWISE_SANDBOX_ALLOW_SAME_USER") == "1",
+               "allow_socket_patch": allow_socket_patch or os.environ.get("GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH") == "1"}
         try:
             supervisor = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _SUPERVISOR, json.dumps(cfg)]
             proc = subprocess.Popen(supervisor, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -324,6 +362,7 @@ def _run(code: str, timeout_s: float, cpu_s: int, memory_mb: int, max_processes:
             os.close(status_r)
         if claimed is not None:
             _kill_uid(claimed.uid)
+            _remove_files_of(claimed.uid)
             claimed.release()
         if workdir is not None:
             _remove_tree(workdir)
@@ -332,7 +371,8 @@ def _run(code: str, timeout_s: float, cpu_s: int, memory_mb: int, max_processes:
 def _hide_works(plan: list, site_packages: bool) -> bool:
     """Does the interpreter start (and import ctypes) in a sandbox whose mount namespace follows `plan`?"""
     try:
-        return _run("import ctypes, json, decimal", 30.0, 5, 512, 8, 1000, 1, False, site_packages, False, plan).ok
+        return _run("import ctypes, json, decimal", 30.0, 5, 512, 8, 1000, 1, False, site_packages, False, True,
+                    plan).ok
     except (OSError, RuntimeError):  # e.g. mounts refused: the setup fails closed, the code did not run
         return False
 

@@ -229,6 +229,14 @@ def main():
             os._exit(126)
     net_blocked = "net" in namespaces
     if not cfg["network"] and not net_blocked:
+        if not cfg["allow_socket_patch"]:
+            report({"event": "setup_failed", "error": "network=False, but no network namespace could be made "
+                    "(refused here: %s): only a Python-level socket block is possible, which ctypes, _socket or a "
+                    "subprocess gets past (to localhost services, a cloud metadata endpoint, the internet); run the "
+                    "trainer where unshare(CLONE_NEWNET) is allowed (root with CAP_SYS_ADMIN, or unprivileged user "
+                    "namespaces), or accept this with run_python(allow_socket_patch=True) or "
+                    "GROUPWISE_SANDBOX_ALLOW_SOCKET_PATCH=1" % (refused.get("net") or "namespaces off")})
+            os._exit(126)
         cfg["argv"] = cfg["argv_socket_patch"]
     report({"event": "setup", "namespaces": namespaces, "refused": refused, "nproc_mode": cfg["nproc_mode"],
             "network": "allowed" if cfg["network"] else ("netns" if net_blocked else "python-socket-patch")})
