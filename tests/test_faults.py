@@ -258,10 +258,9 @@ def test_a_hung_reward_does_not_keep_the_process_alive(tmp_path):
     assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-2000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_the_run_with_a_checkpoint(tmp_path, model_dir, signum):
-    cfg = _config(tmp_path, model_dir, max_steps=500, save_steps=0)
+def _stop_with(tmp_path, model_dir, signum, **fields):
+    """A CLI run (max_steps 500) sent `signum` once it has logged 2 lines: (its config, its exit, its stderr)."""
+    cfg = _config(tmp_path, model_dir, max_steps=500, save_steps=0, **fields)
     proc = _run_script(tmp_path, f"""
         import sys
         from groupwise.cli import main
@@ -274,11 +273,25 @@ def test_a_signal_stops_the_run_with_a_checkpoint(tmp_path, model_dir, signum):
     sent = time.time()
     proc.send_signal(signum)
     done = proc.wait(timeout=60)
-    err = done.stderr
     assert time.time() - sent < 30, "did not stop within seconds"
-    assert done.returncode == 128 + signum, err[-2000:]
+    return cfg, done.returncode, done.stderr
+
+
+@pytest.mark.slow
+def test_a_signal_with_save_only_model_says_its_checkpoint_cannot_be_resumed(tmp_path, model_dir):
+    _, code, err = _stop_with(tmp_path, model_dir, signal.SIGTERM, save_only_model=True)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert "written (the model only: save_only_model=True, not resumable)" in err, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_run_with_a_checkpoint(tmp_path, model_dir, signum):
+    cfg, code, err = _stop_with(tmp_path, model_dir, signum)
+    assert code == 128 + signum, err[-2000:]
     ckpts = list((tmp_path / "run").glob("checkpoint-*"))
     assert len(ckpts) == 1 and f"stopped by {signal.Signals(signum).name} after step" in err
+    assert f"{ckpts[0].name} written: resume it with resume_from_checkpoint=True" in err
     verify_checkpoint(ckpts[0])  # complete and resumable
     assert main(["train", cfg, "--resume_from_checkpoint", str(ckpts[0]),
                  "--max_steps", str(int(ckpts[0].name.split("-")[1]) + 1)]) == 0

@@ -382,7 +382,10 @@ class GRPOTrainer(TransformersHabits):
             signum = self._signals[0] if self._signals else signal.SIGTERM
             if args.save_on_interrupt and not should_save:
                 self._save_round(rollout, done)
-            where = f"; checkpoint-{self.global_step} written" if args.save_on_interrupt else ""
+            where = "" if not args.save_on_interrupt else \
+                f"; checkpoint-{self.global_step} written (the model only: save_only_model=True, not resumable)" \
+                if args.save_only_model else \
+                f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True"
             raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
         if epoch_end and not last_step:
