@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import groupwise.checkpoint as C
+import groupwise.checkpoint_files as F
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.tasks import toy
 
@@ -18,7 +19,7 @@ def main(out: Path) -> None:
             raise OSError(28, "No space left on device")
         return real(tensors, path, *a, **k)
 
-    C.save_file = full_disk
+    C.save_file = F.save_file = full_disk  # rank 1 writes its RNG state (checkpoint_files) first
     tok = toy.build_tokenizer()
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
                       max_steps=2, save_steps=1, learning_rate=1e-2, ddp_timeout=60)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from groupwise.checkpoint import (CheckpointError, _publish, _write_manifest, claim_output_dir, latest_checkpoint,
+from groupwise.checkpoint import (CheckpointError, _write_manifest, claim_output_dir, latest_checkpoint, publish,
                                  put_back_replaced, resume_folder, verify_checkpoint)
 
 
@@ -106,7 +106,7 @@ def test_the_rotation_counts_a_put_back_checkpoint_and_never_deletes_one_unrecov
     _replaced(tmp_path, 4)
     tmp = _checkpoint(tmp_path / "new", 5).rename(tmp_path / ".tmp-checkpoint-5")
     with pytest.warns(RuntimeWarning, match="checkpoint-4 put back"):
-        _publish(tmp, tmp_path / "checkpoint-5", tmp_path, 5, 2, "r")
+        publish(tmp, tmp_path / "checkpoint-5", tmp_path, 5, 2, "r")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "new") == ["checkpoint-4", "checkpoint-5"]
     verify_checkpoint(tmp_path / "checkpoint-4")
 

@@ -15,9 +15,8 @@ import pytest
 
 from groupwise import ConfigError, GRPOConfig, GRPOTrainer
 from groupwise.best import BestModel
-from groupwise.checkpoint import (CheckpointError, _publish, _rotate, _write_manifest, claim_output_dir,
-                                  keep_only_best, latest_checkpoint, put_back_replaced, resume_folder,
-                                  verify_checkpoint)
+from groupwise.checkpoint import (CheckpointError, _rotate, _write_manifest, claim_output_dir, keep_only_best,
+                                  latest_checkpoint, publish, put_back_replaced, resume_folder, verify_checkpoint)
 from groupwise.tasks import toy
 from tests.conftest import small_args
 
@@ -242,7 +241,7 @@ def test_a_save_at_the_new_best_step_protects_itself_not_the_former_best(tmp_pat
     keep = BestModel.at_save(state, tmp_path, 3)
     assert keep == str(tmp_path / "checkpoint-3")
     tmp = _groupwise_checkpoint(tmp_path / "new", 3).rename(tmp_path / ".tmp-checkpoint-3")
-    _publish(tmp, tmp_path / "checkpoint-3", tmp_path, 3, 2, "r", keep)
+    publish(tmp, tmp_path / "checkpoint-3", tmp_path, 3, 2, "r", keep)
     assert _names(tmp_path) == ["checkpoint-2", "checkpoint-3", "new"]
 
 
@@ -366,7 +365,7 @@ def test_a_kill_while_the_rotation_deletes_leaves_no_half_checkpoint(tmp_path, m
     monkeypatch.setattr(C.shutil, "rmtree", killed)
     tmp = _groupwise_checkpoint(tmp_path / "new", 2).rename(tmp_path / ".tmp-checkpoint-2")
     with pytest.raises(_Killed):
-        _publish(tmp, tmp_path / "checkpoint-2", tmp_path, 2, 1, "r")
+        publish(tmp, tmp_path / "checkpoint-2", tmp_path, 2, 1, "r")
     monkeypatch.setattr(C.shutil, "rmtree", real)
     assert _names(tmp_path) == ["checkpoint-2", "new", ".old-checkpoint-1.deleted"]
     assert not list(filter_repo_objects([".old-checkpoint-1.deleted/trainer_state.json"], ignore_patterns=IGNORE))

@@ -153,6 +153,7 @@ def test_a_kill_during_a_save_never_leaves_a_checkpoint_resume_accepts(tmp_path,
     proc = _run_script(tmp_path, f"""
         import os, signal
         import groupwise.checkpoint as C
+        import groupwise.checkpoint_files as F
         from groupwise import GRPOTrainer
         from groupwise.tasks import toy
         from tests.conftest import small_args
@@ -166,9 +167,10 @@ def test_a_kill_during_a_save_never_leaves_a_checkpoint_resume_accepts(tmp_path,
                     os.kill(os.getpid(), signal.SIGKILL)
                 return out
             return wrapped
-        C.save_file, C._write_json = killing(C.save_file), killing(C._write_json)
+        for module in (C, F):  # every file a save writes: safetensors and JSON, from either module
+            module.save_file, module.write_json = killing(module.save_file), killing(module.write_json)
         if {kill_at!r} == "manifest":
-            C._sha256 = lambda p: os.kill(os.getpid(), signal.SIGKILL)
+            C.sha256_of = lambda p: os.kill(os.getpid(), signal.SIGKILL)
         tok = toy.build_tokenizer()
         args = small_args(Path({str(tmp_path)!r}), max_steps=2, save_steps=1)
         GRPOTrainer(toy.build_model(tok, hidden_size=32), [lambda completions, **_: [float(len(c)) for c in completions]],

@@ -105,6 +105,5 @@ class BestModel:
         state.best_metric = saved.get("best_metric")
         state.best_global_step = saved.get("best_global_step")
         folder = saved.get("best_model_checkpoint")
-        here = Path(output_dir) / Path(folder).name if folder is not None else None
-        state.best_model_checkpoint = str(here) if here is not None and here.is_dir() else \
-            folder if folder is not None and Path(folder).is_dir() else None
+        found = [] if folder is None else [p for p in (Path(output_dir) / Path(folder).name, Path(folder)) if p.is_dir()]
+        state.best_model_checkpoint = str(found[0]) if found else None

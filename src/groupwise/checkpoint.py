@@ -24,31 +24,30 @@ checkpoints of the same run, a save refuses to replace another run's checkpoint 
 refuses an output_dir that holds another run's outputs. A checkpoint the rotation deletes is renamed
 .old-checkpoint-N.deleted first (a kill during the deletion never leaves a half checkpoint-N; the leftover is
 removed by the next save or resume). A folder whose trainer_state.json is transformers' TrainerState (a transformers
-/ TRL checkpoint) is never resumed. Loading is groupwise.checkpoint_load's.
+/ TRL checkpoint) is never resumed. Loading is groupwise.checkpoint_load's; the optimizer / RNG / JSON file formats
+are groupwise.checkpoint_files'.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from groupwise.checkpoint_files import sha256_of, write_json, write_optimizer, write_rng
 from groupwise.config_base import ConfigError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
-REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see _publish, put_back_replaced
+REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see publish, put_back_replaced
 DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
 MANIFEST = "checksums.json"
 
@@ -58,18 +57,10 @@ class CheckpointError(ConfigError):
     (an input error: exit 2 on the command line)."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path) -> None:
     """checksums.json: the sha256 of every file under the folder (subfolders too, by relative path)."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    _write_json(folder / MANIFEST, {name: _sha256(folder / name) for name in files})
+    write_json(folder / MANIFEST, {name: sha256_of(folder / name) for name in files})
 
 
 def is_transformers_state(state: dict) -> bool:
@@ -114,7 +105,7 @@ def verify_checkpoint(folder: str | Path) -> None:
         f = path / name
         if not f.exists():
             raise CheckpointError(f"{f} is missing (listed in {MANIFEST}); resume from an earlier checkpoint")
-        if _sha256(f) != digest:
+        if sha256_of(f) != digest:
             raise CheckpointError(f"{f} does not match its checksum: the file was changed or corrupted after the "
                                   "save; resume from an earlier checkpoint")
 
@@ -132,7 +123,7 @@ def run_outputs(output_dir: str | Path) -> list[Path]:
 
 def put_back_replaced(output_dir: str | Path) -> list[Path]:
     """A save of a step that has a checkpoint (this run's) moves checkpoint-N to .old-checkpoint-N, renames the new
-    folder checkpoint-N, then deletes .old-checkpoint-N (_publish). A crash between the two renames leaves the step
+    folder checkpoint-N, then deletes .old-checkpoint-N (publish). A crash between the two renames leaves the step
     only in .old-checkpoint-N, where resume does not look: it is renamed checkpoint-N again (that save is lost, not
     the step; resume verifies its checksums as any checkpoint's). One whose checkpoint-N is there is what the crash
     kept from being deleted: it is deleted, unless it holds another run's id. A .old-checkpoint-N.deleted folder is
@@ -238,7 +229,8 @@ def set_aside_later(output_dir: str | Path, step: int, run_id: str | None) -> li
     """Resuming run `run_id` at `step`: its checkpoints of later steps in output_dir belong to the branch the resume
     abandons. Left in place, resume_from_checkpoint=True would pick them after a crash, and the rotation
     (save_total_limit) would keep them and delete the resumed branch's. They are renamed checkpoint-N.abandoned
-    (-2, -3, … if taken), kept whole; other runs' checkpoints are left alone. Returns the new names."""
+    (-2, -3, … if taken), kept whole, with a warning naming them; other runs' checkpoints are left alone. Returns the
+    new names."""
     root = Path(output_dir)
     later = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := CHECKPOINT_RE.match(p.name)) and int(m.group(1)) > step and _run_id_of(p) == run_id)
@@ -252,6 +244,8 @@ def set_aside_later(output_dir: str | Path, step: int, run_id: str | None) -> li
         moved.append(target)
     if moved:
         _sync_dir(root)
+        warnings.warn(f"resumed at step {step}: the later checkpoints in output_dir were set aside, not deleted: "
+                      f"{', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
     return moved
 
 
@@ -293,62 +287,6 @@ def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2))
-
-
-def _optimizer_to_files(opt_state: dict, folder: Path, suffix: str = "") -> None:
-    tensors, rest = {}, {"param_groups": opt_state["param_groups"], "state": {}}
-    for idx, st in opt_state["state"].items():
-        rest["state"][str(idx)] = {}
-        for key, value in st.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                rest["state"][str(idx)][key] = value
-    save_file(tensors, str(folder / f"optimizer{suffix}.safetensors"))
-    _write_json(folder / f"optimizer{suffix}.json", rest)
-
-
-def _optimizer_from_files(folder: Path, suffix: str = "") -> dict:
-    rest = json.loads((folder / f"optimizer{suffix}.json").read_text())
-    state: dict[int, dict] = {int(i): dict(v) for i, v in rest["state"].items()}
-    for name, tensor in load_file(str(folder / f"optimizer{suffix}.safetensors")).items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = tensor
-    return {"state": state, "param_groups": rest["param_groups"]}
-
-
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["cuda"] = torch.cuda.get_rng_state()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
-    py = random.getstate()
-    return tensors, {"numpy": [kind, int(pos), int(has_gauss), float(cached)], "python": [py[0], list(py[1]), py[2]]}
-
-
-@contextlib.contextmanager
-def rng_untouched():
-    """Run a block without moving any random stream the checkpoint records (torch CPU / CUDA, numpy, python)."""
-    tensors, rest = _rng_state()
-    try:
-        yield
-    finally:
-        _set_rng_state(tensors, rest)
-
-
-def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
-    torch.set_rng_state(tensors["torch"])
-    if "cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["cuda"])
-    kind, pos, has_gauss, cached = rest["numpy"]
-    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    v, state, gauss = rest["python"]
-    random.setstate((v, tuple(state), gauss))
-
-
 def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optimizer, scheduler, state: dict,
                     pending: dict[str, torch.Tensor] | None = None, ref_model=None,
                     save_total_limit: int | None = None, model_only: bool = False,
@@ -369,15 +307,13 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
                               "it is left as it is; resume into another output_dir, or move that checkpoint away")
     # each phase runs under run_together: a failure on one process (a full disk) stops every process with its
     # message at once, instead of leaving the others in a barrier until ddp_timeout
-    dist.run_together(lambda: dist.is_main and _fresh_folder(tmp), f"preparing checkpoint-{step}")
+    dist.run_together(lambda: dist.is_main and fresh_folder(tmp), f"preparing checkpoint-{step}")
 
     def write() -> None:
         # every process builds the optimizer state dict (collective under some backends); the main one writes
         opt_state = None if model_only else optimizer.state_dict()
         if not model_only:
-            tensors, rest = _rng_state()
-            save_file(tensors, str(tmp / f"rng_state_{dist.rank}.safetensors"))
-            _write_json(tmp / f"rng_state_{dist.rank}.json", rest)
+            write_rng(tmp, dist.rank)
             if pending:
                 save_file({k: v.detach().cpu().contiguous() for k, v in pending.items()},
                           str(tmp / f"rollout_{dist.rank}.safetensors"))
@@ -385,34 +321,34 @@ def save_checkpoint(output_dir: str, step: int, *, dist, model, tokenizer, optim
             from groupwise.sharding import local_tensors, optimizer_local, trained_state
 
             save_file(local_tensors(trained_state(sharded_model)), str(tmp / f"model_shard_{dist.rank}.safetensors"))
-            _optimizer_to_files(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
+            write_optimizer(optimizer_local(opt_state), tmp, suffix=f"_{dist.rank}")
             if ref_model is not None:  # sharded alike (adapters.Reference.shard): each process its shards
                 save_file(local_tensors(ref_model.state_dict()), str(tmp / f"ref_model_shard_{dist.rank}.safetensors"))
         if dist.is_main:
             model.save_pretrained(str(tmp), safe_serialization=True, state_dict=model_state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))
-            _write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})
+            write_json(tmp / "trainer_state.json", {**state, "model_only": model_only})
             if not model_only:
                 if sharded_model is None:  # sharded runs wrote optimizer_<rank>.* above
-                    _optimizer_to_files(opt_state, tmp)
-                _write_json(tmp / "scheduler.json", scheduler.state_dict())
+                    write_optimizer(opt_state, tmp)
+                write_json(tmp / "scheduler.json", scheduler.state_dict())
             if ref_model is not None and not model_only and sharded_model is None:
                 save_file({k: v.detach().cpu().clone() for k, v in ref_model.state_dict().items()},  # tied: copies
                           str(tmp / "ref_model.safetensors"))
 
     dist.run_together(write, f"writing checkpoint-{step}")
-    dist.run_together(lambda: dist.is_main and _publish(tmp, final, root, step, save_total_limit, state.get("run_id"),
+    dist.run_together(lambda: dist.is_main and publish(tmp, final, root, step, save_total_limit, state.get("run_id"),
                                                          keep), f"publishing checkpoint-{step}")
     return final
 
 
-def _fresh_folder(tmp: Path) -> None:
+def fresh_folder(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
 
-def _publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int | None, run_id: str | None,
+def publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int | None, run_id: str | None,
              keep: str | None = None) -> None:
     """Checksums, then the complete folder renamed into place, then the rotation (the main process). A checkpoint
     of this step is moved aside first and deleted last: a crash between the renames leaves it as .old-checkpoint-N,

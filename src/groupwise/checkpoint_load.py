@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from groupwise.checkpoint_files import read_optimizer, read_rng, rng_file
 from groupwise.layout import ROUND_FIELDS
 
 
@@ -79,23 +80,21 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     """Restore everything saved by save_checkpoint into the given objects (call `read_state` first: it verifies
     the files); returns the pending rollout tensors, or None."""
     path = Path(folder)
-    rng_file = path / f"rng_state_{dist.rank}.safetensors"
-    if not rng_file.exists():
+    if not rng_file(path, dist.rank).exists():
         raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
                                 f"{dist.world_size} processes?")
-    from groupwise.checkpoint import _optimizer_from_files, _set_rng_state
 
     load_model_from(folder, dist=dist, model=model, sharded_model=sharded_model)
     if sharded_model is not None:  # FSDP2: this process's shards of the optimizer state
         from groupwise.sharding import optimizer_from_local
 
-        optimizer.load_state_dict(optimizer_from_local(optimizer, _optimizer_from_files(path, f"_{dist.rank}")))
+        optimizer.load_state_dict(optimizer_from_local(optimizer, read_optimizer(path, f"_{dist.rank}")))
     else:
-        optimizer.load_state_dict(_optimizer_from_files(path))
+        optimizer.load_state_dict(read_optimizer(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
     if ref_model is not None:
         load_reference(ref_model, path, dist.rank, sharded=sharded_model is not None)
-    _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_state_{dist.rank}.json").read_text()))
+    read_rng(path, dist.rank)
     pending_file = path / f"rollout_{dist.rank}.safetensors"
     pending = load_file(str(pending_file)) if pending_file.exists() else None
     return pending

@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 
 from groupwise import rollout as R
-from groupwise.checkpoint import rng_untouched
+from groupwise.checkpoint_files import rng_untouched
 from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum

@@ -239,10 +239,10 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
             loss, grad_norm, lr = _train_step(model, optimizer, schedule, ids, mask, labels, cfg.max_grad_norm)
             step += 1
             bar.update(1)
-            if step % cfg.logging_steps == 0:
-                bar.set_postfix(loss=f"{loss:.4f}")
-                log.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad_norm, "learning_rate": lr})
-                          + "\n")
+            if step % cfg.logging_steps == 0:  # (.item() waits for the GPU: only here)
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+                log.write(json.dumps({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
+                                      "learning_rate": lr}) + "\n")
                 log.flush()
             if cfg.save_steps and step % cfg.save_steps == 0 or received and step > saved:
                 save_checkpoint()
@@ -294,9 +294,9 @@ def _remaining_batches(train_enc, rng: random.Random, cfg: PRMTrainConfig, pad_i
                 yield batch
 
 
-def _train_step(model, optimizer, schedule, ids, mask, labels, max_grad_norm: float) -> tuple[float, float, float]:
-    """One optimizer step on the cross-entropy of the labelled positions; returns (loss, the gradient norm before
-    clipping, the learning rate the step used)."""
+def _train_step(model, optimizer, schedule, ids, mask, labels, max_grad_norm: float):
+    """One optimizer step on the cross-entropy of the labelled positions; returns (the loss, the gradient norm before
+    clipping: 0-d tensors, the learning rate the step used)."""
     ids, mask, labels = (t.to(model.device) for t in (ids, mask, labels))
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.view(-1, 2), labels.view(-1), ignore_index=-100)
@@ -306,4 +306,4 @@ def _train_step(model, optimizer, schedule, ids, mask, labels, max_grad_norm: fl
     optimizer.step()
     schedule.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item(), grad_norm.item(), lr
+    return loss.detach(), grad_norm, lr

@@ -9,7 +9,6 @@ import signal
 import sys
 import time
 import uuid
-import warnings
 from collections import defaultdict
 
 import torch
@@ -461,11 +460,8 @@ class GRPOTrainer(TransformersHabits):
             path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
             sharded_model=self.unwrapped if self.dist.sharding is not None else None, scheduler=self.scheduler,
             ref_model=self.reference.copy if self.reference is not None else None), "loading the checkpoint")
-        moved = self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
+        self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
             self.args.output_dir, state["global_step"], state.get("run_id")), "setting aside the abandoned checkpoints")
-        if moved:
-            warnings.warn(f"resumed at step {state['global_step']}: the later checkpoints in output_dir were set aside, "
-                          f"not deleted: {', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])
