@@ -246,6 +246,27 @@ def test_a_crash_while_a_save_replaces_its_step_loses_nothing(tmp_path, tokenize
     assert steps == [1, 2, 3, 4]  # resumed at step 2, not from scratch
     assert {p.name: p.read_bytes() for p in (out / "checkpoint-2").iterdir()} == before  # the step-2 save, whole
     assert not list(out.glob(".old-*"))
+    assert not list(out.glob(".tmp-*"))  # the crashed save's folder (a whole checkpoint's size) is removed
+
+
+def test_a_save_left_unfinished_is_removed_from_this_runs_folder_only(tmp_path):
+    """A crash during a save leaves .tmp-checkpoint-N, as large as a checkpoint and never resumed from: resuming
+    into this output_dir, or the next save of any step, removes it (it stayed until that same step was saved
+    again). Another folder's (resume_from_checkpoint naming a checkpoint elsewhere) may be a running save: kept;
+    and a save never removes its own folder in progress."""
+    from groupwise.checkpoint import put_back_replaced
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for root in (mine, other):
+        for name in (".tmp-checkpoint-3", ".tmp-checkpoint-5", "checkpoint-2"):
+            (root / name).mkdir(parents=True)
+            (root / name / "model.safetensors").write_bytes(b"x")
+    put_back_replaced(other, ours=False)
+    assert sorted(p.name for p in other.iterdir()) == [".tmp-checkpoint-3", ".tmp-checkpoint-5", "checkpoint-2"]
+    put_back_replaced(mine, writing=mine / ".tmp-checkpoint-5")
+    assert sorted(p.name for p in mine.iterdir()) == [".tmp-checkpoint-5", "checkpoint-2"]
+    put_back_replaced(mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["checkpoint-2"]
 
 
 def test_a_crashed_replace_of_a_later_step_is_set_aside_when_an_earlier_checkpoint_resumes(tmp_path, tokenizer):

@@ -16,8 +16,8 @@ checkpoint-N/
                                                     either: older ones wrote the whole reference)
   checksums.json                                    sha256 of every other file, written last
 The folder is built as .tmp-checkpoint-N and renamed once complete: a crash never leaves a half checkpoint under a
-checkpoint-N name, and resume refuses a folder whose files do not match checksums.json (missing, truncated,
-bit-flipped or edited), naming the file. A save of a step that has a checkpoint moves it to .old-checkpoint-N
+checkpoint-N name (the .tmp folder it leaves is removed by the next save or resume), and resume refuses a folder
+whose files do not match checksums.json (missing, truncated, bit-flipped or edited), naming the file. A save of a step that has a checkpoint moves it to .old-checkpoint-N
 first: a crash before the new folder takes its name leaves the step there, and resume (or the next save) puts it
 back (put_back_replaced). trainer_state.json records the run id; `save_total_limit` rotation only ever deletes
 checkpoints of the same run, a save refuses to replace another run's checkpoint of the same step, and a new run
@@ -49,6 +49,7 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
 REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see publish, put_back_replaced
 DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
+UNFINISHED_RE = re.compile(r"^\.tmp-checkpoint-(\d+)$")  # a save in progress (save_checkpoint), or a crash's
 MANIFEST = "checksums.json"
 
 
@@ -121,20 +122,23 @@ def run_outputs(output_dir: str | Path) -> list[Path]:
                   or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
 
 
-def put_back_replaced(output_dir: str | Path) -> list[Path]:
+def put_back_replaced(output_dir: str | Path, writing: Path | None = None, ours: bool = True) -> list[Path]:
     """A save of a step that has a checkpoint (this run's) moves checkpoint-N to .old-checkpoint-N, renames the new
     folder checkpoint-N, then deletes .old-checkpoint-N (publish). A crash between the two renames leaves the step
     only in .old-checkpoint-N, where resume does not look: it is renamed checkpoint-N again (that save is lost, not
     the step; resume verifies its checksums as any checkpoint's). One whose checkpoint-N is there is what the crash
     kept from being deleted: it is deleted, unless it holds another run's id. A .old-checkpoint-N.deleted folder is
-    what a kill left of a deletion (_delete): it is removed. Safe on every process at once (a rename another process
-    made first is skipped). Returns the checkpoint-N folders put back."""
+    what a kill left of a deletion (_delete): it is removed. In this run's output_dir (`ours`), so is a
+    .tmp-checkpoint-N other than `writing` (the save in progress): what a crash left of a save, as large as a
+    checkpoint, never resumed from (another folder's may be another run's save in progress). Safe on every process
+    at once (a rename another process made first is skipped). Returns the checkpoint-N folders put back."""
     root = Path(output_dir)
     try:
         names = list(root.iterdir())
     except OSError:  # no such folder (yet), or not readable: nothing of ours to put back
         return []
-    for leftover in (p for p in names if DELETED_RE.match(p.name)):
+    for leftover in (p for p in names if DELETED_RE.match(p.name) or (
+            ours and UNFINISHED_RE.match(p.name) and p != writing)):
         shutil.rmtree(leftover, ignore_errors=True)
     replaced = sorted(p for p in names if REPLACED_RE.match(p.name))
     restored = []
@@ -208,7 +212,8 @@ def resume_folder(value: str | bool | None, output_dir: str | Path, command: str
     if not value:
         return None
     for root in {Path(output_dir), *([] if value is True else [Path(value).parent])}:
-        put_back_replaced(root)  # before anything looks for checkpoints, or sets the later ones aside
+        # before anything looks for checkpoints, or sets the later ones aside
+        put_back_replaced(root, ours=root.resolve() == Path(output_dir).resolve())
     folder = latest_checkpoint(output_dir) if value is True else str(value)
     if not (Path(folder) / "trainer_state.json").is_file():
         why = "does not exist" if not Path(folder).exists() else \
@@ -353,7 +358,7 @@ def publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int
     """Checksums, then the complete folder renamed into place, then the rotation (the main process). A checkpoint
     of this step is moved aside first and deleted last: a crash between the renames leaves it as .old-checkpoint-N,
     which the next resume or save puts back (put_back_replaced; here before the rotation counts the checkpoints)."""
-    put_back_replaced(root)
+    put_back_replaced(root, writing=tmp)
     _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
     _sync(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
     old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
