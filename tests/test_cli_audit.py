@@ -296,6 +296,22 @@ def test_a_model_folder_without_a_tokenizer_is_named_before_the_weights_load(tmp
                     train_dataset=_rows())
 
 
+def test_a_hub_id_neither_cached_nor_reachable_says_how_to_get_it(tmp_path, monkeypatch):
+    """Offline and not in the cache: the error says to download it or pass a folder, and that HF_HUB_OFFLINE=1 stops
+    the hub's retries (without it a machine with no network spends ~25 s retrying first). HF_HUB_OFFLINE makes the
+    test fast and network-free; the cache is an empty folder."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"model 'groupwise-test/not-cached': cannot load its config \(not in the "
+                       r"Hugging Face cache.*`hf download groupwise-test/not-cached`.*HF_HUB_OFFLINE=1"):
+        GRPOTrainer("groupwise-test/not-cached", [lambda completions, **_: [0.0] * len(completions)],
+                    args=small_args(tmp_path), train_dataset=_rows())
+
+
 def test_every_field_of_trl_grpo_script_is_a_run_field_with_trl_default():
     """`trl grpo` reads GRPOScriptArguments (ScriptArguments), GRPOConfig, ModelConfig and DatasetMixtureConfig: every
     field of the three script dataclasses is a run field with TRL's default, a GRPOConfig field (the LoRA ones), or

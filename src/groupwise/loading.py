@@ -52,8 +52,26 @@ def _from_pretrained(auto, model: str, what: str, **kwargs):
         return auto.from_pretrained(model, **kwargs)
     except (OSError, ValueError) as e:
         fix = " (save it there with tokenizer.save_pretrained, or pass processing_class)" if what == "tokenizer" else ""
+        if _not_cached_offline(e):
+            fix = (" (not in the Hugging Face cache, and the hub cannot be reached: download it on a machine with "
+                   "network, `hf download " + model + "`, or pass a local folder; set HF_HUB_OFFLINE=1 where there "
+                   "is no network, so the hub's retries stop at once)")
         raise ConfigError(f"model {model!r}: cannot load its {what}{fix}: {type(e).__name__}: "
                           f"{' '.join(str(e).split())[:200]}") from e
+
+
+def _not_cached_offline(e: BaseException) -> bool:
+    """The hub could not be reached and the files are not in its cache (huggingface_hub's LocalEntryNotFoundError,
+    which transformers re-raises as an OSError)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, LocalEntryNotFoundError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def load_tokenizer(model, processing_class, args: GRPOConfig):
