@@ -86,6 +86,25 @@ def test_async_forms_are_recognised_as_trl_recognises_them(tmp_path):
     assert ours[:, 0].tolist() == theirs[:, 0].tolist() == [2.0, 4.0] and errors.tolist() == [0.0]
 
 
+def test_a_hung_async_function_leaves_the_other_async_functions_scores():
+    """Each async function has its own reward_timeout: one that hangs is scored NaN on its rows (3 errors), the
+    others keep their values. One limit around the whole gather used to score every async function NaN."""
+    async def fast(completions, **_):
+        return [1.0] * len(completions)
+
+    async def hangs(completions, **_):
+        await asyncio.sleep(60)
+
+    def sync(completions, **_):
+        return [2.0] * len(completions)
+
+    sources = load_reward_sources([fast, hangs, sync])
+    with pytest.warns(RuntimeWarning, match=r"'hangs' did not return within reward_timeout=0.5 s: its 3 rows"):
+        rewards, errors = compute_rewards(sources, ["p"] * 3, ["c"] * 3, [[1]] * 3, {}, timeout=0.5)
+    assert rewards[:, 0].tolist() == [1.0] * 3 and rewards[:, 2].tolist() == [2.0] * 3
+    assert torch.isnan(rewards[:, 1]).all() and errors.tolist() == [0.0, 3.0, 0.0]
+
+
 # ---- what a reward function may return -------------------------------------------------------------------------
 def test_none_values_and_generators_as_trl(tmp_path):
     """None → NaN per function, as TRL; a generator is read like a list (TRL iterates what comes back; groupwise

@@ -362,11 +362,18 @@ def compute_rewards(
     concurrent_ = [f for f, src in enumerate(sources) if src.fn is not None and is_async(src.fn)]
     first_calls: dict[int, Any] = {}
     if concurrent_:
-        async def gather():
-            return await asyncio.gather(*(sources[f].fn(**kwargs(0, n)) for f in concurrent_), return_exceptions=True)
+        async def limited(f):  # each its own reward_timeout: one that hangs leaves the others' scores
+            try:
+                return await asyncio.wait_for(sources[f].fn(**kwargs(0, n)), timeout)
+            except asyncio.TimeoutError:
+                raise RewardTimeout(f"reward function {sources[f].name!r} did not return within "
+                                    f"reward_timeout={timeout} s") from None
 
-        try:
-            first_calls = dict(zip(concurrent_, run_async(gather(), timeout)))
+        async def gather():
+            return await asyncio.gather(*(limited(f) for f in concurrent_), return_exceptions=True)
+
+        try:  # the outer limit only fires when a function blocks the event loop itself (all of them then stall)
+            first_calls = dict(zip(concurrent_, run_async(gather(), None if timeout is None else timeout + 5)))
         except RewardTimeout as e:
             first_calls = {f: e for f in concurrent_}
     rewards = torch.full((n, len(sources)), math.nan, dtype=torch.float64)  # 1e30 must not overflow downstream
