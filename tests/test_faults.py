@@ -90,6 +90,36 @@ def test_a_reward_keyword_no_column_fills_is_found_before_training(tmp_path, tok
                 processing_class=tokenizer)  # filled by the column
 
 
+def test_a_column_named_as_a_reward_keyword_and_a_step_functions_missing_column_are_named(tmp_path, tokenizer):
+    """A dataset column `prompts` (or `steps`, common in PRM data) would collide with the keyword of that name at
+    every call: blamed on the reward function, or every row NaN with on_reward_error='nan' (zero process advantages,
+    training going on). A step-reward function's required keyword is checked as an outcome function's. Both before
+    the model loads; remove_unused_columns=True (no column passed) has no collision."""
+    def steps_fn(prompts, completions, steps, solution, **_):
+        return [[0.0] * len(s) for s in steps]
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    process = small_args(tmp_path, supervision="both")
+    for column in ("prompts", "trainer_state"):
+        with pytest.raises(ConfigError, match=rf"train_dataset has a column '{column}', which is also a keyword every "
+                                              rf"reward_funcs function receives: rename the column"):
+            GRPOTrainer(model, [_length], args=small_args(tmp_path), train_dataset=[{"prompt": "a:", column: 1}] * 4,
+                        processing_class=tokenizer)
+    rows = [{"prompt": "a:", "steps": ["x"], "solution": "a"}] * 4
+    with pytest.raises(ConfigError, match=r"train_dataset has a column 'steps', which is also a keyword every "
+                                          r"process_reward_funcs function receives"):
+        GRPOTrainer(model, [_length], args=process, train_dataset=rows, processing_class=tokenizer,
+                    process_reward_funcs=[steps_fn])
+    GRPOTrainer(model, [_length], args=small_args(tmp_path), train_dataset=rows, processing_class=tokenizer)  # outcome
+    rows = [{"prompt": "a:", "answer": "a"}] * 4
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\] 'steps_fn' needs the keyword 'solution': "
+                                          r"train_dataset has no column 'solution'"):
+        GRPOTrainer(model, [_length], args=process, train_dataset=rows, processing_class=tokenizer,
+                    process_reward_funcs=[steps_fn])
+    GRPOTrainer(model, [_length], args=process, train_dataset=[{**r, "solution": "a"} for r in rows],
+                processing_class=tokenizer, process_reward_funcs=[steps_fn])
+
+
 def test_one_reward_spec_given_as_a_string_is_a_list_of_one(tmp_path, model_dir):
     from groupwise.cli import build_run
 

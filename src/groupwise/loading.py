@@ -15,7 +15,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.quantization import check_quantization
-from groupwise.rewards.process import resolve_process_spec
+from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES, TOOL_TEXT_STEPS
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
 from groupwise.text import ensure_pad_token
@@ -265,11 +265,15 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     elif args.model_init_kwargs:
         raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
+    process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
+                            for i, s in enumerate(process_reward_funcs)]
     for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
         if rows is not None and not custom_rollout:
             check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, name)
-    return reward_funcs, [resolve_process_spec(s, f"process_reward_funcs[{i}]")
-                          for i, s in enumerate(process_reward_funcs)]
+            if process_reward_funcs:
+                check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, name,
+                                     keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs")
+    return reward_funcs, process_reward_funcs
 
 
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,

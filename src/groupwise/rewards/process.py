@@ -20,6 +20,12 @@ from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_i
                                        resolve_spec, reward_value, run_async)
 
 
+# what every process reward function may receive besides the dataset's columns (compute_step_rewards): TRL's
+# trainer keywords as outcome functions get them, the step texts, and `dropped_last` where it takes it
+PROCESS_REWARD_KEYWORDS = frozenset({"prompts", "completions", "steps", "dropped_last", "trainer_state",
+                                     "log_metric", "log_extra", "environments"})
+
+
 def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, device=None) -> list[RewardSource]:
     """Callables, `"package.module:function"` paths, loaded PRMs (groupwise.rewards.prm) or PRM specs
     `{"path": …, "kind": "token_classification" | "step_tag" | "prefix_classification", **options}`."""

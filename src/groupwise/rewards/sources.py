@@ -161,13 +161,23 @@ REWARD_KEYWORDS = {"prompts", "completions", "completion_ids", "trainer_state", 
 
 
 def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool,
-                         dataset: str = "train_dataset") -> None:
+                         dataset: str = "train_dataset", *, keywords: frozenset[str] | set[str] = REWARD_KEYWORDS,
+                         field: str = "reward_funcs") -> None:
     """Before the model loads: a reward function with a required parameter that no call will fill (not one of
-    REWARD_KEYWORDS, not a column of `dataset`) would fail at the first scoring. columns None: not known (a
+    `keywords`, not a column of `dataset`) would fail at the first scoring; a column named as one of `keywords`
+    (but `environments`, which the trainer sets) would collide with it at every call (TRL: "got multiple values for
+    keyword argument"; here it would be blamed on the function, or score every row NaN). columns None: not known (a
     stream)."""
     if columns is None:
         return
-    given = REWARD_KEYWORDS | ({c for c in columns if c != "prompt"} if not remove_unused_columns else set())
+    passed = set() if remove_unused_columns else {c for c in columns if c not in ("prompt", "completion",
+                                                                                   "completion_ids")}  # rollout.py
+    if clash := sorted(passed & (set(keywords) - {"environments"})):
+        raise ConfigError(f"{dataset} has a column {clash[0]!r}, which is also a keyword every {field} function "
+                          f"receives: rename the column (e.g. dataset.rename_column({clash[0]!r}, "
+                          f"'reference_{clash[0]}')), or set remove_unused_columns=True if no reward function "
+                          "reads the dataset's columns")
+    given = set(keywords) | passed
     for i, fn in enumerate(reward_funcs):
         if isinstance(fn, (str, torch.nn.Module)) or not callable(fn):
             continue
@@ -182,7 +192,7 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
             name = getattr(fn, "__name__", type(fn).__name__)
             why = ("remove_unused_columns=True passes only the prompt: set it False" if remove_unused_columns and
                    need[0] in columns else f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})")
-            raise ConfigError(f"reward_funcs[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
+            raise ConfigError(f"{field}[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
 
 
 def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False, device=None,
