@@ -3,6 +3,7 @@ a generator read twice, a shuffled stream (TRL shuffles an IterableDataset with 
 
 from __future__ import annotations
 
+import copy
 import signal
 
 import datasets
@@ -29,6 +30,30 @@ def test_a_dict_of_columns_is_read_as_its_rows(tmp_path, tokenizer):
     GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [reward], args=small_args(tmp_path, max_steps=1),
                 train_dataset=columns, processing_class=tokenizer).train()
     assert seen and set(seen) <= set(columns["letter"])
+
+
+def test_a_reward_function_editing_its_prompts_in_place_changes_neither_the_data_nor_the_other_rows(tmp_path):
+    """Every row read is a copy of its own, as TRL's DataLoader hands out: a reward function that extends each
+    conversation in place (building a judge's prompt) used to edit the dataset's own lists, shared by the G rows of
+    a group: the next row saw 1 + 1 + 1 messages, the dataset row grew, and round 2 sampled from the edited prompts.
+    2 prompts × G 2, 2 rounds: every call sees 1 message per prompt."""
+    tok = toy.build_chat_tokenizer()
+    data = [{"prompt": [{"role": "user", "content": "repeat a:"}]}, {"prompt": [{"role": "user", "content": "repeat b:"}]}]
+    seen = []
+
+    def judge(prompts, completions, **_):
+        seen.append([len(p) for p in prompts])
+        for p, c in zip(prompts, completions):
+            p.extend(c)
+        return [0.0] * len(prompts)
+
+    GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), judge, processing_class=tok, train_dataset=data,
+                args=small_args(tmp_path, num_generations=2, per_device_train_batch_size=4, max_steps=2)).train()
+    assert seen == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert [len(r["prompt"]) for r in data] == [1, 1]
+    stream = StreamData(iter(copy.deepcopy(data)), "train_dataset")
+    stream[0]["prompt"].append({"role": "user", "content": "x"})
+    assert len(stream[0]["prompt"]) == 1
 
 
 @pytest.mark.parametrize("columns, message", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -225,7 +226,9 @@ class PromptData:
         return len(self.data)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        row = dict(self.data[int(i)])
+        # a copy of its own (as a datasets.Dataset decodes one for every read, and TRL's DataLoader hands out): a
+        # reward function that edits its prompts in place must not change the dataset, nor the group's other rows
+        row = copy.deepcopy(dict(self.data[int(i)]))
         if self.default_prompt and "prompt" not in row:
             row["prompt"] = EmptyPrompt()
         return row
@@ -387,7 +390,7 @@ class StreamData:
                 self._rows.pop(next(iter(self._rows)))
         if i not in self._rows:
             raise IndexError(f"{self.name}: row {i} is no longer in memory (rows are read in order)")
-        return self._rows[i]
+        return copy.deepcopy(self._rows[i])  # a copy of its own, as PromptData's
 
     def seek(self, position: int) -> None:
         """Read up to run row `position` (resume): the rows before it are read and dropped, as they were used."""
