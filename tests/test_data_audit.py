@@ -32,6 +32,19 @@ def test_a_dict_of_columns_is_read_as_its_rows(tmp_path, tokenizer):
     assert seen and set(seen) <= set(columns["letter"])
 
 
+def test_prompts_in_two_formats_are_named_before_the_model_loads():
+    """Completions take the first prompt's format: rows mixing strings and chat messages gave a reward function
+    chat prompts with text completions. Refused naming the first row that differs (a stream: when read)."""
+    chat = [{"role": "user", "content": "repeat b:"}]
+    with pytest.raises(ConfigError, match=r"train_dataset row 2 has a list of chat messages as its prompt, row 0 a "
+                                          r"string: give every prompt in one format"):
+        PromptData([{"prompt": "repeat a:"}, {"prompt": "x"}, {"prompt": chat}], "train_dataset")
+    stream = StreamData(iter([{"prompt": chat}, {"prompt": "repeat a:"}]), "train_dataset")
+    assert stream[0]["prompt"] == chat
+    with pytest.raises(ConfigError, match=r"train_dataset row 1 has a string as its prompt, row 0 a list of chat"):
+        stream[1]
+
+
 def test_a_reward_function_editing_its_prompts_in_place_changes_neither_the_data_nor_the_other_rows(tmp_path):
     """Every row read is a copy of its own, as TRL's DataLoader hands out: a reward function that extends each
     conversation in place (building a judge's prompt) used to edit the dataset's own lists, shared by the G rows of

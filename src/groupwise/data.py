@@ -34,6 +34,14 @@ def prompt_problem(prompt: Any) -> str | None:
     return f"a prompt of type {type(prompt).__name__}, not a string or a list of chat messages"
 
 
+def mixed_formats(name: str, row: int, first_is_text: bool) -> ConfigError:
+    """Row `row` is not in row 0's format: completions follow the first prompt's (text or conversational, TRL's two
+    formats), so a reward function would get chat prompts with text completions or the reverse."""
+    kinds = ("a string", "a list of chat messages")
+    return ConfigError(f"{name} row {row} has {kinds[first_is_text]} as its prompt, row 0 {kinds[not first_is_text]}: "
+                       "give every prompt in one format (all strings, or all lists of {'role', 'content'} messages)")
+
+
 def token_ids(name: str, first: int, prompts: list, tokenizer, chat_template_kwargs: dict | None) -> list[list[int]]:
     """prompt_token_ids of rows first, first + 1, …; a conversation the tokenizer cannot template (no chat template,
     or a template that refuses it, e.g. a system message) is a ConfigError naming the row."""
@@ -168,6 +176,12 @@ class PromptData:
             i, why = bad[0]
             raise ConfigError(f"{name} row {i} has {why}; {len(bad)} of {len(data)} rows are unusable (each prompt "
                               "must be a non-empty string or a list of {'role', 'content'} messages)")
+        if columns is None:  # a datasets.Dataset column has one type: only rows given as dicts can mix formats
+            first = None
+            for i, prompt in enumerate(self._prompts()):
+                first = isinstance(prompt, str) if first is None else first
+                if isinstance(prompt, str) != first:
+                    raise mixed_formats(name, i, first)
 
     def columns(self) -> list[str]:
         """The dataset's columns (a list of dicts: the first row's keys, as the rollout reads them)."""
@@ -309,6 +323,7 @@ class StreamData:
         if shuffle_seed is not None and _is_iterable_dataset(self.data):
             self.data = self.data.shuffle(seed=shuffle_seed)
         self._keys: set[str] | None = None  # the first row's columns: every row must have them
+        self._text: bool | None = None  # the first row's prompt format (a string): every row must have it
         self.length: int | None = None  # rows per epoch, known once the stream has ended once
         self._iter = None
         self._next = 0  # run row number of the next row the iterator yields
@@ -355,6 +370,10 @@ class StreamData:
         if why is not None:
             raise ConfigError(f"{self.name} row {self._next} has {why} (each prompt must be a non-empty string or a "
                               "list of {'role', 'content'} messages)")
+        if self._text is None:
+            self._text = isinstance(row["prompt"], str)
+        elif isinstance(row["prompt"], str) != self._text:
+            raise mixed_formats(self.name, self._next, self._text)
         if self._lengths is not None:
             self._check_length(self._next, row["prompt"], **self._lengths)
         if self._keys is None:
