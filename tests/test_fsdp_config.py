@@ -54,6 +54,24 @@ def test_what_fsdp2_does_not_do_is_refused_by_name(config, message):
         resolve(True, config)
 
 
+def test_an_optimizer_that_cannot_step_shards_is_refused_with_fsdp(tmp_path, monkeypatch):
+    """Adafactor with fsdp crashed at the first optimizer step ("got mixed torch.Tensor and DTensor"), after the
+    models had loaded; bitsandbytes' kernels take plain CUDA tensors. Refused with the config, naming the ones that
+    work (sgd / adagrad / rmsprop / adamw_torch train and resume sharded: tests/test_fsdp.py); accelerate's FSDP2
+    launch asks for sharding too."""
+    from groupwise import GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"optim='adafactor' cannot step FSDP2's sharded parameters: with fsdp use "
+                                          r"one of \['adamw_torch_fused', 'adamw_torch', 'sgd', 'adagrad', 'rmsprop'\]"):
+        GRPOConfig(output_dir=str(tmp_path), fsdp="full_shard", optim="adafactor")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ConfigError, match=r"optim='adafactor' cannot step FSDP2's sharded parameters"):
+        GRPOConfig(output_dir=str(tmp_path), optim="adafactor")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    GRPOConfig(output_dir=str(tmp_path), optim="adafactor")  # unsharded: fine
+
+
 def test_fsdp_config_from_a_json_file_or_text(tmp_path):
     path = tmp_path / "fsdp.json"
     path.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],

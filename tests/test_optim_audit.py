@@ -173,3 +173,19 @@ def test_eight_bit_optimizers_keep_embeddings_in_32_bits():
         linear = optimizer.state[layer.weight]
         assert embed["state1"].dtype == embed["state2"].dtype == torch.float32
         assert linear["state1"].dtype == (torch.uint8 if eight_bit else torch.float32)
+
+
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("linear", {"num_cycles": 2}, r"lr_scheduler_kwargs=\{'num_cycles': 2\} do not fit lr_scheduler_type='linear': "
+                                  r".*unexpected keyword argument 'num_cycles'"),
+    ("cosine_with_min_lr", None, r"do not fit lr_scheduler_type='cosine_with_min_lr': One of min_lr or min_lr_rate"),
+    ("warmup_stable_decay", {}, r"do not fit lr_scheduler_type='warmup_stable_decay': .*'num_decay_steps'"),
+    ("constant", {"num_cycles": 2}, r"lr_scheduler_type='constant' takes no lr_scheduler_kwargs \(transformers "
+                                    r"would drop \['num_cycles'\]\)"),
+])
+def test_lr_scheduler_kwargs_that_do_not_fit_the_schedule_are_named_with_the_config(name, kwargs, message):
+    """They failed when the trainer built the schedule, after the model had loaded (TRL: the same, late)."""
+    with pytest.raises(ConfigError, match=message):
+        _config(lr_scheduler_type=name, lr_scheduler_kwargs=kwargs)
+    fixed = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "warmup_stable_decay": {"num_decay_steps": 3}}.get(name)
+    _config(lr_scheduler_type=name, lr_scheduler_kwargs=fixed)

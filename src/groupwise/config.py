@@ -28,7 +28,7 @@ from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
 from groupwise.logging import LOG_LEVELS, TRACKERS, resolve_report_to, transformers_verbosity
 from groupwise.modeling import check_compile_backend
-from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, check_optim_args
+from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, check_optim_args, check_schedule
 from groupwise.rewards.combine import MULTI_OBJECTIVE
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
@@ -339,7 +339,11 @@ class GRPOConfig(StrictConfig):
             check_compile_backend(self.torch_compile_backend)
         check_available(self.optim)
         sharded = resolve_sharding(self.fsdp, self.fsdp_config) is not None  # a bad value fails here, before loading
+        if sharded and not OPTIMIZERS[self.optim].shards:
+            raise ConfigError(f"optim={self.optim!r} cannot step FSDP2's sharded parameters: with fsdp use one of "
+                              f"{[k for k, o in OPTIMIZERS.items() if o.shards]}, or drop fsdp")
         check_optim_args(self.optim, self.optim_args)  # a bad item, or a key a field sets
+        check_schedule(self.lr_scheduler_type, self.lr_scheduler_kwargs)  # before the model loads, not at build
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.strip().lower()
             if text in ("auto", "none", "null"):

@@ -107,19 +107,27 @@ class Optimizer:
     requires: str | None = None  # a package the optimizer needs
     adam: bool = False  # takes adam_beta1 / adam_beta2 / adam_epsilon
     eight_bit: bool = False  # nn.Embedding weights keep 32-bit state (transformers' Trainer)
+    # steps FSDP2's sharded parameters (DTensors) and saves / resumes their state per shard: Adafactor's factored
+    # state is not shaped like its parameter (and its update mixes DTensors with tensors); bitsandbytes' kernels
+    # take plain CUDA tensors
+    shards: bool = True
 
 
 OPTIMIZERS: dict[str, Optimizer] = {
     "adamw_torch_fused": Optimizer(_adamw_torch_fused, "torch AdamW, fused kernel (TRL's default)", adam=True),
     "adamw_torch": Optimizer(_adamw_torch, "torch AdamW, for-each kernel", adam=True),
-    "adafactor": Optimizer(_adafactor, "transformers' Adafactor with a fixed learning rate"),
+    "adafactor": Optimizer(_adafactor, "transformers' Adafactor with a fixed learning rate", shards=False),
     "sgd": Optimizer(_torch("SGD"), "torch SGD (optim_args: momentum, nesterov, …)"),
     "adagrad": Optimizer(_torch("Adagrad"), "torch Adagrad"),
     "rmsprop": Optimizer(_torch("RMSprop"), "torch RMSprop"),
-    "adamw_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", "bitsandbytes", True, True),
-    "adamw_bnb_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", "bitsandbytes", True, True),
-    "paged_adamw_8bit": Optimizer(_bnb("PagedAdamW8bit"), "bitsandbytes paged 8-bit AdamW", "bitsandbytes", True, True),
-    "paged_adamw_32bit": Optimizer(_bnb("PagedAdamW32bit"), "bitsandbytes paged AdamW", "bitsandbytes", True),
+    "adamw_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", "bitsandbytes", adam=True,
+                            eight_bit=True, shards=False),
+    "adamw_bnb_8bit": Optimizer(_bnb("AdamW8bit"), "bitsandbytes 8-bit AdamW", "bitsandbytes", adam=True,
+                                eight_bit=True, shards=False),
+    "paged_adamw_8bit": Optimizer(_bnb("PagedAdamW8bit"), "bitsandbytes paged 8-bit AdamW", "bitsandbytes",
+                                  adam=True, eight_bit=True, shards=False),
+    "paged_adamw_32bit": Optimizer(_bnb("PagedAdamW32bit"), "bitsandbytes paged AdamW", "bitsandbytes", adam=True,
+                                   shards=False),
 }
 
 
@@ -170,6 +178,25 @@ def build_optimizer(model: torch.nn.Module, args: GRPOConfig) -> torch.optim.Opt
 # greedy step on an evaluation metric, which a GRPO step does not have
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+
+def check_schedule(name: str, kwargs: dict | None) -> None:
+    """lr_scheduler_kwargs checked with the config, by building the schedule over a stand-in parameter (an unknown
+    or missing argument, or a bad combination such as cosine_with_min_lr without min_lr / min_lr_rate, would fail
+    after the model loads). transformers' constant schedules take no arguments and drop them: refused here."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"lr_scheduler_kwargs={kwargs!r} must be a mapping, e.g. {{'num_cycles': 2}}")
+    from transformers import get_scheduler
+
+    if name in ("constant", "constant_with_warmup") and kwargs:
+        raise ConfigError(f"lr_scheduler_type={name!r} takes no lr_scheduler_kwargs (transformers would drop "
+                          f"{sorted(kwargs)}): remove them, or choose a schedule that takes them")
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        get_scheduler(name, stand_in, num_warmup_steps=1, num_training_steps=100, scheduler_specific_kwargs=kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"lr_scheduler_kwargs={kwargs!r} do not fit lr_scheduler_type={name!r}: "
+                          f"{' '.join(str(e).split())}") from None
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, args: GRPOConfig, max_steps: int, given=None):
