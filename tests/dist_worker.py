@@ -157,6 +157,7 @@ def run_one(out: Path, spec: dict) -> None:
     path = spec.pop("model_path", None)  # the model saved there (vLLM loads the policy from a path)
     reward = {"letter": toy.letter_reward, "length": length_reward}[spec.pop("reward", "letter")]
     bits = spec.pop("load_in_bits", None)  # QLoRA: the model at model_path loaded in 4 (or 8) bits
+    dtype = spec.pop("model_dtype", None)  # the policy passed in this dtype ("bfloat16": loaded in 16 bits)
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -174,6 +175,8 @@ def run_one(out: Path, spec: dict) -> None:
     if tie:  # embeddings and output head share one tensor (Qwen2.5-0.5B's layout)
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     if poison is not None:
         _poison_row_0(model, lambda: t.state.global_step == poison)
     if adapter is not None:
@@ -201,6 +204,10 @@ def run_one(out: Path, spec: dict) -> None:
         policies = sorted({type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
                            for root in roots for m in root.modules() if isinstance(m, FSDPModule)})
         (out / f"units_{t.dist.rank}.json").write_text(json.dumps(policies))
+        state = [v for st in t.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+        (out / f"master_dtypes_{t.dist.rank}.json").write_text(json.dumps(  # the trained shards and their state
+            {"params": sorted({str(p.dtype) for p in t.unwrapped.parameters()}),
+             "optimizer": sorted({str(v.dtype) for v in state})}))
     if probe:
         (out / f"head_probe_{t.dist.rank}.json").write_text(json.dumps(_probe_head(t)))
     if colocate:

@@ -354,15 +354,22 @@ def test_bad_fsdp_value_fails_before_anything_loads():
 
 @pytest.mark.slow
 def test_fsdp2_bf16_trains_finite(tmp_path):
-    """With β > 0 the reference is sharded as the policy is, with the same mixed precision: at step 1 π_ref = π_θ
+    """A policy loaded in bfloat16 gets float32 master weights (its trainable parameters upcast before sharding).
+    With β > 0 the reference is sharded as the policy is, with the same mixed precision: at step 1 π_ref = π_θ
     in value and in numerics, KL exactly 0 (an unsharded float32 copy under autocast gave 1.6e-7). shard_grad_op
     with TR-DPO: the reference reshards after its forward (it never runs a backward), so mixing it into the policy
     finds shards on both sides (it crashed: "mixed torch.Tensor and DTensor")."""
-    _run(tmp_path / "bf16", max_steps=2, save_steps=0, fsdp="shard_grad_op", bf16=True, beta=0.04,
-         sync_ref_model=True, ref_model_sync_steps=1)
-    lines = [json.loads(x) for x in training_lines(tmp_path / "bf16" / "metrics.jsonl")]
-    assert all(x["loss"] == x["loss"] and abs(x["grad_norm"]) < float("inf") for x in lines)
-    assert lines[0]["kl"] == 0.0
+    common = dict(max_steps=2, save_steps=0, bf16=True, beta=0.04)
+    runs(dict(out=tmp_path / "bf16", fsdp="shard_grad_op", sync_ref_model=True, ref_model_sync_steps=1, **common),
+         dict(out=tmp_path / "loaded16", fsdp="full_shard", model_dtype="bfloat16", **common))
+    for run in ("bf16", "loaded16"):
+        lines = [json.loads(x) for x in training_lines(tmp_path / run / "metrics.jsonl")]
+        assert all(x["loss"] == x["loss"] and abs(x["grad_norm"]) < float("inf") for x in lines)
+        assert lines[0]["kl"] == 0.0
+        for r in (0, 1):  # float32 master weights and optimizer state, as accelerate's FSDP2 upcast (they stayed
+            # bfloat16 for a policy loaded in 16 bits)
+            masters = json.loads((tmp_path / run / f"master_dtypes_{r}.json").read_text())
+            assert masters == {"params": ["torch.float32"], "optimizer": ["torch.float32"]}, (run, masters)
     weights = _weights(tmp_path / "bf16")
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
 

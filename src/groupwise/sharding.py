@@ -21,6 +21,7 @@ applies `fully_shard` itself, the same way on GPUs and on CPU (gloo), where acce
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 
 from groupwise.config_base import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # transformers' `fsdp` strings groupwise takes (the FSDP1 option names, mapped onto FSDP2 as transformers 5 maps
 # them: a strategy → reshard_after_forward, "offload" → fsdp_config cpu_offload, "auto_wrap" → nothing)
@@ -199,6 +202,8 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
                           "it cannot be sharded layer by layer")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
+    if bf16 and not frozen and not any(type(p).__name__ in QUANTIZED_PARAMETERS for p in model.parameters()):
+        upcast_trainable(model)
     reshard = frozen or sharding.reshard_after_forward
     # QLoRA: bitsandbytes' packed weights (frozen, already 4 / 8 bits) stay whole on every process; sharding them
     # would drop their quantization state (FSDP2 gathers a Parameter subclass back as a plain tensor)
@@ -216,6 +221,21 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
                 ignored_params=ignored)
     return root
+
+
+def upcast_trainable(model: torch.nn.Module) -> list[str]:
+    """The float32 master weights mixed precision keeps: trainable parameters loaded in a 16-bit dtype are upcast
+    before they are sharded (as accelerate's FSDP2 preparation does under mixed precision, QLoRA models aside); the
+    policy then steps float32 shards and is gathered in bfloat16 for its forward. Returns the names upcast."""
+    names = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+            names.append(name)
+    if names:
+        logger.info("fsdp with bf16: %d trainable parameters loaded in 16 bits are upcast to float32 master weights "
+                    "(checkpoints hold float32 weights): %s", len(names), ", ".join(names[:5]) + " …" * (len(names) > 5))
+    return names
 
 
 def reshard(root: torch.nn.Module) -> None:
