@@ -27,6 +27,10 @@ def _config(name, tok):
         "recurrent_gemma": lambda: transformers.RecurrentGemmaConfig(**{**small, "num_hidden_layers": 3},
                                                                      num_key_value_heads=2, lru_width=32,
                                                                      attention_window_size=4),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(  # MLA: value heads (8) smaller than query / key (24)
+            **small, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            first_k_dense_replace=1, n_group=1, topk_group=1),
         "falcon": lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **ids),
         "falcon_alibi": lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                           alibi=True, **ids),
@@ -109,6 +113,32 @@ def test_static_loop_on_a_model_that_branches_on_its_attention_name(attn):
                                None)
     gen = _fast(tok, max_completion_length=12, group_size=3, compile=True, compile_mode="eager")
     assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tok, ids, mask, 12))
+
+
+def test_static_loop_on_a_model_whose_value_heads_are_smaller_than_its_key_heads(monkeypatch):
+    """MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3, Kimi): grouped_decode_attention shaped its output with the
+    query's head size (24), not the value's (8): "shape '[6, 4, 1, 24]' is invalid", the first generation on CUDA
+    (where the static loop is the default) crashed. Greedy equals generate() with the grouped attention in use."""
+    from groupwise.generation import static
+
+    tok = toy.build_tokenizer()
+    model = _model("deepseek_v3", tok)
+    model.config._attn_implementation = "sdpa"
+    ids, mask = encode_prompts([p for p in ["repeat a:", "b", "xyz 12 long prompt here"] for _ in range(2)], tok,
+                               None)
+    calls = []
+    grouped = static.grouped_decode_attention
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return grouped(*a, **kw)
+
+    monkeypatch.setattr(static, "grouped_decode_attention", counted)  # what the loop registers when it starts
+    gen = _fast(tok, max_completion_length=12, compile=True, compile_mode="eager")
+    assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids, _generate(model, tok, ids, mask, 12))
+    monkeypatch.undo()
+    static._register_grouped_attention()
+    assert calls  # the grouped attention decoded (it is what had the wrong shape)
 
 
 @pytest.mark.parametrize("name,why", [

@@ -89,11 +89,14 @@ class StaticState:
         text = model.config.get_text_config(decoder=True)
         self.grouped = (impl == "sdpa" and getattr(text, "attn_logit_softcapping", None) is None
                         and dispatches_attention(model) and _register_grouped_attention())
-        # the Triton decode kernel (boolean mask: sdpa models) where it can run, unless turned off
-        self.kernel = self.grouped and attention_kernel is not False and decode_attention.prepare(device)
+        # the Triton decode kernel (boolean mask: sdpa models) where it can run, unless turned off; it reads keys and
+        # values of one head size (not MLA models, whose value heads are smaller)
+        same_size = prefill.layers[0].keys.shape[-1] == prefill.layers[0].values.shape[-1]
+        self.kernel = self.grouped and same_size and attention_kernel is not False and decode_attention.prepare(device)
         if attention_kernel and not self.kernel:
-            raise ValueError("attention_kernel=True needs a CUDA device, Triton and an sdpa model without softcap: "
-                             "leave attention_kernel unset to use it where it can run")
+            raise ValueError("attention_kernel=True needs a CUDA device, Triton and an sdpa model without softcap "
+                             "whose key and value heads have one size (not MLA): leave attention_kernel unset to use "
+                             "it where it can run")
         self.attention_name = GROUPED_ATTENTION
         if self.kernel:  # a dynamic-shape step takes one split, whatever its batch (see choose_splits)
             dynamic = bool(compile_mode and compile_mode.get("dynamic"))
@@ -275,7 +278,8 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling=
     Hkv = key.shape[1]
     q = query.reshape(N, Hkv, (Hq // Hkv) * S, D)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(N, Hq, S, D).transpose(1, 2).contiguous(), None
+    # the value head size (MLA models: DeepSeek-V2/V3, MiniCPM3, … have one smaller than the query / key head size)
+    return out.reshape(N, Hq, S, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def kernel_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, splits: int,
