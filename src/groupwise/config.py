@@ -376,6 +376,11 @@ class GRPOConfig(StrictConfig):
         if shaping:
             raise ConfigError(f"generation_kwargs[{shaping[0]!r}] would change the shape of the completions: set "
                               f"{SHAPING_GENERATION_KWARGS[shaping[0]]} instead")
+        beams = (self.generation_kwargs or {}).get("num_beams", 1)
+        if beams not in (None, 1):
+            raise ConfigError(f"generation_kwargs['num_beams']={beams!r} would run beam search, whose completions are "
+                              "not samples of the policy (the advantages, the log-probs and the importance correction "
+                              "assume they are): drop num_beams")
         if self.generation_compile and self.generation_backend != "fast":
             raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
                               f"{self.generation_backend!r}: drop generation_compile or use the fast backend")

@@ -114,6 +114,33 @@ def test_generation_kwargs_override_the_transformers_fields_as_in_trl(tokenizer,
         small_args(Path("unused"), generation_backend="transformers", generation_kwargs={"max_new_tokens": 4})
 
 
+def test_a_model_asking_for_beams_is_still_sampled_and_beams_in_generation_kwargs_are_refused(tokenizer):
+    """A model whose generation_config sets num_beams=2: generate() merged it in and beam-sampled (as TRL does),
+    and with log-probs asked for the stacking of per-step values crashed. The transformers backend now samples one
+    completion per row: the same tokens, under one seed, as with the model's num_beams unset, with log-probs.
+    generation_kwargs={'num_beams': 2} is refused with the config."""
+    import copy
+
+    from groupwise.config_base import ConfigError
+    from tests.conftest import small_args
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32).eval()
+    beams = copy.deepcopy(model)
+    beams.generation_config.num_beams = 2
+    gen = TransformersGenerator(max_completion_length=5, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                                repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_ids=[tokenizer.eos_token_id])
+    ids, mask = encode_prompts(["ab", "c", "ab"], tokenizer, None)
+    torch.manual_seed(3)
+    plain = gen(model, ids, mask, logprobs=True)
+    torch.manual_seed(3)
+    out = gen(beams, ids, mask, logprobs=True)
+    assert torch.equal(out.completion_ids, plain.completion_ids) and torch.equal(out.logprobs, plain.logprobs)
+    with pytest.raises(ConfigError, match=r"generation_kwargs\['num_beams'\]=2 would run beam search, whose "
+                                          r"completions are not samples of the policy"):
+        small_args(Path("unused"), generation_backend="transformers", generation_kwargs={"num_beams": 2})
+
+
 def test_logps_match_generation_scores_under_left_padding(tokenizer):
     """The training forward must see the same positions as generate(): compare our log-probs of the sampled
     tokens with the scores generate() produced, on left-padded prompts of different lengths."""

@@ -22,9 +22,10 @@ class TransformersGenerator:
                  min_p: float | None, repetition_penalty: float, pad_token_id: int, eos_token_ids: list[int],
                  generation_kwargs: dict | None = None):
         # TRL's fields, disable_compile=True included (generate() would compile a model whose generation config
-        # asks for a static cache on CUDA; TRL turns that off)
+        # asks for a static cache on CUDA; TRL turns that off); num_beams=1: a model's generation_config asking for
+        # beams would otherwise make generate() beam-sample (TRL does), and beams are not samples of the policy
         common = dict(max_new_tokens=max_completion_length, pad_token_id=pad_token_id, eos_token_id=eos_token_ids,
-                      repetition_penalty=repetition_penalty, disable_compile=True)
+                      repetition_penalty=repetition_penalty, disable_compile=True, num_beams=1)
         sample = dict(common, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         # generation_kwargs override the fields above (TRL); the log-probs stay at the configured temperature (TRL).
         # The outputs' form is set in the configs (generate() deprecates output arguments next to a config); the
