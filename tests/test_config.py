@@ -136,7 +136,8 @@ def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(adam_beta2=1.0), r"adam_beta2 must be in \[0, 1\), got 1.0"),
     (dict(advantage_estimator="ppo"), r"advantage_estimator='ppo' is not one of \['grpo', 'rloo', 'reinforce_plus_plus_baseline'\]"),
-    (dict(generation_backend="vllm"), r"generation_backend='vllm' is selected with use_vllm=True"),
+    (dict(generation_backend="vllm"), r"generation_backend='vllm' with use_vllm=False: vLLM is selected with use_vllm=True "
+                                     r".*set use_vllm=True, or generation_backend='fast'"),
     (dict(generation_backend="sglang"), r"generation_backend='sglang' is not one of \['fast', 'transformers', 'vllm'\]"),
     (dict(generation_backend="transformers", generation_compile=True), r"generation_compile=True applies to generation_backend=.fast."),
     (dict(generation_compile=False, generation_fuse_projections=True), r"generation_fuse_projections applies to the fast backend's static decode loop"),

@@ -180,12 +180,18 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 
 
+# schedules whose arguments have no defaults: min_lr or min_lr_rate; num_decay_steps
+NEEDS_SCHEDULER_KWARGS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+
 def check_schedule(name: str, kwargs: dict | None) -> None:
     """lr_scheduler_kwargs checked with the config, by building the schedule over a stand-in parameter (an unknown
     or missing argument, or a bad combination such as cosine_with_min_lr without min_lr / min_lr_rate, would fail
     after the model loads). transformers' constant schedules take no arguments and drop them: refused here."""
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ConfigError(f"lr_scheduler_kwargs={kwargs!r} must be a mapping, e.g. {{'num_cycles': 2}}")
+    if not kwargs and name not in NEEDS_SCHEDULER_KWARGS:
+        return  # nothing to check (and a config stays free of importing transformers)
     from transformers import get_scheduler
 
     if name in ("constant", "constant_with_warmup") and kwargs:

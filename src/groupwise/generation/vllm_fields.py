@@ -43,7 +43,9 @@ def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> No
                               "(logprobs=0; k > 0 adds the top k, -1 every token, which groupwise does not read): "
                               "drop it, or give an int ≥ -1")
     elif args.generation_backend == "vllm":
-        raise ConfigError("generation_backend='vllm' is selected with use_vllm=True (TRL's switch)")
+        raise ConfigError("generation_backend='vllm' with use_vllm=False: vLLM is selected with use_vllm=True "
+                          "(TRL's switch; a config saved from such a run holds generation_backend='vllm'): set "
+                          "use_vllm=True, or generation_backend='fast' to sample without vLLM")
     elif args.vllm_structured_outputs_regex is not None:  # TRL reads it with vLLM only; a dumped config still loads
         warnings.warn(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} has no effect without "
                       "use_vllm=True (only vLLM constrains the sampling to it)", UserWarning, stacklevel=3)
