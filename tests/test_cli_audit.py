@@ -222,10 +222,11 @@ def test_unreadable_dataset_files_are_one_line_exit_2(tmp_path, model_dir, capsy
 
 
 def test_prompts_the_tokenizer_cannot_template_are_named_before_the_model_loads(tokenizer):
-    conv = [{"prompt": "plain"}, {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}]
+    conv = [{"prompt": [{"role": "user", "content": "plain"}]},
+            {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}]
     data = PromptData(conv, "train_dataset")
     limits = dict(max_prompt_length=None, max_completion_length=4, truncate_prompt="left", max_positions=None)
-    with pytest.raises(ConfigError, match="train_dataset row 1 is a conversation .* the tokenizer has no chat template"):
+    with pytest.raises(ConfigError, match="train_dataset row 0 is a conversation .* the tokenizer has no chat template"):
         data.check_lengths(tokenizer, **limits)
     tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                                "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
@@ -246,13 +247,24 @@ def test_dataset_objects_and_missing_prompts(tmp_path, tokenizer):
 
 def test_yaml_types_a_trl_user_writes():
     """Names YAML reads as numbers stay names; 'None' is None where a field takes no text; 1e-3 in a list of
-    numbers is a number (YAML 1.1 reads it as text)."""
+    numbers is a number (YAML 1.1 reads it as text). Unquoted 1e-7 is a number in a config file, in a mapping too
+    (groupwise's YAML loader, as YAML 1.2); quoted text inside a mapping stays text: a revision "2e45607" became
+    inf, a stop string "1e3" 1000.0 (any string of that form was turned into a float)."""
+    from groupwise.config_base import read_yaml
+
     c = GRPOConfig(run_name=2024, hub_model_id=7, max_prompt_length="None", reward_weights=["1e-1", 2],
                    num_completions_to_print="none", lr_scheduler_type="cosine_with_min_lr",
-                   lr_scheduler_kwargs=yaml.safe_load("{min_lr: 1e-7, note: 1e}"), lora_modules_to_save="lm_head")
+                   lr_scheduler_kwargs=read_yaml("{min_lr: 1e-7}"), lora_modules_to_save="lm_head")
     assert c.run_name == "2024" and c.hub_model_id == "7" and c.max_prompt_length is None
     assert c.reward_weights == [0.1, 2] and c.num_completions_to_print is None
-    assert c.lr_scheduler_kwargs == {"min_lr": 1e-7, "note": "1e"} and c.lora_modules_to_save == ["lm_head"]
+    assert c.lr_scheduler_kwargs == {"min_lr": 1e-7} and c.lora_modules_to_save == ["lm_head"]
+    values = read_yaml('model_init_kwargs: {revision: "2e45607", attn_implementation: sdpa}\n'
+                       'generation_kwargs: {stop_strings: "1e3", top_k: 5e1}\ngeneration_backend: transformers\n'
+                       "learning_rate: 3e-6\nmodel_revision: 2e45607")
+    c = GRPOConfig(**{k: v for k, v in values.items() if k != "model_revision"})
+    assert c.model_init_kwargs == {"revision": "2e45607", "attn_implementation": "sdpa"}
+    assert c.generation_kwargs == {"stop_strings": "1e3", "top_k": 50.0} and c.learning_rate == 3e-6
+    assert values["model_revision"] == "2e45607"  # unquoted, an exponent of 5 digits: text (a commit id)
     with pytest.raises(ConfigError, match=r"reward_weights must be a list of finite numbers, got \['x'\]"):
         GRPOConfig(reward_weights=["x"])
     # `eval_strategy: no` (YAML 1.1's false): TRL's "no"; the choices still apply to what it becomes

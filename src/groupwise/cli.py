@@ -17,7 +17,7 @@ import yaml
 
 from groupwise.checkpoint import CheckpointError, claim_output_dir, resume_folder
 from groupwise.config import ConfigError, GRPOConfig, load_yaml
-from groupwise.config_base import check_location, check_model_location, reject_unknown
+from groupwise.config_base import check_location, check_model_location, read_yaml, reject_unknown
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.quantization import QUANTIZATION, QUANTIZATION_FIELDS, from_script_fields
@@ -113,7 +113,7 @@ def typed_value(key: str, values: list[str], annotation: str | None) -> Any:
 
 def _scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return read_yaml(text)
     except yaml.YAMLError:  # not a YAML scalar or list (e.g. a control character): the plain string
         return text
 

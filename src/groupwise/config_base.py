@@ -182,12 +182,27 @@ def check_model_location(value: str, field: str, *, policy: bool = False) -> str
     return where
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1), reading unquoted 1e-7 / 5E3 as numbers as YAML 1.2 does (1.1 wants a '.'
+    and a sign: it read them as text, which TRL's parser then turns into numbers for its float fields). A quoted
+    "1e-7" stays text, and so does an exponent of 3 digits or more (a commit id such as 2e45607, which would be inf)."""
+
+
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,2}$"),
+                                 list("-+0123456789."))
+
+
+def read_yaml(text) -> Any:
+    """yaml.safe_load with YamlLoader (a str or an open file)."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 — a SafeLoader subclass
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     try:
         with open(path) as f:
-            values = yaml.safe_load(f) or {}
+            values = read_yaml(f) or {}
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
@@ -227,11 +242,11 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
         if t is str and isinstance(value, str):
             return value
         if a.startswith("list") and isinstance(value, (list, tuple)):
-            if a == "list[float]":  # YAML 1.1 reads 1e-3 as a string, in a list too
+            if a == "list[float]":  # numbers given as text ('1e-1' from the command line)
                 return [_number(v) if isinstance(v, str) else v for v in value]
             return list(value)
-        if a.startswith("dict") and isinstance(value, dict):  # `min_lr: 1e-7` in a YAML mapping is text too
-            return {k: float(v) if isinstance(v, str) and _YAML11_MISSED_FLOAT.match(v) else v for k, v in value.items()}
+        if a.startswith("dict") and isinstance(value, dict):  # as given: its values are the callee's to read
+            return dict(value)
     if isinstance(value, str):  # '1e-3' from YAML 1.1 or the command line; a dict as JSON text (TRL parses it)
         if any(a.startswith("dict") for a in allowed) and value.lstrip().startswith("{"):
             try:
@@ -256,10 +271,6 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
     if listed and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return coerce(name, listed, [value])  # `--lora_modules_to_save lm_head`: a list of one, as TRL's parser
     raise ConfigError(f"{name}={value!r} must be of type {annotation}")
-
-
-# numbers in exponent form that YAML 1.1 (PyYAML) reads as strings: 1e-7, 5E3, 1.0e5 (it wants a '.' and a sign)
-_YAML11_MISSED_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
 def _number(text: str) -> float | str:
