@@ -268,17 +268,17 @@ def test_a_run_with_the_best_and_save_total_limit_keeps_transformers_checkpoints
 
 # ---- 6. eval_strategy="steps" needs eval_steps or logging_steps --------------------------------------------------------
 @pytest.mark.parametrize("kwargs", [
-    dict(eval_strategy="steps", logging_steps=0),
+    dict(eval_strategy="steps", logging_steps=0, logging_strategy="no"),
     # with load_best_model_at_end it used to fail in best.check_fields with ZeroDivisionError
-    dict(eval_strategy="steps", logging_steps=0, load_best_model_at_end=True, metric_for_best_model="reward",
-         save_steps=0.5),
+    dict(eval_strategy="steps", logging_steps=0, logging_strategy="no", load_best_model_at_end=True,
+         metric_for_best_model="reward", save_steps=0.5),
 ])
 def test_eval_strategy_steps_without_eval_steps_or_logging_steps_is_refused(kwargs):
     with pytest.raises(ConfigError, match=r"^eval_strategy='steps' needs eval_steps, which defaults to logging_steps "
                                           r"\(0 here\): set eval_steps or logging_steps > 0$"):
         GRPOConfig(**kwargs)
     assert GRPOConfig(eval_strategy="steps", logging_steps=5).eval_steps == 5  # transformers' fallback
-    assert GRPOConfig(eval_strategy="steps", logging_steps=0, eval_steps=3).eval_steps == 3
+    assert GRPOConfig(eval_strategy="steps", logging_steps=0, logging_strategy="no", eval_steps=3).eval_steps == 3
 
 
 # ---- 7. save_strategy="best", hub_strategy "checkpoint" / "all_checkpoints" --------------------------------------------

@@ -8,12 +8,14 @@ from groupwise.config import TRL_NOT_SUPPORTED
     (dict(per_device_train_batch_size=6, num_generations=4), r"divisible by num_generations=4"),
     (dict(num_generations=1), r"num_generations must be ≥ 2"),
     (dict(loss_type="ppo"), r"loss_type='ppo' is not one of"),
-    (dict(epsilon=0.0), r"epsilon must be in \(0, 1\)"),
-    (dict(epsilon=1.5), r"epsilon must be in \(0, 1\)"),
+    (dict(epsilon=0.0), r"epsilon must be > 0"),
     (dict(scale_rewards="grp"), r"scale_rewards='grp'"),
     (dict(importance_sampling_level="seq"), r"importance_sampling_level"),
     (dict(delta=1.1), r"delta must be > 1 \+ epsilon_high"),
-    (dict(top_entropy_quantile=0.0), r"top_entropy_quantile"),
+    (dict(top_entropy_quantile=-0.1), r"top_entropy_quantile"),
+    (dict(seed=-1), r"seed must be in \[0, 4294967295\], got -1"),
+    (dict(data_seed=2**32), r"data_seed must be in \[0, 4294967295\]"),
+    (dict(logging_steps=0), r"logging_strategy='steps' needs logging_steps > 0 .*or logging_strategy='no'"),
     (dict(sync_ref_model=True), r"needs beta > 0"),
     (dict(steps_per_generation=3, gradient_accumulation_steps=2), r"multiple of\s+gradient_accumulation_steps"),
     (dict(learning_rate="fast"), r"learning_rate='fast' must be of type float"),
@@ -132,7 +134,7 @@ def test_missing_prompt_column_is_caught_before_the_model_loads(tmp_path):
     (dict(temperature="nan"), r"temperature must be a finite number"),  # as typed on the command line
     (dict(max_grad_norm=float("-inf")), r"max_grad_norm must be a finite number"),
     (dict(max_steps=-5), r"max_steps must be ≥ -1, got -5"),
-    (dict(max_steps=0), r"max_steps must be ≥ 1, or -1"),
+    (dict(max_steps=0, num_train_epochs=0), r"num_train_epochs=0 with max_steps ≤ 0: nothing to train"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(adam_beta2=1.0), r"adam_beta2 must be in \[0, 1\), got 1.0"),
     (dict(advantage_estimator="ppo"), r"advantage_estimator='ppo' is not one of \['grpo', 'rloo', 'reinforce_plus_plus_baseline'\]"),
@@ -219,3 +221,57 @@ def test_scale_rewards_with_normalize_then_sum_is_refused_only_where_it_has_no_e
         GRPOConfig(supervision="outcome", multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
     c = GRPOConfig(supervision=supervision, multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
     assert c.estimator_options()["scale"] == "none" and c.estimator_options(outcome=True)["scale"] == "batch"
+
+
+def test_transformers_readings_of_output_dir_eval_steps_and_checkpointing_none(monkeypatch, tmp_path):
+    """`~` in output_dir is the home folder (it made a folder named `~` in the working directory); eval_steps falls
+    back to logging_steps only under eval_strategy='steps' (it was 10 with evaluation off, in to_dict() and the
+    trackers' config); `--activation_checkpointing None` is unset (it was refused naming gradient_checkpointing);
+    top_entropy_quantile=0 keeps the highest-entropy tokens, as TRL accepts it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert GRPOConfig(output_dir="~/runs/x").output_dir == str(tmp_path / "runs" / "x")
+    assert GRPOConfig().eval_steps is None and GRPOConfig(eval_strategy="steps").eval_steps == 10
+    c = GRPOConfig(activation_checkpointing="None", gradient_checkpointing=True)
+    assert c.gradient_checkpointing is True and c.activation_checkpointing is True
+    assert GRPOConfig(top_entropy_quantile=0.0).top_entropy_quantile == 0.0
+
+
+def test_values_a_dumped_trl_config_holds_load():
+    """TRL accepts them (transformers' readings): learning_rate 0, epsilon ≥ 1 (no lower clip), max_steps 0 (train
+    by epochs), num_train_epochs 0 beside max_steps, eval_steps 0 under eval_strategy='steps' (logging_steps)."""
+    assert GRPOConfig(learning_rate=0.0, epsilon=1.5).epsilon == 1.5
+    assert GRPOConfig(max_steps=0).max_steps == 0 and GRPOConfig(max_steps=5, num_train_epochs=0).max_steps == 5
+    assert GRPOConfig(eval_strategy="steps", eval_steps=0, logging_steps=4).eval_steps == 4
+
+
+def test_trls_warnings_on_the_importance_sampling_level_of_a_loss_type():
+    """TRL warns when luspo runs with token-level ratios (its paper's setup is sequence-level), and when a
+    sequence-level ratio meets a loss that sums per-token terms (bnpo, dr_grpo, dapo, cispo: length-weighted)."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"loss_type='luspo' is set up with importance_sampling_level='sequence'"):
+        GRPOConfig(loss_type="luspo")
+    for loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        kw = {"epsilon_high": 0.3} if loss == "cispo" else {}
+        with pytest.warns(UserWarning, match=rf"importance_sampling_level='sequence' with loss_type='{loss}'"):
+            GRPOConfig(loss_type=loss, importance_sampling_level="sequence", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(loss_type="luspo", importance_sampling_level="sequence")
+        GRPOConfig(loss_type="grpo", importance_sampling_level="sequence")
+
+
+def test_tr_dpo_fields_without_sync_ref_model_and_step_fields_of_other_strategies():
+    """ref_model_mixup_alpha / ref_model_sync_steps set without sync_ref_model are an error (as the adaptive-entropy
+    fields; they were accepted without effect); a fractional save_steps under save_strategy='no' loads (transformers
+    checks it under 'steps' only: a TRL dump with save_strategy no, save_steps 1.5 failed); a negative
+    num_completions_to_print is refused (it printed nothing)."""
+    with pytest.raises(ConfigError, match=r"ref_model_mixup_alpha=0.9 has no effect without sync_ref_model=True"):
+        GRPOConfig(ref_model_mixup_alpha=0.9)
+    with pytest.raises(ConfigError, match=r"ref_model_sync_steps=8 has no effect without sync_ref_model=True"):
+        GRPOConfig(ref_model_sync_steps=8)
+    GRPOConfig(save_strategy="no", save_steps=1.5)
+    with pytest.raises(ConfigError, match=r"save_steps=1.5 must be a whole number of steps"):
+        GRPOConfig(save_steps=1.5)
+    with pytest.raises(ConfigError, match=r"num_completions_to_print must be ≥ 0"):
+        GRPOConfig(num_completions_to_print=-1)

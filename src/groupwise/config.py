@@ -68,7 +68,7 @@ class GRPOConfig(StrictConfig):
     save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first), the best one (metric_for_best_model) counted and never deleted; 1 with a best checkpoint older than the last: both kept, the last deleted at the end (transformers); null, 0 or less: no limit (transformers).", default=None)
     report_to: str | list[str] = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb', a list, or 'all' (those of the two installed).", default="none", choices=("none", *TRACKERS))
     log_completions: bool = option("Every logging step: print completions with their rewards, write output_dir/completions/completions_<step>.parquet and wandb's `completions` table (TRL).", default=False)
-    num_completions_to_print: int | None = option("Completions printed when log_completions is on, drawn at random (None: all).", default=None)
+    num_completions_to_print: int | None = option("Completions printed when log_completions is on, drawn at random (None: all).", default=None, ge=0)
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
@@ -81,11 +81,11 @@ class GRPOConfig(StrictConfig):
     hub_strategy: str = option("What push_to_hub uploads (transformers): 'every_save' (each checkpoint's model, and the end), 'checkpoint' (also the whole latest checkpoint, to the repository's last-checkpoint/ folder, for resuming), 'all_checkpoints' (also every checkpoint, each to its checkpoint-N/ folder) or 'end' (the end only).", default="every_save", choices=("every_save", "checkpoint", "all_checkpoints", "end"))
     hub_revision: str | None = option("Branch of the hub repository to push to.", default=None)
     hub_always_push: bool = option("Kept for TRL configs.", default=False, inert="uploads are synchronous, so a push is never skipped")
-    data_seed: int | None = option("Seed of the prompt order alone (None: seed), as in TRL / transformers.", default=None)
-    seed: int = option("Seed of the data order, sampling and anything random in the run.", default=42)
+    data_seed: int | None = option("Seed of the prompt order alone (None: seed), as in TRL / transformers.", default=None, ge=0, le=2**32 - 1)
+    seed: int = option("Seed of the data order, sampling and anything random in the run.", default=42, ge=0, le=2**32 - 1)
 
     # ---- optimisation -----------------------------------------------------------------------------------------
-    learning_rate: float = option("AdamW learning rate.", default=1e-6, gt=0)
+    learning_rate: float = option("AdamW learning rate.", default=1e-6, ge=0)
     weight_decay: float = option("AdamW weight decay.", default=0.0, ge=0)
     adam_beta1: float = option("AdamW β1.", default=0.9, ge=0, lt=1)
     adam_beta2: float = option("AdamW β2.", default=0.999, ge=0, lt=1)
@@ -97,8 +97,8 @@ class GRPOConfig(StrictConfig):
     lr_scheduler_kwargs: dict | None = option("Extra arguments of the scheduler (transformers' scheduler_specific_kwargs), e.g. {'num_cycles': 2}.", default=None)
     warmup_steps: float = option("Linear warm-up: this many optimizer steps when ≥ 1, that fraction of max_steps (rounded up) when < 1 — transformers 5's meaning; 0: use warmup_ratio.", default=0.0, ge=0)
     warmup_ratio: float = option("Fraction of max_steps used for linear warm-up (rounded up, as transformers 4).", default=0.0, ge=0, le=1)
-    max_steps: int = option("Optimizer steps to train; -1: derive from num_train_epochs.", default=-1, ge=-1)
-    num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=3.0, gt=0)
+    max_steps: int = option("Optimizer steps to train; -1 (or 0, as transformers): derive from num_train_epochs.", default=-1, ge=-1)
+    num_train_epochs: float = option("Passes over the prompt dataset when max_steps is -1.", default=3.0, ge=0)
     per_device_train_batch_size: int = option("Completions (not prompts) per micro-batch on each process (TRL meaning).", default=8, ge=1)
     gradient_accumulation_steps: int = option("Micro-batches accumulated into one optimizer step.", default=1, ge=1)
     fsdp: bool | str | list[str] | None = option("Shard the policy with FSDP2 over all processes: true (transformers 5's form, tuned by fsdp_config), or transformers' words 'full_shard' (weights gathered per layer for each forward, then freed) / 'shard_grad_op' (kept until the backward), optionally with 'offload' (shards, gradients and optimizer state in host memory, FSDP2's CPUOffloadPolicy; the optimizer step on the CPU; one process is then sharded too) and 'auto_wrap' (groupwise.sharding). An accelerate launch with an FSDP2 config does the same.", default=None)
@@ -200,7 +200,7 @@ class GRPOConfig(StrictConfig):
 
     # ---- GRPO objective ---------------------------------------------------------------------------------------
     beta: float = option("β: weight of the k3 KL penalty to the reference model (DeepSeekMath eq. 3–4). 0: no reference model.", default=0.0, ge=0)
-    epsilon: float = option("ε_low: lower clip of the importance ratio, clip(ρ, 1−ε, 1+ε_high) (PPO/GRPO).", default=0.2, gt=0, lt=1)
+    epsilon: float = option("ε_low: lower clip of the importance ratio, clip(ρ, 1−ε, 1+ε_high) (PPO/GRPO); ≥ 1 leaves the ratio unclipped from below, as TRL allows.", default=0.2, gt=0)
     epsilon_high: float | None = option("ε_high: upper clip (DAPO 'clip-higher'); defaults to epsilon.", default=None, gt=0)
     delta: float | None = option("δ: cap on the unclipped ratio, two-sided clipping (INTELLECT-2); > 1 + ε_high.", default=None)
     importance_sampling_level: str = option("'token' ratio per token (GRPO) or 'sequence' (GSPO, exp of the mean log-ratio).", default="token", choices=IMPORTANCE_SAMPLING_LEVELS)
@@ -230,7 +230,7 @@ class GRPOConfig(StrictConfig):
     reward_timeout: float | None = option("Seconds one reward-function call may take (None, the default: no limit). With a limit the call runs in a daemon thread: an overrun scores that call's rows NaN (unscored, counted in rewards/<func>/errors), the run goes on and the stuck call cannot keep the process alive. Reward code that relies on signal.alarm (math_verify's default timeout) only works without a limit.", default=None, gt=0)
     on_reward_error: str = option("An exception in a reward function: 'raise' (stop, naming the function and row) or 'nan' (score NaN, counted in rewards/<func>/errors).", default="raise", choices=ON_REWARD_ERROR)
     mask_truncated_completions: bool = option("Leave completions that hit max_completion_length out of the loss (DAPO).", default=False)
-    top_entropy_quantile: float = option("Train only on this top fraction of tokens by entropy (1.0: all tokens); the threshold is over the micro-batch of every process, as TRL.", default=1.0, gt=0, le=1)
+    top_entropy_quantile: float = option("Train only on this top fraction of tokens by entropy (1.0: all tokens; 0: only the highest-entropy ones, as TRL); the threshold is over the micro-batch of every process, as TRL.", default=1.0, ge=0, le=1)
     sync_ref_model: bool = option("Move the reference model toward the policy every ref_model_sync_steps (TR-DPO).", default=False)
     ref_model_mixup_alpha: float = option("TR-DPO α: ref ← α·policy + (1−α)·ref.", default=0.6, ge=0, le=1)
     ref_model_sync_steps: int = option("Optimizer steps between TR-DPO reference syncs.", default=512, ge=1)
@@ -253,7 +253,7 @@ class GRPOConfig(StrictConfig):
 
     # ---- evaluation -------------------------------------------------------------------------------------------
     eval_strategy: str = option("When to evaluate on eval_dataset during training: 'no' (TRL's default; trainer.evaluate() still works), 'steps' (every eval_steps, and at the end) or 'epoch'.", default="no", choices=("no", "steps", "epoch"))
-    eval_steps: int | float | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps; < 1: that fraction of max_steps, rounded up; as transformers).", default=None, gt=0)
+    eval_steps: int | float | None = option("Evaluate every this many optimizer steps with eval_strategy='steps' (None: logging_steps; < 1: that fraction of max_steps, rounded up; 0 under eval_strategy='steps': logging_steps; as transformers).", default=None, ge=0)
     eval_on_start: bool = option("Also evaluate before the first optimizer step (a sanity check, transformers).", default=False)
     metric_for_best_model: str | None = option("Evaluation metric that decides the best checkpoint (with or without 'eval_'; e.g. 'reward'): state.best_metric / best_model_checkpoint, read by load_best_model_at_end and EarlyStoppingCallback (transformers; groupwise.best).", default=None)
     greater_is_better: bool | None = option("Is a larger metric_for_best_model better? (None: True unless its name ends with 'loss'; transformers).", default=None)
@@ -269,6 +269,8 @@ class GRPOConfig(StrictConfig):
         # wins when set, then both names hold the same value (as TrainingArguments resolves them)
         for old, new in (("gradient_checkpointing", "activation_checkpointing"),
                          ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if isinstance(getattr(self, new), str) and getattr(self, new).strip().lower() in ("none", "null"):
+                setattr(self, new, None)  # `--activation_checkpointing None`: unset, as transformers' parser reads it
             if getattr(self, new) is not None:
                 setattr(self, old, getattr(self, new))
             setattr(self, new, getattr(self, old))
@@ -281,6 +283,7 @@ class GRPOConfig(StrictConfig):
 
     def validate(self) -> None:
         """Rules that span several fields (single-field rules are declared on the fields)."""
+        self.output_dir = os.path.expanduser(self.output_dir)  # transformers: `~/runs/x` is under the home folder
         if self.bf16 and self.fp16:  # transformers' rule
             raise ConfigError("bf16=True and fp16=True: choose one mixed precision (bf16 where the GPU has it)")
         if isinstance(self.scale_rewards, bool):  # TRL's boolean spellings (after coercion: 'True' is one too)
@@ -316,6 +319,16 @@ class GRPOConfig(StrictConfig):
             warnings.warn(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
                           f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
                           "alike)", UserWarning, stacklevel=3)
+        loss_type = LOSS_TYPES[self.loss_type]  # TRL's two warnings on the importance-sampling level
+        if loss_type.paper_level is not None and self.importance_sampling_level != loss_type.paper_level:
+            warnings.warn(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="
+                          f"{loss_type.paper_level!r} in its paper (this run: {self.importance_sampling_level!r}; "
+                          "TRL warns alike)", UserWarning, stacklevel=3)
+        if self.importance_sampling_level == "sequence" and loss_type.length_weighted:
+            warnings.warn(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the loss sums "
+                          "per-token terms, so each sequence weighs by its length instead of the per-sequence "
+                          "objective of GSPO; set loss_type='grpo' for GSPO's setup (TRL warns alike)", UserWarning,
+                          stacklevel=3)
         if not self.use_adaptive_entropy:
             for name in ADAPTIVE_ENTROPY_FIELDS:
                 if getattr(self, name) != _default(name):
@@ -357,17 +370,20 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"pad_to_multiple_of must be ≥ 1, got {self.pad_to_multiple_of}")
         if self.push_to_hub and self.hub_model_id is not None and not HUB_ID.match(self.hub_model_id):
             raise ConfigError(f"hub_model_id={self.hub_model_id!r} is not a hub repository id ('name' or 'org/name')")
-        for name in ("logging_steps", "save_steps", "eval_steps"):
-            value = getattr(self, name)
-            if value is not None and value > 1 and value != int(value):
+        for name in ("logging_steps", "save_steps", "eval_steps"):  # transformers: under its strategy 'steps' only
+            value, strategy = getattr(self, name), getattr(self, name.replace("_steps", "_strategy"))
+            if value is not None and value > 1 and value != int(value) and strategy == "steps":
                 raise ConfigError(f"{name}={value} must be a whole number of steps, or a fraction of max_steps below 1")
             if value is not None and value >= 1:
                 setattr(self, name, int(value))
-        if self.eval_steps is None:
-            self.eval_steps = self.logging_steps or None  # transformers: eval_steps defaults to logging_steps
+        if self.eval_strategy == "steps" and not self.eval_steps:  # transformers: defaults to logging_steps there
+            self.eval_steps = self.logging_steps or None
         if self.eval_strategy == "steps" and self.eval_steps is None:  # transformers refuses it alike
             raise ConfigError("eval_strategy='steps' needs eval_steps, which defaults to logging_steps (0 here): set "
                               "eval_steps or logging_steps > 0")
+        if self.logging_strategy == "steps" and self.logging_steps == 0:  # transformers' rule
+            raise ConfigError("logging_strategy='steps' needs logging_steps > 0 (every that many steps, or a fraction "
+                              "of max_steps below 1): set logging_steps, or logging_strategy='no'")
         if self.generation_kwargs and not BACKENDS[self.generation_backend].generation_kwargs:
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
                               "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
@@ -399,8 +415,13 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"delta must be > 1 + epsilon_high = {1 + eps_high}, got {self.delta}")
         if self.sync_ref_model and self.beta == 0:
             raise ConfigError("sync_ref_model=True needs beta > 0: with beta = 0 there is no reference model to sync")
-        if self.max_steps == 0:
-            raise ConfigError("max_steps must be ≥ 1, or -1 to derive it from num_train_epochs")
+        for name in ("ref_model_mixup_alpha", "ref_model_sync_steps"):  # as the adaptive-entropy fields
+            if not self.sync_ref_model and getattr(self, name) != _default(name):
+                raise ConfigError(f"{name}={getattr(self, name)!r} has no effect without sync_ref_model=True: remove "
+                                  "it, or set sync_ref_model=True")
+        if self.max_steps <= 0 and self.num_train_epochs == 0:  # transformers: max_steps ≤ 0 reads the epochs
+            raise ConfigError("num_train_epochs=0 with max_steps ≤ 0: nothing to train; set num_train_epochs > 0 or "
+                              "max_steps ≥ 1")
         for name in ("reward_weights", "process_reward_weights"):
             weights = getattr(self, name)
             if weights is not None and not all(isinstance(w, (int, float)) and not isinstance(w, bool)

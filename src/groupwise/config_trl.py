@@ -44,7 +44,8 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
                                                                   "generation_backend='fast'"),
     "cache_implementation": NotSupported(None, "generation uses the model's default KV cache"),
     # kernels and compilation
-    "use_liger_loss": NotSupported(None, "log-probs never build the full logits: the output head runs in "
+    # not a TRL 1.16 field: older TRL's (default False), which configs dumped by it still hold
+    "use_liger_loss": NotSupported(False, "log-probs never build the full logits: the output head runs in "
                                          "checkpointed chunks (logprob_chunk_tokens)"),
     "use_liger_kernel": NotSupported(False, "Liger kernels are not used; log-probs run the output head in chunks "
                                             "(logprob_chunk_tokens)"),
@@ -76,7 +77,10 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
                                                       "False: dataset order)"),
     "length_column_name": NotSupported("length", "group_by_length sampling is not supported"),
     "ignore_data_skip": NotSupported(False, "resume always continues from the exact data position of the checkpoint"),
-    "include_num_input_tokens_seen": NotSupported("no", "the count is always kept, as TRL's GRPOTrainer keeps it: state.num_input_tokens_seen (prompt + completion tokens), logged as num_tokens"),
+    "include_num_input_tokens_seen": NotSupported(
+        "no", "the count is always kept, as TRL's GRPOTrainer keeps it: state.num_input_tokens_seen (prompt + "
+              "completion tokens), logged as num_tokens",
+        also=lambda value, _: value in (True, False, "all", "non_padding", "no")),  # TRL's GRPO counts whatever it says
     # evaluation loop of transformers' Trainer
     **{name: NotSupported(default, _EVAL_LOOP) for name, default in {
         "prediction_loss_only": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,

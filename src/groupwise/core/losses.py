@@ -155,17 +155,25 @@ class LossType:
     objective: str  # key of OBJECTIVES
     aggregation: str  # key of AGGREGATIONS
     summary: str
+    paper_level: str | None = None  # the importance_sampling_level of its paper (another one: TRL's warning)
+    # sums per-token terms: with a sequence-level ratio each sequence weighs by its length, not GSPO's per-sequence
+    # objective (TRL warns)
+    length_weighted: bool = False
 
 
 # TRL 1.16's loss_type values, each as objective + aggregation
 LOSS_TYPES: dict[str, LossType] = {
     "grpo": LossType("clip", "grpo", "clipped ratio; mean over each sequence's tokens, then over sequences"),
-    "bnpo": LossType("clip", "bnpo", "clipped ratio; mean over the micro-batch's tokens"),
-    "dr_grpo": LossType("clip", "dr_grpo", "clipped ratio; sum / (N · max_completion_length) (Dr. GRPO)"),
-    "dapo": LossType("clip", "dapo", "clipped ratio; sum / tokens of the whole optimizer step (DAPO)"),
-    "cispo": LossType("cispo", "dapo", "clipped, detached ratio × Â × log π (MiniMax-M1); dapo normaliser"),
+    "bnpo": LossType("clip", "bnpo", "clipped ratio; mean over the micro-batch's tokens", length_weighted=True),
+    "dr_grpo": LossType("clip", "dr_grpo", "clipped ratio; sum / (N · max_completion_length) (Dr. GRPO)",
+                        length_weighted=True),
+    "dapo": LossType("clip", "dapo", "clipped ratio; sum / tokens of the whole optimizer step (DAPO)",
+                     length_weighted=True),
+    "cispo": LossType("cispo", "dapo", "clipped, detached ratio × Â × log π (MiniMax-M1); dapo normaliser",
+                      length_weighted=True),
     "sapo": LossType("sapo", "grpo", "soft sigmoid gate instead of clipping (SAPO); grpo normaliser"),
-    "luspo": LossType("clip", "luspo", "clipped ratio; sum over each sequence's tokens, mean over sequences (LUSPO)"),
+    "luspo": LossType("clip", "luspo", "clipped ratio; sum over each sequence's tokens, mean over sequences (LUSPO)",
+                      paper_level="sequence"),
     "vespo": LossType("vespo", "dapo", "gamma weight of the sequence ratio × Â × log π (VESPO); dapo normaliser"),
 }
 assert all(t.objective in OBJECTIVES and t.aggregation in AGGREGATIONS for t in LOSS_TYPES.values())
