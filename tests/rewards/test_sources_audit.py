@@ -105,6 +105,38 @@ def test_a_hung_async_function_leaves_the_other_async_functions_scores():
     assert torch.isnan(rewards[:, 1]).all() and errors.tolist() == [0.0, 3.0, 0.0]
 
 
+def test_only_the_kept_calls_log_extra_columns_and_metrics():
+    """A batch call that logs, then raises on one row, is retried row by row: both used to log, so the log_extra
+    column had 4 + 3 values for 4 rows (and was dropped from completions.jsonl) and log_metric counted the batch
+    twice. Now the failed batch call's logs are dropped; the rows' calls give one value per row, None for the row
+    that failed; the metric counts the 3 rows that scored. An async function that overruns logs nothing."""
+    from collections import defaultdict
+
+    columns, metrics = defaultdict(list), []
+    extra = {"log_extra": lambda column, values: columns[column].extend(values),
+             "log_metric": lambda name, value: metrics.append((name, value))}
+
+    def judge(completions, log_extra, log_metric, **_):
+        log_extra("reason", [f"why {c}" for c in completions])
+        log_metric("judged", float(len(completions)))
+        if "bad" in completions:
+            raise ValueError("boom")
+        return [1.0] * len(completions)
+
+    async def slow(completions, log_extra, log_metric, **_):
+        log_extra("slow_reason", ["x"] * len(completions))
+        log_metric("slow", 1.0)
+        await asyncio.sleep(60)
+
+    sources = load_reward_sources([judge, slow])
+    with pytest.warns(RuntimeWarning, match="'slow' did not return"):
+        rewards, errors = compute_rewards(sources, ["p"] * 4, ["a", "b", "bad", "c"], [[1]] * 4, {}, on_error="nan",
+                                          timeout=0.5, extra=extra)
+    assert rewards[:, 0].tolist()[:2] == [1.0, 1.0] and errors.tolist() == [1.0, 4.0]
+    assert dict(columns) == {"reason": ["why a", "why b", None, "why c"]}
+    assert metrics == [("judged", 1.0)] * 3
+
+
 # ---- what a reward function may return -------------------------------------------------------------------------
 def test_none_values_and_generators_as_trl(tmp_path):
     """None → NaN per function, as TRL; a generator is read like a list (TRL iterates what comes back; groupwise

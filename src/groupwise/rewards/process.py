@@ -116,10 +116,10 @@ def compute_step_rewards(
     per_func: list[list[list[float]]] = []
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):
-        def call(lo, hi, src=src):
+        def call(lo, hi, trainer, src=src):
             dropped = {"dropped_last": (dropped_last or [False] * n)[lo:hi]} if src.takes_dropped_last else {}
             out = src.fn(prompts=prompts[lo:hi], completions=completions[lo:hi], steps=steps[lo:hi],
-                         **{k: v[lo:hi] for k, v in columns.items()}, **(extra or {}), **dropped)
+                         **{k: v[lo:hi] for k, v in columns.items()}, **trainer, **dropped)
             if inspect.isawaitable(out):  # an async step-reward function
                 out = run_async(out, timeout, f"process reward function {src.name!r}")
             return _validate(src.name, out, steps[lo:hi])
@@ -127,7 +127,7 @@ def compute_step_rewards(
         rows, errors[f] = call_isolating_rows(
             "process reward function", src.name, call, n, on_error=on_error,
             failed_row=lambda i: [math.nan] * len(steps[i]), describe=lambda i: f"completion={completions[i]!r:.200}",
-            timeout=timeout)
+            timeout=timeout, extra=extra)
         per_func.append(rows)
     # one weighted NaN-skipping sum per step, as for outcome rewards (groupwise.rewards.combine)
     combined = [weighted_nansum(torch.tensor([[per_func[f][i][j] for f in range(len(sources))]

@@ -310,16 +310,59 @@ def _validate(name: str, values: Any, n: int) -> list[float]:
     return out
 
 
-def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], n: int, *, on_error: str,
+class CallLogs:
+    """The `log_extra` / `log_metric` calls (TRL's reward keywords, in `extra`) of one reward call, held until that
+    call's values are kept: a batch call that fails and is retried row by row, or that overruns its timeout, logs
+    nothing (its columns had one value per row twice over, and were dropped; its metrics counted twice)."""
+
+    def __init__(self, extra: dict[str, Any] | None):
+        self.extra = extra or {}
+        self.columns: dict[str, list] = {}
+        self.metrics: list[tuple[tuple, dict]] = []
+
+    def kwargs(self) -> dict[str, Any]:
+        """`extra` with the two logging keywords pointing here."""
+        out = dict(self.extra)
+        if "log_extra" in out:
+            out["log_extra"] = lambda column, values: self.columns.setdefault(column, []).extend(values)
+        if "log_metric" in out:
+            out["log_metric"] = lambda *args, **kwargs: self.metrics.append((args, kwargs))
+        return out
+
+    def commit(self) -> None:
+        for column, values in self.columns.items():
+            self.extra["log_extra"](column, values)
+        for args, kwargs in self.metrics:
+            self.extra["log_metric"](*args, **kwargs)
+
+    @classmethod
+    def of_rows(cls, extra: dict[str, Any] | None, rows: list[CallLogs | None]) -> CallLogs:
+        """The row-by-row calls' logs as one batch's: each column one value per row (None for a row that failed,
+        or that did not log it), the metrics of the rows that succeeded."""
+        merged = cls(extra)
+        names = list(dict.fromkeys(c for logs in rows if logs is not None for c in logs.columns))
+        for logs in rows:
+            for c in names:
+                merged.columns.setdefault(c, []).extend(logs.columns.get(c, [None]) if logs is not None else [None])
+        merged.metrics = [m for logs in rows if logs is not None for m in logs.metrics]
+        return merged
+
+
+def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], list], n: int, *, on_error: str,
                         failed_row: Callable[[int], Any], describe: Callable[[int], str],
-                        timeout: float | None = None) -> tuple[list, int]:
-    """Call `call(0, n)` for the whole batch; if it raises (anything but a RewardFunctionError, which is the
-    caller's contract being broken), call it row by row to find the failing rows. on_error="raise": stop naming the
-    function and the first failing row; "nan": those rows get `failed_row(i)` and are counted. A call that overruns
-    `timeout` scores every row of the batch `failed_row` and counts them, whatever on_error says. ±inf values are
-    unscored and counted too (`drop_infinite`)."""
+                        timeout: float | None = None, extra: dict[str, Any] | None = None,
+                        batch_logs: CallLogs | None = None) -> tuple[list, int]:
+    """Call `call(0, n, kwargs)` for the whole batch (`kwargs`: the trainer keywords `extra`, their logging held in
+    a CallLogs, or `batch_logs` when the batch call was already made with those); if it raises (anything but a
+    RewardFunctionError, which is the caller's contract being broken), call it row by row to find the failing rows.
+    on_error="raise": stop naming the function and the first failing row; "nan": those rows get `failed_row(i)` and
+    are counted. A call that overruns `timeout` scores every row of the batch `failed_row` and counts them, whatever
+    on_error says. ±inf values are unscored and counted too (`drop_infinite`). Only the kept calls' logs reach
+    `extra`'s log_extra / log_metric."""
+    logs = batch_logs or CallLogs(extra)
     try:
-        rows = call_with_timeout(lambda: call(0, n), timeout, f"{kind} {name!r}")
+        rows = call_with_timeout(lambda: call(0, n, logs.kwargs()), timeout, f"{kind} {name!r}")
+        logs.commit()
         return rows, drop_infinite(rows, name, kind)
     except RewardFunctionError:
         raise
@@ -328,10 +371,12 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], 
                       stacklevel=2)
         return [failed_row(i) for i in range(n)], n
     except Exception as batch_exc:
-        rows, failures = [], 0
+        rows, failures, row_logs = [], 0, []
         for i in range(n):
+            one = CallLogs(extra)
             try:
-                rows.append(call_with_timeout(lambda i=i: call(i, i + 1), timeout, f"{kind} {name!r}")[0])
+                rows.append(call_with_timeout(lambda i=i: call(i, i + 1, one.kwargs()), timeout, f"{kind} {name!r}")[0])
+                row_logs.append(one)
             except RewardFunctionError:
                 raise
             except Exception as exc:
@@ -344,9 +389,11 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int], list], 
                         "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
                 failures += 1
                 rows.append(failed_row(i))
+                row_logs.append(None)
         if failures == 0:  # every row alone succeeded: the batch call itself is at fault
             raise RewardFunctionError(f"{kind} {name!r} raised {type(batch_exc).__name__}: {batch_exc} on the "
                                       "batch, but on no single row") from batch_exc
+        CallLogs.of_rows(extra, row_logs).commit()
         return rows, failures + drop_infinite(rows, name, kind)
 
 
@@ -364,17 +411,18 @@ def compute_rewards(
     n = len(prompts)
     extra = extra or {}
 
-    def kwargs(lo: int, hi: int) -> dict[str, Any]:
+    def kwargs(lo: int, hi: int, trainer: dict[str, Any]) -> dict[str, Any]:
         return dict(prompts=prompts[lo:hi], completions=completions[lo:hi], completion_ids=completion_ids[lo:hi],
-                    **{k: v[lo:hi] for k, v in columns.items()}, **extra)
+                    **{k: v[lo:hi] for k, v in columns.items()}, **trainer)
 
     # the whole-batch calls of the async functions run concurrently; a failed one is retried row by row below
     concurrent_ = [f for f, src in enumerate(sources) if src.fn is not None and is_async(src.fn)]
     first_calls: dict[int, Any] = {}
+    first_logs = {f: CallLogs(extra) for f in concurrent_}
     if concurrent_:
         async def limited(f):  # each its own reward_timeout: one that hangs leaves the others' scores
             try:
-                return await asyncio.wait_for(sources[f].fn(**kwargs(0, n)), timeout)
+                return await asyncio.wait_for(sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())), timeout)
             except asyncio.TimeoutError:
                 raise RewardTimeout(f"reward function {sources[f].name!r} did not return within "
                                     f"reward_timeout={timeout} s") from None
@@ -395,20 +443,21 @@ def compute_rewards(
             rewards[:, f] = torch.tensor(scores, dtype=torch.float64)
             continue
 
-        def call(lo, hi, src=src, f=f):
-            if (lo, hi) == (0, n) and f in first_calls:
+        def call(lo, hi, trainer, src=src, f=f):
+            if (lo, hi) == (0, n) and f in first_calls:  # made above, with first_logs[f]
                 out = first_calls.pop(f)
                 if isinstance(out, BaseException):
                     raise out
             elif is_async(src.fn):
-                out = run_async(src.fn(**kwargs(lo, hi)), timeout, f"reward function {src.name!r}")
+                out = run_async(src.fn(**kwargs(lo, hi, trainer)), timeout, f"reward function {src.name!r}")
             else:
-                out = src.fn(**kwargs(lo, hi))
+                out = src.fn(**kwargs(lo, hi, trainer))
             return _validate(src.name, out, hi - lo)
 
         values, errors[f] = call_isolating_rows(
             "reward function", src.name, call, n, on_error=on_error, failed_row=lambda i: math.nan,
-            describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}", timeout=timeout)
+            describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}", timeout=timeout,
+            extra=extra, batch_logs=first_logs.get(f))
         rewards[:, f] = torch.tensor(values, dtype=torch.float64)
     all_none = torch.isnan(rewards).all(-1)
     if all_none.any():
