@@ -116,6 +116,23 @@ def test_a_step_tag_that_is_a_special_token(tokenizer):
     assert s.texts == ("a=1", "b=2") and s.ends == (4, 8) and s.truncated_last
 
 
+@pytest.mark.parametrize("pattern", ["<extra_0>", r"<extra_\d+>"])
+def test_a_step_pattern_that_matches_a_special_token(tokenizer, pattern):
+    """step_split='regex' whose pattern is a special token's text: decoding with skip_special_tokens=True dropped it,
+    so every completion was one step (the delimiter and tag modes kept theirs). a=1<extra_0>b=2<extra_0><eos>:
+    "a=1" ends at its marker (3), "b=2" at the EOS (8); a <pad> the pattern does not match is still dropped
+    (a <pad> = 1 <extra_0> b = 2, cut: "a=1" ends at 4, "b=2", open, at 7)."""
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra_0>"]})
+    mark = tokenizer.convert_tokens_to_ids("<extra_0>")
+    a, b = (tokenizer(t, add_special_tokens=False).input_ids for t in ("a=1", "b=2"))
+    splitter = StepSplitter("regex", pattern=pattern)
+    s = splitter.split(a + [mark] + b + [mark, tokenizer.eos_token_id], tokenizer, ends_with_eos=True, truncated=False)
+    assert s.texts == ("a=1", "b=2") and s.ends == (3, 8)
+    s = splitter.split(a[:1] + [tokenizer.pad_token_id] + a[1:] + [mark] + b, tokenizer, ends_with_eos=False,
+                       truncated=True)
+    assert s.texts == ("a=1", "b=2") and s.ends == (4, 7) and s.truncated_last
+
+
 def test_special_and_plain_step_tags_split_alike():
     """The same token ids split the same whether the tag is a special token or a plain added one, on byte-level
     BPE with merges across the tag and multi-byte characters (a seeded fuzz)."""

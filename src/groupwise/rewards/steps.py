@@ -94,7 +94,7 @@ class StepSplitter:
         self.mode, self.step_tag = mode, step_tag
         # the literal text that ends a step, kept in the decoded text even when it is a special token
         self.marker = step_tag if mode == "tag" else delimiter if mode == "delimiter" else None
-        self._special_marker: dict[tuple[int, int], bool] = {}
+        self._special_marker: dict[tuple[int, int], frozenset[int]] = {}
 
     @classmethod
     def from_config(cls, args) -> "StepSplitter":
@@ -154,26 +154,37 @@ class StepSplitter:
 
     def _keeps_special_marker(self, tokenizer) -> bool:
         """Tag mode always; delimiter mode when the delimiter is (or holds) a special token, such as "<extra_0>",
-        which decoding with skip_special_tokens=True would drop, leaving one step per completion."""
-        if self.mode == "tag":
-            return True
-        if self.mode != "delimiter":
-            return False
-        key = (id(tokenizer), len(tokenizer))  # once per tokenizer (and vocabulary), not per completion
+        and regex mode when the pattern matches a special token's text: decoding with skip_special_tokens=True would
+        drop it, leaving one step per completion."""
+        return self.mode == "tag" or bool(self._kept_special(tokenizer))
+
+    def _kept_special(self, tokenizer) -> frozenset[int]:
+        """The token ids that must stay in the decoded text, once per tokenizer (and vocabulary): the step tag's; the
+        delimiter's when one of them is special; in regex mode the special tokens whose text the pattern matches."""
+        key = (id(tokenizer), len(tokenizer))
         if key not in self._special_marker:
-            ids = set(tokenizer(self.marker, add_special_tokens=False)["input_ids"])
-            self._special_marker[key] = bool(ids & set(tokenizer.all_special_ids)) or any(
-                tokenizer.decode([i], skip_special_tokens=True) != tokenizer.decode([i], skip_special_tokens=False)
-                for i in ids)
+            def dropped_by_decoding(i: int) -> bool:
+                return tokenizer.decode([i], skip_special_tokens=True) != tokenizer.decode([i], skip_special_tokens=False)
+
+            if self.mode in ("tag", "delimiter"):
+                ids = set(tokenizer(self.marker, add_special_tokens=False)["input_ids"])
+                special = bool(ids & set(tokenizer.all_special_ids)) or any(dropped_by_decoding(i) for i in ids)
+                kept = ids if self.mode == "tag" or special else set()
+            elif self.mode == "regex":
+                special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+                kept = {i for i in special if dropped_by_decoding(i)
+                        and self.regex.search(tokenizer.decode([i], skip_special_tokens=False))}
+            else:
+                kept = set()
+            self._special_marker[key] = frozenset(kept)
         return self._special_marker[key]
 
     def _dropped_ids(self, ids: list[int], tokenizer) -> frozenset[int]:
-        """Tag mode (or a special-token delimiter): the special tokens among `ids` that decoding with
-        skip_special_tokens=True drops, except the marker's own tokens, which must stay in the text even when the
-        marker is a special token (e.g. "<extra_0>")."""
+        """The special tokens among `ids` that decoding with skip_special_tokens=True drops, except the ones the
+        splitter reads (_kept_special: e.g. a step tag "<extra_0>"), which must stay in the text."""
         special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-        tag_ids = set(tokenizer(self.marker, add_special_tokens=False)["input_ids"])
-        return frozenset(i for i in (set(ids) & special) - tag_ids
+        kept = self._kept_special(tokenizer)
+        return frozenset(i for i in (set(ids) & special) - kept
                          if tokenizer.decode([i], skip_special_tokens=True)
                          != tokenizer.decode([i], skip_special_tokens=False))
 
