@@ -61,3 +61,19 @@ def test_a_server_with_processed_log_probs_passes_quietly():
         warnings.simplefilter("error")
         gen(None, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), logprobs=True)
     assert gen.client.info_calls == 1
+
+
+def test_completions_are_read_in_the_order_of_their_index():
+    """The OpenAI completions answer numbers its choices (index = prompt · n + j); a server listing them in another
+    order (they finish at different times) gave prompts other prompts' completions. Read by index; without indices,
+    as listed (TRL)."""
+    from groupwise.generation.vllm_server import VLLMServerClient
+
+    client = VLLMServerClient.__new__(VLLMServerClient)
+    client.model = "m"
+    choices = [{"index": i, "token_ids": [10 + i], "prompt_token_ids": [i // 2]} for i in range(4)]
+    client._post = lambda path, payload: {"choices": [choices[k] for k in (3, 0, 2, 1)]}
+    out = client.generate([[0], [1]], n=2)
+    assert out["completion_ids"] == [[10], [11], [12], [13]] and out["prompt_ids"] == [[0], [1]]
+    client._post = lambda path, payload: {"choices": [{k: v for k, v in c.items() if k != "index"} for c in choices]}
+    assert client.generate([[0], [1]], n=2)["completion_ids"] == [[10], [11], [12], [13]]

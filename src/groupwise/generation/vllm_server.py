@@ -263,6 +263,8 @@ class VLLMServerClient:
         choices = self._post("/v1/completions", payload)["choices"]
         if len(choices) != len(prompts) * n:
             raise VLLMServerError(f"vLLM server: {len(choices)} completions for {len(prompts)} prompts × n={n}")
+        if all(isinstance(c.get("index"), int) for c in choices):  # OpenAI's index: prompt · n + j (TRL: as listed)
+            choices = sorted(choices, key=lambda c: c["index"])
         lps = []
         for choice in choices:
             values = (choice.get("logprobs") or {}).get("token_logprobs")
