@@ -30,7 +30,11 @@ def launch(out: Path, spec, nproc: int = 2) -> subprocess.CompletedProcess:
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    """The launch succeeded; else its output, the first traceback first (the process that failed first: the other
+    one's error, a broken connection, comes after it and would push it out of the tail)."""
+    first = proc.stderr.find("Traceback")
+    head = proc.stderr[first:first + 4000] + "\n[…]\n" if first >= 0 else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + head + proc.stderr[-5000:]
 
 
 def run(out: Path, nproc: int = 2, **spec) -> None:
