@@ -266,7 +266,7 @@ class LLM:
                     else:
                         logits = logits / p.temperature
                         if p.top_k and p.top_k > 0:
-                            kth = torch.topk(logits, p.top_k).values[-1]
+                            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]  # vLLM clamps it
                             logits = logits.masked_fill(logits < kth, float("-inf"))
                         probs = torch.softmax(logits, -1)
                         token = int(torch.multinomial(probs, 1, generator=self.generator))
