@@ -397,10 +397,11 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"generation_kwargs['num_beams']={beams!r} would run beam search, whose completions are "
                               "not samples of the policy (the advantages, the log-probs and the importance correction "
                               "assume they are): drop num_beams")
-        if self.generation_compile and self.generation_backend != "fast":
+        static_loop = BACKENDS[self.generation_backend].static_loop
+        if self.generation_compile and not static_loop:
             raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
                               f"{self.generation_backend!r}: drop generation_compile or use the fast backend")
-        if self.generation_fuse_projections and (self.generation_backend != "fast" or self.generation_compile is False):
+        if self.generation_fuse_projections and (not static_loop or self.generation_compile is False):
             raise ConfigError("generation_fuse_projections applies to the fast backend's static decode loop: use "
                               "generation_backend='fast' without generation_compile=False, or drop "
                               "generation_fuse_projections")

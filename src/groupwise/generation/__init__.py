@@ -69,6 +69,7 @@ class Backend:
     generation_kwargs: bool  # accepts GRPOConfig.generation_kwargs (extra GenerationConfig fields)
     summary: str
     model_generation_config: bool = False  # applies the model's own generation_config (generate() merges it)
+    static_loop: bool = False  # has the compiled static decode loop (generation_compile, generation_fuse_projections)
 
     def load(self) -> type:
         module, _, name = self.target.partition(":")
@@ -76,7 +77,7 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "fast": Backend("groupwise.generation.fast:FastGenerator", generation_kwargs=False,
+    "fast": Backend("groupwise.generation.fast:FastGenerator", generation_kwargs=False, static_loop=True,
                     summary="groupwise's sampler: prompt prefilled once per group, finished rows leave the batch"),
     "transformers": Backend("groupwise.generation.hf:TransformersGenerator", generation_kwargs=True,
                             summary="model.generate, the reference", model_generation_config=True),
