@@ -18,6 +18,35 @@ def reply(prompt: str) -> str:
     return turns[prompt.count("<|im_start|>tool")] + "<|im_end|>"
 
 
+class FailsOnRank1:
+    """An environment whose reset raises on process 1 in the second round (an unreachable service, say)."""
+
+    resets = 0
+
+    def __init__(self):
+        import os
+
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    def reset(self, **row) -> None:
+        type(self).resets += 1
+        if self.rank == 1 and type(self).resets > 2:
+            raise RuntimeError("environment service unreachable")
+
+
+def fails(out: str) -> None:
+    """Round 2: process 1's environment fails; both processes must stop at once with its message (not wait in the
+    next collective until ddp_timeout, 120 s here)."""
+    args = GRPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=2, max_completion_length=40,
+                      max_steps=3, logging_steps=1, save_steps=0, seed=0, ddp_timeout=120)
+    model = toy.build_model(TOKENIZER, seed=0, hidden_size=32, num_layers=1, max_positions=1024)
+    trainer = GRPOTrainer(model, lambda completions, **_: [float(len(c)) for c in completions], args=args,
+                          processing_class=TOKENIZER, train_dataset=[{"prompt": user("A")}, {"prompt": user("B")}],
+                          environment_factory=FailsOnRank1)
+    trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx, generator=Scripted(lambda p: "ok<|im_end|>"))
+    trainer.train()
+
+
 def main(out: str) -> None:
     args = GRPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=2, max_completion_length=400,
                       max_steps=2, learning_rate=1e-3, logging_steps=1, save_steps=0, seed=0, shuffle_dataset=False)
@@ -32,4 +61,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (fails if sys.argv[2:] == ["fails"] else main)(sys.argv[1])

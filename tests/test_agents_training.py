@@ -205,3 +205,20 @@ def test_two_processes_run_their_own_tool_loops_and_sum_the_tool_metrics(tmp_pat
     lines = [json.loads(x) for x in training_lines(tmp_path / "metrics.jsonl")]
     # 2 rollouts × 2 calls on rank 0, none on rank 1: 4 calls over 4 rollouts, the 2 calls to 'nope' failed
     assert [(x["tools/call_frequency"], x["tools/failure_frequency"]) for x in lines] == [(1.0, 0.5)] * 2
+
+
+def test_an_environment_failing_on_one_process_stops_both_at_once(tmp_path):
+    """Process 1's environment reset raises in round 2: process 0 used to go on to the next collective and wait
+    there until ddp_timeout (120 s in the worker; 1800 s by default). Both stop within seconds, process 0 naming
+    process 1's error."""
+    import time
+    from pathlib import Path
+
+    from tests.launcher import torchrun
+
+    start = time.monotonic()
+    proc = torchrun(Path(__file__).with_name("agents_dist_worker.py"), tmp_path, "fails")
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 90
+    assert "the tool / environment rollout failed on another process: RuntimeError: environment service " \
+           "unreachable" in proc.stderr, proc.stderr[-3000:]
