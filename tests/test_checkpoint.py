@@ -301,3 +301,41 @@ def test_save_total_limit_of_0_or_less_is_no_limit_as_in_transformers(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     _rotate(tmp_path, 1, "r", keep={tmp_path / "checkpoint-3"})  # while 1 keeps the protected one only
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+
+
+def test_a_set_aside_killed_between_its_renames_is_finished_before_a_resume_looks(tmp_path, monkeypatch):
+    """Resuming run r at step 2 sets its checkpoints 3 and 4 aside. Killed after the first rename, checkpoint-4 was
+    left under its name, and resume_from_checkpoint=True then picked the abandoned branch's end. The intent is
+    written first; the next put_back_replaced (every resume and save calls it) finishes the renames. Another run's
+    checkpoint-5 is left alone."""
+    import json as json_
+    import os
+
+    from groupwise.checkpoint import SETTING_ASIDE, put_back_replaced, set_aside_later
+
+    root = tmp_path / "out"
+    for step, run in ((1, "r"), (2, "r"), (3, "r"), (4, "r"), (5, "other")):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        (root / f"checkpoint-{step}" / "trainer_state.json").write_text(json_.dumps({"run_id": run}))
+    real, renamed = os.rename, []
+
+    class Killed(BaseException):
+        pass
+
+    def rename(src, dst):
+        if renamed:
+            raise Killed
+        renamed.append(src)
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr("pathlib.Path.rename", lambda self, target: rename(self, target))
+    with pytest.raises(Killed):
+        set_aside_later(root, 2, "r")
+    monkeypatch.undo()
+    assert (root / SETTING_ASIDE).exists() and (root / "checkpoint-4").exists()
+    with pytest.warns(UserWarning, match="resumed at step 2: the later checkpoints .* set aside, not deleted: "
+                                         "checkpoint-4.abandoned"):
+        put_back_replaced(root)
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3.abandoned",
+                                                      "checkpoint-4.abandoned", "checkpoint-5"]

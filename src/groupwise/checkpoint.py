@@ -49,6 +49,7 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
 REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see publish, put_back_replaced
 DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
+SETTING_ASIDE = ".setting-aside.json"  # set_aside_later's intent, until its renames are all done
 UNFINISHED_RE = re.compile(r"^\.tmp-checkpoint-(\d+)$")  # a save in progress (save_checkpoint), or a crash's
 MANIFEST = "checksums.json"
 
@@ -137,6 +138,13 @@ def put_back_replaced(output_dir: str | Path, writing: Path | None = None, ours:
         names = list(root.iterdir())
     except OSError:  # no such folder (yet), or not readable: nothing of ours to put back
         return []
+    if ours and (root / SETTING_ASIDE) in names:  # a set-aside that a kill interrupted: finished first
+        try:
+            pending = json.loads((root / SETTING_ASIDE).read_text())
+            set_aside_later(root, int(pending["step"]), pending["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):  # gone (another process finished it), or unreadable
+            pass
+        names = list(root.iterdir())
     for leftover in (p for p in names if DELETED_RE.match(p.name) or (
             ours and UNFINISHED_RE.match(p.name) and p != writing)):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -234,21 +242,32 @@ def set_aside_later(output_dir: str | Path, step: int, run_id: str | None) -> li
     """Resuming run `run_id` at `step`: its checkpoints of later steps in output_dir belong to the branch the resume
     abandons. Left in place, resume_from_checkpoint=True would pick them after a crash, and the rotation
     (save_total_limit) would keep them and delete the resumed branch's. They are renamed checkpoint-N.abandoned
-    (-2, -3, … if taken), kept whole, with a warning naming them; other runs' checkpoints are left alone. Returns the
-    new names."""
+    (-2, -3, … if taken), kept whole, with a warning naming them; other runs' checkpoints are left alone. The intent
+    is written first (SETTING_ASIDE): a kill between the renames is finished by the next put_back_replaced, so a
+    resume never picks a checkpoint of the abandoned branch. Returns the new names."""
     root = Path(output_dir)
     later = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := CHECKPOINT_RE.match(p.name)) and int(m.group(1)) > step and _run_id_of(p) == run_id)
+    marker = root / SETTING_ASIDE
+    if later:  # the intent first: a kill between the renames leaves it, and put_back_replaced finishes the job
+        tmp = root / (SETTING_ASIDE + ".tmp")
+        tmp.write_text(json.dumps({"step": step, "run_id": run_id}))
+        os.replace(tmp, marker)
+        _sync_dir(root)
     moved = []
     for _, path in later:
         target, k = path.with_name(path.name + ".abandoned"), 1
         while target.exists():
             k += 1
             target = path.with_name(f"{path.name}.abandoned-{k}")
-        path.rename(target)
+        try:
+            path.rename(target)
+        except FileNotFoundError:  # another process finishing the same set-aside moved it
+            continue
         moved.append(target)
-    if moved:
+    if later:
         _sync_dir(root)
+        marker.unlink(missing_ok=True)
         warnings.warn(f"resumed at step {step}: the later checkpoints in output_dir were set aside, not deleted: "
                       f"{', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
     return moved

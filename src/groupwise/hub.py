@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 PLACEHOLDERS = ("<HUB_TOKEN>", "<hidden>")
 
 # what a push leaves out of output_dir: checkpoints (pushed as the model they hold, not as resume state), logs
-IGNORE = ["checkpoint-*", "checkpoint-*/**", ".tmp-*", ".tmp-*/**", ".old-*", ".old-*/**", "runs/**", "*.jsonl", "checksums.json"]
+IGNORE = ["checkpoint-*", "checkpoint-*/**", ".tmp-*", ".tmp-*/**", ".old-*", ".old-*/**", ".setting-aside*", "runs/**", "*.jsonl", "checksums.json"]
 
 
 def hub_token(args: GRPOConfig) -> str:
