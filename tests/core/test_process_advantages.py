@@ -189,3 +189,15 @@ def test_step_spread_under_rloo_needs_two_completions_with_scored_steps():
             adv = process_advantages(rewards, ends, 6, form=form, estimator=estimator)
             has = (adv.abs() > 0).flatten(1).any(-1)
             assert (has == (step_spread(rewards, form, estimator) > 1e-6)).all(), (form, estimator, has)
+
+
+def test_a_round_without_a_single_step_has_zero_spread_and_zero_advantages():
+    """Every completion blank, or its only step cut (score_truncated_step=False): K = 0 steps. suffix_sum's spread
+    took a std over an empty axis (IndexError in amax) in the process/zero_std_groups metric and dynamic sampling;
+    both forms now give 0, as the advantages are."""
+    from groupwise.core.advantages import process_advantages, step_spread
+
+    rewards = [[[], []], [[], []]]  # (B=2, G=2, K=0)
+    for form in ("suffix_sum", "step_return"):
+        assert step_spread(rewards, form).tolist() == [0.0, 0.0], form
+    assert process_advantages([[[], []]], [[[], []]], 4).abs().sum() == 0

@@ -190,6 +190,8 @@ def _returns_to_go(rewards: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
 
 def _suffix_sum_spread(rewards: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:  # (B,)
     r = rewards.double()
+    if r.size(-1) == 0:  # no completion of the round has a step: nothing spread (every advantage is 0)
+        return torch.zeros(r.size(0), dtype=torch.float64)
     return masked_mean_std(r, ~torch.isnan(r), (1, 2))[1].view(-1)
 
 
