@@ -6,6 +6,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
                           LlamaForTokenClassification)
 
 from groupwise.config_base import ConfigError
+from groupwise.tasks import toy
 from groupwise.rewards.prm import (PrefixClassificationPRM, StepTagPRM, TokenClassificationPRM, build_prm_input,
                                    load_prm)
 
@@ -317,3 +318,19 @@ def test_prefix_classification_judges_the_separator_even_when_it_is_the_pad_toke
                 expected.append(float(model.score(hidden)[0, -1, 0]))
         assert row == pytest.approx(expected, abs=1e-5)
     assert model.config.pad_token_id == newline  # restored after each forward
+
+
+def test_a_checkpoint_without_the_kinds_head_is_refused_not_scored_at_random(tmp_path):
+    """A causal LM's folder loaded as a token_classification (or prefix_classification) PRM loaded without an error
+    and scored with a freshly initialised head: two loads of one folder gave different scores. Refused, naming the
+    missing weights."""
+    from groupwise.config_base import ConfigError
+    from groupwise.rewards.prm import load_prm
+
+    tok = toy.build_tokenizer()
+    toy.build_model(tok, seed=0, hidden_size=32).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    for kind in ("token_classification", "prefix_classification"):
+        with pytest.raises(ConfigError, match=rf"its checkpoint has no weights for (score\.bias, )?score\.weight, which a {kind}"):
+            load_prm(str(tmp_path / "lm"), kind)
+    load_prm(str(tmp_path / "lm"), "step_tag", step_tag="a", good_token="b", bad_token="c")  # its own head

@@ -267,8 +267,14 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"{path} was trained by `groupwise prm train` as a {saved} PRM ({PRM_CONFIG}); kind="
                           f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
     kind = kind or saved
-    model = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                               dtype=dtype)
+    model, info = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                                     dtype=dtype, output_loading_info=True)
+    if info["missing_keys"]:  # newly initialised weights would score at random (transformers only logs them)
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(f"PRM {path}: its checkpoint has no weights for {', '.join(missing[:4])}"
+                          f"{' …' if len(missing) > 4 else ''}, which a {kind} PRM ({_AUTO[kind]}) reads: they would "
+                          "be initialised at random and score noise. Give a PRM trained as that kind (`groupwise prm "
+                          "train` writes token_classification ones), or the kind this checkpoint was trained as")
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     name = options.pop("name", None) or Path(path).name or kind
     return PRM_KINDS[kind](model, tokenizer, name=name, **{**recorded, **options})
