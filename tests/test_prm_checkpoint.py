@@ -16,9 +16,10 @@ from tests.test_prm_train import _synthetic, _write
 
 def _cfg(model_dir, train, out, **kw):
     # 60 rows: 6 held out, 54 trained on in batches of 8 → 7 steps per epoch, 14 in 2 epochs; save_steps 5 puts
-    # checkpoints inside the first epoch (5) and the second (10). LlamaForTokenClassification's head has dropout 0.1:
-    # the resume must restore the torch RNG for the weights to match.
+    # checkpoints inside the first epoch (5) and the second (10). LlamaForTokenClassification's head has dropout 0.1,
+    # kept on (disable_dropout=False): the resume must restore the torch RNG for the weights to match.
     return PRMTrainConfig(**{"model_name_or_path": model_dir, "train_file": train, "output_dir": str(out),
+                             "disable_dropout": False,
                              "learning_rate": 3e-3, "num_train_epochs": 2, "per_device_train_batch_size": 8,
                              "max_length": 64, "logging_steps": 1, "save_steps": 5, "warmup_steps": 3, **kw})
 

@@ -253,3 +253,26 @@ def test_a_signal_stops_prm_training_with_the_prm_so_far_saved(tmp_path, model_d
     ckpt = resume_folder(True, out, command="prm train")
     assert ckpt == str(out / f"checkpoint-{int(metrics['train/steps'])}")
     assert read_state(ckpt)["step"] == metrics["train/steps"]  # (read_state verifies the checksums)
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_dropout_is_off_in_training_by_default_as_trl(tmp_path, model_dir, monkeypatch, disable):
+    """TRL's PRMConfig.disable_dropout (True): the head's dropout 0.1 trained on; with it off each training forward
+    is deterministic. Checked on the model at its first training step."""
+    import torch
+
+    import groupwise.prm_train as prm_train
+
+    seen = []
+    real_step = prm_train._train_step
+
+    def step(model, *args, **kwargs):
+        if not seen:
+            seen.append(sorted({m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}))
+        return real_step(model, *args, **kwargs)
+
+    monkeypatch.setattr(prm_train, "_train_step", step)
+    rows = _write(tmp_path / "t.jsonl", _synthetic(12, 0))
+    prm_train.train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=rows, output_dir=str(tmp_path / "o"),
+                                       max_length=64, disable_dropout=disable))
+    assert seen == [[0.0]] if disable else seen[0][-1] == 0.1

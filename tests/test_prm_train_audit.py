@@ -183,6 +183,32 @@ def test_bad_prompts_and_bytes_name_the_line(tmp_path):
     assert read_step_jsonl(str(p))[0]["steps"] == ["a ки"]
 
 
+def test_empty_or_blank_steps_and_steps_judged_at_one_token_are_named(tmp_path):
+    """A blank step (the policy's splitter drops those) or an empty step list was accepted: with a tokenizer that
+    merges the separators, two steps were judged at one token and the later label overwrote the earlier one
+    (labels [1, 0, 1] trained as [0, 1]); an empty list was counted as 'cut by max_length'."""
+    from groupwise.prm_train import _encode
+
+    p = tmp_path / "bad.jsonl"
+    for steps, message in ((["a", "  ", "b"], r"bad.jsonl:1: step 1 is blank \('  '\)"),
+                           ([], r"bad.jsonl:1: 'steps' is empty")):
+        p.write_text(json.dumps({"prompt": "q", "steps": steps, "labels": [1] * len(steps)}) + "\n")
+        with pytest.raises(ConfigError, match=message):
+            read_step_jsonl(str(p))
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())  # byte-level BPE whose merges make "\n\n" one token
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["step one\n\nstep two\n\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    merging = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
+    cfg = PRMTrainConfig(model_name_or_path="unused", train_file="unused", output_dir=str(tmp_path / "o"))
+    with pytest.raises(ConfigError, match=r"steps are judged at the same token .* the separator '\\n' merges"):
+        _encode([{"prompt": "q", "steps": ["a", "", ""], "labels": [1, 0, 1]}], merging, cfg)  # at [2, 2, 3]
+
+
 def test_output_dir_must_not_be_the_base_model(tmp_path, model_dir):
     # the PRM (config, weights, tokenizer) would overwrite the base model in place
     rows = _write(tmp_path / "t.jsonl", _rows(4))

@@ -33,7 +33,9 @@ COMMAND = "prm train"
 # the fields a resume must repeat: each changes the data, the split, the order, the inputs or the schedule
 RUN_FIELDS = ("model_name_or_path", "eval_file", "eval_fraction", "separator", "prompt_separator", "learning_rate",
               "weight_decay", "lr_scheduler_type", "warmup_steps", "max_grad_norm", "num_train_epochs",
-              "per_device_train_batch_size", "max_length", "seed")
+              "per_device_train_batch_size", "max_length", "seed", "disable_dropout")
+# what a checkpoint written before a field existed was trained with
+RUN_FIELD_BEFORE = {"disable_dropout": False}
 
 
 def start(cfg) -> tuple[str | None, dict[str, Any]]:
@@ -49,7 +51,7 @@ def start(cfg) -> tuple[str | None, dict[str, Any]]:
                       "train_file_sha256": sha256_of(cfg.train_file)}
     state = read_state(folder)  # verifies every file against checksums.json
     for name in RUN_FIELDS:
-        was, now = state["config"][name], getattr(cfg, name)
+        was, now = state["config"].get(name, RUN_FIELD_BEFORE.get(name)), getattr(cfg, name)
         if was != now:
             raise CheckpointError(f"resume_from_checkpoint={folder!r} was trained with {name}={was!r}, this config "
                                   f"has {name}={now!r}: resume with {name}: {json.dumps(was)}, or start a new run "

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from groupwise import prm_checkpoint
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
-from groupwise.modeling import eval_mode
+from groupwise.modeling import disable_dropout, eval_mode
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
 from groupwise.signals import TrainingInterrupted, stop_on_signals
 from groupwise.text import ensure_pad_token, pad_rows
@@ -58,6 +58,7 @@ class PRMTrainConfig(StrictConfig):
     save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first; null, 0 or less: no limit; transformers).", default=None)
     resume_from_checkpoint: str | bool | None = option("A checkpoint-N/ folder of a prm train run to resume exactly, or true for the newest in output_dir (transformers' meaning).", default=None)
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints another run left in output_dir; without it such a run refuses to start.", default=False)
+    disable_dropout: bool = option("Turn the model's dropout off for training (TRL's PRMConfig default): the scores a PRM is judged and used by are dropout-free.", default=True)
     trust_remote_code: bool = option("Allow the base model's repository to run its own code.", default=False)
 
     def validate(self) -> None:
@@ -98,6 +99,11 @@ def read_step_jsonl(path: str) -> list[dict[str, Any]]:
                                   f"({{\"role\", \"content\"}}), got {type(prompt).__name__}")
             if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
                 raise ConfigError(f"{where}: {step_key!r} must be a list of strings (one per step)")
+            if not steps or any(not s.strip() for s in steps):  # a policy's blank steps are dropped when it is split
+                i = next((k for k, s in enumerate(steps) if not s.strip()), None)
+                raise ConfigError(f"{where}: " + (f"{step_key!r} is empty" if i is None else
+                                                  f"step {i} is blank ({steps[i]!r})") +
+                                  ": give each example at least one step, each with text")
             if not isinstance(labels, list):
                 raise ConfigError(f"{where}: 'labels' must be a list of 0/1 (one per step), got {labels!r:.80}")
             if len(labels) != len(steps):
@@ -117,6 +123,10 @@ def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None,
         ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator,
                                          max_length=max_length or cfg.max_length,
                                          prompt_separator=cfg.prompt_separator)
+        if any(b <= a for a, b in zip(positions, positions[1:])):  # two steps judged at one token
+            raise ConfigError(f"an example's steps are judged at the same token ({positions}): the separator "
+                              f"{cfg.separator!r} merges with the text around it in this tokenizer; choose a "
+                              f"separator that tokenizes on its own. Steps: {r['steps']!r:.200}")
         labels = [-100] * len(ids)
         for p, lbl in zip(positions, r["labels"]):
             labels[p] = lbl
@@ -234,6 +244,8 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
                                    scheduler=schedule, state=state, prm_record=record)
 
     model.train()
+    if cfg.disable_dropout:
+        disable_dropout(model)
     with stop_on_signals() as received:  # SIGINT / SIGTERM: stop after this step, checkpoint, evaluate and save
         for ids, mask, labels in _remaining_batches(train_enc, rng, cfg, tokenizer.pad_token_id, step):
             loss, grad_norm, lr = _train_step(model, optimizer, schedule, ids, mask, labels, cfg.max_grad_norm)
