@@ -334,3 +334,15 @@ def test_a_checkpoint_without_the_kinds_head_is_refused_not_scored_at_random(tmp
         with pytest.raises(ConfigError, match=rf"its checkpoint has no weights for (score\.bias, )?score\.weight, which a {kind}"):
             load_prm(str(tmp_path / "lm"), kind)
     load_prm(str(tmp_path / "lm"), "step_tag", step_tag="a", good_token="b", bad_token="c")  # its own head
+
+
+def test_a_max_length_past_the_models_positions_is_named():
+    """max_length=4096 on a 32-position model was taken as is, and the first long input failed in the forward with
+    a tensor-size RuntimeError (a device-side assert on GPU)."""
+    from transformers import AutoModelForTokenClassification
+
+    tok = toy.build_tokenizer()
+    model = AutoModelForTokenClassification.from_config(toy.build_model(tok, hidden_size=32, max_positions=32).config)
+    with pytest.raises(ConfigError, match=r"PRM max_length=4096 is more than the 32 positions the model takes"):
+        TokenClassificationPRM(model, tok, max_length=4096)
+    assert TokenClassificationPRM(model, tok).max_length == 32 and TokenClassificationPRM(model, tok, max_length=16).max_length == 16

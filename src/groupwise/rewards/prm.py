@@ -103,7 +103,11 @@ class _PRM:
                 raise ConfigError(f"prompt_separator={prompt_separator!r} must be a string (the text between the "
                                   "prompt and the first step)")
             self.prompt_separator = prompt_separator
-        self.max_length = position_limit(model, tokenizer) if max_length is None else max_length
+        limit = position_limit(model, tokenizer)
+        if max_length is not None and limit is not None and max_length > limit:  # would index past the positions
+            raise ConfigError(f"PRM max_length={max_length} is more than the {limit} positions the model takes: set "
+                              f"max_length ≤ {limit}, or leave it unset to use the model's limit")
+        self.max_length = limit if max_length is None else max_length
         self.__name__ = name or f"prm_{self.kind}"
 
     def to(self, device) -> "_PRM":
