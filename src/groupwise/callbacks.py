@@ -1,8 +1,8 @@
 """transformers' callback protocol for GRPOTrainer: the callback list (`add_callback`, `pop_callback`,
 `remove_callback`, `callback_handler.callbacks`), the ExportableState callbacks' states a checkpoint keeps
-(`restore_callback_states_from_checkpoint`), and the default flow that decides, after each optimizer step,
-whether to log, evaluate and save (transformers' DefaultFlowCallback): its flags are set on `control` before
-`on_step_end`, so a callback sees them and may change them."""
+(`restore_callback_states_from_checkpoint`), and the default flow that decides, after each optimizer step and at each
+epoch's end, whether to log, evaluate and save (transformers' DefaultFlowCallback): its flags are set on `control`
+before `on_step_end` / `on_epoch_end`, so a callback sees them and may change them."""
 
 from __future__ import annotations
 
@@ -106,20 +106,30 @@ class CallbackHandler:
         return control
 
 
-def default_flow(args, state, epoch_end: bool, epochs_done: int) -> tuple[bool, bool, bool]:
-    """(log, evaluate, save) after optimizer step state.global_step: logging_strategy / eval_strategy /
-    save_strategy "steps" (every state.*_steps: the fields, fractions of max_steps resolved), "epoch" (at the end
-    of a pass over the prompts) or "no", with eval_delay and logging_first_step (transformers' meanings); save_strategy
-    "best" saves after an evaluation that gives a new best metric (the trainer decides it then, as transformers). At
-    the last step groupwise always logs, and evaluates and saves unless the strategy is "no" ("best": unless no new
-    best; transformers saves there only under "steps"): a run's end is never unrecorded."""
+def step_flow(args, state) -> tuple[bool, bool, bool]:
+    """(log, evaluate, save) after optimizer step state.global_step, as transformers' DefaultFlowCallback.on_step_end
+    sets them: logging_strategy / eval_strategy / save_strategy "steps" (every state.*_steps: the fields, fractions
+    of max_steps resolved), with eval_delay and logging_first_step (transformers' meanings); save_strategy "best"
+    saves after an evaluation that gives a new best metric (the trainer decides it then, as transformers). At the
+    last step groupwise always logs, and evaluates and saves unless the strategy is "no" or "epoch" (then the epoch's
+    end does; "best": unless no new best; transformers saves there only under "steps"): a run's end is never
+    unrecorded."""
     step, last_step = state.global_step, state.global_step >= state.max_steps
 
     def due(strategy: str, every: int) -> bool:
-        return {"steps": bool(every) and step % every == 0, "epoch": epoch_end, "no": False, "best": False}[strategy]
+        return strategy == "steps" and bool(every) and step % every == 0
 
-    log = due(args.logging_strategy, max(state.logging_steps, 1)) or last_step or (args.logging_first_step and step == 1)
-    delayed = (epochs_done if args.eval_strategy == "epoch" else step) < args.eval_delay
-    evaluate = not delayed and (due(args.eval_strategy, state.eval_steps) or (last_step and args.eval_strategy != "no"))
-    save = due(args.save_strategy, state.save_steps) or (last_step and args.save_strategy in ("steps", "epoch"))
+    log = due(args.logging_strategy, max(state.logging_steps, 1)) or (last_step and args.logging_strategy != "epoch") \
+        or (args.logging_first_step and step == 1)
+    evaluate = step >= args.eval_delay and (due(args.eval_strategy, state.eval_steps) or (
+        last_step and args.eval_strategy not in ("no", "epoch")))
+    save = due(args.save_strategy, state.save_steps) or (last_step and args.save_strategy == "steps")
     return log, evaluate, save
+
+
+def epoch_flow(args, state) -> tuple[bool, bool, bool]:
+    """(log, evaluate, save) at an epoch's end — a pass over the prompts, or the partial one training stops in — as
+    transformers' DefaultFlowCallback.on_epoch_end sets them: the "epoch" strategies (eval_delay against
+    state.epoch)."""
+    return (args.logging_strategy == "epoch", args.eval_strategy == "epoch" and args.eval_delay <= state.epoch,
+            args.save_strategy == "epoch")

@@ -275,6 +275,14 @@ class PromptSampler:
     def rounds_per_epoch(self) -> int:
         return math.ceil(self.size / self.per_round)
 
+    def end_epoch(self) -> bool:
+        """End the epoch now (transformers' control.should_epoch_stop): the next round starts the next epoch's
+        order. False when the epoch had just ended anyway."""
+        if self.position == 0:
+            return False
+        self.epoch, self.position = self.epoch + 1, 0
+        return True
+
     def progress(self) -> float:
         """Epochs done, fractional."""
         return self.epoch + self.position / self.size
@@ -429,6 +437,12 @@ class StreamSampler:
         self.position += self.per_round
         self.data[out[-1]]  # every process reads the whole round, so all learn where the stream ends at once
         return out
+
+    def end_epoch(self) -> bool:
+        """A stream's epochs end where the stream does: a callback cannot end one early."""
+        warnings.warn("control.should_epoch_stop has no effect on a streamed train_dataset (an IterableDataset): "
+                      "its epochs end where the stream does", UserWarning, stacklevel=3)
+        return False
 
     def progress(self) -> float:
         """Epochs done (fractional); unknown until the stream has ended once: 0."""

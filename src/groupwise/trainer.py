@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, is_peft_model, peft_config_from_args, wrap
 from groupwise.best import BestModel
-from groupwise.callbacks import CallbackHandler, default_flow
+from groupwise.callbacks import CallbackHandler, epoch_flow, step_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
 from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
@@ -254,10 +254,15 @@ class GRPOTrainer(TransformersHabits):
                 self._begin()
                 while not self._finished():
                     clock = time.perf_counter()  # TRL's step_time: the step's generation (if any) and update
+                    begun = pending is None  # on_step_begin comes before the step's generation, as TRL generates
+                    if begun:  # inside transformers' training_step
+                        self._event("on_step_begin")
                     rollout, done = pending or (self._collect(), 0)
                     pending = None
                     for window in self._windows(rollout)[done:]:
-                        self._event("on_step_begin")
+                        if not begun:
+                            self._event("on_step_begin")
+                        begun = False
                         metrics = optimizer_step(self.update_ctx, window)
                         metrics["step_time"], done = time.perf_counter() - clock, done + 1
                         self._after_step(rollout, done, metrics)
@@ -353,33 +358,34 @@ class GRPOTrainer(TransformersHabits):
         epoch_end = done == self.steps_per_round and int(self.sampler.progress()) > self._epochs_done
         self._epochs_done = max(self._epochs_done, int(self.sampler.progress())) if epoch_end else self._epochs_done
         control = self.control
-        # the default flow sets the flags (transformers' DefaultFlowCallback); callbacks see them and may change them
-        log, evaluate, save = default_flow(args, self.state, epoch_end, self._epochs_done)
+        # transformers' DefaultFlowCallback.on_step_end: the "steps" strategies' flags, and the stop at max_steps;
+        # callbacks see them and may change them until each is acted on
+        log, evaluate, save = step_flow(args, self.state)
         control.should_log |= log
-        control.should_evaluate |= evaluate and self.eval_data is not None
+        control.should_evaluate |= evaluate
         control.should_save |= save
+        control.should_training_stop |= self.global_step >= self.max_steps
         self._event("on_step_end")
-        if epoch_end:
+        acted: set[str] = set()
+        signalled = self._log_evaluate_save(rollout, done, acted)
+        # the epoch ends at the end of a pass over the prompts, when training stops (transformers fires on_epoch_end
+        # after its step loop, whatever ended it), or when a callback ends it (should_epoch_stop: at the end of the
+        # generation round, so that a checkpoint never holds half a round that the run then dropped)
+        cut = control.should_epoch_stop and done == self.steps_per_round and not epoch_end and \
+            self.sampler.end_epoch()
+        if cut:
+            self._epochs_done += 1
+        if (epoch_end or cut or control.should_training_stop) and not signalled:
+            log, evaluate, save = epoch_flow(args, self.state)  # DefaultFlowCallback.on_epoch_end
+            control.should_log |= log
+            control.should_evaluate |= evaluate
+            control.should_save |= save
             self._event("on_epoch_end")
-        # every process acts on the same flags: saves and evaluations are collective
-        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_log,
-                                             control.should_evaluate, control.should_save, bool(self._signals)],
-                                            device=self.dist.device)) > 0).tolist()
-        control.should_training_stop, should_log, should_evaluate, should_save, signalled = flags
-        if should_log:
-            self._log(rollout)
-        if self.dist.any(should_evaluate or control.should_evaluate) and self.eval_data is not None:  # on_log may ask
-            new_best = self._best.observe(self.state, self.evaluate())
-            if args.save_strategy == "best":  # transformers: saved exactly when the evaluation gives a new best
-                should_save = control.should_save = new_best
-        if should_save := self.dist.any(should_save or control.should_save):  # then save; on_evaluate may ask
-            self._save_round(rollout, done)
-        control.should_log = control.should_save = control.should_evaluate = False
-        control.should_training_stop = self.dist.any(control.should_training_stop)  # on_evaluate may ask, on one
+            signalled = self._log_evaluate_save(rollout, done, acted)
         last_step = self._finished()
         if signalled and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM
-            if args.save_on_interrupt and not should_save:
+            if args.save_on_interrupt and "save" not in acted:
                 self._save_round(rollout, done)
             where = "" if not args.save_on_interrupt else \
                 f"; checkpoint-{self.global_step} written (the model only: save_only_model=True, not resumable)" \
@@ -387,8 +393,39 @@ class GRPOTrainer(TransformersHabits):
                 f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True"
             raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
-        if epoch_end and not last_step:
+        if (epoch_end or cut) and not last_step:
             self._event("on_epoch_begin")
+
+    def _log_evaluate_save(self, rollout: Rollout, done: int, acted: set[str]) -> bool:
+        """transformers' _maybe_log_save_evaluate: log, then evaluate, then save, each as the control's flag says when
+        it is reached (on_log may ask for or cancel the evaluation, on_evaluate the save), each at most once per step
+        (`acted`). Every process acts on the same flags: saves and evaluations are collective. Returns whether a
+        signal has arrived on any process."""
+        args, control = self.args, self.control
+        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_epoch_stop,
+                                             control.should_log, bool(self._signals)],
+                                            device=self.dist.device)) > 0).tolist()
+        control.should_training_stop, control.should_epoch_stop, should_log, signalled = flags
+        if should_log and "log" not in acted:
+            acted.add("log")
+            self._log(rollout)
+        control.should_log = False
+        if self.dist.any(control.should_evaluate) and "evaluate" not in acted:
+            if self.eval_data is None:
+                raise ConfigError("a callback asked for an evaluation (control.should_evaluate) but the trainer has "
+                                  "no eval_dataset: pass one to GRPOTrainer")
+            acted.add("evaluate")
+            new_best = self._best.observe(self.state, self.evaluate())
+            if args.save_strategy == "best":  # transformers: saved exactly when the evaluation gives a new best
+                control.should_save = new_best
+        control.should_evaluate = False
+        if self.dist.any(control.should_save) and "save" not in acted:
+            acted.add("save")
+            self._save_round(rollout, done)
+        control.should_save = False
+        control.should_training_stop = self.dist.any(control.should_training_stop)  # on_evaluate may ask, on one
+        control.should_epoch_stop = self.dist.any(control.should_epoch_stop)
+        return signalled
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""

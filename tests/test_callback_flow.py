@@ -1,0 +1,128 @@
+"""When the trainer logs, evaluates, saves and ends epochs, as transformers' Trainer decides it with its
+DefaultFlowCallback and a user's callbacks (transformers 5.23 trainer.py: the inner loop's on_step_end then
+_maybe_log_save_evaluate, on_epoch_end after the step loop ends whatever ended it, then _maybe_log_save_evaluate again;
+each flag read when it is acted on)."""
+
+import pytest
+from transformers import TrainerCallback
+
+from groupwise import GRPOTrainer
+from groupwise.tasks import toy
+from tests.conftest import small_args
+
+
+class Recorder(TrainerCallback):
+    """Every event with the step it came at; `act(name, state, control)` lets a test change the flags."""
+
+    def __init__(self, act=None):
+        self.events, self.act = [], act
+
+    def __getattribute__(self, name):
+        if not name.startswith("on_"):
+            return object.__getattribute__(self, name)
+
+        def event(args, state, control, **kwargs):
+            self.events.append((name, state.global_step))
+            if self.act is not None:
+                self.act(name, state, control, **kwargs)
+        return event
+
+    def names(self):
+        return [name for name, _ in self.events]
+
+
+def _train(tmp_path, tokenizer, act=None, eval_rows=4, rewards=None, **fields):
+    recorder = Recorder(act)
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    trainer = GRPOTrainer(model, rewards or toy.REWARD_FUNCS, args=small_args(tmp_path, **fields),
+                          train_dataset=toy.dataset(16), processing_class=tokenizer,
+                          eval_dataset=toy.dataset(eval_rows, seed=1) if eval_rows else None, callbacks=[recorder])
+    trainer.train()
+    return trainer, recorder
+
+
+def test_a_callback_stopping_mid_epoch_gets_the_epoch_end_and_its_log_evaluation_and_save(tmp_path, tokenizer):
+    """Every strategy 'epoch', a callback stops training at step 1 of an 8-step epoch: transformers fires on_epoch_end
+    after its loop breaks, and its DefaultFlowCallback logs, evaluates and saves there. groupwise fired no
+    on_epoch_end, and step 1 was neither logged, evaluated nor saved."""
+    def stop(name, state, control, **_):
+        if name == "on_step_end" and state.global_step == 1:
+            control.should_training_stop = True
+
+    trainer, rec = _train(tmp_path, tokenizer, stop, max_steps=10, eval_strategy="epoch", save_strategy="epoch",
+                          logging_strategy="epoch")
+    tail = rec.names()[rec.names().index("on_step_end"):]
+    assert tail == ["on_step_end", "on_epoch_end", "on_log", "on_log", "on_evaluate", "on_save", "on_log",
+                    "on_train_end"]
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+    assert "loss" in trainer.state.log_history[0] and "eval_reward" in trainer.state.log_history[1]
+
+
+def test_the_last_step_sets_should_training_stop_and_its_epoch_ends(tmp_path, tokenizer):
+    """transformers' DefaultFlowCallback sets should_training_stop at max_steps before on_step_end (it stayed False),
+    and on_epoch_end follows the last step's log, evaluation and save (it fired before them, when it fired)."""
+    seen = []
+
+    def watch(name, state, control, **_):
+        if state.global_step == 2 and name in ("on_step_end", "on_log", "on_train_end"):
+            seen.append((name, control.should_training_stop))
+
+    trainer, rec = _train(tmp_path, tokenizer, watch, eval_rows=None, max_steps=2)
+    assert seen and all(stop for _, stop in seen) and trainer.control.should_training_stop
+    assert rec.names()[-6:] == ["on_step_end", "on_log", "on_save", "on_epoch_end", "on_log", "on_train_end"]
+
+
+def test_a_callback_cancels_the_evaluation_in_on_log_and_the_save_in_on_evaluate(tmp_path, tokenizer):
+    """transformers reads the control after each event: an on_log that clears should_evaluate leaves the step
+    unevaluated, an on_evaluate that clears should_save leaves it unsaved (groupwise acted on the flags as they stood
+    before those events: 2 evaluations, 2 checkpoints)."""
+    def no_eval(name, state, control, logs=None, **_):
+        if name == "on_log" and logs and "loss" in logs:
+            control.should_evaluate = False
+
+    def no_save(name, state, control, **_):
+        if name == "on_evaluate":
+            control.should_save = False
+
+    fields = dict(max_steps=2, eval_strategy="steps", eval_steps=1, save_steps=1)
+    _, rec = _train(tmp_path / "a", tokenizer, no_eval, **fields)
+    assert "on_evaluate" not in rec.names() and len(list((tmp_path / "a" / "out").glob("checkpoint-*"))) == 2
+    _, rec = _train(tmp_path / "b", tokenizer, no_save, **fields)
+    assert rec.names().count("on_evaluate") == 2 and "on_save" not in rec.names()
+    assert not list((tmp_path / "b" / "out").glob("checkpoint-*"))
+
+
+def test_should_epoch_stop_ends_the_epoch(tmp_path, tokenizer):
+    """transformers ends the epoch when a callback sets should_epoch_stop (it was ignored): 16 prompts, 2 per round,
+    an epoch of 8 steps; stopped after every step, each step is the first of a new epoch (state.epoch 0.125, 1.125,
+    2.125), with on_epoch_end / on_epoch_begin between them."""
+    epochs = []
+
+    def end_epoch(name, state, control, **_):
+        if name == "on_step_end":
+            epochs.append(state.epoch)
+            control.should_epoch_stop = True
+
+    _, rec = _train(tmp_path, tokenizer, end_epoch, eval_rows=None, max_steps=3)
+    assert epochs == pytest.approx([0.125, 1.125, 2.125])
+    steps = [(n, s) for n, s in rec.events if n in ("on_step_end", "on_epoch_end", "on_epoch_begin")]
+    assert steps == [("on_epoch_begin", 0), ("on_step_end", 1), ("on_epoch_end", 1), ("on_epoch_begin", 1),
+                     ("on_step_end", 2), ("on_epoch_end", 2), ("on_epoch_begin", 2), ("on_step_end", 3),
+                     ("on_epoch_end", 3)]
+
+
+def test_on_step_begin_comes_before_the_steps_generation(tmp_path, tokenizer):
+    """TRL generates and scores inside training_step, after transformers' on_step_begin: a callback that changes
+    the sampling there (a curriculum) acts on that step's rollout. groupwise generated first."""
+    order = []
+
+    def reward(completions, **_):
+        order.append("rewards")
+        return [0.0] * len(completions)
+
+    def mark(name, state, control, **_):
+        if name == "on_step_begin":
+            order.append("on_step_begin")
+
+    _train(tmp_path, tokenizer, mark, eval_rows=None, rewards=[reward], max_steps=2)
+    assert order == ["on_step_begin", "rewards"] * 2
