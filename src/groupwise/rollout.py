@@ -170,12 +170,15 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
             max_completion_length=args.max_completion_length, logprobs=want, device=device,
             keep_logprobs=args.off_policy_mask_threshold is not None and not greedy and not evaluation),
             "rollout_func")
-    elif ctx.agent is not None:  # an environment failing on one process (its reset) stops every process with it
+    elif ctx.agent is not None:
         def turns() -> Completions:
             with independently(ctx.generator, model):
                 return _from_turns(ctx, ctx.agent.rollout(model, rows, sample, ctx.eos_token_ids))
 
-        comp = ctx.dist.run_together(turns, "the tool / environment rollout")
+        # training: an environment failing on one process (its reset) stops every process with it (each process
+        # makes this call once per round); evaluation's processes make different numbers of calls, and its whole
+        # share runs under run_together already (groupwise.evaluation)
+        comp = turns() if evaluation else ctx.dist.run_together(turns, "the tool / environment rollout")
     else:
         prompts = [r["prompt"] for r in rows]
         prompt_ids, prompt_mask = encode_prompts(prompts, tok, args.max_prompt_length, args.chat_template_kwargs)
