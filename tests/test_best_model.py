@@ -108,3 +108,11 @@ def test_the_best_checkpoint_survives_a_resume_with_output_dir_spelt_otherwise(t
     assert sorted(p.name for p in (first / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     state = t.unwrapped.state_dict()
     assert all(torch.equal(state[k], v) for k, v in best.items())  # load_best_model_at_end: step 2's weights
+
+
+def test_without_checkpoints_the_best_metric_is_tracked_but_no_best_step(tmp_path, tokenizer):
+    """transformers records best_global_step only under a save strategy that writes checkpoints (steps, epoch,
+    best): with save_strategy='no' the best metric is kept and best_global_step stays None (it was set)."""
+    t = _trainer(tmp_path, tokenizer, save_strategy="no")
+    t.train()
+    assert t.state.best_metric == 0.0 and t.state.best_global_step is None and t.state.best_model_checkpoint is None

@@ -70,7 +70,9 @@ class BestModel:
         best = state.best_metric
         if best is not None and not (value > best if self.args.greater_is_better else value < best):
             return False
-        state.best_metric, state.best_global_step = float(value), state.global_step
+        state.best_metric = float(value)
+        if self.args.save_strategy in ("steps", "epoch", "best"):  # transformers: a step whose checkpoint may exist
+            state.best_global_step = state.global_step
         return True
 
     @staticmethod
