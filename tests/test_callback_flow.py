@@ -60,7 +60,8 @@ def test_a_callback_stopping_mid_epoch_gets_the_epoch_end_and_its_log_evaluation
 
 def test_the_last_step_sets_should_training_stop_and_its_epoch_ends(tmp_path, tokenizer):
     """transformers' DefaultFlowCallback sets should_training_stop at max_steps before on_step_end (it stayed False),
-    and on_epoch_end follows the last step's log, evaluation and save (it fired before them, when it fired)."""
+    and the partial epoch training stops in ends (no on_epoch_end fired). on_epoch_end comes before the step's log
+    and save (transformers: after them), so that they are one pass and the checkpoint holds the whole step."""
     seen = []
 
     def watch(name, state, control, **_):
@@ -69,7 +70,7 @@ def test_the_last_step_sets_should_training_stop_and_its_epoch_ends(tmp_path, to
 
     trainer, rec = _train(tmp_path, tokenizer, watch, eval_rows=None, max_steps=2)
     assert seen and all(stop for _, stop in seen) and trainer.control.should_training_stop
-    assert rec.names()[-6:] == ["on_step_end", "on_log", "on_save", "on_epoch_end", "on_log", "on_train_end"]
+    assert rec.names()[-6:] == ["on_step_end", "on_epoch_end", "on_log", "on_save", "on_log", "on_train_end"]
 
 
 def test_a_callback_cancels_the_evaluation_in_on_log_and_the_save_in_on_evaluate(tmp_path, tokenizer):
@@ -126,3 +127,26 @@ def test_on_step_begin_comes_before_the_steps_generation(tmp_path, tokenizer):
 
     _train(tmp_path, tokenizer, mark, eval_rows=None, rewards=[reward], max_steps=2)
     assert order == ["on_step_begin", "rewards"] * 2
+
+
+def test_a_signal_at_an_epochs_end_still_logs_evaluates_and_saves_the_epoch(tmp_path, tokenizer):
+    """Every strategy 'epoch', 2 rounds per epoch: SIGTERM arriving during step 2 (an epoch's end). The epoch's log,
+    evaluation and checkpoint are written before the run stops (the first version of the new flow skipped them);
+    save_on_interrupt does not write a second checkpoint of that step."""
+    import os
+    import signal
+
+    from groupwise.signals import TrainingInterrupted
+
+    def term(name, state, control, **_):
+        if name == "on_step_begin" and state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted, match="after step 2"):
+        _train(tmp_path, tokenizer, term, max_steps=10, per_device_train_batch_size=32, eval_strategy="epoch",
+               save_strategy="epoch", logging_strategy="epoch")
+    import json
+
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("step") for x in lines if "loss" in x] == [2] and any("eval_reward" in x for x in lines)
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]

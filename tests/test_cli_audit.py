@@ -265,6 +265,10 @@ def test_yaml_types_a_trl_user_writes():
     assert c.model_init_kwargs == {"revision": "2e45607", "attn_implementation": "sdpa"}
     assert c.generation_kwargs == {"stop_strings": "1e3", "top_k": 50.0} and c.learning_rate == 3e-6
     assert values["model_revision"] == "2e45607"  # unquoted, an exponent of 5 digits: text (a commit id)
+    # a text field given a number in exponent form gets it as written, not as the float's repr (12345000000.0)
+    c = GRPOConfig(**read_yaml("run_name: 3e10\nhub_revision: 12345e6\nlearning_rate: 1e-6"))
+    assert (c.run_name, c.hub_revision, c.learning_rate) == ("3e10", "12345e6", 1e-6)
+    assert type(c.learning_rate) is float
     with pytest.raises(ConfigError, match=r"reward_weights must be a list of finite numbers, got \['x'\]"):
         GRPOConfig(reward_weights=["x"])
     # `eval_strategy: no` (YAML 1.1's false): TRL's "no"; the choices still apply to what it becomes

@@ -67,6 +67,10 @@ def test_a_reward_function_editing_its_prompts_in_place_changes_neither_the_data
     stream = StreamData(iter(copy.deepcopy(data)), "train_dataset")
     stream[0]["prompt"].append({"role": "user", "content": "x"})
     assert len(stream[0]["prompt"]) == 1
+    import threading  # a value that cannot be copied (a lock, a client) is shared as given
+
+    lock = threading.Lock()
+    assert PromptData([{"prompt": "a", "client": lock}], "train_dataset")[0]["client"] is lock
 
 
 @pytest.mark.parametrize("columns, message", [

@@ -143,7 +143,7 @@ def set_env(env: Any, config_path: str) -> None:
     for key, value in env.items():
         if not isinstance(key, str) or not key or "=" in key:
             raise ConfigError(f"{config_path}: env key {key!r} is not a variable name: write it as text, without '='")
-        os.environ[key] = str(value)
+        os.environ[key] = getattr(value, "text", None) or str(value)  # 1e3 as written (config_base.YamlFloat)
 
 
 def build_run(values: dict[str, Any]):

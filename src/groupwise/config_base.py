@@ -184,12 +184,26 @@ def check_model_location(value: str, field: str, *, policy: bool = False) -> str
 
 class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader (YAML 1.1), reading unquoted 1e-7 / 5E3 as numbers as YAML 1.2 does (1.1 wants a '.'
-    and a sign: it read them as text, which TRL's parser then turns into numbers for its float fields). A quoted
-    "1e-7" stays text, and so does an exponent of 3 digits or more (a commit id such as 2e45607, which would be inf)."""
+    and a sign: it read them as text, which TRL's parser then turns into numbers for its float fields). Such a
+    number remembers its text (YamlFloat): a field that takes text gets it as written (a commit id 12345e6, a
+    run_name 3e10). A quoted "1e-7" stays text, and so does an exponent of 3 digits or more (2e45607: inf)."""
 
 
-YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,2}$"),
+class YamlFloat(float):
+    """A number YAML 1.1 would have read as text, with that text (`.text`)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> "YamlFloat":
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+
+YAML_EXPONENT_TAG = "tag:groupwise,2026:exponent-float"
+YamlLoader.add_implicit_resolver(YAML_EXPONENT_TAG, re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d{1,2}$"),
                                  list("-+0123456789."))
+YamlLoader.add_constructor(YAML_EXPONENT_TAG, lambda loader, node: YamlFloat(loader.construct_scalar(node)))
 
 
 def read_yaml(text) -> Any:
@@ -264,7 +278,8 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
                 if a == "float" or number.is_integer():
                     return _SCALARS[a](number)
     if "str" in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # `run_name: 2024`, `--output_dir 123`: a name that YAML read as a number
+        # `run_name: 2024`, `--output_dir 123`: a name that YAML read as a number; 12345e6 as written
+        return value.text if isinstance(value, YamlFloat) else str(value)
     if "str" in allowed and "bool" not in allowed and value is False:
         return "no"  # `eval_strategy: no`: YAML 1.1 reads the word as false; the field's choices still apply
     listed = next((a for a in allowed if a.startswith("list")), None)

@@ -34,6 +34,19 @@ def prompt_problem(prompt: Any) -> str | None:
     return f"a prompt of type {type(prompt).__name__}, not a string or a list of chat messages"
 
 
+def own_copy(row: dict[str, Any]) -> dict[str, Any]:
+    """A row whose values are copies of their own (deep), so that a reward function editing them in place changes
+    neither the dataset nor the group's other rows; a value that cannot be copied (a lock, a client object) is
+    shared as given."""
+    out = {}
+    for key, value in row.items():
+        try:
+            out[key] = copy.deepcopy(value)
+        except (TypeError, copy.Error):
+            out[key] = value
+    return out
+
+
 def mixed_formats(name: str, row: int, first_is_text: bool) -> ConfigError:
     """Row `row` is not in row 0's format: completions follow the first prompt's (text or conversational, TRL's two
     formats), so a reward function would get chat prompts with text completions or the reverse."""
@@ -242,7 +255,7 @@ class PromptData:
     def __getitem__(self, i: int) -> dict[str, Any]:
         # a copy of its own (as a datasets.Dataset decodes one for every read, and TRL's DataLoader hands out): a
         # reward function that edits its prompts in place must not change the dataset, nor the group's other rows
-        row = copy.deepcopy(dict(self.data[int(i)]))
+        row = own_copy(self.data[int(i)])
         if self.default_prompt and "prompt" not in row:
             row["prompt"] = EmptyPrompt()
         return row
@@ -417,7 +430,7 @@ class StreamData:
                 self._rows.pop(next(iter(self._rows)))
         if i not in self._rows:
             raise IndexError(f"{self.name}: row {i} is no longer in memory (rows are read in order)")
-        return copy.deepcopy(self._rows[i])  # a copy of its own, as PromptData's
+        return own_copy(self._rows[i])  # a copy of its own, as PromptData's
 
     def seek(self, position: int) -> None:
         """Read up to run row `position` (resume): the rows before it are read and dropped, as they were used."""

@@ -366,22 +366,17 @@ class GRPOTrainer(TransformersHabits):
         control.should_save |= save
         control.should_training_stop |= self.global_step >= self.max_steps
         self._event("on_step_end")
-        acted: set[str] = set()
-        signalled = self._log_evaluate_save(rollout, done, acted)
+        signalled = self._agree()
         # the epoch ends at the end of a pass over the prompts, when training stops (transformers fires on_epoch_end
-        # after its step loop, whatever ended it), or when a callback ends it (should_epoch_stop: at the end of the
-        # generation round, so that a checkpoint never holds half a round that the run then dropped)
-        cut = control.should_epoch_stop and done == self.steps_per_round and not epoch_end and \
-            self.sampler.end_epoch()
-        if cut:
-            self._epochs_done += 1
-        if (epoch_end or cut or control.should_training_stop) and not signalled:
-            log, evaluate, save = epoch_flow(args, self.state)  # DefaultFlowCallback.on_epoch_end
-            control.should_log |= log
-            control.should_evaluate |= evaluate
-            control.should_save |= save
-            self._event("on_epoch_end")
-            signalled = self._log_evaluate_save(rollout, done, acted)
+        # after its step loop, whatever ended it), or when a callback ends it; on_epoch_end comes before the step's
+        # log / evaluation / save (transformers: after the "steps" strategies' ones), so that they are one pass and a
+        # checkpoint holds the whole step (its log line, the best metric it may be)
+        acted: set[str] = set()
+        fired, new_epoch = self._epoch_end(epoch_end, done)
+        self._log_evaluate_save(rollout, done, acted)
+        if not fired and control.should_training_stop:  # asked for in on_log / on_evaluate (EarlyStoppingCallback)
+            fired, new_epoch = self._epoch_end(False, done)
+            self._log_evaluate_save(rollout, done, acted)
         last_step = self._finished()
         if signalled and not last_step:  # every process stops at the same step
             signum = self._signals[0] if self._signals else signal.SIGTERM
@@ -393,20 +388,46 @@ class GRPOTrainer(TransformersHabits):
                 f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True"
             raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
-        if (epoch_end or cut) and not last_step:
+        if new_epoch and not last_step:
             self._event("on_epoch_begin")
 
-    def _log_evaluate_save(self, rollout: Rollout, done: int, acted: set[str]) -> bool:
+    def _agree(self) -> bool:
+        """Every process takes the stop flags any process's callbacks set (saves and evaluations are collective).
+        Returns whether a signal has arrived on any process."""
+        control = self.control
+        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_epoch_stop,
+                                             bool(self._signals)], device=self.dist.device)) > 0).tolist()
+        control.should_training_stop, control.should_epoch_stop, signalled = flags
+        return signalled
+
+    def _epoch_end(self, epoch_end: bool, done: int) -> tuple[bool, bool]:
+        """on_epoch_end, with the "epoch" strategies' flags (transformers' DefaultFlowCallback.on_epoch_end), when the
+        epoch ends: `epoch_end` (a pass over the prompts ended with this step), a callback's should_epoch_stop (at
+        the end of the generation round, so that a checkpoint never holds half a round the run then dropped), or
+        the end of training. Returns (fired, a new epoch begins)."""
+        control = self.control
+        at_round_end = done == self.steps_per_round
+        cut = control.should_epoch_stop and at_round_end and not epoch_end and self.sampler.end_epoch()
+        if cut:
+            self._epochs_done += 1
+        elif control.should_epoch_stop and at_round_end and not epoch_end:
+            control.should_epoch_stop = False  # a stream's epoch cannot end early (it warned)
+        if not (epoch_end or cut or control.should_training_stop):
+            return False, False
+        log, evaluate, save = epoch_flow(self.args, self.state)
+        control.should_log |= log
+        control.should_evaluate |= evaluate
+        control.should_save |= save
+        self._event("on_epoch_end")
+        self._agree()
+        return True, epoch_end or cut
+
+    def _log_evaluate_save(self, rollout: Rollout, done: int, acted: set[str]) -> None:
         """transformers' _maybe_log_save_evaluate: log, then evaluate, then save, each as the control's flag says when
         it is reached (on_log may ask for or cancel the evaluation, on_evaluate the save), each at most once per step
-        (`acted`). Every process acts on the same flags: saves and evaluations are collective. Returns whether a
-        signal has arrived on any process."""
+        (`acted`). Every process acts on the same flags: saves and evaluations are collective."""
         args, control = self.args, self.control
-        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_epoch_stop,
-                                             control.should_log, bool(self._signals)],
-                                            device=self.dist.device)) > 0).tolist()
-        control.should_training_stop, control.should_epoch_stop, should_log, signalled = flags
-        if should_log and "log" not in acted:
+        if self.dist.any(control.should_log) and "log" not in acted:
             acted.add("log")
             self._log(rollout)
         control.should_log = False
@@ -423,9 +444,7 @@ class GRPOTrainer(TransformersHabits):
             acted.add("save")
             self._save_round(rollout, done)
         control.should_save = False
-        control.should_training_stop = self.dist.any(control.should_training_stop)  # on_evaluate may ask, on one
-        control.should_epoch_stop = self.dist.any(control.should_epoch_stop)
-        return signalled
+        self._agree()  # on_log / on_evaluate / on_save may have asked to stop, on one process
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""

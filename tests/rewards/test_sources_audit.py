@@ -280,3 +280,32 @@ def test_count_mismatches_are_one_line_errors_with_the_fix(tmp_path):
                                          r"reward function") as info:
         GRPOTrainer("no/such/model", [toy.letter_reward], args=args, train_dataset=[{"prompt": "x", "letter": "a"}])
     assert "\n" not in str(info.value)
+
+
+def test_a_reward_functions_own_timeout_and_bad_logged_value_are_its_errors():
+    """An async reward function whose own call times out (its TimeoutError is asyncio's) was taken for an overrun of
+    reward_timeout and scored NaN even with on_reward_error='raise'; a log_metric value that is not a number failed
+    when the logs were committed, outside the function ('on no single row'). Both are the function's errors now."""
+    async def remote_judge(completions, **_):
+        raise TimeoutError("the judge's HTTP call timed out")
+
+    def bad_metric(completions, log_metric, **_):
+        log_metric("m", "n/a")
+        return [1.0] * len(completions)
+
+    extra = {"log_metric": lambda name, value: None, "log_extra": lambda column, values: None}
+    for fn in (remote_judge, bad_metric):
+        with pytest.raises(Exception, match=rf"reward function '{fn.__name__}' raised (TimeoutError|ValueError)"
+                                            r".* on row 0"):
+            compute_rewards(load_reward_sources([fn]), ["p"], ["c"], [[1]], {}, extra=extra, timeout=5.0)
+        rewards, errors = compute_rewards(load_reward_sources([fn]), ["p"], ["c"], [[1]], {}, on_error="nan",
+                                          extra=extra)
+        assert torch.isnan(rewards).all() and errors.tolist() == [1.0]
+
+
+def test_reward_models_take_no_columns_so_a_keyword_named_column_is_fine(tmp_path):
+    from groupwise.rewards.sources import check_reward_columns
+
+    check_reward_columns(["some/reward-model", torch.nn.Linear(2, 2)], ["prompt", "completions"], False)
+    with pytest.raises(Exception, match="has a column 'completions'"):
+        check_reward_columns([lambda completions, **_: [0.0]], ["prompt", "completions"], False)

@@ -69,6 +69,8 @@ def run_async(awaitable, timeout: float | None = None, what: str = "async reward
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError:
+        if future.done():  # the coroutine's own TimeoutError (an HTTP call of its own timed out): its error
+            raise
         future.cancel()
         raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s") from None
 
@@ -172,7 +174,8 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
         return
     passed = set() if remove_unused_columns else {c for c in columns if c not in ("prompt", "completion",
                                                                                    "completion_ids")}  # rollout.py
-    if clash := sorted(passed & (set(keywords) - {"environments"})):
+    called = [fn for fn in reward_funcs if callable(fn) and not isinstance(fn, (str, torch.nn.Module))]
+    if called and (clash := sorted(passed & (set(keywords) - {"environments"}))):  # models take no columns
         raise ConfigError(f"{dataset} has a column {clash[0]!r}, which is also a keyword every {field} function "
                           f"receives: rename the column (e.g. dataset.rename_column({clash[0]!r}, "
                           f"'reference_{clash[0]}')), or set remove_unused_columns=True if no reward function "
@@ -325,8 +328,8 @@ class CallLogs:
         out = dict(self.extra)
         if "log_extra" in out:
             out["log_extra"] = lambda column, values: self.columns.setdefault(column, []).extend(values)
-        if "log_metric" in out:
-            out["log_metric"] = lambda *args, **kwargs: self.metrics.append((args, kwargs))
+        if "log_metric" in out:  # the value read at the call, so that a bad one fails inside the reward function
+            out["log_metric"] = lambda name, value: self.metrics.append(((name, float(value)), {}))
         return out
 
     def commit(self) -> None:
@@ -421,11 +424,13 @@ def compute_rewards(
     first_logs = {f: CallLogs(extra) for f in concurrent_}
     if concurrent_:
         async def limited(f):  # each its own reward_timeout: one that hangs leaves the others' scores
-            try:
-                return await asyncio.wait_for(sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())), timeout)
-            except asyncio.TimeoutError:
+            task = asyncio.ensure_future(sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())))
+            finished, _ = await asyncio.wait({task}, timeout=timeout)
+            if not finished:  # (a TimeoutError the function raises itself is its own error, not an overrun)
+                task.cancel()
                 raise RewardTimeout(f"reward function {sources[f].name!r} did not return within "
-                                    f"reward_timeout={timeout} s") from None
+                                    f"reward_timeout={timeout} s")
+            return task.result()
 
         async def gather():
             return await asyncio.gather(*(limited(f) for f in concurrent_), return_exceptions=True)
