@@ -70,6 +70,27 @@ def test_reference_is_the_base_model_with_adapters_off_and_no_copy(tmp_path, bas
     assert not torch.allclose(policy.cpu(), expected.cpu(), atol=1e-6)  # the adapters were back on afterwards
 
 
+@pytest.mark.parametrize("init", [False, "pissa", "olora"])
+def test_an_adapter_that_does_not_start_as_the_identity_keeps_pi_ref_the_initial_policy(tmp_path, base_dir, init):
+    """init_lora_weights=False (random B), PiSSA and OLoRA (which rewrite the base weights): the base model without
+    the adapters is not π_θ0 (|Δ log π| 0.24 / 0.05 / 0.10 before any step), so π_ref is the adapter at its initial
+    values, as for an adapter passed in. Before any step π_ref = π_θ exactly; a resume with another init is refused."""
+    from groupwise.config_base import ConfigError as Error
+
+    t = _trainer(tmp_path, base_dir, _lora(init_lora_weights=init), beta=0.1, max_steps=1, save_steps=1)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 20, (4, 12))
+    mask = torch.ones_like(ids)
+    policy = batched_logps(t.unwrapped, ids, mask, 6, temperature=1.0, batch_size=4)
+    with t.reference.context():
+        ref = batched_logps(t.reference.logps_model, ids, mask, 6, temperature=1.0, batch_size=4)
+    assert torch.equal(policy, ref)
+    t.train()
+    with pytest.raises(Error, match=r"the adapter's init_lora_weights is .* in .*checkpoint-1 but True now"):
+        _trainer(tmp_path, base_dir, _lora(), beta=0.1, max_steps=2).train(
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+
+
 @pytest.mark.slow
 def test_resume_is_bitwise_exact_and_the_adapter_loads_with_peft(tmp_path, base_dir):
     straight = _trainer(tmp_path, base_dir, beta=0.05, max_steps=4, save_steps=2, out="a")

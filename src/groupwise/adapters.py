@@ -158,6 +158,18 @@ def _wait_for_device() -> None:
         torch.cuda.synchronize()
 
 
+def _starts_as_identity(model) -> bool:
+    """Do the adapters start as the identity (LoRA's B = 0; IA3's ones), so that the base model without them is the
+    initial policy? Not for init_lora_weights=False (random B) or the initialisations that rewrite the base weights
+    (PiSSA, OLoRA, LoftQ, CorDA, EVA): their base alone is not π_θ0."""
+    for config in model.peft_config.values():
+        init = next((getattr(config, k) for k in ("init_lora_weights", "init_weights", "init_ia3_weights")
+                     if hasattr(config, k)), True)
+        if init not in (True, "gaussian"):
+            return False
+    return True
+
+
 class Reference:
     """π_ref of the KL term, the initial policy: `model` evaluated inside `context()`. For a PeftModel: the policy
     itself (no second copy of the base weights), with the adapters groupwise created disabled, or with the initial
@@ -189,7 +201,7 @@ class Reference:
     @classmethod
     def of(cls, policy: torch.nn.Module, device) -> Reference:
         if is_peft_model(policy):
-            if policy in _CREATED:  # fresh adapters (LoRA's B = 0): disabled, the base model is the initial policy
+            if policy in _CREATED and _starts_as_identity(policy):  # fresh (LoRA's B = 0): the base is π_θ0
                 return cls(policy, adapters_off=True)
             # an adapter trained before (TRL keeps a frozen "ref" copy of it): its initial tensors, as they are now
             return cls(policy, adapters_off=True, initial={n: p.detach().clone() for n, p in
@@ -270,7 +282,7 @@ def load_adapter(model: torch.nn.Module, folder: Path, source: str) -> None:
 # not one: disable_dropout zeroes it, and the run's own settings decide that)
 RESUME_ADAPTER_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "target_modules",
                          "target_parameters", "modules_to_save", "bias", "lora_bias", "fan_in_fan_out", "rank_pattern",
-                         "alpha_pattern", "layers_to_transform", "exclude_modules")
+                         "alpha_pattern", "layers_to_transform", "exclude_modules", "init_lora_weights")
 
 
 def _check_adapter_config(model: torch.nn.Module, folder: Path, source: str) -> None:
