@@ -191,3 +191,31 @@ def test_disable_dropout_reaches_the_adapters(tmp_path, base_dir):
 
 def _lora_with_dropout():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.3)
+
+
+@pytest.mark.parametrize("adapter", [dict(target_modules=["q_proj", "lm_head"]),
+                                     dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+                                     dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"])])
+def test_an_adapter_on_tied_embeddings_is_refused_with_vllm_and_export(tmp_path, tokenizer, adapter):
+    """Tied input embeddings and head (Qwen2.5-0.5B's layout) with an adapter on either: merged for vLLM (or by
+    `export --merge`) one tensor cannot hold both (the policy's logits and those of the pushed weights' tied head
+    differed by up to 13.8). Refused, naming the fix; the fast backend samples the PeftModel itself and trains."""
+    from peft import get_peft_model
+
+    from groupwise.adapters import adapted_tied_embeddings, export_merged
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    wrapped = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **adapter))
+    assert adapted_tied_embeddings(wrapped) in ("input embeddings", "output head")
+    assert adapted_tied_embeddings(get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32), _lora())) is None
+    wrapped.save_pretrained(tmp_path / "adapter")
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    base = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    base.config.tie_word_embeddings = True
+    base.lm_head.weight = base.model.embed_tokens.weight
+    base.save_pretrained(tmp_path / "base")
+    with pytest.raises(ConfigError, match=r"export: .*adapter changes the (input embeddings|output head) of a model "
+                                          r"whose input embeddings and output head are one tensor"):
+        export_merged(str(tmp_path / "adapter"), str(tmp_path / "out"), base=str(tmp_path / "base"))

@@ -348,3 +348,23 @@ def test_the_weights_pushed_are_in_the_checkpoint_layout_vllm_loads(tmp_path, lo
     assert pushed.keys() == saved.keys()
     for name, tensor in saved.items():
         assert torch.equal(pushed[name], tensor), name
+
+
+def test_an_adapter_on_tied_embeddings_is_refused_with_vllm(tmp_path, tokenizer, vllm):
+    """vLLM receives merged weights: with tie_word_embeddings one tensor cannot hold both an adapted head and the
+    input embeddings (groupwise.adapters.adapted_tied_embeddings); refused when the trainer is built, naming the fix."""
+    from peft import LoraConfig
+
+    from groupwise.config_base import ConfigError
+
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    folder = tmp_path / "tied"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(ConfigError, match=r"use_vllm with an adapter on the output head of a model whose input "
+                                          r"embeddings and output head are one tensor"):
+        GRPOTrainer(str(folder), [_length], args=small_args(tmp_path, use_vllm=True), train_dataset=toy.dataset(12),
+                    peft_config=lora)

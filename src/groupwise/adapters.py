@@ -158,6 +158,30 @@ def _wait_for_device() -> None:
         torch.cuda.synchronize()
 
 
+def adapted_tied_embeddings(model) -> str | None:
+    """A PeftModel over a model whose input embeddings and output head are one tensor (tie_word_embeddings), with an
+    adapter on either (LoRA on it, or modules_to_save): "input embeddings" or "output head", else None. Such a policy
+    trains and samples correctly as a PeftModel, but merged (vLLM's weights, `export --merge`) the one tensor cannot
+    hold both: the pushed embeddings carry the head's update, or vLLM (which skips lm_head.* for tied models) samples
+    with the embeddings as its head. PEFT's ensure_weight_tying keeps them one adapter: None then."""
+    if not is_peft_model(model):
+        return None
+    base = model.get_base_model()
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if not (getattr(config, "tie_word_embeddings", False) or getattr(base.config, "tie_word_embeddings", False)):
+        return None
+    if any(getattr(c, "ensure_weight_tying", False) for c in model.peft_config.values()):
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    for where, module in (("input embeddings", base.get_input_embeddings()),
+                          ("output head", base.get_output_embeddings())):
+        if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper)):
+            return where
+    return None
+
+
 def _starts_as_identity(model) -> bool:
     """Do the adapters start as the identity (LoRA's B = 0; IA3's ones), so that the base model without them is the
     initial policy? Not for init_lora_weights=False (random B) or the initialisations that rewrite the base weights
@@ -324,7 +348,13 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
                               "give it with --base PATH")
         check_location(base, "--base")
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code)
-        model = peft.PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+        model = peft.PeftModel.from_pretrained(model, str(folder))
+        if where := adapted_tied_embeddings(model):
+            raise ConfigError(f"export: {checkpoint}'s adapter changes the {where} of a model whose input embeddings "
+                              "and output head are one tensor (tie_word_embeddings): merged, the model could not keep "
+                              "both as trained. Use the checkpoint as an adapter (PeftModel.from_pretrained), or "
+                              "train with LoraConfig(ensure_weight_tying=True)")
+        model = model.merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     model.save_pretrained(out, safe_serialization=True)

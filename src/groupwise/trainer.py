@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise import rollout as R
-from groupwise.adapters import Reference, is_peft_model, peft_config_from_args, wrap
+from groupwise.adapters import Reference, adapted_tied_embeddings, is_peft_model, peft_config_from_args, wrap
 from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, epoch_flow, step_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
@@ -140,6 +140,12 @@ class GRPOTrainer(TransformersHabits):
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
             if args.disable_dropout:  # the adapters' own dropout too (lora_dropout)
                 disable_dropout(policy)
+        if args.use_vllm and (where := adapted_tied_embeddings(policy)):
+            raise ConfigError(f"use_vllm with an adapter on the {where} of a model whose input embeddings and output "
+                              "head are one tensor (tie_word_embeddings): vLLM receives merged weights, which cannot "
+                              "hold both as trained (it would sample from another policy). Leave lm_head / "
+                              "embed_tokens out of target_modules and modules_to_save, set "
+                              "LoraConfig(ensure_weight_tying=True), or sample with generation_backend='fast'")
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
         # environments' get_reward (TRL) and get_step_rewards (groupwise) are reward and step-reward sources too
         env_rewards, env_steps = (self.toolbox.reward_sources, self.toolbox.process_sources) if self.toolbox else ([], [])
