@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from groupwise import GRPOConfig
+from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config_base import ConfigError
 from groupwise.tasks import toy
-from tests.conftest import training_lines
+from tests.conftest import small_args, training_lines
 from tests.training_fields_support import _trainer
 
 
@@ -52,6 +52,17 @@ def test_optimizers_argument_is_the_optimizer_and_schedule_that_step(tmp_path, t
     other = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="optimizers\\[0\\] holds parameters that are not the model's"):
         _trainer(tmp_path, tokenizer, optimizers=(torch.optim.SGD(other.parameters(), lr=1.0), None))
+    # built over the model before peft_config wraps it: every base weight frozen, no adapter in it — 2 "steps"
+    # moved nothing (TRL too, silently)
+    from peft import LoraConfig
+
+    fresh = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    with pytest.raises(ConfigError, match=r"optimizers\[0\] leaves out 4 trainable parameters \(.*lora_A.*\), which "
+                                          r"would never train"):
+        GRPOTrainer(fresh, [lambda completions, **_: [0.0] * len(completions)], args=small_args(tmp_path),
+                    train_dataset=toy.dataset(12), processing_class=tokenizer,
+                    optimizers=(torch.optim.SGD(fresh.parameters(), lr=1.0), None),
+                    peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
 
     class Warmup:  # a schedule object whose state holds a function: its checkpoint would fail at the first save
         def __init__(self):

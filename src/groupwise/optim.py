@@ -266,6 +266,12 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
         if not given <= {id(p) for p in policy.parameters()}:
             raise ConfigError("optimizers[0] holds parameters that are not the model's: build it over "
                               "model.parameters() of the model passed to GRPOTrainer")
+        left_out = [n for n, p in policy.named_parameters() if p.requires_grad and id(p) not in given]
+        if left_out:  # e.g. built before peft_config wrapped the model: the adapters would never move
+            raise ConfigError(f"optimizers[0] leaves out {len(left_out)} trainable parameters ({', '.join(left_out[:3])}"
+                              f"{' …' if len(left_out) > 3 else ''}), which would never train: build it over the "
+                              "trainable parameters of the model as trained (with peft_config, after get_peft_model: "
+                              "pass the PeftModel and its parameters), or let optim build it")
         if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
             from groupwise.checkpoint import check_json_state
 
