@@ -219,3 +219,15 @@ def test_an_adapter_on_tied_embeddings_is_refused_with_vllm_and_export(tmp_path,
     with pytest.raises(ConfigError, match=r"export: .*adapter changes the (input embeddings|output head) of a model "
                                           r"whose input embeddings and output head are one tensor"):
         export_merged(str(tmp_path / "adapter"), str(tmp_path / "out"), base=str(tmp_path / "base"))
+
+
+def test_lora_fields_without_use_peft_warn_that_they_have_no_effect():
+    """lora_r=64, use_dora=True without use_peft trained the full model with no word (TRL ignores them too)."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"lora_r=64, use_dora=True: no effect without use_peft=True"):
+        GRPOConfig(lora_r=64, use_dora=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(use_peft=True, lora_r=64, use_dora=True)
+        GRPOConfig()

@@ -42,6 +42,9 @@ OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", 
 
 # fields only the adaptive entropy control reads (use_adaptive_entropy)
 ADAPTIVE_ENTROPY_FIELDS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+# TRL's ModelConfig LoRA fields: read only with use_peft (groupwise.adapters.peft_config_from_args)
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+               "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
 
 # GRPOConfig fields an advantage estimator may take, by the estimator's option name (groupwise.core.advantages)
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
@@ -319,6 +322,12 @@ class GRPOConfig(StrictConfig):
             warnings.warn(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
                           f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
                           "alike)", UserWarning, stacklevel=3)
+        if not self.use_peft:  # TRL ignores them silently: a config that meant LoRA would train the full model
+            changed = [name for name in LORA_FIELDS if getattr(self, name) != _default(name)]
+            if changed:
+                warnings.warn(f"{', '.join(f'{n}={getattr(self, n)!r}' for n in changed)}: no effect without "
+                              "use_peft=True (the full model trains, or peft_config's adapter): set use_peft=True to "
+                              "train LoRA adapters with them, or remove them", UserWarning, stacklevel=3)
         loss_type = LOSS_TYPES[self.loss_type]  # TRL's two warnings on the importance-sampling level
         if loss_type.paper_level is not None and self.importance_sampling_level != loss_type.paper_level:
             warnings.warn(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="
