@@ -361,3 +361,28 @@ def test_an_adapter_folder_as_model_name_or_path_is_one_line_exit_2(tmp_path, mo
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "holds a PEFT adapter" in err and "from_pretrained('org/base')" in err
     assert not fake
+
+
+def test_cli_review_fixes(tmp_path, model_dir, capsys, fake):
+    """From the CLI review: `dataset_name: builtin:toy` (listed in the README) was refused because dataset_split takes
+    dataset_train_split's default 'train'; a mistyped reward name was looked up on the hub after the policy loaded
+    (a traceback, exit 1), where `trl grpo` names its registry; with reward_model_name_or_path the reward_funcs
+    index in errors was one too high; a quoted YAML boolean word ("yes", "1") was refused where TRL's parser reads
+    it; trainer.log() with a numpy scalar crashed writing metrics.jsonl."""
+    import numpy as np
+
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name="builtin:toy")]) == 0
+    assert len(fake[-1].kwargs["train_dataset"]) == len(toy.dataset())
+    assert main(["train", _cfg(tmp_path, model_dir, reward_funcs=["accuracy_rewrd"])]) == 2
+    assert "reward_funcs[0]='accuracy_rewrd' is not one of `trl grpo`'s reward functions" in capsys.readouterr().err
+    assert main(["train", _cfg(tmp_path, model_dir, reward_model_name_or_path=model_dir,
+                               reward_funcs=["nosuch.mod:fn"])]) == 2
+    assert "reward_funcs[0]='nosuch.mod:fn'" in capsys.readouterr().err
+    c = GRPOConfig(**yaml.safe_load('log_completions: "yes"\nuse_peft: "1"\nbf16: "no"'))
+    assert (c.log_completions, c.use_peft, c.bf16) == (True, True, False)
+    from groupwise.logging import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path / "m"), [], enabled=True, config={}, model=None)
+    logger.log(1, {"custom": np.float32(0.5), "n": np.int64(3)})
+    logger.close(False)
+    assert '"custom": 0.5, "n": 3' in (tmp_path / "m" / "metrics.jsonl").read_text()

@@ -17,7 +17,8 @@ import yaml
 
 from groupwise.checkpoint import CheckpointError, claim_output_dir, resume_folder
 from groupwise.config import ConfigError, GRPOConfig, load_yaml
-from groupwise.config_base import check_location, check_model_location, read_yaml, reject_unknown
+from groupwise.config_base import (FALSE_WORDS, TRUE_WORDS, check_location, check_model_location, read_yaml,
+                                   reject_unknown)
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.quantization import QUANTIZATION, QUANTIZATION_FIELDS, from_script_fields
@@ -37,7 +38,6 @@ t/f, y/n, 1/0): --field value, --field=value, --flag (true), --no_flag (false), 
 Exit codes: 0 done, 2 a configuration or input error, 1 the run stopped on an error."""
 
 # transformers' string_to_bool (HfArgumentParser's reading of a boolean field), case-insensitive
-TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
 
 
 def field_types() -> dict[str, str]:
@@ -201,8 +201,9 @@ def cmd_train(argv: list[str]) -> int:
     if os.getcwd() not in sys.path:  # reward modules of the working directory import, as in TRL (and `python -m`)
         sys.path.insert(0, os.getcwd())
     specs = reward_specs(run)
+    shift = 1 if run["reward_model_name_or_path"] else 0  # the reward model comes first among the specs
     for i, spec in enumerate(specs):
-        where = "reward_model_name_or_path" if i == 0 and run["reward_model_name_or_path"] else f"reward_funcs[{i}]"
+        where = "reward_model_name_or_path" if i < shift else f"reward_funcs[{i - shift}]"
         resolve_spec(spec, where)
     for i, spec in enumerate(run["process_reward_funcs"] or []):
         resolve_process_spec(spec, f"process_reward_funcs[{i}]")

@@ -230,6 +230,8 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 
 _SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+# transformers' string_to_bool words, as TRL's parser reads booleans (command line, and a config's values)
+TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
 
 
 def coerce(name: str, annotation: str, value: Any) -> Any:
@@ -243,8 +245,10 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
         if "None" in allowed:
             return None
         raise ConfigError(f"{name} must not be None")
-    if "bool" in allowed and text in ("true", "false"):
-        return text == "true"  # 'True' from a quoted YAML value or a script's argument parser
+    if "bool" in allowed and text in (("true", "false") if "str" in allowed else TRUE_WORDS + FALSE_WORDS):
+        # 'True' from a quoted YAML value or a script's argument parser; a field that takes only a boolean also
+        # reads transformers' string_to_bool words ("yes", "1", "y", …), as TRL's parser reads a config's values
+        return text in TRUE_WORDS
     for a in allowed:
         t = _SCALARS.get(a)
         if t is bool and isinstance(value, bool):

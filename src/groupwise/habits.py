@@ -82,8 +82,9 @@ class TransformersHabits:
                     token: str | None = None, revision: str | None = None, private: bool | None = None,
                     **card) -> str | None:
         """Save the model to output_dir with a model card (README.md, from TRL's / transformers' card keywords:
-        model_name, dataset_name, tags, …) and upload it (model, tokenizer, config, card; not the checkpoints or
-        logs) to hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads
+        model_name, dataset_name, tags, …) and upload it (model, tokenizer, config, card, and the `completions/`
+        parquet tables of log_completions, as TRL; not the checkpoints, metrics.jsonl / completions.jsonl or the
+        tensorboard `runs/`) to hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads
         are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
         check_card(card)  # on every process, before anything is written
         out = self.args.output_dir

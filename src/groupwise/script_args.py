@@ -12,6 +12,7 @@ are dataset_name's dataset_test_split (or the test_split_size share of the mixtu
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 import warnings
@@ -118,9 +119,15 @@ def reward_specs(run: dict[str, Any]) -> list:
     """reward_model_name_or_path (first, as TRL), then reward_funcs, where a name of `trl grpo`'s reward registry
     is groupwise's function of that name (not a hub id)."""
     specs = [run["reward_model_name_or_path"]] if run["reward_model_name_or_path"] else []
-    for spec in run["reward_funcs"] or []:
-        if isinstance(spec, str) and spec in TRL_REWARDS and not Path(spec).exists():
-            spec = TRL_REWARDS[spec]
+    for i, spec in enumerate(run["reward_funcs"] or []):
+        if isinstance(spec, str) and not Path(spec).exists():
+            if spec in TRL_REWARDS:
+                spec = TRL_REWARDS[spec]
+            elif not any(c in spec for c in "/.:"):  # not a hub id (org/name), a module path or a file: a typo
+                close = difflib.get_close_matches(spec, sorted(TRL_REWARDS), n=1)
+                raise ConfigError(f"reward_funcs[{i}]={spec!r} is not one of `trl grpo`'s reward functions "
+                                  f"{sorted(TRL_REWARDS)}{f' (did you mean {close[0]!r}?)' if close else ''}, a "
+                                  "'package.module:function' path or a reward model (a folder or an org/name hub id)")
         specs.append(spec)
     return specs
 
@@ -159,7 +166,7 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
     task = builtin_task(name)
     if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
         if "split" not in inspect.signature(task.dataset).parameters:
-            if split is not None:
+            if split not in (None, "train"):  # 'train': dataset_train_split's default, its one split
                 raise ConfigError(f"{name!r} has no train/test split: leave dataset_split / eval_split unset "
                                   "(its rows are the same either way)")
             return task.dataset()
