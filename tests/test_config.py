@@ -50,8 +50,12 @@ def test_trl_spellings_and_coercion():
     c = GRPOConfig(resume_from_checkpoint="True", bf16=" false", scale_rewards="TRUE")
     assert c.resume_from_checkpoint is True and c.bf16 is False and c.scale_rewards == "group"
     assert GRPOConfig(resume_from_checkpoint="out/checkpoint-5").resume_from_checkpoint == "out/checkpoint-5"
-    with pytest.raises(ConfigError, match="bf16='yes' must be of type bool"):
-        GRPOConfig(bf16="yes")
+    # a boolean-only field reads transformers' string_to_bool words too, as TRL's parser reads a config's values;
+    # a field that also takes text keeps them as text (a folder named "yes")
+    assert GRPOConfig(bf16="yes").bf16 is True and GRPOConfig(bf16="0").bf16 is False
+    assert GRPOConfig(resume_from_checkpoint="yes").resume_from_checkpoint == "yes"
+    with pytest.raises(ConfigError, match="bf16='maybe' must be of type bool"):
+        GRPOConfig(bf16="maybe")
     # report_to: None is no tracker, 'all' every installed one (transformers)
     from groupwise.logging import installed_trackers
 
