@@ -383,6 +383,10 @@ def test_cli_review_fixes(tmp_path, model_dir, capsys, fake):
     from groupwise.logging import MetricsLogger
 
     logger = MetricsLogger(str(tmp_path / "m"), [], enabled=True, config={}, model=None)
-    logger.log(1, {"custom": np.float32(0.5), "n": np.int64(3)})
+    logger.log(1, {"custom": np.float32(0.5), "n": np.int64(3), "t": torch.tensor(0.25),
+                   "inf": torch.tensor(float("inf"))})
     logger.close(False)
-    assert '"custom": 0.5, "n": 3' in (tmp_path / "m" / "metrics.jsonl").read_text()
+    assert '"custom": 0.5, "n": 3, "t": 0.25, "inf": null' in (tmp_path / "m" / "metrics.jsonl").read_text()
+    from groupwise.script_args import reward_specs  # a bare name far from the registry stays a hub id ("gpt2")
+
+    assert reward_specs({"reward_model_name_or_path": None, "reward_funcs": ["gpt2"]}) == ["gpt2"]

@@ -210,6 +210,17 @@ def test_an_adapter_on_tied_embeddings_is_refused_with_vllm_and_export(tmp_path,
     wrapped = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **adapter))
     assert adapted_tied_embeddings(wrapped) in ("input embeddings", "output head")
     assert adapted_tied_embeddings(get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32), _lora())) is None
+
+    def tied_peft(**kw):
+        m = toy.build_model(tokenizer, seed=0, hidden_size=32)
+        m.config.tie_word_embeddings = True
+        m.lm_head.weight = m.model.embed_tokens.weight
+        return get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, ensure_weight_tying=True, **kw))
+
+    # ensure_weight_tying keeps modules_to_save copies one tensor (merges right); LoRA on both tied modules merges
+    # its update into the shared tensor twice (measured 2.0 × the update): still refused
+    assert adapted_tied_embeddings(tied_peft(target_modules=["q_proj"], modules_to_save=["lm_head"])) is None
+    assert adapted_tied_embeddings(tied_peft(target_modules=["q_proj", "lm_head"])) is not None
     wrapped.save_pretrained(tmp_path / "adapter")
     tokenizer.save_pretrained(tmp_path / "adapter")
     base = toy.build_model(tokenizer, seed=0, hidden_size=32)

@@ -159,37 +159,48 @@ def _wait_for_device() -> None:
 
 
 def adapted_tied_embeddings(model) -> str | None:
-    """A PeftModel over a model whose input embeddings and output head are one tensor (tie_word_embeddings), with an
-    adapter on either (LoRA on it, or modules_to_save): "input embeddings" or "output head", else None. Such a policy
-    trains and samples correctly as a PeftModel, but merged (vLLM's weights, `export --merge`) the one tensor cannot
-    hold both: the pushed embeddings carry the head's update, or vLLM (which skips lm_head.* for tied models) samples
-    with the embeddings as its head. PEFT's ensure_weight_tying keeps them one adapter: None then."""
+    """A PeftModel over a model whose input embeddings and output head are one tensor, with an adapter on either:
+    "input embeddings" or "output head", else None. Such a policy trains and samples correctly as a PeftModel, but
+    merged (vLLM's weights, `export --merge`) the one tensor cannot hold both: the pushed embeddings carry the
+    head's update, or vLLM (which skips lm_head.* for tied models) samples with the embeddings as its head; LoRA on
+    both, tied by ensure_weight_tying, merges its update into the shared tensor twice. Only modules_to_save copies
+    that ensure_weight_tying keeps one tensor pass (None)."""
     if not is_peft_model(model):
-        return None
-    base = model.get_base_model()
-    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    if not (getattr(config, "tie_word_embeddings", False) or getattr(base.config, "tie_word_embeddings", False)):
-        return None
-    if any(getattr(c, "ensure_weight_tying", False) for c in model.peft_config.values()):
         return None
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    for where, module in (("input embeddings", base.get_input_embeddings()),
-                          ("output head", base.get_output_embeddings())):
-        if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper)):
+    def plain(module):  # the module PEFT wrapped, or the module itself
+        if isinstance(module, ModulesToSaveWrapper):
+            return module.original_module
+        return module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+
+    base = model.get_base_model()
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if embed is None or head is None or plain(embed).weight is not plain(head).weight:
+        return None  # not tied (whatever the config says)
+    copies_tied = any(getattr(c, "ensure_weight_tying", False) for c in model.peft_config.values())
+    for where, module in (("input embeddings", embed), ("output head", head)):
+        if isinstance(module, BaseTunerLayer) or (isinstance(module, ModulesToSaveWrapper) and not copies_tied):
             return where
     return None
 
 
 def _starts_as_identity(model) -> bool:
-    """Do the adapters start as the identity (LoRA's B = 0; IA3's ones), so that the base model without them is the
-    initial policy? Not for init_lora_weights=False (random B) or the initialisations that rewrite the base weights
-    (PiSSA, OLoRA, LoftQ, CorDA, EVA): their base alone is not π_θ0."""
+    """Do the adapters start as the identity (LoRA's B = 0, IA3's ones, LoHa / LoKr's zero factor), so that the base
+    model without them is the initial policy? Not for init_lora_weights=False (random B), the initialisations that
+    rewrite the base weights (PiSSA, OLoRA, LoftQ, CorDA, EVA), or a method not known here: those take the initial
+    tensors' swap, which is exact for any adapter."""
     for config in model.peft_config.values():
-        init = next((getattr(config, k) for k in ("init_lora_weights", "init_weights", "init_ia3_weights")
-                     if hasattr(config, k)), True)
-        if init not in (True, "gaussian"):
+        if hasattr(config, "init_lora_weights"):  # LoRA and AdaLoRA: B = 0 for True / "gaussian"
+            identity = config.init_lora_weights in (True, "gaussian")
+        elif hasattr(config, "init_ia3_weights"):
+            identity = config.init_ia3_weights is True
+        elif str(getattr(config, "peft_type", "")).split(".")[-1] in ("LOHA", "LOKR"):
+            identity = getattr(config, "init_weights", None) is True
+        else:
+            identity = False
+        if not identity:
             return False
     return True
 
@@ -352,8 +363,9 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         if where := adapted_tied_embeddings(model):
             raise ConfigError(f"export: {checkpoint}'s adapter changes the {where} of a model whose input embeddings "
                               "and output head are one tensor (tie_word_embeddings): merged, the model could not keep "
-                              "both as trained. Use the checkpoint as an adapter (PeftModel.from_pretrained), or "
-                              "train with LoraConfig(ensure_weight_tying=True)")
+                              "both as trained. Use the checkpoint as an adapter (PeftModel.from_pretrained), or train "
+                              "without LoRA on embed_tokens / lm_head (modules_to_save with "
+                              "LoraConfig(ensure_weight_tying=True) merges correctly)")
         model = model.merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code)

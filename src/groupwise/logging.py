@@ -316,7 +316,7 @@ class MetricsLogger:
 
 def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null
     def clean(v):
-        if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 and getattr(v, "size", 1) == 1:
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
             v = v.item()  # a numpy or torch scalar (trainer.log({"x": np.float32(0.5)})), as its Python number
         if isinstance(v, float) and not math.isfinite(v):
             return None

@@ -123,10 +123,11 @@ def reward_specs(run: dict[str, Any]) -> list:
         if isinstance(spec, str) and not Path(spec).exists():
             if spec in TRL_REWARDS:
                 spec = TRL_REWARDS[spec]
-            elif not any(c in spec for c in "/.:"):  # not a hub id (org/name), a module path or a file: a typo
-                close = difflib.get_close_matches(spec, sorted(TRL_REWARDS), n=1)
+            elif not any(c in spec for c in "/.:") and (close := difflib.get_close_matches(spec, sorted(TRL_REWARDS),
+                                                                                           n=1)):
+                # a near miss of a registry name (accuracy_rewrd), not a bare hub id: named before anything loads
                 raise ConfigError(f"reward_funcs[{i}]={spec!r} is not one of `trl grpo`'s reward functions "
-                                  f"{sorted(TRL_REWARDS)}{f' (did you mean {close[0]!r}?)' if close else ''}, a "
+                                  f"{sorted(TRL_REWARDS)} (did you mean {close[0]!r}?), a "
                                   "'package.module:function' path or a reward model (a folder or an org/name hub id)")
         specs.append(spec)
     return specs

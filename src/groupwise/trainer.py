@@ -144,8 +144,8 @@ class GRPOTrainer(TransformersHabits):
             raise ConfigError(f"use_vllm with an adapter on the {where} of a model whose input embeddings and output "
                               "head are one tensor (tie_word_embeddings): vLLM receives merged weights, which cannot "
                               "hold both as trained (it would sample from another policy). Leave lm_head / "
-                              "embed_tokens out of target_modules and modules_to_save, set "
-                              "LoraConfig(ensure_weight_tying=True), or sample with generation_backend='fast'")
+                              "embed_tokens out of target_modules (and out of modules_to_save, or keep them there "
+                              "with LoraConfig(ensure_weight_tying=True)), or sample with generation_backend='fast'")
         self.reference = Reference.of(policy, self.dist.device) if args.beta != 0.0 else None
         # environments' get_reward (TRL) and get_step_rewards (groupwise) are reward and step-reward sources too
         env_rewards, env_steps = (self.toolbox.reward_sources, self.toolbox.process_sources) if self.toolbox else ([], [])
