@@ -1,6 +1,7 @@
 """What TRL / transformers users call on a trainer besides train() and evaluate(): save_model, push_to_hub,
-log_metrics, save_metrics, save_state, and the TrainOutput-like value train() returns. A mixin of GRPOTrainer: it
-reads the trainer's args, dist, state, tokenizer and models."""
+log_metrics, save_metrics, save_state, and the TrainOutput-like value train() returns; and transformers' flow after
+an optimizer step (the epoch's end, then log / evaluate / save as the control's flags say). A mixin of GRPOTrainer:
+it reads the trainer's args, dist, state, control, tokenizer and models."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from groupwise.callbacks import epoch_flow
 from groupwise.config_base import ConfigError
 from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
@@ -296,3 +298,59 @@ class TransformersHabits:
         if self.dist.is_main:
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
+
+    # ---- transformers' flow after an optimizer step (GRPOTrainer._after_step) ----------------------------------
+    def _agree(self) -> bool:
+        """Every process takes the stop flags any process's callbacks set (saves and evaluations are collective).
+        Returns whether a signal has arrived on any process."""
+        control = self.control
+        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_epoch_stop,
+                                             bool(self._signals)], device=self.dist.device)) > 0).tolist()
+        control.should_training_stop, control.should_epoch_stop, signalled = flags
+        return signalled
+
+    def _epoch_end(self, epoch_end: bool, done: int) -> tuple[bool, bool]:
+        """on_epoch_end, with the "epoch" strategies' flags (transformers' DefaultFlowCallback.on_epoch_end), when the
+        epoch ends: `epoch_end` (a pass over the prompts ended with this step), a callback's should_epoch_stop (at
+        the end of the generation round, so that a checkpoint never holds half a round the run then dropped), or
+        the end of training. Returns (fired, a new epoch begins)."""
+        control = self.control
+        at_round_end = done == self.steps_per_round
+        cut = control.should_epoch_stop and at_round_end and not epoch_end and self.sampler.end_epoch()
+        if cut:
+            self._epochs_done += 1
+        elif control.should_epoch_stop and at_round_end and not epoch_end:
+            control.should_epoch_stop = False  # a stream's epoch cannot end early (it warned)
+        if not (epoch_end or cut or control.should_training_stop):
+            return False, False
+        log, evaluate, save = epoch_flow(self.args, self.state)
+        control.should_log |= log
+        control.should_evaluate |= evaluate
+        control.should_save |= save
+        self._event("on_epoch_end")
+        self._agree()
+        return True, epoch_end or cut
+
+    def _log_evaluate_save(self, rollout, done: int, acted: set[str]) -> None:
+        """transformers' _maybe_log_save_evaluate: log, then evaluate, then save, each as the control's flag says when
+        it is reached (on_log may ask for or cancel the evaluation, on_evaluate the save), each at most once per step
+        (`acted`). Every process acts on the same flags: saves and evaluations are collective."""
+        args, control = self.args, self.control
+        if self.dist.any(control.should_log) and "log" not in acted:
+            acted.add("log")
+            self._log(rollout)
+        control.should_log = False
+        if self.dist.any(control.should_evaluate) and "evaluate" not in acted:
+            if self.eval_data is None:
+                raise ConfigError("a callback asked for an evaluation (control.should_evaluate) but the trainer has "
+                                  "no eval_dataset: pass one to GRPOTrainer")
+            acted.add("evaluate")
+            new_best = self._best.observe(self.state, self.evaluate())
+            if args.save_strategy == "best":  # transformers: saved exactly when the evaluation gives a new best
+                control.should_save = new_best
+        control.should_evaluate = False
+        if self.dist.any(control.should_save) and "save" not in acted:
+            acted.add("save")
+            self._save_round(rollout, done)
+        control.should_save = False
+        self._agree()  # on_log / on_evaluate / on_save may have asked to stop, on one process

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, adapted_tied_embeddings, is_peft_model, peft_config_from_args, wrap
 from groupwise.best import BestModel
-from groupwise.callbacks import CallbackHandler, epoch_flow, step_flow
+from groupwise.callbacks import CallbackHandler, step_flow
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
 from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
@@ -396,61 +396,6 @@ class GRPOTrainer(TransformersHabits):
                                               f"{self.global_step}{where}")
         if new_epoch and not last_step:
             self._event("on_epoch_begin")
-
-    def _agree(self) -> bool:
-        """Every process takes the stop flags any process's callbacks set (saves and evaluations are collective).
-        Returns whether a signal has arrived on any process."""
-        control = self.control
-        flags = (self.dist.sum(torch.tensor([float(control.should_training_stop), control.should_epoch_stop,
-                                             bool(self._signals)], device=self.dist.device)) > 0).tolist()
-        control.should_training_stop, control.should_epoch_stop, signalled = flags
-        return signalled
-
-    def _epoch_end(self, epoch_end: bool, done: int) -> tuple[bool, bool]:
-        """on_epoch_end, with the "epoch" strategies' flags (transformers' DefaultFlowCallback.on_epoch_end), when the
-        epoch ends: `epoch_end` (a pass over the prompts ended with this step), a callback's should_epoch_stop (at
-        the end of the generation round, so that a checkpoint never holds half a round the run then dropped), or
-        the end of training. Returns (fired, a new epoch begins)."""
-        control = self.control
-        at_round_end = done == self.steps_per_round
-        cut = control.should_epoch_stop and at_round_end and not epoch_end and self.sampler.end_epoch()
-        if cut:
-            self._epochs_done += 1
-        elif control.should_epoch_stop and at_round_end and not epoch_end:
-            control.should_epoch_stop = False  # a stream's epoch cannot end early (it warned)
-        if not (epoch_end or cut or control.should_training_stop):
-            return False, False
-        log, evaluate, save = epoch_flow(self.args, self.state)
-        control.should_log |= log
-        control.should_evaluate |= evaluate
-        control.should_save |= save
-        self._event("on_epoch_end")
-        self._agree()
-        return True, epoch_end or cut
-
-    def _log_evaluate_save(self, rollout: Rollout, done: int, acted: set[str]) -> None:
-        """transformers' _maybe_log_save_evaluate: log, then evaluate, then save, each as the control's flag says when
-        it is reached (on_log may ask for or cancel the evaluation, on_evaluate the save), each at most once per step
-        (`acted`). Every process acts on the same flags: saves and evaluations are collective."""
-        args, control = self.args, self.control
-        if self.dist.any(control.should_log) and "log" not in acted:
-            acted.add("log")
-            self._log(rollout)
-        control.should_log = False
-        if self.dist.any(control.should_evaluate) and "evaluate" not in acted:
-            if self.eval_data is None:
-                raise ConfigError("a callback asked for an evaluation (control.should_evaluate) but the trainer has "
-                                  "no eval_dataset: pass one to GRPOTrainer")
-            acted.add("evaluate")
-            new_best = self._best.observe(self.state, self.evaluate())
-            if args.save_strategy == "best":  # transformers: saved exactly when the evaluation gives a new best
-                control.should_save = new_best
-        control.should_evaluate = False
-        if self.dist.any(control.should_save) and "save" not in acted:
-            acted.add("save")
-            self._save_round(rollout, done)
-        control.should_save = False
-        self._agree()  # on_log / on_evaluate / on_save may have asked to stop, on one process
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
