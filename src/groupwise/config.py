@@ -40,11 +40,13 @@ __all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "loa
 OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
-# fields only the adaptive entropy control reads (use_adaptive_entropy)
-ADAPTIVE_ENTROPY_FIELDS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
-# TRL's ModelConfig LoRA fields: read only with use_peft (groupwise.adapters.peft_config_from_args)
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-               "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+# fields read only when their switch is on: switch → (fields, a value off the default is an error (True) or a
+# warning (False: TRL's ModelConfig LoRA fields, which TRL configs carry either way; groupwise.adapters)
+SWITCHED_FIELDS = {
+    "use_adaptive_entropy": (("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"), True),
+    "sync_ref_model": (("ref_model_mixup_alpha", "ref_model_sync_steps"), True),
+    "use_peft": (("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+                  "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"), False)}
 
 # GRPOConfig fields an advantage estimator may take, by the estimator's option name (groupwise.core.advantages)
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
@@ -322,12 +324,15 @@ class GRPOConfig(StrictConfig):
             warnings.warn(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
                           f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
                           "alike)", UserWarning, stacklevel=3)
-        if not self.use_peft:  # TRL ignores them silently: a config that meant LoRA would train the full model
-            changed = [name for name in LORA_FIELDS if getattr(self, name) != _default(name)]
+        for switch, (fields, refused) in SWITCHED_FIELDS.items():  # TRL ignores them silently
+            changed = [] if getattr(self, switch) else [n for n in fields if getattr(self, n) != _default(n)]
             if changed:
-                warnings.warn(f"{', '.join(f'{n}={getattr(self, n)!r}' for n in changed)}: no effect without "
-                              "use_peft=True (the full model trains, or peft_config's adapter): set use_peft=True to "
-                              "train LoRA adapters with them, or remove them", UserWarning, stacklevel=3)
+                names = ", ".join(f"{n}={getattr(self, n)!r}" for n in changed)
+                if refused:
+                    raise ConfigError(f"{names} has no effect without {switch}=True: remove it, or set {switch}=True")
+                warnings.warn(f"{names}: no effect without {switch}=True (the full model trains, or peft_config's "
+                              f"adapter): set {switch}=True to train LoRA adapters with them, or remove them",
+                              UserWarning, stacklevel=3)
         loss_type = LOSS_TYPES[self.loss_type]  # TRL's two warnings on the importance-sampling level
         if loss_type.paper_level is not None and self.importance_sampling_level != loss_type.paper_level:
             warnings.warn(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="
@@ -338,12 +343,7 @@ class GRPOConfig(StrictConfig):
                           "per-token terms, so each sequence weighs by its length instead of the per-sequence "
                           "objective of GSPO; set loss_type='grpo' for GSPO's setup (TRL warns alike)", UserWarning,
                           stacklevel=3)
-        if not self.use_adaptive_entropy:
-            for name in ADAPTIVE_ENTROPY_FIELDS:
-                if getattr(self, name) != _default(name):
-                    raise ConfigError(f"{name}={getattr(self, name)!r} has no effect without use_adaptive_entropy="
-                                      f"True: remove it, or set use_adaptive_entropy=True")
-        elif self.entropy_coef_min > self.entropy_coef_max:
+        if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
             raise ConfigError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
                               f"({self.entropy_coef_max})")
         if objective == "cispo" and self.epsilon_high is None:
@@ -425,10 +425,6 @@ class GRPOConfig(StrictConfig):
             raise ConfigError(f"delta must be > 1 + epsilon_high = {1 + eps_high}, got {self.delta}")
         if self.sync_ref_model and self.beta == 0:
             raise ConfigError("sync_ref_model=True needs beta > 0: with beta = 0 there is no reference model to sync")
-        for name in ("ref_model_mixup_alpha", "ref_model_sync_steps"):  # as the adaptive-entropy fields
-            if not self.sync_ref_model and getattr(self, name) != _default(name):
-                raise ConfigError(f"{name}={getattr(self, name)!r} has no effect without sync_ref_model=True: remove "
-                                  "it, or set sync_ref_model=True")
         if self.max_steps <= 0 and self.num_train_epochs == 0:  # transformers: max_steps ≤ 0 reads the epochs
             raise ConfigError("num_train_epochs=0 with max_steps ≤ 0: nothing to train; set num_train_epochs > 0 or "
                               "max_steps ≥ 1")

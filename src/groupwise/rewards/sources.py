@@ -321,7 +321,7 @@ class CallLogs:
     def __init__(self, extra: dict[str, Any] | None):
         self.extra = extra or {}
         self.columns: dict[str, list] = {}
-        self.metrics: list[tuple[tuple, dict]] = []
+        self.metrics: list[tuple[str, float]] = []
 
     def kwargs(self) -> dict[str, Any]:
         """`extra` with the two logging keywords pointing here."""
@@ -329,14 +329,14 @@ class CallLogs:
         if "log_extra" in out:
             out["log_extra"] = lambda column, values: self.columns.setdefault(column, []).extend(values)
         if "log_metric" in out:  # the value read at the call, so that a bad one fails inside the reward function
-            out["log_metric"] = lambda name, value: self.metrics.append(((name, float(value)), {}))
+            out["log_metric"] = lambda name, value: self.metrics.append((name, float(value)))
         return out
 
     def commit(self) -> None:
         for column, values in self.columns.items():
             self.extra["log_extra"](column, values)
-        for args, kwargs in self.metrics:
-            self.extra["log_metric"](*args, **kwargs)
+        for name, value in self.metrics:
+            self.extra["log_metric"](name, value)
 
     @classmethod
     def of_rows(cls, extra: dict[str, Any] | None, rows: list[CallLogs | None]) -> CallLogs:

@@ -94,7 +94,7 @@ class StepSplitter:
         self.mode, self.step_tag = mode, step_tag
         # the literal text that ends a step, kept in the decoded text even when it is a special token
         self.marker = step_tag if mode == "tag" else delimiter if mode == "delimiter" else None
-        self._special_marker: dict[tuple[int, int], frozenset[int]] = {}
+        self._kept: dict[tuple[int, int], frozenset[int]] = {}  # _kept_special's, per tokenizer
 
     @classmethod
     def from_config(cls, args) -> "StepSplitter":
@@ -162,31 +162,34 @@ class StepSplitter:
         """The token ids that must stay in the decoded text, once per tokenizer (and vocabulary): the step tag's; the
         delimiter's when one of them is special; in regex mode the special tokens whose text the pattern matches."""
         key = (id(tokenizer), len(tokenizer))
-        if key not in self._special_marker:
-            def dropped_by_decoding(i: int) -> bool:
-                return tokenizer.decode([i], skip_special_tokens=True) != tokenizer.decode([i], skip_special_tokens=False)
-
+        if key not in self._kept:
             if self.mode in ("tag", "delimiter"):
                 ids = set(tokenizer(self.marker, add_special_tokens=False)["input_ids"])
-                special = bool(ids & set(tokenizer.all_special_ids)) or any(dropped_by_decoding(i) for i in ids)
+                special = bool(ids & set(tokenizer.all_special_ids)) or any(_dropped(tokenizer, i) for i in ids)
                 kept = ids if self.mode == "tag" or special else set()
             elif self.mode == "regex":
-                special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-                kept = {i for i in special if dropped_by_decoding(i)
+                kept = {i for i in _special_ids(tokenizer) if _dropped(tokenizer, i)
                         and self.regex.search(tokenizer.decode([i], skip_special_tokens=False))}
             else:
                 kept = set()
-            self._special_marker[key] = frozenset(kept)
-        return self._special_marker[key]
+            self._kept[key] = frozenset(kept)
+        return self._kept[key]
 
     def _dropped_ids(self, ids: list[int], tokenizer) -> frozenset[int]:
         """The special tokens among `ids` that decoding with skip_special_tokens=True drops, except the ones the
         splitter reads (_kept_special: e.g. a step tag "<extra_0>"), which must stay in the text."""
-        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-        kept = self._kept_special(tokenizer)
-        return frozenset(i for i in (set(ids) & special) - kept
-                         if tokenizer.decode([i], skip_special_tokens=True)
-                         != tokenizer.decode([i], skip_special_tokens=False))
+        return frozenset(i for i in (set(ids) & _special_ids(tokenizer)) - self._kept_special(tokenizer)
+                         if _dropped(tokenizer, i))
+
+
+def _special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special and added tokens."""
+    return set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+
+
+def _dropped(tokenizer, i: int) -> bool:
+    """Does decoding with skip_special_tokens=True drop token `i`?"""
+    return tokenizer.decode([i], skip_special_tokens=True) != tokenizer.decode([i], skip_special_tokens=False)
 
 
 class _PrefixDecoder:
