@@ -105,10 +105,20 @@ def test_no_second_push_when_the_best_is_the_last_step(tmp_path, tokenizer, hub)
 # ---- 2. save_model() pushes, as transformers' --------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_users_save_model_pushes_and_internal_saves_do_not(tmp_path, tokenizer, hub):
+    from transformers import TrainerCallback
+
+    class Pushes(TrainerCallback):  # transformers fires on_push_begin before each upload (it was never fired)
+        steps: list = []
+
+        def on_push_begin(self, args, state, control, **kwargs):
+            self.steps.append((state.global_step, len(hub)))
+
     t = _trainer(tmp_path, tokenizer, max_steps=2, eval_strategy="no", metric_for_best_model=None, **HUB)
+    t.add_callback(Pushes)
     t.train()
     # the saves of steps 1 and 2 push once each (push_to_hub's own save_model is internal): the end is step 2's
     assert [u["message"] for u in hub] == ["groupwise: step 1", "groupwise: step 2"]
+    assert Pushes.steps == [(1, 0), (2, 1)]  # each before its upload
     t.save_model(str(tmp_path / "final"))
     assert len(hub) == 3 and hub[-1]["message"] == "Model save"  # transformers' commit message
     assert hub[-1]["folder"] == str(tmp_path / "out") and (tmp_path / "final" / "model.safetensors").exists()

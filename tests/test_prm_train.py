@@ -1,4 +1,5 @@
 import json
+import os
 import random
 
 import pytest
@@ -81,6 +82,20 @@ def test_a_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("groupwise: configuration error: model_name_or_path=") and "does not exist" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_config_flag_and_env_mapping_as_groupwise_train(tmp_path, model_dir, monkeypatch, capsys):
+    # `prm train --config FILE` was "unknown field 'config'", and a config's env: mapping "unknown field 'env'"
+    monkeypatch.delenv("GROUPWISE_PRM_TEST_VAR", raising=False)
+    missing = tmp_path / "steps.jsonl"
+    cfg = tmp_path / "prm.yaml"
+    cfg.write_text(f"model_name_or_path: {model_dir}\ntrain_file: {missing}\nenv:\n  GROUPWISE_PRM_TEST_VAR: 1e3\n")
+    assert main(["prm", "train", "--config", str(cfg), "--output_dir", str(tmp_path / "out")]) == 2
+    # the file was read (its train_file is the one named missing) and its env: set first, as written
+    assert f"train_file='{missing}' does not exist" in capsys.readouterr().err
+    assert os.environ["GROUPWISE_PRM_TEST_VAR"] == "1e3"
+    assert main(["prm", "train", str(cfg), "--config", str(cfg)]) == 2
+    assert "two configs" in capsys.readouterr().err
 
 
 def test_trl_stepwise_supervision_rows_are_read(tmp_path):
@@ -212,10 +227,10 @@ def test_the_example_s_step_file_is_read_by_prm_train(tmp_path):
 
 def test_prm_help_and_a_bare_prm_say_the_usage(capsys):
     assert main(["prm", "--help"]) == 0  # was an argparse error (exit 2)
-    assert "usage: groupwise prm train CONFIG.yaml" in capsys.readouterr().out
+    assert "usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml]" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["prm"])
-    assert e.value.code == 2 and "usage: groupwise prm train CONFIG.yaml" in capsys.readouterr().err
+    assert e.value.code == 2 and "usage: groupwise prm train [CONFIG.yaml" in capsys.readouterr().err
 
 
 def test_a_signal_stops_prm_training_with_the_prm_so_far_saved(tmp_path, model_dir):

@@ -146,6 +146,21 @@ def set_env(env: Any, config_path: str) -> None:
         os.environ[key] = getattr(value, "text", None) or str(value)  # 1e3 as written (config_base.YamlFloat)
 
 
+def read_config(argv: list[str], types: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`[CONFIG.yaml | --config CONFIG.yaml] [--field value …]` as TRL's parser reads it: the file's values (its
+    `env:` mapping set as environment variables first) and the command line's, each read by `types`."""
+    config_path = argv[0] if argv and not argv[0].startswith("--") else None
+    overrides = parse_overrides(argv[1:] if config_path else argv, types)
+    if "config" in overrides:  # TRL's spelling: trl grpo --config CONFIG.yaml
+        if config_path is not None:
+            raise ConfigError(f"two configs: {config_path!r} and --config {overrides['config']!r}; give one")
+        config_path = overrides.pop("config")
+    values = load_yaml(config_path) if config_path else {}
+    if "env" in values:  # set before anything reads the environment
+        set_env(values.pop("env"), config_path)
+    return values, overrides
+
+
 def build_run(values: dict[str, Any]):
     """Split a flat mapping into the run fields (checked, TRL's defaults filled in) and a GRPOConfig (validated before
     anything loads), whose model_init_kwargs gain model_revision / attn_implementation / dtype (TRL's grpo script)."""
@@ -167,15 +182,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     if argv and argv[0].startswith("builtin:"):  # a built-in task's demo: its shipped policy, data and rewards
         return run_builtin_demo(argv[0], parse_overrides(argv[1:]))
-    config_path = argv[0] if argv and not argv[0].startswith("--") else None
-    overrides = parse_overrides(argv[1:] if config_path else argv)
-    if "config" in overrides:  # TRL's spelling: trl grpo --config CONFIG.yaml
-        if config_path is not None:
-            raise ConfigError(f"two configs: {config_path!r} and --config {overrides['config']!r}; give one")
-        config_path = overrides.pop("config")
-    values = load_yaml(config_path) if config_path else {}
-    if "env" in values:  # set before anything reads the environment
-        set_env(values.pop("env"), config_path)
+    values, overrides = read_config(argv)
     for pair in ALIASES:  # one field's two names (dtype / torch_dtype): the command line wins over the file too
         if any(name in overrides for name in pair):
             values = {k: v for k, v in values.items() if k not in pair}
@@ -235,15 +242,13 @@ def cmd_prm_train(argv: list[str]) -> int:
     from groupwise.prm_train import PRMTrainConfig, train_prm
 
     if any(a in ("-h", "--help") for a in argv):  # the fields, as `groupwise fields` lists GRPOConfig's
-        print("usage: groupwise prm train [CONFIG.yaml] [--field value …]; fields (PRMTrainConfig):")
+        print("usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml] [--field value …]; the config's env: "
+              "mapping sets environment variables first (as in groupwise train); fields (PRMTrainConfig):")
         for name, help_text, default, _ in PRMTrainConfig.describe():
             print(f"{name:32s} {help_text} (default {default!r})")
         return 0
-    config_path = argv[0] if argv and not argv[0].startswith("--") else None
-    values = load_yaml(config_path) if config_path else {}
-    values.update(parse_overrides(argv[1:] if config_path else argv,
-                                  {f.name: str(f.type) for f in dataclasses.fields(PRMTrainConfig)}))
-    train_prm(PRMTrainConfig(**values))
+    values, overrides = read_config(argv, {f.name: str(f.type) for f in dataclasses.fields(PRMTrainConfig)})
+    train_prm(PRMTrainConfig(**{**values, **overrides}))
     return 0
 
 
@@ -304,7 +309,8 @@ def _main(argv: list[str]) -> int:
     if command == "train":
         return cmd_train(rest)
     if command == "prm":
-        usage = "usage: groupwise prm train CONFIG.yaml [--field value …] (groupwise prm train --help: the fields)"
+        usage = ("usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml] [--field value …] "
+                 "(groupwise prm train --help: the fields)")
         if rest and rest[0] in ("-h", "--help"):
             print(usage)
             return 0

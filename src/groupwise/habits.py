@@ -87,7 +87,9 @@ class TransformersHabits:
         model_name, dataset_name, tags, …) and upload it (model, tokenizer, config, card, and the `completions/`
         parquet tables of log_completions, as TRL; not the checkpoints, metrics.jsonl / completions.jsonl or the
         tensorboard `runs/`) to hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads
-        are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process."""
+        are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process.
+        Callbacks' `on_push_begin` fires first, as in transformers (also for the pushes of hub_strategy's saves)."""
+        self._event("on_push_begin")
         check_card(card)  # on every process, before anything is written
         out = self.args.output_dir
         self.save_model(out, _internal_call=True)
