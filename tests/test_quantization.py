@@ -96,7 +96,7 @@ def test_what_cannot_work_is_refused_before_the_weights_load(tmp_path, base_dir,
             check_quantization(small_args(tmp_path), "path", config, lora=True, sharded=True)
         check_quantization(small_args(tmp_path), "path", config, lora=True, sharded=False)
     check_quantization(small_args(tmp_path), "path", FOUR_BIT, lora=True, sharded=True)
-    with pytest.raises(ConfigError, match="with fsdp is supported in 4 bits only"):  # another quantizer
+    with pytest.raises(ConfigError, match="quant_method 'gptq' is not supported"):  # another quantizer, any fsdp
         check_quantization(small_args(tmp_path), "path", {"quant_method": "gptq", "bits": 4}, lora=True, sharded=True)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
@@ -142,3 +142,52 @@ def test_quantization_config_in_model_init_kwargs_is_checked_alike(tmp_path, bas
                     train_dataset=toy.dataset(4))
     with pytest.raises(ConfigError, match="bnb_4bit_quant_type='fp4' has no effect without load_in_4bit=True"):
         build_run({"model_name_or_path": "m", "load_in_8bit": True, "bnb_4bit_quant_type": "fp4"})
+
+
+def test_a_checkpoint_saved_in_4bit_is_checked_and_its_adapter_exports(tmp_path, base_dir, monkeypatch):
+    """A folder saved quantized (config.json holds its quantization_config; the hub's *-bnb-4bit models) loads in 4
+    bits without being asked. It skipped every check: without adapters the norms, embeddings and head trained and
+    the first save crashed (transformers cannot write 4-bit weights back); with generation_dtype a raw load error.
+    Now it is checked as quantization_config is, and `export --merge` of its adapter (which crashed writing the
+    merged model) merges into the dequantized base: the merged model computes what the adapter over the 4-bit base
+    computes."""
+    saved = tmp_path / "base-4bit"
+    AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=FOUR_BIT).save_pretrained(saved)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(saved)
+    with pytest.raises(ConfigError, match=r"saved quantized \(its config.json's quantization_config\): quantized "
+                                          r"weights cannot be trained; train adapters on them"):
+        _trainer(tmp_path, str(saved), quantization_config=None, peft_config=None)
+    with pytest.raises(ConfigError, match="saved quantized .* with generation_dtype is not supported yet"):
+        _trainer(tmp_path, str(saved), quantization_config=None, generation_dtype="bfloat16")
+    t = _trainer(tmp_path, str(saved), quantization_config=None, max_steps=2)
+    assert is_quantized(t.unwrapped)
+    t.train()
+    t.save_model(str(tmp_path / "adapter"))
+
+    from peft import PeftModel
+
+    from groupwise.cli import main
+
+    assert main(["export", str(tmp_path / "adapter"), "--merge", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not is_quantized(merged) and "quantization_config" not in merged.config.to_dict()
+    over_4bit = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(saved), str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():  # the 4-bit matmul dequantizes the same blocks: equal up to float32 rounding
+        torch.testing.assert_close(merged(input_ids=ids).logits, over_4bit(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_non_bitsandbytes_quantization_is_refused_naming_the_method(tmp_path, base_dir):
+    import json
+    import shutil
+
+    folder = tmp_path / "gptq"
+    shutil.copytree(base_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"quant_method 'gptq' is not supported; groupwise trains adapters on "
+                                          "bitsandbytes"):
+        _trainer(tmp_path, str(folder), quantization_config=None)

@@ -362,6 +362,15 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
     card = (tmp_path / "run" / "README.md").read_text()
     assert "- trl-lib/DeepMath-103K" in card and "- math" in card and "README.md" in _FakeHub.calls[-1][4]
     assert ("create_repo", "me/tiny-grpo", False) in _FakeHub.calls
+    # base_model is a hub id or nothing: a local folder (the policy loaded from disk) is left out, as TRL's card
+    # does (it was the folder's absolute path, which the hub's metadata check refuses)
+    t.unwrapped.config._name_or_path = str(tmp_path)
+    t.push_to_hub()
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "base_model" not in card and str(tmp_path) not in card
+    t.unwrapped.config._name_or_path = "Qwen/Qwen2.5-0.5B"
+    t.push_to_hub()
+    assert "base_model: Qwen/Qwen2.5-0.5B" in (tmp_path / "run" / "README.md").read_text()
     with pytest.raises(TypeError, match=r"unexpected arguments \['datset_name'\]"):
         t.push_to_hub(datset_name="x")
     logged = json.loads(training_lines(tmp_path / "run" / "metrics.jsonl")[0])

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from groupwise.config_base import ConfigError
+from groupwise.quantization import is_quantized
 
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
@@ -359,6 +360,9 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
                               "give it with --base PATH")
         check_location(base, "--base")
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code)
+        quantized = is_quantized(model)
+        if quantized:  # a base saved in 4 / 8 bits: merged into the weights it computes with, unquantized
+            model = model.dequantize()
         model = peft.PeftModel.from_pretrained(model, str(folder))
         if where := adapted_tied_embeddings(model):
             raise ConfigError(f"export: {checkpoint}'s adapter changes the {where} of a model whose input embeddings "
@@ -367,6 +371,10 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
                               "without LoRA on embed_tokens / lm_head (modules_to_save with "
                               "LoraConfig(ensure_weight_tying=True) merges correctly)")
         model = model.merge_and_unload()
+        if quantized:  # saved as a model built afresh: the loaded one would write its weights back as 4-bit ones
+            state, dtype = model.state_dict(), next(model.parameters()).dtype
+            model = AutoModelForCausalLM.from_config(model.config, dtype=dtype, trust_remote_code=trust_remote_code)
+            model.load_state_dict(state)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     model.save_pretrained(out, safe_serialization=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -94,6 +95,8 @@ class TransformersHabits:
         out = self.args.output_dir
         self.save_model(out, _internal_call=True)
         base = getattr(getattr(self.unwrapped, "config", None), "_name_or_path", None) or None
+        if base is not None and os.path.isdir(base):  # a local folder is no hub id: left out, as TRL's card does
+            base = None
         if self.dist.is_main:
             write_model_card(out, self.args, base, **card)
         self._pushed_at = self.global_step

@@ -29,8 +29,24 @@ QUANTIZATION = {name: default for name, (_, default, _) in QUANTIZATION_FIELDS.i
 
 
 def is_quantized(model) -> bool:
-    """A model loaded in 4 or 8 bits by bitsandbytes (a PeftModel answers for its base)."""
-    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+    """A model loaded in 4 or 8 bits by bitsandbytes, or quantized by any other transformers method (its
+    `hf_quantizer`; a PeftModel answers for its base)."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+                or getattr(model, "hf_quantizer", None) is not None)
+
+
+def saved_quantization(model: str, args: GRPOConfig) -> dict | None:
+    """The `quantization_config` a checkpoint's config.json holds (a model saved in 4 / 8 bits, e.g. the hub's
+    *-bnb-4bit models, which from_pretrained loads quantized without being asked), or None; read without the
+    weights. A folder or hub id that cannot be read is left to the loading, which names it."""
+    from transformers import PretrainedConfig
+
+    revision = (args.model_init_kwargs or {}).get("revision")
+    try:
+        config, _ = PretrainedConfig.get_config_dict(model, **({"revision": revision} if revision else {}))
+    except (OSError, ValueError):
+        return None
+    return config.get("quantization_config") or None
 
 
 def from_script_fields(values: dict[str, Any], dtype: str | None):
@@ -75,16 +91,32 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
         raise ConfigError("quantization_config is set both as a GRPOTrainer argument and in model_init_kwargs: "
                           "set it in one place, preferably as the trainer argument (TRL's rule)")
     quantization_config = quantization_config if quantization_config is not None else in_kwargs
-    quantized = quantization_config is not None or (not isinstance(model, str) and is_quantized(model))
+    saved = saved_quantization(model, args) if isinstance(model, str) and quantization_config is None else None
+    quantized = quantization_config is not None or saved is not None or (
+        not isinstance(model, str) and is_quantized(model))
     if not quantized:
         return
-    if quantization_config is not None:
-        _need_bitsandbytes("quantization_config")
-        if not isinstance(model, str):
-            raise ConfigError("quantization_config applies when the model is loaded from a path: the model passed is "
-                              "already loaded; pass its path, or load it with from_pretrained(…, "
-                              "quantization_config=…) yourself")
-    what = "quantization_config" if quantization_config is not None else "a model loaded in 4 / 8 bits"
+    if quantization_config is not None and not isinstance(model, str):
+        raise ConfigError("quantization_config applies when the model is loaded from a path: the model passed is "
+                          "already loaded; pass its path, or load it with from_pretrained(…, "
+                          "quantization_config=…) yourself")
+    what = ("quantization_config" if quantization_config is not None else
+            f"{model!r}, saved quantized (its config.json's quantization_config)" if saved is not None else
+            "a model loaded in 4 / 8 bits")
+    given = quantization_config if quantization_config is not None else saved
+    config = given.to_dict() if hasattr(given, "to_dict") else dict(given or {})
+    if given is not None:
+        method = config.get("quant_method", "bitsandbytes")
+    else:  # a model object: its transformers quantizer's method (bitsandbytes' flags alone: bitsandbytes)
+        quantizer_config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+        method = getattr(quantizer_config, "quant_method", "bitsandbytes")
+    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod enum
+    if method != "bitsandbytes":  # what the checks below and groupwise.sharding are written for
+        raise ConfigError(f"{what}: quant_method {method!r} is not supported; groupwise trains adapters on "
+                          "bitsandbytes 4 / 8-bit bases (QLoRA): load the unquantized model with load_in_4bit / "
+                          "quantization_config=BitsAndBytesConfig(…)")
+    if given is not None:
+        _need_bitsandbytes(what)
     if not lora:
         raise ConfigError(f"{what}: quantized weights cannot be trained; train adapters on them (QLoRA): pass "
                           "peft_config=LoraConfig(…) or set use_peft=True")
@@ -92,9 +124,7 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
                       (args.use_vllm, "use_vllm")):
         if on:
             raise ConfigError(f"{what} with {field} is not supported yet: drop {field}, or load the model unquantized")
-    config = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else quantization_config or {}
-    four_bit = config.get("load_in_4bit", False) and config.get("quant_method", "bitsandbytes") == "bitsandbytes" \
-        if quantization_config is not None else getattr(model, "is_loaded_in_4bit", False)
+    four_bit = config.get("load_in_4bit", False) if given is not None else getattr(model, "is_loaded_in_4bit", False)
     if sharded and not four_bit:  # only bitsandbytes' 4-bit weights are left out of the sharding (groupwise.sharding)
         raise ConfigError(f"{what} with fsdp is supported in 4 bits only (bitsandbytes' load_in_4bit, QLoRA; 8-bit "
                           "weights keep scales FSDP2 cannot gather): load the base with load_in_4bit, or drop fsdp")
