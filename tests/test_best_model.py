@@ -32,6 +32,10 @@ def _trainer(tmp_path, tokenizer, callbacks=None, **kw):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(load_best_model_at_end=True, eval_strategy="steps"), r"needs metric_for_best_model: .* no eval_loss"),
     (dict(load_best_model_at_end=True, metric_for_best_model="reward"), r"eval_strategy and save_strategy to match"),
+    # TRL's evaluation computes eval_loss; this one does not: named now (it was a KeyError after training steps)
+    (dict(metric_for_best_model="eval_loss"), r"metric_for_best_model='eval_loss': groupwise's evaluation reports "
+                                              r"no eval_loss"),
+    (dict(metric_for_best_model="loss"), r"metric_for_best_model='loss'"),
     (dict(load_best_model_at_end=True, metric_for_best_model="reward", eval_strategy="steps", eval_steps=3,
           save_steps=4), r"save_steps \(4\) to be a multiple of eval_steps \(3\)"),
 ])
@@ -42,7 +46,7 @@ def test_best_model_fields_are_checked_as_transformers_checks_them(kwargs, match
 
 def test_greater_is_better_defaults_from_the_metrics_name():
     assert GRPOConfig(metric_for_best_model="reward").greater_is_better is True
-    assert GRPOConfig(metric_for_best_model="eval_loss").greater_is_better is False
+    assert GRPOConfig(metric_for_best_model="eval_judge_loss").greater_is_better is False  # a log_metric name
     assert GRPOConfig(metric_for_best_model="reward", greater_is_better=False).greater_is_better is False
 
 

@@ -161,6 +161,19 @@ def test_mean_and_pass_at_k_hand_worked(tmp_path, tokenizer):
     assert out["eval_reward"] == pytest.approx(1.0)
 
 
+def test_an_iterable_eval_dataset_is_named_here_and_in_evaluate(tmp_path, tokenizer):
+    """The constructor refused a stream; evaluate(eval_dataset=stream) failed with "object of type
+    'IterableDataset' has no len()"."""
+    from datasets import Dataset
+
+    stream = Dataset.from_list(toy.dataset(3)).to_iterable_dataset()
+    message = r"eval_dataset must be a datasets.Dataset or a list of dicts .* Dataset.from_list\(list\(stream\)\)"
+    with pytest.raises(ConfigError, match=message):
+        _trainer(tmp_path, tokenizer, eval_data=stream)
+    with pytest.raises(ConfigError, match=message):
+        _trainer(tmp_path, tokenizer).evaluate(eval_dataset=stream)
+
+
 # ---- evaluation leaves training alone ---------------------------------------------------------------------------------
 def test_sampled_evaluation_leaves_rng_sampler_mode_and_weights_untouched(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(3), num_generations_eval=2, disable_dropout=False)
@@ -193,8 +206,22 @@ def _worker(out: str) -> None:
     greedy = trainer.evaluate()
     trainer.args.num_generations_eval = 2
     sampled = trainer.evaluate()
+    seen = list(scored)  # the two evaluations' rows (the rollout_func's below score again)
+    modes: list[bool] = []
+
+    def rollout_func(prompts, trainer):  # fixed completions; sees the mode, as a TRL rollout_func reads it
+        modes.append(trainer.model.training)
+        return {"prompt_ids": [tokenizer(p)["input_ids"] for p in prompts],
+                "completion_ids": [[5, 6, tokenizer.eos_token_id]] * len(prompts),
+                "logprobs": [[-1.0, -1.0, -1.0]] * len(prompts)}
+
+    args = small_args(out_dir, output_dir=str(out_dir / "custom"), per_device_eval_batch_size=1)
+    custom = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [index], args=args,
+                         train_dataset=toy.dataset(12), eval_dataset=rows, processing_class=tokenizer,
+                         rollout_func=rollout_func).evaluate()
     rank = trainer.dist.rank
-    (out_dir / f"eval_{rank}.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled, "scored": scored}))
+    (out_dir / f"eval_{rank}.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled, "scored": seen,
+                                                           "custom": custom, "modes": modes}))
 
 
 @pytest.mark.slow
@@ -213,6 +240,13 @@ def test_two_processes_evaluate_every_row_once(tmp_path):
         assert result["greedy"]["eval_rewards/index/mean"] == result["sampled"]["eval_rewards/index/pass@2"] == 2.0
         assert result["greedy"]["eval_reward"] == pytest.approx(one["greedy"]["eval_reward"])  # same greedy texts
         assert result["greedy"]["eval_completions/mean_length"] == one["greedy"]["eval_completions/mean_length"]
+        # a rollout_func's evaluation: 3 calls on one process and 2 on the other (it crashed: each call was a
+        # collective, paired across the processes' different counts), in eval mode as transformers' loop (it saw
+        # training=True); the mean index is 2 and every completion is 3 tokens
+        assert result["custom"]["eval_rewards/index/mean"] == 2.0
+        assert result["custom"]["eval_completions/mean_length"] == 3.0
+        assert result["modes"] and not any(result["modes"])
+    assert [len(r["modes"]) for r in two] == [3, 2]
 
 
 if __name__ == "__main__":

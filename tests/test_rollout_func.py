@@ -107,8 +107,16 @@ def test_logprobs_none_when_the_correction_reads_them_is_an_error(tokenizer):
     args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8,
                       generation_dtype="bfloat16")
     func = lambda prompts: {"prompt_ids": [[1]] * 2, "completion_ids": [[2]] * 2, "logprobs": None}  # noqa: E731
-    with pytest.raises(ValueError, match="logprobs=None, but the importance-sampling correction"):
+    with pytest.raises(ValueError, match="logprobs=None, but the importance-sampling correction reads the "
+                                         "sampler's log-probs: .* or set vllm_importance_sampling_correction=False$"):
         R.generate(_ctx(tokenizer, args, func), None, [{"prompt": "q"}] * 2)
+    # the off-policy mask alone (a sampler that differs, no correction): TRL's mask then measures from π_θold
+    # (inputs.get("sampling_per_token_logps", old_per_token_logps)); it was refused, naming the option already set
+    mask_only = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8,
+                           generation_dtype="bfloat16", vllm_importance_sampling_correction=False,
+                           off_policy_mask_threshold=0.5)
+    assert mask_only.keeps_sampling_logps
+    assert R.generate(_ctx(tokenizer, mask_only, func), None, [{"prompt": "q"}] * 2).sampling_logps is None
 
 
 def test_refused_beside_tools_and_when_not_callable(tmp_path, tokenizer, tiny_model):

@@ -108,9 +108,11 @@ def test_a_mid_round_resume_accepts_the_functions_logprobs():
     check_pending("ckpt", {}, GRPOConfig(off_policy_mask_threshold=0.5, **kw))  # logprobs=None: π_θold
     with pytest.raises(CheckpointError, match="built with sampling_logps"):
         check_pending("ckpt", {"sampling_logps": x}, GRPOConfig(**kw))
+    apart = GRPOConfig(off_policy_mask_threshold=0.5, generation_dtype="bfloat16",
+                       vllm_importance_sampling_correction=False, **kw)
     with pytest.raises(CheckpointError, match="built without sampling_logps"):
-        check_pending("ckpt", {}, GRPOConfig(off_policy_mask_threshold=0.5, generation_dtype="bfloat16",
-                                             vllm_importance_sampling_correction=False, **kw))
+        check_pending("ckpt", {}, apart)
+    check_pending("ckpt", {}, apart, custom_rollout=True)  # a rollout_func may return logprobs=None there: π_θold
 
 
 def test_the_mask_trains_on_the_functions_logprobs(tmp_path, tokenizer, tiny_model):
@@ -169,6 +171,39 @@ def test_more_malformed_outputs_are_one_line_naming_key_and_row(tokenizer, outpu
     with pytest.raises(ValueError, match=message) as err:
         R.generate(_ctx(tokenizer, args, lambda prompts: output), None, [{"prompt": "q"}] * 2)
     assert "\n" not in str(err.value)
+
+
+def test_keys_the_trainer_passes_itself_are_refused_and_prompt_completion_left_out(tokenizer):
+    """TRL's reward keywords leave 'prompt' and 'completion' out of the columns; a key named as an argument the
+    trainer passes ('completions', 'trainer_state', …) was forwarded, and the clash was blamed on the reward
+    function (KeyError 'completions' on row 0). Now refused naming the key."""
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8)
+    out = {**_output(tokenizer, None), "prompt": ["x", "y"], "completion": ["z", "w"], "hint": ["h1", "h2"]}
+    comp = R.generate(_ctx(tokenizer, args, lambda p: out), None, [{"prompt": "q"}] * 2)
+    assert comp.columns == {"hint": ["h1", "h2"]}
+    for key in ("completions", "trainer_state", "log_metric", "steps"):
+        with pytest.raises(ValueError, match=rf"rollout_func returned a key '{key}', which is a reward-function "
+                                             "argument the trainer passes itself: rename it"):
+            R.generate(_ctx(tokenizer, args, lambda p, key=key: {**_output(tokenizer, None), key: [1, 2]}), None,
+                       [{"prompt": "q"}] * 2)
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tokenizer):
+    """−1 crashed in the tokenizer's decode (OverflowError), an id past the embeddings at the forward pass
+    (IndexError on CPU, a device-side assert on CUDA). Now one line naming the key, the row and the id."""
+    model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    vocab = model.get_input_embeddings().num_embeddings
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8)
+    eos = tokenizer.eos_token_id
+    for key, bad, row in (("completion_ids", -1, 1), ("completion_ids", vocab, 0), ("prompt_ids", vocab + 5, 1)):
+        out = {"prompt_ids": [[5], [5]], "completion_ids": [[6, eos], [6, eos]], "logprobs": None}
+        out[key] = [list(r) for r in out[key]]
+        out[key][row] = out[key][row] + [bad] if key == "prompt_ids" else [bad, eos]
+        with pytest.raises(ValueError, match=rf"rollout_func's '{key}' row {row} holds token id {bad}, outside the "
+                                             rf"model's vocabulary \[0, {vocab}\)"):
+            R.generate(_ctx(tokenizer, args, lambda p, out=out: out), model, [{"prompt": "q"}] * 2)
+    ok = {"prompt_ids": [[5], [5]], "completion_ids": [[vocab - 1, eos]] * 2, "logprobs": None}  # the last row: fine
+    assert R.generate(_ctx(tokenizer, args, lambda p: ok), model, [{"prompt": "q"}] * 2).completion_ids[0, 0] == vocab - 1
 
 
 def test_a_2d_tensor_output_is_accepted(tokenizer):

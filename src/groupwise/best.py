@@ -23,6 +23,10 @@ def check_fields(args, *, sharded: bool = False) -> None:
     `greater_is_better` as transformers does (True unless the name ends with 'loss')."""
     if args.metric_for_best_model is not None and args.greater_is_better is None:
         args.greater_is_better = not args.metric_for_best_model.endswith("loss")
+    if args.metric_for_best_model in ("loss", "eval_loss"):  # TRL's prediction_step computes one: a TRL habit
+        raise ConfigError(f"metric_for_best_model={args.metric_for_best_model!r}: groupwise's evaluation reports no "
+                          "eval_loss (it samples and scores, it computes no loss); name an evaluation metric, e.g. "
+                          "'reward' or 'rewards/<func>/mean'")
     if args.save_strategy == "best" and args.metric_for_best_model is None:
         raise ConfigError("save_strategy='best' needs metric_for_best_model (a save follows each evaluation that "
                           "gives it a new best value): name an evaluation metric, e.g. 'reward'")

@@ -187,16 +187,17 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
                       UserWarning, stacklevel=3)
 
 
-def check_pending(path: str, pending: dict[str, torch.Tensor], args) -> None:
+def check_pending(path: str, pending: dict[str, torch.Tensor], args, custom_rollout: bool = False) -> None:
     """The generation batch saved inside a round was built for the loss settings of its run: refuse settings it
     lacks the tensors for (reference log-probs for beta ≠ 0, importance weights for the sampling correction, the
-    sampler's log-probs for the off-policy mask; a rollout_func's log-probs may be there without use_vllm)."""
+    sampler's log-probs for the off-policy mask; a rollout_func's log-probs may be there without use_vllm, and may
+    be missing with it: the mask then measures from π_θold, as TRL)."""
     mask = args.off_policy_mask_threshold is not None
     for field, key, needed, allowed in (("beta", "ref_logps", args.beta != 0, args.beta != 0),
                                         ("the importance-sampling correction", "is_weights", args.corrects_sampling,
                                          args.corrects_sampling),
                                         ("off_policy_mask_threshold", "sampling_logps",
-                                         mask and args.keeps_sampling_logps, mask)):
+                                         mask and args.keeps_sampling_logps and not custom_rollout, mask)):
         if (key in pending) != needed and (key not in pending or not allowed):
             raise _error(f"{path} stopped inside a generation round built {'without' if needed else 'with'} "
                          f"{key} ({field} changed since): resume with the run's settings, or from a "

@@ -13,7 +13,9 @@ returns exactly as on its own samples. GRPO only asks that each question's G out
         "env_mask":       [[0 | 1, …], …]        optional: 1 on tokens the model generated, 0 on environment tokens
                                                  (context, never trained on); each run of 1s is one assistant turn
         <any other key>:  [value, …] or value    passed to the reward functions as a keyword: one value per row,
-                                                 or one value for every row
+                                                 or one value for every row ('prompt' and 'completion' are left
+                                                 out, as TRL; the trainer's own keywords, e.g. 'completions',
+                                                 are refused)
     }
 
 `prompts` are this process's rows as the dataset gives them (text or chat messages), each prompt repeated
@@ -32,10 +34,13 @@ import torch
 
 from groupwise.agents.parsing import as_completions
 from groupwise.config_base import ConfigError
+from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS
+from groupwise.rewards.sources import REWARD_KEYWORDS
 from groupwise.text import is_conversational, pad_rows
 from groupwise.types import Completions
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")  # TRL's required keys
+TAKEN = REWARD_KEYWORDS | PROCESS_REWARD_KEYWORDS  # what the trainer passes reward functions itself
 
 
 def check_rollout_func(rollout_func, *, tools: bool) -> None:
@@ -53,13 +58,15 @@ def check_rollout_func(rollout_func, *, tools: bool) -> None:
 
 def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str, Any]], *, tokenizer,
                         eos_token_ids: list[int], max_completion_length: int, logprobs: bool,
-                        device: torch.device, keep_logprobs: bool = False) -> Completions:
+                        device: torch.device, keep_logprobs: bool = False,
+                        vocab_size: int | None = None) -> Completions:
     """Call `rollout_func` on the rows' prompts and check its output (one-line errors naming the key and the row),
     as a Completions record: prompts left-padded, completions right-padded with their mask over every returned
     token, `truncated` where a completion does not end with an EOS (or pad) token (TRL's rule), tool_mask and
-    turn_ends from env_mask, the sampler's log-probs when `logprobs` (required; None entries → NaN) or, when
-    `keep_logprobs` (the off-policy mask, which TRL feeds the function's log-probs whenever it returns them), when
-    given, the other keys as reward-function columns."""
+    turn_ends from env_mask, the sampler's log-probs when `logprobs` (required: the importance correction; None
+    entries → NaN) or, when `keep_logprobs` (the off-policy mask, which TRL feeds the function's log-probs whenever
+    it returns them, else π_θold), when given, the other keys as reward-function columns. Token ids must lie in
+    [0, vocab_size) (the model's embedding rows)."""
     prompts = [r["prompt"] for r in rows]
     out = rollout_func(copy.deepcopy(prompts))
     n = len(prompts)
@@ -72,6 +79,13 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
     prompt_ids = _rows(out["prompt_ids"], "prompt_ids", n, _int)
     completion_ids = _rows(out["completion_ids"], "completion_ids", n, _int)
     lengths = [len(r) for r in completion_ids]
+    for key, rows_ids in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+        for i, r in enumerate(rows_ids):
+            if r and (min(r) < 0 or (vocab_size is not None and max(r) >= vocab_size)):
+                bad = min(r) if min(r) < 0 else max(r)
+                raise ValueError(f"rollout_func's {key!r} row {i} holds token id {bad}, outside the model's "
+                                 f"vocabulary [0, {vocab_size if vocab_size is not None else 'V'}): return ids of "
+                                 "the policy's tokenizer")
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         if not p:
             raise ValueError(f"rollout_func returned an empty prompt_ids row {i}: give the tokens the completion "
@@ -92,9 +106,9 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
         if logprobs or keep_logprobs:  # 0 on padding, NaN where the sampler gave none
             sampling, _ = pad_rows(rows_lp, 0.0, side="right", width=width, dtype=torch.float)
     elif logprobs:
-        raise ValueError("rollout_func returned logprobs=None, but the importance-sampling correction or the "
-                         "off-policy mask reads the sampler's log-probs: return one log-prob per completion token, "
-                         "or set vllm_importance_sampling_correction=False / off_policy_mask_threshold=None")
+        raise ValueError("rollout_func returned logprobs=None, but the importance-sampling correction reads the "
+                         "sampler's log-probs: return one log-prob per completion token, or set "
+                         "vllm_importance_sampling_correction=False")
     tool_mask = turn_ends = None
     if out.get("env_mask") is not None:
         env = _rows(out["env_mask"], "env_mask", n, _bit, lengths)
@@ -102,8 +116,11 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
         turn_ends = [[j for j, b in enumerate(row) if b and (j + 1 == len(row) or not row[j + 1])] for row in env]
     columns = {}
     for key, value in out.items():
-        if key in REQUIRED or key == "env_mask":
+        if key in REQUIRED or key in ("env_mask", "prompt", "completion"):  # TRL leaves the last two out too
             continue
+        if key in TAKEN:
+            raise ValueError(f"rollout_func returned a key {key!r}, which is a reward-function argument the trainer "
+                             "passes itself: rename it (the other keys reach the reward functions as keywords)")
         if isinstance(value, list):
             if len(value) != n:
                 raise ValueError(f"rollout_func's {key!r} has {len(value)} values for {n} prompts: give one per "

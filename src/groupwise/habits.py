@@ -20,6 +20,7 @@ from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, write_model_card
 from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
+from groupwise.modeling import eval_mode
 
 # transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
 # in the logging window is logged as None, as TRL's log() does (and as metrics.jsonl, hence a resumed history, has it)
@@ -238,7 +239,10 @@ class TransformersHabits:
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
         start = time.perf_counter()
-        raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
+        # in eval mode, as transformers' evaluation loop: a rollout_func or reward function reading
+        # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it)
+        with eval_mode(self.unwrapped), eval_mode(self.sampling_model):
+            raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
         metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL: None
                    for k, v in raw.items() if k not in (ignore_keys or ())}
         # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process

@@ -164,12 +164,18 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
                              f"{needs} needs: return Generated(ids, logprobs) when asked for them, or set {off}")
         return out
 
-    if ctx.rollout_func is not None:  # a failure on one process (its output refused) stops every process
-        comp = ctx.dist.run_together(lambda: rollout_completions(
-            ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
-            max_completion_length=args.max_completion_length, logprobs=want, device=device,
-            keep_logprobs=args.off_policy_mask_threshold is not None and not greedy and not evaluation),
-            "rollout_func")
+    if ctx.rollout_func is not None:
+        def custom() -> Completions:
+            return rollout_completions(
+                ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
+                max_completion_length=args.max_completion_length, logprobs=want and (ctx.correct_sampling or args.corrects_sampling),
+                device=device, keep_logprobs=want or args.off_policy_mask_threshold is not None and not greedy
+                and not evaluation,  # the mask alone falls back to π_θold without them, as TRL
+                vocab_size=model.get_input_embeddings().num_embeddings if model is not None else None)
+
+        # training: a failure on one process (its output refused) stops every process; evaluation runs its
+        # processes' different numbers of calls under run_together already (groupwise.evaluation)
+        comp = custom() if evaluation else ctx.dist.run_together(custom, "rollout_func")
     elif ctx.agent is not None:
         def turns() -> Completions:
             with independently(ctx.generator, model):

@@ -77,9 +77,6 @@ class GRPOTrainer(TransformersHabits):
         data_seed = args.seed if args.data_seed is None else args.data_seed
         self.train_data = StreamData(train_dataset, "train_dataset", shuffle_seed=data_seed if args.shuffle_dataset
                                      else None) if stream else PromptData(train_dataset, "train_dataset")
-        if is_stream(eval_dataset):
-            raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
-                              "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
         if named_datasets(eval_dataset):
             raise ConfigError("eval_dataset is a dict of datasets: pass one here (evaluated during training), and "
                               "evaluate the others with trainer.evaluate(eval_dataset={name: dataset, …})")
@@ -177,6 +174,9 @@ class GRPOTrainer(TransformersHabits):
 
     def _eval_data(self, dataset) -> PromptData:
         """An eval dataset (the constructor's or evaluate()'s); with environments its rows may lack a prompt."""
+        if is_stream(dataset):
+            raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
+                              "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
         return PromptData(environment_prompts(dataset, self.toolbox), "eval_dataset")
 
     # ---- builders -----------------------------------------------------------------------------------------------
@@ -488,7 +488,7 @@ class GRPOTrainer(TransformersHabits):
         self.state.epoch = start + (end - start) * (state["round_step"] or self.steps_per_round) / self.steps_per_round
         if pending is None:
             return None
-        check_pending(path, pending, self.args)
+        check_pending(path, pending, self.args, custom_rollout=self.rollout_func is not None)
         self._rows = state.get("round_rows")
         device = self.dist.device  # the checkpoint's tensors load on the CPU
         return Rollout(TrainBatch.from_tensors({k: v.to(device) for k, v in pending.items()}),

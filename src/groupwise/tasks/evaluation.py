@@ -16,6 +16,7 @@ def greedy_accuracy(model, tokenizer, problems: list[str], *, batch_size: int = 
         for lo in range(0, len(problems), batch_size):
             chunk = problems[lo:lo + batch_size]
             ids, mask = encode_prompts([A.prompt_of(p) for p in chunk], tokenizer, None)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             comp = out[:, ids.size(1):]
