@@ -44,6 +44,37 @@ def test_best_model_fields_are_checked_as_transformers_checks_them(kwargs, match
         GRPOConfig(**kwargs)
 
 
+def _steps(prompts, completions, steps, **_):
+    return [[1.0] * len(row) for row in steps]
+
+
+@pytest.mark.parametrize("metric, outcome, process, match", [
+    ("reward", [], [_steps], "this run has no outcome reward functions"),
+    ("rewards/_peak_at_step_2/mean", [], [_steps], "this run has no outcome reward functions"),
+    ("eval_rewards/acuracy/mean", [_peak_at_step_2], [], r"no reward function named 'acuracy' among the outcome "
+                                                         r"reward functions \['_peak_at_step_2'\]"),
+    ("process/step_reward_mean", [_peak_at_step_2], [], "this run has no process reward functions"),
+    ("process/nope/errors", [_peak_at_step_2], [_steps], "no reward function named 'nope'"),
+])
+def test_a_metric_the_evaluation_cannot_report_is_refused_at_construction(tmp_path, tokenizer, metric, outcome,
+                                                                          process, match):
+    """It was a KeyError at the first evaluation, after training steps."""
+    supervision = "both" if outcome and process else "process" if process else "outcome"
+    with pytest.raises(ConfigError, match=match):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), outcome, process_reward_funcs=process,
+                    args=small_args(tmp_path, metric_for_best_model=metric, supervision=supervision),
+                    train_dataset=toy.dataset(8), processing_class=tokenizer)
+
+
+def test_process_metrics_may_pick_the_best_model(tmp_path, tokenizer):
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
+                    args=small_args(tmp_path, metric_for_best_model="process/step_reward_mean", supervision="process",
+                                    max_steps=1, eval_strategy="steps", eval_steps=1, save_steps=1),
+                    train_dataset=toy.dataset(8), eval_dataset=toy.dataset(2, seed=1), processing_class=tokenizer)
+    t.train()
+    assert t.state.best_metric is not None and t.state.best_global_step == 1
+
+
 def test_greater_is_better_defaults_from_the_metrics_name():
     assert GRPOConfig(metric_for_best_model="reward").greater_is_better is True
     assert GRPOConfig(metric_for_best_model="eval_judge_loss").greater_is_better is False  # a log_metric name

@@ -174,6 +174,36 @@ def test_an_iterable_eval_dataset_is_named_here_and_in_evaluate(tmp_path, tokeni
         _trainer(tmp_path, tokenizer).evaluate(eval_dataset=stream)
 
 
+def test_process_reward_functions_are_scored_in_evaluation(tmp_path, tokenizer):
+    """supervision='process' (no outcome function): evaluation reported lengths only, so nothing measured the
+    process rewards and no metric_for_best_model could name them. Now training's process/* metrics over the eval
+    set, a prompt's k completions being a group. A rollout_func gives fixed completions; steps end at "\n"; each
+    step scores its length: c0 "ab\ncd" → [2, 2], c1 "a" → [1], c2 "abc\nd\ne" → [3, 1, 1], c3 "" → no step."""
+    eos = tokenizer.eos_token_id
+    texts = ["ab\ncd", "a", "abc\nd\ne", ""]
+
+    def rollout_func(prompts, trainer):
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts[:len(prompts)]]
+        return {"prompt_ids": [[5]] * len(prompts), "completion_ids": ids, "logprobs": None}
+
+    def step_len(prompts, completions, steps, **_):
+        return [[float(len(s.strip())) for s in row] for row in steps]
+
+    rows = [{"prompt": "p0"}, {"prompt": "p1"}]
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[step_len],
+                    args=small_args(tmp_path, supervision="process", num_generations_eval=2,
+                                    per_device_eval_batch_size=2, max_completion_length=8),
+                    train_dataset=toy.dataset(8), eval_dataset=rows, processing_class=tokenizer,
+                    rollout_func=rollout_func)
+    out = t.evaluate()
+    assert out["eval_process/step_reward_mean"] == pytest.approx(10 / 6)  # (2+2+1+3+1+1) / 6 steps
+    assert out["eval_process/steps_per_completion"] == 1.5  # 6 steps / 4 completions
+    assert out["eval_process/no_step_completions"] == 1.0  # c3
+    assert out["eval_process/unscored_steps"] == 0.0 and out["eval_process/step_len/errors"] == 0.0
+    assert out["eval_process/zero_std_groups"] == 0.0  # both groups' step rewards differ
+    assert "eval_reward" not in out  # no outcome function
+
+
 # ---- evaluation leaves training alone ---------------------------------------------------------------------------------
 def test_sampled_evaluation_leaves_rng_sampler_mode_and_weights_untouched(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(3), num_generations_eval=2, disable_dropout=False)

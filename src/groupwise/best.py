@@ -55,10 +55,27 @@ def check_fields(args, *, sharded: bool = False) -> None:
 
 
 class BestModel:
-    def __init__(self, args):
+    def __init__(self, args, outcome: tuple[str, ...] = (), process: tuple[str, ...] = ()):
+        """`outcome` / `process`: the names of the run's reward functions of each kind, whose metrics evaluation
+        reports (reward, rewards/<name>/…; process/…): a metric_for_best_model of a kind the run lacks, or of a
+        function it does not have, is refused now, not at the first evaluation."""
         self.args = args
         name = args.metric_for_best_model
         self.key = None if name is None else name if name.startswith("eval_") else f"eval_{name}"
+        if self.key is None:
+            return
+        metric = self.key.removeprefix("eval_")
+        func = metric.split("/")[1] if metric.startswith(("rewards/", "process/")) and metric.count("/") == 2 else None
+        for kind, names, reports in ((
+                "outcome reward functions", outcome,
+                metric in ("reward", "reward_std", "frac_reward_zero_std") or metric.startswith("rewards/")),
+                ("process reward functions", process, metric.startswith("process/"))):
+            if reports and not names:
+                raise ConfigError(f"metric_for_best_model={name!r}: this run has no {kind}, so evaluation does not "
+                                  "report it; name another evaluation metric")
+            if reports and func is not None and func not in names:
+                raise ConfigError(f"metric_for_best_model={name!r}: no reward function named {func!r} among the "
+                                  f"{kind} {list(names)}")
 
     def observe(self, state, metrics: dict) -> bool:
         """After an evaluation during training: is `metrics` the best so far? Updates state.best_metric and

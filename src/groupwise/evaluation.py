@@ -12,8 +12,10 @@ from groupwise.checkpoint_files import rng_untouched
 from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
+from groupwise.rewards.process import compute_step_rewards
 from groupwise.rollout import RolloutContext
-from groupwise.rollout_metrics import nanstd, zero_std_fraction
+from groupwise.rollout_metrics import nanstd, process_metrics, zero_std_fraction
+from groupwise.types import StepScores
 
 
 @torch.no_grad()
@@ -25,7 +27,9 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     rewards/<func>/mean|std (over all completions), frac_reward_zero_std (k completions of a prompt are a group;
     1 with one completion per prompt, as TRL), tools/*, the names reward functions log with log_metric (the mean
     of every process's calls), and, with k samples, rewards/<func>/mean@k and rewards/<func>/pass@k (the mean
-    over prompts of the best of k: for 0/1 rewards, the share of prompts solved at least once)."""
+    over prompts of the best of k: for 0/1 rewards, the share of prompts solved at least once); with process
+    reward functions, training's process/* metrics (steps split and scored as in training, a prompt's k completions
+    being a group)."""
     dist, args = ctx.dist, ctx.args
     k = args.num_generations_eval or 1
     mine = list(range(dist.rank, len(data), dist.world_size))
@@ -34,30 +38,42 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     kwargs = {"trainer_state": state, "log_metric": lambda name, value: logged[name].append(float(value)),
               "log_extra": lambda column, values: None}  # evaluation writes no completions.jsonl rows
 
+    process = bool(ctx.process_sources)
+    step_errors = torch.zeros(len(ctx.process_sources))
+
     def local():  # this process's share, under run_together. Within independently() (entered by every process
         # together, left before run_together's own collective) a collective generator's calls are matched
-        per_func, lengths, truncated, tools = [], [], [], [0.0, 0.0]
+        per_func, lengths, truncated, tools, steps = [], [], [], [0.0, 0.0], []
         with independently(ctx.generator, model):
             for start in range(0, len(mine), bs):
-                score_batch(mine[start:start + bs], per_func, lengths, truncated, tools)
-        return per_func, lengths, truncated, tools, {n: [sum(v), len(v)] for n, v in logged.items()}
+                score_batch(mine[start:start + bs], per_func, lengths, truncated, tools, steps)
+        return per_func, lengths, truncated, tools, steps, {n: [sum(v), len(v)] for n, v in logged.items()}
 
-    def score_batch(indices, per_func, lengths, truncated, tools):
+    def score_batch(indices, per_func, lengths, truncated, tools, steps):
         rows = [data[i] for i in indices for _ in range(k)]
         comp = R.generate(ctx, model, rows, greedy=args.num_generations_eval is None, evaluation=True)
-        rewards, _ = compute_rewards(reward_sources, comp.prompts, comp.completions, comp.token_lists(),
-                                     comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout,
-                                     extra=kwargs)
-        per_func += rewards.tolist()
+        if reward_sources:  # none under process supervision alone
+            rewards, _ = compute_rewards(reward_sources, comp.prompts, comp.completions, comp.token_lists(),
+                                         comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout,
+                                         extra=kwargs)
+            per_func += rewards.tolist()
         lengths += comp.lengths.tolist()
         truncated += comp.truncated.tolist()
         if comp.tool_calls is not None:
             tools[0] += float(comp.tool_calls.sum())
             tools[1] += float(comp.tool_failures.sum())
+        if process:  # the step rewards, split and scored as in training (groupwise.rollout.score_steps)
+            split, dropped = R.split_steps(ctx, comp)
+            step_rewards, errors = compute_step_rewards(
+                ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions,
+                [list(s.texts) for s in split], comp.columns, on_error=args.on_reward_error,
+                timeout=args.reward_timeout, extra=kwargs, dropped_last=dropped)
+            steps += [(r, list(s.ends)) for r, s in zip(step_rewards, split)]
+            step_errors.add_(errors)
 
     # sampled evaluation must not move the training's random streams (exact resume)
     with rng_untouched():
-        per_func, lengths, truncated, tools, calls = dist.run_together(local, "evaluation")
+        per_func, lengths, truncated, tools, steps, calls = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
     truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)
     terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
@@ -73,6 +89,12 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
                     "tools/failure_frequency": failed / called if called else 0.0})
     for name, (total, count) in _merge(dist.gather_object([calls])).items():  # log_metric: all processes' calls
         out[name] = total / count
+    if process:  # training's process/* metrics over the eval set, a prompt's k completions being a group
+        every = dist.gather_object(steps)  # a prompt's k rows stay together (each process evaluates whole prompts)
+        groups = [every[i:i + k] for i in range(0, len(every), k)]
+        scores = StepScores([[r for r, _ in g] for g in groups], [[e for _, e in g] for g in groups], [],
+                            tuple(s.name for s in ctx.process_sources), dist.sum(step_errors.to(dist.device)).cpu())
+        out.update(process_metrics(scores, args.step_advantage, args.advantage_estimator))
     if not reward_sources:
         return out
     per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(reward_sources))

@@ -248,7 +248,25 @@ def score(ctx: RolloutContext, comp: Completions) -> Scores:
 
 def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     """Split this process's completions into steps, score them, gather the round."""
-    args, G, tok = ctx.args, ctx.args.num_generations, ctx.tokenizer
+    args, G = ctx.args, ctx.args.num_generations
+    steps, dropped = split_steps(ctx, comp)
+    texts = [list(s.texts) for s in steps]
+    rewards, errors = ctx.dist.run_together(lambda: compute_step_rewards(
+        ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions, texts, comp.columns,
+        on_error=args.on_reward_error, timeout=args.reward_timeout, extra=ctx.reward_kwargs, dropped_last=dropped),
+        "a process reward function")
+    gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
+    errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
+    B = len(gathered) // G
+    all_rewards = [[gathered[b * G + g][0] for g in range(G)] for b in range(B)]
+    all_ends = [[gathered[b * G + g][1] for g in range(G)] for b in range(B)]
+    return StepScores(all_rewards, all_ends, texts, tuple(s.name for s in ctx.process_sources), errors)
+
+
+def split_steps(ctx: RolloutContext, comp: Completions) -> tuple[list, list[bool]]:
+    """This process's completions as steps (ctx.splitter), a last step cut by max_completion_length dropped unless
+    score_truncated_step; with which rows dropped one."""
+    args, tok = ctx.args, ctx.tokenizer
     steps, dropped = [], []
     turns = ctx.splitter.turns  # step_split="turn": the assistant turns are the steps
     if turns and comp.turn_ends is None:
@@ -269,17 +287,7 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
         if dropped[-1]:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
         steps.append(s)
-    texts = [list(s.texts) for s in steps]
-    rewards, errors = ctx.dist.run_together(lambda: compute_step_rewards(
-        ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions, texts, comp.columns,
-        on_error=args.on_reward_error, timeout=args.reward_timeout, extra=ctx.reward_kwargs, dropped_last=dropped),
-        "a process reward function")
-    gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
-    errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
-    B = len(gathered) // G
-    all_rewards = [[gathered[b * G + g][0] for g in range(G)] for b in range(B)]
-    all_ends = [[gathered[b * G + g][1] for g in range(G)] for b in range(B)]
-    return StepScores(all_rewards, all_ends, texts, tuple(s.name for s in ctx.process_sources), errors)
+    return steps, dropped
 
 
 def advantages(ctx: RolloutContext, comp: Completions, scores: Scores | None,

@@ -169,7 +169,8 @@ class GRPOTrainer(TransformersHabits):
         self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
         self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
-        self._best = BestModel(args)  # metric_for_best_model: state.best_metric, best_model_checkpoint
+        self._best = BestModel(args, tuple(s.name for s in self.reward_sources),  # metric_for_best_model:
+                               tuple(s.name for s in self.process_sources))  # state.best_metric, best checkpoint
         self._event("on_init_end")
 
     def _eval_data(self, dataset) -> PromptData:
