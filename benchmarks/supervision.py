@@ -2,8 +2,9 @@
 same steps, same batch, several seeds. Also checks the demo's target (held-out greedy accuracy +20 points with the
 default settings, which use process supervision). The counterpart for tool-calling turns is benchmarks/turns.py.
 
-    .venv/bin/python benchmarks/supervision.py [--seeds 0 1 2] [--max_steps 200]
-Writes benchmarks/results/supervision.md and supervision.png (and prints the table).
+    .venv/bin/python benchmarks/supervision.py [--seeds 0 1 2] [--max_steps 200] [--name supervision]
+Writes benchmarks/results/supervision.md and supervision.png (and prints the table); --name changes the file names
+(e.g. for a quick check that must not replace the committed results).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--max_steps", type=int, default=200)
     ap.add_argument("--eval_steps", type=int, default=25)
     ap.add_argument("--work", default="outputs/bench-supervision")
+    ap.add_argument("--name", default="supervision", help="results file names: benchmarks/results/<name>.md / .png")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     runs: dict[str, list[list[dict]]] = {"outcome": [], "process": []}
@@ -60,9 +62,9 @@ def main() -> None:
     md += ["", f"Demo target (default settings = process supervision): +20 points. Measured "
                f"{mean_sd(gains)} points over {len(gains)} seeds: **{verdict}**."]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "supervision.md").write_text("\n".join(md) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    plot_curves(runs, KEY, steps, RESULTS / "supervision.png", f"arithmetic demo, {len(args.seeds)} seeds (mean ± std)",
+    plot_curves(runs, KEY, steps, RESULTS / f"{args.name}.png", f"arithmetic demo, {len(args.seeds)} seeds (mean ± std)",
                 labels={s: f"{s} supervision" for s in runs}, colors={"outcome": "tab:blue", "process": "tab:orange"})
 
 

@@ -301,7 +301,11 @@ def test_a_built_in_task_can_be_split_and_mixed(fake, tmp_path, model_dir):
 def test_a_yaml_key_that_is_not_text_is_named(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("max_steps: 1\nno: 3\n")  # YAML 1.1 reads `no` as False
     assert main(["train", str(tmp_path / "c.yaml")]) == 2
-    assert "c.yaml: False is not a field name (a YAML key that is not text; quote it)" in capsys.readouterr().err
+    assert ("c.yaml: a key that YAML reads as False (on / off / yes / no / true / false, unquoted) is not a field "
+            "name; quote it") in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("max_steps: 1\n1: 3\n")
+    assert main(["train", str(tmp_path / "c.yaml")]) == 2
+    assert "c.yaml: 1 is not a field name (a YAML key that is not text; quote it)" in capsys.readouterr().err
 
 
 def test_a_model_folder_without_a_tokenizer_is_named_before_the_weights_load(tmp_path, tokenizer):

@@ -245,3 +245,65 @@ def test_fields_help_and_a_closed_pipe(capsys):
     proc = subprocess.run(f"{sys.executable} -m groupwise fields | head -1", shell=True, capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.startswith("model_name_or_path") and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run(f"{sys.executable} -m groupwise prm train --help | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("usage: groupwise prm train") and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_debug_prints_the_traceback_and_keeps_the_exit_code(tmp_path, capsys):
+    # it re-raised: exit 1, as a run's own error, for a configuration error
+    assert main(["train", "--max_steps", "-3", "--model_name_or_path", str(tmp_path), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith(
+        "groupwise: configuration error: ")
+
+
+def test_trls_own_parsers_build_a_groupwise_grpo_config(tmp_path):
+    """A TRL script switched by its import: `TrlParser((ScriptArguments, GRPOConfig, ModelConfig))` and
+    `HfArgumentParser((GRPOConfig,))` failed to build ('Only Union[X, NoneType] …' at logging_steps; argparse
+    refusing the rules in the fields' metadata; --lora_r twice, from GRPOConfig and ModelConfig; scale_rewards read
+    as a boolean). Each field's annotation is now one these parsers read, the LoRA fields are left to ModelConfig,
+    and the config they build equals GRPOConfig(**the same values)."""
+    from transformers import HfArgumentParser
+    from trl import ModelConfig, ScriptArguments, TrlParser
+
+    argv = ["--output_dir", str(tmp_path / "out"), "--logging_steps", "5", "--save_steps", "0.5",
+            "--eval_strategy", "steps", "--eval_steps", "10", "--scale_rewards", "batch", "--report_to", "none",
+            "--resume_from_checkpoint", str(tmp_path / "ckpt"), "--learning_rate", "1e-5", "--bf16", "false",
+            "--fsdp", "full_shard", "--pad_to_multiple_of", "8", "--beta", "0.04"]
+    (parsed,) = HfArgumentParser((GRPOConfig,)).parse_args_into_dataclasses(argv)
+    expected = GRPOConfig(output_dir=str(tmp_path / "out"), logging_steps=5, save_steps=0.5, eval_strategy="steps",
+                          eval_steps=10, scale_rewards="batch", report_to="none",
+                          resume_from_checkpoint=str(tmp_path / "ckpt"), learning_rate=1e-5, bf16=False,
+                          fsdp="full_shard", pad_to_multiple_of=8, beta=0.04)
+    assert isinstance(parsed, GRPOConfig) and parsed.to_dict() == expected.to_dict()
+    config = tmp_path / "grpo.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": "m", "dataset_name": "d", "use_peft": True, "lora_r": 8,
+                                      "output_dir": str(tmp_path / "out"), "num_generations": 4, "bf16": False}))
+    script, args, model = TrlParser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(config), "--max_completion_length", "64"])
+    assert isinstance(args, GRPOConfig) and (args.num_generations, args.max_completion_length) == (4, 64)
+    assert (model.use_peft, model.lora_r, script.dataset_name) == (True, 8, "d")  # TRL's ModelConfig holds LoRA
+    assert not args.use_peft  # groupwise's own copy of those fields stays unset: TRL passes peft_config
+    # the parsers rewrote the fields' types in place (transformers does); groupwise still reads what they accept
+    after = GRPOConfig(resume_from_checkpoint=True, fsdp=["full_shard", "offload"], scale_rewards=False,
+                       report_to=["none"], use_peft=True, lora_r=4)
+    assert (after.resume_from_checkpoint, after.fsdp, after.scale_rewards, after.lora_r) == \
+        (True, ["full_shard", "offload"], "none", 4)
+    assert GRPOConfig.from_dict(after.to_dict()).lora_r == 4
+    with pytest.raises(ConfigError, match="logging_steps='x' must be of type float"):
+        GRPOConfig(logging_steps="x")
+
+
+def test_a_data_file_without_a_prompt_column_is_named_by_its_field(tmp_path, model_dir, fake, capsys):
+    """A command-line user has no `train_dataset`: the message named the trainer's argument; it names the field
+    and file now (the trainer is not built)."""
+    rows = [{"question": "repeat a:", "letter": "a"}] * 8
+    data = _jsonl(tmp_path / "q.jsonl", rows)
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=data)]) == 2
+    err = capsys.readouterr().err
+    assert f"dataset_name={data!r} has no 'prompt' column (columns: ['question', 'letter'])" in err and not fake
+    good = _jsonl(tmp_path / "p2.jsonl", _rows())
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=good, eval_dataset_name=data, eval_strategy="steps",
+                      eval_steps=1, overwrite_output_dir=True)]) == 2
+    assert f"eval_dataset_name={data!r} has no 'prompt' column" in capsys.readouterr().err

@@ -42,7 +42,7 @@ Exit codes: 0 done, 2 a configuration or input error, 1 the run stopped on an er
 
 def field_types() -> dict[str, str]:
     """The annotation of every `groupwise train` field: GRPOConfig's, the run fields', the bitsandbytes ones'."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(GRPOConfig)}
+    types = GRPOConfig.field_types()
     types.update({name: ann for name, (ann, _, _) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items()})
     return types
 
@@ -125,8 +125,12 @@ def run_builtin_demo(name: str, values: dict[str, Any]) -> int:
 
     task = name.split(":", 1)[1]
     if task not in DEMOS:
+        from groupwise.tasks import TASKS
+
+        hint = (f", or give a config with dataset_name: {name} (a built-in task without a demo)"
+                if task in TASKS else "")
         raise ConfigError(f"{name!r}: no built-in demo of that name; choose from "
-                          f"{['builtin:' + t for t in sorted(DEMOS)]}, or give a config with dataset_name: {name}")
+                          f"{['builtin:' + t for t in sorted(DEMOS)]}{hint}")
     given = sorted(set(values) & (set(RUN_FIELDS) | set(QUANTIZATION)))
     if given:
         raise ConfigError(f"{given[0]} cannot be set for {name!r}, which brings its own policy, data and rewards; "
@@ -225,6 +229,14 @@ def cmd_train(argv: list[str]) -> int:
         process_funcs = getattr(task, "PROCESS_REWARD_FUNCS", None)
     # a task whose environment owns its rewards (get_reward, get_step_rewards) brings it: TRL's environment_factory
     environment_factory = getattr(task, "ENVIRONMENT_FACTORY", None)
+    if environment_factory is None:  # the files named, not the trainer's train_dataset / eval_dataset arguments
+        source = "datasets (the mixture)" if run["datasets"] else f"dataset_name={dataset_name!r}"
+        for data, where in ((train_data, source), (eval_data, f"eval_dataset_name={run['eval_dataset_name']!r}"
+                                                   if run["eval_dataset_name"] else f"{source}'s evaluation rows")):
+            columns = getattr(data, "column_names", None)
+            if columns is not None and "prompt" not in columns:
+                raise ConfigError(f"{where} has no 'prompt' column (columns: {columns}): rename the column holding "
+                                  "the prompts to 'prompt'")
     if not reward_funcs and args.supervision != "process" and environment_factory is None:
         raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
     from groupwise.trainer import GRPOTrainer
@@ -242,12 +254,11 @@ def cmd_prm_train(argv: list[str]) -> int:
     from groupwise.prm_train import PRMTrainConfig, train_prm
 
     if any(a in ("-h", "--help") for a in argv):  # the fields, as `groupwise fields` lists GRPOConfig's
-        print("usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml] [--field value …]; the config's env: "
-              "mapping sets environment variables first (as in groupwise train); fields (PRMTrainConfig):")
-        for name, help_text, default, _ in PRMTrainConfig.describe():
-            print(f"{name:32s} {help_text} (default {default!r})")
-        return 0
-    values, overrides = read_config(argv, {f.name: str(f.type) for f in dataclasses.fields(PRMTrainConfig)})
+        return print_lines(["usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml] [--field value …]; the "
+                            "config's env: mapping sets environment variables first (as in groupwise train); fields "
+                            "(PRMTrainConfig):"] + [f"{name:32s} {help_text} (default {default!r})"
+                                                    for name, help_text, default, _ in PRMTrainConfig.describe()])
+    values, overrides = read_config(argv, PRMTrainConfig.field_types())
     train_prm(PRMTrainConfig(**{**values, **overrides}))
     return 0
 
@@ -262,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        if debug:
-            raise
+        if debug:  # the traceback, and the same exit code
+            import traceback
+
+            traceback.print_exc()
         print(f"groupwise: configuration error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 — a stopped run: one line, the traceback with --debug
@@ -279,6 +292,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"groupwise: run stopped: {e}", file=sys.stderr)
         return 1
+
+
+def print_lines(lines: list[str]) -> int:
+    """Print a listing; `groupwise fields | head`: the reader left, no traceback. Returns 0."""
+    try:
+        print("\n".join(lines))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def cmd_export(argv: list[str]) -> int:
@@ -330,12 +353,7 @@ def _main(argv: list[str]) -> int:
                  for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items()]
         for name, help_text, default, choices in GRPOConfig.describe():
             lines += [f"{name:32s} {help_text} (default {default!r})"] + [f"{'':34s}- {c}" for c in choices]
-        try:
-            print("\n".join(lines))
-            sys.stdout.flush()
-        except BrokenPipeError:  # `groupwise fields | head`: the reader left; no traceback
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return print_lines(lines)
     parser.error(f"unknown command {command!r}")
     return 2
 

@@ -11,6 +11,7 @@ the field and what is allowed.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import json
@@ -34,17 +35,42 @@ _MISSING = dataclasses.MISSING
 
 def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = None, ge: float | None = None,
            gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING,
-           inert: str | None = None):
+           inert: str | None = None, accepts: str | None = None, parsed: bool = True):
     """A documented config field with its constraints (checked by StrictConfig on construction). `inert` marks a
     field kept for configs written for another trainer that has no effect here: a value other than the default
-    warns, with this reason."""
-    rules = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    if choices is not None:
-        rules["choices"] = choices
-    if inert is not None:
-        rules["inert"] = inert
+    warns, with this reason.
+
+    The annotation is the one transformers' HfArgumentParser / TRL's TrlParser can read (one type, or X | None, or
+    a union with str), so that a GRPOConfig goes through TRL's parser as TRL's does; `accepts` names the other
+    types groupwise takes as well (e.g. 'bool' for resume_from_checkpoint=True). `parsed=False` keeps a field out
+    of those parsers (init=False; still a constructor keyword, through StrictConfig): ModelConfig's LoRA fields,
+    which TRL's scripts parse from their ModelConfig."""
+    rules = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("inert", inert),
+                               ("accepts", accepts)) if v is not None}
     kw = {"default": default} if default_factory is _MISSING else {"default_factory": default_factory}
-    return field(metadata={"help": help, **rules}, **kw)
+    # the metadata holds what argparse's add_argument takes (those parsers pass it on as keywords); the other rules
+    # are kept beside it
+    f = field(metadata={"help": help, **({} if choices is None else {"choices": choices})}, init=parsed, **kw)
+    _RULES[f] = rules
+    return f
+
+
+_RULES: dict[dataclasses.Field, dict[str, Any]] = {}  # option()'s rules besides choices, by field
+_LATE: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_LATE", default={})  # init=False values
+
+
+def rules_of(f: dataclasses.Field) -> dict[str, Any]:
+    """A field's rules: choices, ge / gt / le / lt, inert, accepts."""
+    return {**f.metadata, **_RULES.get(f, {})}
+
+
+def annotation_of(f: dataclasses.Field) -> str:
+    """The types a field takes: its annotation as written (kept when the class was made: transformers'
+    HfArgumentParser rewrites `field.type` in place, to the one type it parses) and what it `accepts` besides."""
+    rules = _RULES.get(f, {})
+    annotation = rules.get("annotation", f.type)
+    annotation = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    return annotation if "accepts" not in rules else f"{annotation} | {rules['accepts']}"
 
 
 class _Screened(type):
@@ -52,7 +78,14 @@ class _Screened(type):
     dropped when harmless or are errors, before the dataclass __init__ sees them."""
 
     def __call__(cls, *args, **kwargs):
-        return super().__call__(*args, **cls.screen(kwargs))
+        kwargs = cls.screen(kwargs)
+        # fields kept out of argument parsers (option(parsed=False): init=False) are set before __post_init__
+        late = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if not f.init and f.name in kwargs}
+        token = _LATE.set(late)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _LATE.reset(token)
 
 
 class StrictConfig(metaclass=_Screened):
@@ -61,6 +94,13 @@ class StrictConfig(metaclass=_Screened):
     # names that are not fields but are known (another trainer's fields), each an object with `.reason` and
     # `.accepts(value, all_values)`: an accepted value is dropped, any other is a ConfigError with the reason
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():  # as written (annotation_of)
+            f = cls.__dict__.get(name)
+            if isinstance(f, dataclasses.Field) and f in _RULES:
+                _RULES[f]["annotation"] = annotation
 
     @classmethod
     def screen(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -75,12 +115,16 @@ class StrictConfig(metaclass=_Screened):
         return kwargs
 
     def __post_init__(self) -> None:
+        for name, value in _LATE.get().items():
+            setattr(self, name, value)
+        _LATE.set({})  # this object's only (a config built inside validate() gets its own)
         for f in dataclasses.fields(self):
-            value = coerce(f.name, f.type, getattr(self, f.name))
-            check_rules(f.name, value, f.metadata)
+            value = coerce(f.name, annotation_of(f), getattr(self, f.name))
+            rules = rules_of(f)
+            check_rules(f.name, value, rules)
             setattr(self, f.name, value)
-            if "inert" in f.metadata and value != (f.default if f.default is not _MISSING else f.default_factory()):
-                warnings.warn(f"{f.name}={value!r} has no effect in groupwise: {f.metadata['inert']}", stacklevel=5)
+            if "inert" in rules and value != (f.default if f.default is not _MISSING else f.default_factory()):
+                warnings.warn(f"{f.name}={value!r} has no effect in groupwise: {rules['inert']}", stacklevel=5)
         self.validate()
 
     def validate(self) -> None:
@@ -96,6 +140,11 @@ class StrictConfig(metaclass=_Screened):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def field_types(cls) -> dict[str, str]:
+        """Each field's types (annotation_of), as the command line reads its values."""
+        return {f.name: annotation_of(f) for f in dataclasses.fields(cls)}
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, Any, list[str]]]:
@@ -224,7 +273,10 @@ def load_yaml(path: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
     for key in values:
-        if not isinstance(key, str):  # `1: x`, or `on:` / `no:`, which YAML 1.1 reads as booleans
+        if isinstance(key, bool):  # `on:` / `no:` / `yes:` …, which YAML 1.1 reads as booleans
+            raise ConfigError(f"{path}: a key that YAML reads as {key} (on / off / yes / no / true / false, "
+                              "unquoted) is not a field name; quote it")
+        if not isinstance(key, str):  # `1: x`
             raise ConfigError(f"{path}: {key!r} is not a field name (a YAML key that is not text; quote it)")
     return values
 
