@@ -487,3 +487,36 @@ def test_every_tracker_is_closed_even_when_one_fails_to(tmp_path):
             with pytest.raises(ConnectionError, match="wandb unreachable"):
                 logger.close()
     assert closed == [False, True] and logger.trackers == []
+
+
+def test_training_arguments_properties_as_transformers_reads_them(tmp_path, monkeypatch):
+    """args.process_index / should_save / to_json_string() … are read by TRL scripts and callbacks; GRPOConfig had
+    none of them. One CPU process: the values transformers' TrainingArguments gives; under a launcher's
+    environment (rank 1 of 2, local rank 1): that process's."""
+    import json
+
+    from transformers import TrainingArguments
+
+    from groupwise import GRPOConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    ours = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                      warmup_ratio=0.1)
+    theirs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, warmup_steps=0.1,
+                               use_cpu=True)
+    for name in ("world_size", "process_index", "local_process_index", "should_log", "should_save", "n_gpu",
+                 "device", "train_batch_size", "eval_batch_size"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.get_warmup_steps(95) == theirs.get_warmup_steps(95) == 10  # ⌈0.1 × 95⌉
+    assert json.loads(ours.to_json_string())["per_device_train_batch_size"] == 8
+    sanitized = ours.to_sanitized_dict()
+    assert sanitized["train_batch_size"] == 8 and sanitized["report_to"] == str(ours.report_to)
+    assert all(type(v) in (bool, int, float, str) for v in sanitized.values())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (ours.world_size, ours.process_index, ours.should_save, ours.should_log) == (2, 1, False, False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the second machine's first process: logs there (log_on_each_node)
+    assert ours.should_log and not ours.should_save
+    ours.log_on_each_node = False
+    assert not ours.should_log

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.best import check_fields as check_best_fields
+from groupwise.config_habits import TrainingArgumentsHabits
 from groupwise.config_base import HUB_ID, ConfigError, StrictConfig, load_yaml, option
 from groupwise.config_trl import TRL_NOT_SUPPORTED
 from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
@@ -52,7 +53,7 @@ SWITCHED_FIELDS = {
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
 
 @dataclass
-class GRPOConfig(StrictConfig):
+class GRPOConfig(StrictConfig, TrainingArgumentsHabits):
     """Configuration of a GRPO run (DeepSeekMath §4.1; arXiv 2402.03300). Field names follow TRL's GRPOConfig."""
 
     # ---- output, logging, checkpoints -------------------------------------------------------------------------
