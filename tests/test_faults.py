@@ -141,9 +141,11 @@ def test_config_file_errors_exit_2(tmp_path, capsys):
     assert code == 2 and "dataset_name is set but model_name_or_path is not" in line
 
 
-def test_debug_shows_the_traceback(tmp_path, model_dir):
-    with pytest.raises(ConfigError, match="learning_rate must be a finite number"):
-        main(["train", _config(tmp_path, model_dir), "--learning_rate", "nan", "--debug"])
+def test_debug_shows_the_traceback(tmp_path, model_dir, capsys):
+    # with the exit code of the error (2), as without --debug
+    assert main(["train", _config(tmp_path, model_dir), "--learning_rate", "nan", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ConfigError: learning_rate must be a finite number" in err
 
 
 # ---- 2. the dataset, checked whole before the model loads -------------------------------------------------------------
