@@ -161,6 +161,20 @@ def test_mean_and_pass_at_k_hand_worked(tmp_path, tokenizer):
     assert out["eval_reward"] == pytest.approx(1.0)
 
 
+def test_on_prediction_step_fires_after_each_evaluation_batch(tmp_path, tokenizer):
+    """transformers' evaluation loop fires it per batch (its eval progress bar reads it); it was never fired."""
+    class Batches(TrainerCallback):
+        seen: list = []
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            self.seen.append(state.global_step)
+
+    t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(5, seed=1), per_device_eval_batch_size=2,
+                 callbacks=[Batches])
+    t.evaluate()
+    assert Batches.seen == [0, 0, 0]  # 5 prompts in batches of 2, 2, 1
+
+
 def test_an_iterable_eval_dataset_is_named_here_and_in_evaluate(tmp_path, tokenizer):
     """The constructor refused a stream; evaluate(eval_dataset=stream) failed with "object of type
     'IterableDataset' has no len()"."""

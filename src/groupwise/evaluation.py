@@ -3,9 +3,12 @@ completions per prompt (num_generations_eval), scored by the run's reward functi
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from groupwise import rollout as R
 from groupwise.checkpoint_files import rng_untouched
@@ -19,7 +22,8 @@ from groupwise.types import StepScores
 
 
 @torch.no_grad()
-def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> dict[str, float]:
+def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
+             on_batch: Callable[[], None] | None = None) -> dict[str, float]:
     """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
     or k sampled completions per prompt at the training temperature (num_generations_eval = k). Returns TRL's
     names and meanings over the whole eval set, which the trainer prefixes with metric_key_prefix ("eval_"):
@@ -29,7 +33,8 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     of every process's calls), and, with k samples, rewards/<func>/mean@k and rewards/<func>/pass@k (the mean
     over prompts of the best of k: for 0/1 rewards, the share of prompts solved at least once); with process
     reward functions, training's process/* metrics (steps split and scored as in training, a prompt's k completions
-    being a group)."""
+    being a group). `on_batch` is called after each of this process's batches (callbacks' on_prediction_step); a
+    progress bar counts the main process's batches."""
     dist, args = ctx.dist, ctx.args
     k = args.num_generations_eval or 1
     mine = list(range(dist.rank, len(data), dist.world_size))
@@ -44,9 +49,14 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state) -> d
     def local():  # this process's share, under run_together. Within independently() (entered by every process
         # together, left before run_together's own collective) a collective generator's calls are matched
         per_func, lengths, truncated, tools, steps = [], [], [], [0.0, 0.0], []
-        with independently(ctx.generator, model):
+        with independently(ctx.generator, model), tqdm(total=math.ceil(len(mine) / bs), desc="evaluation",
+                                                       leave=False, disable=bool(args.disable_tqdm) or not
+                                                       dist.is_main) as bar:
             for start in range(0, len(mine), bs):
                 score_batch(mine[start:start + bs], per_func, lengths, truncated, tools, steps)
+                bar.update()
+                if on_batch is not None:
+                    on_batch()
         return per_func, lengths, truncated, tools, steps, {n: [sum(v), len(v)] for n, v in logged.items()}
 
     def score_batch(indices, per_func, lengths, truncated, tools, steps):

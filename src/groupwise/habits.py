@@ -242,7 +242,8 @@ class TransformersHabits:
         # in eval mode, as transformers' evaluation loop: a rollout_func or reward function reading
         # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it)
         with eval_mode(self.unwrapped), eval_mode(self.sampling_model):
-            raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state)
+            raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state,
+                           on_batch=lambda: self._event("on_prediction_step"))
         metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL: None
                    for k, v in raw.items() if k not in (ignore_keys or ())}
         # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process
