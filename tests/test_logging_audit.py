@@ -169,8 +169,8 @@ def test_report_to_spellings_and_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"report_to='tensorboard' needs `pip install groupwise\[tensorboard\]` "
                                           r"\(or drop it from report_to\)"):
         GRPOConfig(report_to="tensorboard")
-    assert tracker_names({"eval_reward": 1, "test_x": 2, "evaluation": 3}) == {
-        "eval/reward": 1, "test/x": 2, "train/evaluation": 3}
+    assert tracker_names({"eval_reward": 1, "test_x": 2, "evaluation": 3, "train/skipped_steps": 4}) == {
+        "eval/reward": 1, "test/x": 2, "train/evaluation": 3, "train/skipped_steps": 4}  # not train/train/…
 
 
 def test_a_tracker_failing_mid_run_stops_the_run_as_transformers_callbacks_do(tmp_path, tokenizer, monkeypatch):

@@ -21,8 +21,11 @@ if TYPE_CHECKING:
 
 def tracker_names(metrics: dict) -> dict:
     """The names transformers' tracker callbacks give a log line: `eval_x` → `eval/x`, `test_x` → `test/x`, any
-    other `x` → `train/x`."""
+    other `x` → `train/x` (groupwise's own `train/…` metrics, e.g. train/skipped_steps, keep their name, where
+    transformers' rewrite would make it train/train/…)."""
     def name(k: str) -> str:
+        if k.startswith("train/"):
+            return k
         for prefix in ("eval", "test"):
             if k.startswith(prefix + "_"):
                 return f"{prefix}/{k[len(prefix) + 1:]}"
