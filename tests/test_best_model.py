@@ -55,6 +55,7 @@ def _steps(prompts, completions, steps, **_):
                                                          r"reward functions \['_peak_at_step_2'\]"),
     ("process/step_reward_mean", [_peak_at_step_2], [], "this run has no process reward functions"),
     ("process/nope/errors", [_peak_at_step_2], [_steps], "no reward function named 'nope'"),
+    ("rewards/_peak_at_step_2/pass@4", [], [_steps], "this run has no outcome reward functions"),
 ])
 def test_a_metric_the_evaluation_cannot_report_is_refused_at_construction(tmp_path, tokenizer, metric, outcome,
                                                                           process, match):
@@ -64,6 +65,15 @@ def test_a_metric_the_evaluation_cannot_report_is_refused_at_construction(tmp_pa
         GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), outcome, process_reward_funcs=process,
                     args=small_args(tmp_path, metric_for_best_model=metric, supervision=supervision),
                     train_dataset=toy.dataset(8), processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("metric", ["rewards/judge/agreement", "process/judge_latency", "my_metric"])
+def test_names_a_reward_function_may_log_are_not_refused(tmp_path, tokenizer, metric):
+    """log_metric names are reported by evaluation too, and may be anything: only evaluation's own names are
+    checked (a first version refused every rewards/… and process/… name)."""
+    GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peak_at_step_2],
+                args=small_args(tmp_path, metric_for_best_model=metric), train_dataset=toy.dataset(8),
+                processing_class=tokenizer)
 
 
 def test_process_metrics_may_pick_the_best_model(tmp_path, tokenizer):

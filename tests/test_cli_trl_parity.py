@@ -6,6 +6,7 @@ one path, and a negative max_grad_norm."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -293,6 +294,51 @@ def test_trls_own_parsers_build_a_groupwise_grpo_config(tmp_path):
     assert GRPOConfig.from_dict(after.to_dict()).lora_r == 4
     with pytest.raises(ConfigError, match="logging_steps='x' must be of type float"):
         GRPOConfig(logging_steps="x")
+    # TRL's dict fields are `dict | str | None`: JSON text from the parser is a mapping (argparse refused it); 'all'
+    _, args, _ = TrlParser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(
+        ["--output_dir", str(tmp_path / "out"), "--model_init_kwargs", '{"dtype": "float32"}', "--report_to", "all",
+         "--chat_template_kwargs", '{"enable_thinking": false}'])
+    assert args.model_init_kwargs == {"dtype": "float32"} and args.chat_template_kwargs == {"enable_thinking": False}
+    assert args.report_to == GRPOConfig(report_to="all").report_to
+    with pytest.raises(ConfigError, match=r"model_init_kwargs='\{dtype' is not valid JSON"):
+        GRPOConfig(model_init_kwargs="{dtype")
+    with pytest.raises(ConfigError, match="generation_kwargs='\[1\]' must be a mapping"):
+        GRPOConfig(generation_kwargs="[1]")
+
+
+def test_dataclasses_replace_keeps_the_fields_kept_out_of_the_parsers(tmp_path):
+    """The LoRA fields are init=False (so that TRL's parsers leave them to ModelConfig): dataclasses.replace built
+    its copy without them, silently a full fine-tune; the copy takes them from the config it copies."""
+    import copy
+    import dataclasses
+    import pickle
+
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_peft=True, lora_r=8, lora_target_modules=["q_proj"])
+    for twin in (dataclasses.replace(cfg, learning_rate=1e-5), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg)),
+                 GRPOConfig.from_dict(cfg.to_dict())):
+        assert (twin.use_peft, twin.lora_r, twin.lora_target_modules) == (True, 8, ["q_proj"])
+    twin = dataclasses.replace(cfg, learning_rate=1e-5)
+    assert twin.learning_rate == 1e-5 and twin.lora_target_modules is not cfg.lora_target_modules  # a copy
+    assert GRPOConfig(output_dir=str(tmp_path)).lora_r == 16  # a new config: the default, not the last copy's
+
+
+def test_a_subclass_with_fields_of_its_own_goes_through_the_parsers(tmp_path):
+    """transformers rewrites field.type in place (int | None → int); the annotations are read as written in the
+    class, so a user subclass's `int | None` field still takes None after a parser ran."""
+    from transformers import HfArgumentParser
+
+    @dataclasses.dataclass
+    class MyConfig(GRPOConfig):
+        my_opt: int | None = None
+        my_flag: bool = False
+
+    (parsed,) = HfArgumentParser((MyConfig,)).parse_args_into_dataclasses(["--output_dir", str(tmp_path),
+                                                                           "--my_opt", "5"])
+    assert isinstance(parsed, MyConfig) and (parsed.my_opt, parsed.my_flag) == (5, False)
+    (parsed,) = HfArgumentParser((MyConfig,)).parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert parsed.my_opt is None and MyConfig(output_dir=str(tmp_path)).my_opt is None
+    with pytest.raises(ConfigError, match="my_opt='x' must be of type int"):
+        MyConfig(output_dir=str(tmp_path), my_opt="x")
 
 
 def test_a_data_file_without_a_prompt_column_is_named_by_its_field(tmp_path, model_dir, fake, capsys):

@@ -191,3 +191,23 @@ def test_non_bitsandbytes_quantization_is_refused_naming_the_method(tmp_path, ba
     with pytest.raises(ConfigError, match=r"quant_method 'gptq' is not supported; groupwise trains adapters on "
                                           "bitsandbytes"):
         _trainer(tmp_path, str(folder), quantization_config=None)
+
+
+def test_configs_that_dequantize_as_they_load_train_as_any_model(tmp_path):
+    """transformers' advice for training gpt-oss (and TRL's recipe): quantization_config=Mxfp4Config(dequantize=True)
+    loads full-precision weights, as a GGUF file does; the non-bitsandbytes refusal took them for quantized bases.
+    (Mxfp4Config.to_dict() leaves `dequantize` out: it is read from the object.)"""
+    import types
+
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+
+    from groupwise.quantization import check_quantization
+
+    args = small_args(tmp_path)
+    for config in (Mxfp4Config(dequantize=True), FineGrainedFP8Config(dequantize=True)):
+        check_quantization(args, "path", config, lora=False, sharded=True)
+    with pytest.raises(ConfigError, match=r"quant_method 'mxfp4' is not supported; .* dequantize=True"):
+        check_quantization(args, "path", Mxfp4Config(), lora=True, sharded=False)
+    gguf = types.SimpleNamespace(hf_quantizer=types.SimpleNamespace(quantization_config={"quant_method": "gguf"}))
+    fp8 = types.SimpleNamespace(hf_quantizer=types.SimpleNamespace(quantization_config={"quant_method": "fp8"}))
+    assert not is_quantized(gguf) and is_quantized(fp8)

@@ -6,6 +6,7 @@ rest (a fixed output by hand, the replay equivalence, evaluation, the example)."
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -181,11 +182,17 @@ def test_keys_the_trainer_passes_itself_are_refused_and_prompt_completion_left_o
     out = {**_output(tokenizer, None), "prompt": ["x", "y"], "completion": ["z", "w"], "hint": ["h1", "h2"]}
     comp = R.generate(_ctx(tokenizer, args, lambda p: out), None, [{"prompt": "q"}] * 2)
     assert comp.columns == {"hint": ["h1", "h2"]}
-    for key in ("completions", "trainer_state", "log_metric", "steps"):
+    for key in ("completions", "trainer_state", "log_metric"):
         with pytest.raises(ValueError, match=rf"rollout_func returned a key '{key}', which is a reward-function "
                                              "argument the trainer passes itself: rename it"):
             R.generate(_ctx(tokenizer, args, lambda p, key=key: {**_output(tokenizer, None), key: [1, 2]}), None,
                        [{"prompt": "q"}] * 2)
+    # 'steps' is the trainer's only for process reward functions: a column in an outcome-only run (as TRL)
+    with_steps = lambda p: {**_output(tokenizer, None), "steps": [3, 4]}  # noqa: E731
+    assert R.generate(_ctx(tokenizer, args, with_steps), None, [{"prompt": "q"}] * 2).columns == {"steps": [3, 4]}
+    ctx = dataclasses.replace(_ctx(tokenizer, args, with_steps), process_sources=[object()])  # process rewards
+    with pytest.raises(ValueError, match="rollout_func returned a key 'steps'"):
+        R.generate(ctx, None, [{"prompt": "q"}] * 2)
 
 
 def test_token_ids_outside_the_vocabulary_are_named(tokenizer):
@@ -204,6 +211,18 @@ def test_token_ids_outside_the_vocabulary_are_named(tokenizer):
             R.generate(_ctx(tokenizer, args, lambda p, out=out: out), model, [{"prompt": "q"}] * 2)
     ok = {"prompt_ids": [[5], [5]], "completion_ids": [[vocab - 1, eos]] * 2, "logprobs": None}  # the last row: fine
     assert R.generate(_ctx(tokenizer, args, lambda p: ok), model, [{"prompt": "q"}] * 2).completion_ids[0, 0] == vocab - 1
+    # the input embeddings wrapped by PEFT (LoRA on them, modules_to_save, trainable tokens) are read through
+    # their base layer (lora.Embedding has no num_embeddings: the first version of this check crashed there)
+    from peft import LoraConfig, get_peft_model
+
+    from groupwise.modeling import embedding_rows
+
+    for extra in ({"target_modules": ["q_proj", "embed_tokens"]}, {"modules_to_save": ["embed_tokens"]},
+                  {"trainable_token_indices": [3, 4]}):
+        config = LoraConfig(r=4, **{"target_modules": ["q_proj"], **extra})
+        wrapped = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32), config)
+        assert embedding_rows(wrapped) == vocab
+        assert R.generate(_ctx(tokenizer, args, lambda p: ok), wrapped, [{"prompt": "q"}] * 2).completion_ids.size(0) == 2
 
 
 def test_a_2d_tensor_output_is_accepted(tokenizer):

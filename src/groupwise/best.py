@@ -12,6 +12,7 @@ EarlyStoppingCallback reads `state.best_metric` the same way.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from groupwise.config_base import ConfigError
@@ -54,6 +55,13 @@ def check_fields(args, *, sharded: bool = False) -> None:
                               f"({every}), both in steps or both fractions of max_steps")
 
 
+# the metrics evaluation reports per kind of reward function (groupwise.evaluation)
+OUTCOME_METRIC = re.compile(r"^(?:reward|reward_std|frac_reward_zero_std|rewards/(?P<func>.+)/(?:mean|std|mean@\d+|"
+                            r"pass@\d+))$")
+PROCESS_METRIC = re.compile(r"^process/(?:step_reward_mean|steps_per_completion|no_step_completions|unscored_steps|"
+                            r"zero_std_groups|(?P<func>.+)/errors)$")
+
+
 class BestModel:
     def __init__(self, args, outcome: tuple[str, ...] = (), process: tuple[str, ...] = ()):
         """`outcome` / `process`: the names of the run's reward functions of each kind, whose metrics evaluation
@@ -65,17 +73,15 @@ class BestModel:
         if self.key is None:
             return
         metric = self.key.removeprefix("eval_")
-        func = metric.split("/")[1] if metric.startswith(("rewards/", "process/")) and metric.count("/") == 2 else None
-        for kind, names, reports in ((
-                "outcome reward functions", outcome,
-                metric in ("reward", "reward_std", "frac_reward_zero_std") or metric.startswith("rewards/")),
-                ("process reward functions", process, metric.startswith("process/"))):
-            if reports and not names:
+        for kind, names, pattern in (("outcome reward functions", outcome, OUTCOME_METRIC),
+                                     ("process reward functions", process, PROCESS_METRIC)):
+            match = pattern.match(metric)  # a name evaluation gives (a log_metric name may be anything else)
+            if match and not names:
                 raise ConfigError(f"metric_for_best_model={name!r}: this run has no {kind}, so evaluation does not "
                                   "report it; name another evaluation metric")
-            if reports and func is not None and func not in names:
-                raise ConfigError(f"metric_for_best_model={name!r}: no reward function named {func!r} among the "
-                                  f"{kind} {list(names)}")
+            if match and match["func"] is not None and match["func"] not in names:
+                raise ConfigError(f"metric_for_best_model={name!r}: no reward function named {match['func']!r} "
+                                  f"among the {kind} {list(names)}")
 
     def observe(self, state, metrics: dict) -> bool:
         """After an evaluation during training: is `metrics` the best so far? Updates state.best_metric and

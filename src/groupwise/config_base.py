@@ -12,12 +12,16 @@ the field and what is allowed.
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import difflib
 import json
 import math
 import os
 import re
+import sys
+import types
+import typing
 import warnings
 from collections.abc import Iterable
 from dataclasses import field
@@ -35,7 +39,7 @@ _MISSING = dataclasses.MISSING
 
 def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = None, ge: float | None = None,
            gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING,
-           inert: str | None = None, accepts: str | None = None, parsed: bool = True):
+           inert: str | None = None, accepts: str | None = None, parsed: bool = True, json_text: bool = False):
     """A documented config field with its constraints (checked by StrictConfig on construction). `inert` marks a
     field kept for configs written for another trainer that has no effect here: a value other than the default
     warns, with this reason.
@@ -44,9 +48,10 @@ def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = Non
     a union with str), so that a GRPOConfig goes through TRL's parser as TRL's does; `accepts` names the other
     types groupwise takes as well (e.g. 'bool' for resume_from_checkpoint=True). `parsed=False` keeps a field out
     of those parsers (init=False; still a constructor keyword, through StrictConfig): ModelConfig's LoRA fields,
-    which TRL's scripts parse from their ModelConfig."""
+    which TRL's scripts parse from their ModelConfig (dataclasses.replace carries them over). `json_text`: a dict field
+    whose text value is a JSON mapping (TRL's `dict | str | None` fields, parsed as TrainingArguments does)."""
     rules = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("inert", inert),
-                               ("accepts", accepts)) if v is not None}
+                               ("accepts", accepts), ("json_text", json_text or None)) if v is not None}
     kw = {"default": default} if default_factory is _MISSING else {"default_factory": default_factory}
     # the metadata holds what argparse's add_argument takes (those parsers pass it on as keywords); the other rules
     # are kept beside it
@@ -64,13 +69,43 @@ def rules_of(f: dataclasses.Field) -> dict[str, Any]:
     return {**f.metadata, **_RULES.get(f, {})}
 
 
-def annotation_of(f: dataclasses.Field) -> str:
-    """The types a field takes: its annotation as written (kept when the class was made: transformers'
+def annotation_of(f: dataclasses.Field, owner: type | None = None) -> str:
+    """The types a field takes: its annotation as written in its class (`owner` or a base; transformers'
     HfArgumentParser rewrites `field.type` in place, to the one type it parses) and what it `accepts` besides."""
+    annotation = f.type
+    for klass in (owner.__mro__ if owner is not None else ()):
+        written = klass.__dict__.get("__annotations__", {})
+        if f.name in written:
+            annotation = written[f.name]
+            break
     rules = _RULES.get(f, {})
-    annotation = rules.get("annotation", f.type)
-    annotation = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    annotation = _type_text(annotation)
     return annotation if "accepts" not in rules else f"{annotation} | {rules['accepts']}"
+
+
+def _type_text(annotation: Any) -> str:
+    """An annotation as text, as `from __future__ import annotations` keeps it ('int | None', 'list[str]')."""
+    if isinstance(annotation, str):
+        return annotation
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__name__
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in typing.get_args(annotation))
+    return str(annotation).replace("typing.", "")
+
+
+# dataclasses.replace(config, …) builds the copy from its init fields only: the fields kept out of argument parsers
+# (init=False) are taken from the config it copies, which the constructor finds in its caller's frame
+_REPLACE_CODES = {getattr(dataclasses, name).__code__ for name in ("replace", "_replace") if hasattr(dataclasses, name)}
+
+
+def _replaced(frame) -> Any:
+    """The config dataclasses.replace is copying, when `frame` is that call; else None."""
+    if frame is None or frame.f_code not in _REPLACE_CODES:
+        return None
+    return frame.f_locals.get("obj", frame.f_locals.get("self"))
 
 
 class _Screened(type):
@@ -80,7 +115,10 @@ class _Screened(type):
     def __call__(cls, *args, **kwargs):
         kwargs = cls.screen(kwargs)
         # fields kept out of argument parsers (option(parsed=False): init=False) are set before __post_init__
-        late = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if not f.init and f.name in kwargs}
+        hidden = [f.name for f in dataclasses.fields(cls) if not f.init]
+        source = _replaced(sys._getframe(1)) if hidden else None
+        late = {name: copy.deepcopy(getattr(source, name)) for name in hidden if hasattr(source, name)}
+        late.update({name: kwargs.pop(name) for name in hidden if name in kwargs})
         token = _LATE.set(late)
         try:
             return super().__call__(*args, **kwargs)
@@ -94,13 +132,6 @@ class StrictConfig(metaclass=_Screened):
     # names that are not fields but are known (another trainer's fields), each an object with `.reason` and
     # `.accepts(value, all_values)`: an accepted value is dropped, any other is a ConfigError with the reason
     UNSUPPORTED: ClassVar[dict[str, Any]] = {}
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        for name, annotation in cls.__dict__.get("__annotations__", {}).items():  # as written (annotation_of)
-            f = cls.__dict__.get(name)
-            if isinstance(f, dataclasses.Field) and f in _RULES:
-                _RULES[f]["annotation"] = annotation
 
     @classmethod
     def screen(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +150,10 @@ class StrictConfig(metaclass=_Screened):
             setattr(self, name, value)
         _LATE.set({})  # this object's only (a config built inside validate() gets its own)
         for f in dataclasses.fields(self):
-            value = coerce(f.name, annotation_of(f), getattr(self, f.name))
+            value = getattr(self, f.name)
+            if _RULES.get(f, {}).get("json_text") and isinstance(value, str):  # dict fields: JSON text, as TRL reads it
+                value = None if value.strip().lower() in ("none", "null") else _json_mapping(f.name, value)
+            value = coerce(f.name, annotation_of(f, type(self)), value)
             rules = rules_of(f)
             check_rules(f.name, value, rules)
             setattr(self, f.name, value)
@@ -144,7 +178,7 @@ class StrictConfig(metaclass=_Screened):
     @classmethod
     def field_types(cls) -> dict[str, str]:
         """Each field's types (annotation_of), as the command line reads its values."""
-        return {f.name: annotation_of(f) for f in dataclasses.fields(cls)}
+        return {f.name: annotation_of(f, cls) for f in dataclasses.fields(cls)}
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, Any, list[str]]]:
@@ -342,6 +376,16 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
     if listed and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return coerce(name, listed, [value])  # `--lora_modules_to_save lm_head`: a list of one, as TRL's parser
     raise ConfigError(f"{name}={value!r} must be of type {annotation}")
+
+
+def _json_mapping(name: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}={text!r} is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}={text!r} must be a mapping (JSON text of an object: '{{\"key\": value}}')")
+    return value
 
 
 def _number(text: str) -> float | str:

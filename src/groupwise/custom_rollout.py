@@ -40,7 +40,7 @@ from groupwise.text import is_conversational, pad_rows
 from groupwise.types import Completions
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")  # TRL's required keys
-TAKEN = REWARD_KEYWORDS | PROCESS_REWARD_KEYWORDS  # what the trainer passes reward functions itself
+TAKEN = frozenset(REWARD_KEYWORDS | PROCESS_REWARD_KEYWORDS)  # what the trainer passes reward functions itself
 
 
 def check_rollout_func(rollout_func, *, tools: bool) -> None:
@@ -59,14 +59,15 @@ def check_rollout_func(rollout_func, *, tools: bool) -> None:
 def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str, Any]], *, tokenizer,
                         eos_token_ids: list[int], max_completion_length: int, logprobs: bool,
                         device: torch.device, keep_logprobs: bool = False,
-                        vocab_size: int | None = None) -> Completions:
+                        vocab_size: int | None = None, reserved: frozenset[str] = TAKEN) -> Completions:
     """Call `rollout_func` on the rows' prompts and check its output (one-line errors naming the key and the row),
     as a Completions record: prompts left-padded, completions right-padded with their mask over every returned
     token, `truncated` where a completion does not end with an EOS (or pad) token (TRL's rule), tool_mask and
     turn_ends from env_mask, the sampler's log-probs when `logprobs` (required: the importance correction; None
     entries → NaN) or, when `keep_logprobs` (the off-policy mask, which TRL feeds the function's log-probs whenever
     it returns them, else π_θold), when given, the other keys as reward-function columns. Token ids must lie in
-    [0, vocab_size) (the model's embedding rows)."""
+    [0, vocab_size) (the model's embedding rows); `reserved`: the reward keywords the trainer passes itself (the
+    process ones only when the run has process reward functions)."""
     prompts = [r["prompt"] for r in rows]
     out = rollout_func(copy.deepcopy(prompts))
     n = len(prompts)
@@ -118,7 +119,7 @@ def rollout_completions(rollout_func: Callable[[list], Any], rows: list[dict[str
     for key, value in out.items():
         if key in REQUIRED or key in ("env_mask", "prompt", "completion"):  # TRL leaves the last two out too
             continue
-        if key in TAKEN:
+        if key in reserved:
             raise ValueError(f"rollout_func returned a key {key!r}, which is a reward-function argument the trainer "
                              "passes itself: rename it (the other keys reach the reward functions as keywords)")
         if isinstance(value, list):

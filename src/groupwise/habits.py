@@ -90,8 +90,13 @@ class TransformersHabits:
         parquet tables of log_completions, as TRL; not the checkpoints, metrics.jsonl / completions.jsonl or the
         tensorboard `runs/`) to hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads
         are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process.
-        Callbacks' `on_push_begin` fires first, as in transformers (also for the pushes of hub_strategy's saves)."""
+        Callbacks' `on_push_begin` fires first on every process, as in transformers."""
         self._event("on_push_begin")
+        return self._upload(commit_message, token, revision, private, card)
+
+    def _upload(self, commit_message: str, token: str | None = None, revision: str | None = None,
+                private: bool | None = None, card: dict | None = None) -> str | None:
+        card = card or {}
         check_card(card)  # on every process, before anything is written
         out = self.args.output_dir
         self.save_model(out, _internal_call=True)
@@ -111,7 +116,9 @@ class TransformersHabits:
         with 'checkpoint' the whole checkpoint to the repository's last-checkpoint/ folder (replacing it: for
         resuming), with 'all_checkpoints' to its checkpoint-N/ folder."""
         message = f"groupwise: step {self.global_step}"
-        self.push_to_hub(commit_message=message)
+        if self.dist.is_main:  # transformers' _push_from_checkpoint: on the main process only
+            self._event("on_push_begin")
+        self._upload(message)
         if self.args.hub_strategy in ("checkpoint", "all_checkpoints"):
             self.dist.run_together(lambda: push_checkpoint(self.args, str(checkpoint), f"{message}, checkpoint")
                                    if self.dist.is_main else None, "push_to_hub (checkpoint)")

@@ -257,3 +257,15 @@ def eval_mode(model: torch.nn.Module):
         yield model
     finally:
         model.train(was_training)
+
+
+def embedding_rows(model) -> int:
+    """How many token ids the model embeds: its input embeddings' rows (an adapter-wrapped embedding's base
+    layer's; the config's vocab_size when the weight is not there to read)."""
+    emb = model.get_input_embeddings()
+    base = emb.get_base_layer() if hasattr(emb, "get_base_layer") else emb
+    weight = getattr(base, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)

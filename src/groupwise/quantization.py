@@ -28,11 +28,26 @@ QUANTIZATION_FIELDS: dict[str, tuple[str, Any, str]] = {
 QUANTIZATION = {name: default for name, (_, default, _) in QUANTIZATION_FIELDS.items()}  # name: TRL's default
 
 
+# transformers' quantization methods whose weights are full-precision once loaded: GGUF files are dequantized on load
+DEQUANTIZED_ON_LOAD = ("gguf",)
+
+
 def is_quantized(model) -> bool:
     """A model loaded in 4 or 8 bits by bitsandbytes, or quantized by any other transformers method (its
-    `hf_quantizer`; a PeftModel answers for its base)."""
-    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-                or getattr(model, "hf_quantizer", None) is not None)
+    `hf_quantizer`, unless that method leaves full-precision weights; a PeftModel answers for its base)."""
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        return True
+    quantizer = getattr(model, "hf_quantizer", None)
+    return quantizer is not None and not _dequantized(getattr(quantizer, "quantization_config", None))
+
+
+def _dequantized(config) -> bool:
+    """Does this quantization config leave full-precision weights (dequantize=True, e.g. transformers' advice for
+    training gpt-oss with Mxfp4Config(dequantize=True); a GGUF file)?"""
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    method = values.get("quant_method")
+    dequantize = getattr(config, "dequantize", None) if not isinstance(config, dict) else None  # not in to_dict()
+    return bool(dequantize or values.get("dequantize")) or str(getattr(method, "value", method)) in DEQUANTIZED_ON_LOAD
 
 
 def saved_quantization(model: str, args: GRPOConfig) -> dict | None:
@@ -91,15 +106,18 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
         raise ConfigError("quantization_config is set both as a GRPOTrainer argument and in model_init_kwargs: "
                           "set it in one place, preferably as the trainer argument (TRL's rule)")
     quantization_config = quantization_config if quantization_config is not None else in_kwargs
-    saved = saved_quantization(model, args) if isinstance(model, str) and quantization_config is None else None
-    quantized = quantization_config is not None or saved is not None or (
-        not isinstance(model, str) and is_quantized(model))
-    if not quantized:
-        return
     if quantization_config is not None and not isinstance(model, str):
         raise ConfigError("quantization_config applies when the model is loaded from a path: the model passed is "
                           "already loaded; pass its path, or load it with from_pretrained(…, "
                           "quantization_config=…) yourself")
+    if quantization_config is not None and _dequantized(quantization_config):
+        return  # full-precision weights once loaded (dequantize=True): trained as any model
+    saved = saved_quantization(model, args) if isinstance(model, str) and quantization_config is None else None
+    saved = None if saved is not None and _dequantized(saved) else saved
+    quantized = quantization_config is not None or saved is not None or (
+        not isinstance(model, str) and is_quantized(model))
+    if not quantized:
+        return
     what = ("quantization_config" if quantization_config is not None else
             f"{model!r}, saved quantized (its config.json's quantization_config)" if saved is not None else
             "a model loaded in 4 / 8 bits")
@@ -114,7 +132,8 @@ def check_quantization(args: GRPOConfig, model, quantization_config, *, lora: bo
     if method != "bitsandbytes":  # what the checks below and groupwise.sharding are written for
         raise ConfigError(f"{what}: quant_method {method!r} is not supported; groupwise trains adapters on "
                           "bitsandbytes 4 / 8-bit bases (QLoRA): load the unquantized model with load_in_4bit / "
-                          "quantization_config=BitsAndBytesConfig(…)")
+                          "quantization_config=BitsAndBytesConfig(…), or dequantize it as it loads (a quantization "
+                          "config with dequantize=True, e.g. Mxfp4Config(dequantize=True))")
     if given is not None:
         _need_bitsandbytes(what)
     if not lora:

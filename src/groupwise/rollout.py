@@ -26,10 +26,11 @@ from groupwise.core.supervision import token_advantages
 from groupwise.custom_rollout import rollout_completions
 from groupwise.dynamic import group_signal, refill
 from groupwise.generation import independently
-from groupwise.modeling import batched_logps
+from groupwise.modeling import batched_logps, embedding_rows
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.combine import reward_weights
-from groupwise.rewards.process import compute_step_rewards
+from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, compute_step_rewards
+from groupwise.rewards.sources import REWARD_KEYWORDS
 from groupwise.rewards.steps import TOOL_TEXT_STEPS, StepSplitter
 from groupwise.rollout_metrics import round_metrics, sampling_metrics, trl_reward
 from groupwise.text import (completion_masks, encode_prompts, is_conversational, pad_rows, pad_to_multiple,
@@ -171,7 +172,8 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
                 max_completion_length=args.max_completion_length, logprobs=want and (ctx.correct_sampling or args.corrects_sampling),
                 device=device, keep_logprobs=want or args.off_policy_mask_threshold is not None and not greedy
                 and not evaluation,  # the mask alone falls back to π_θold without them, as TRL
-                vocab_size=model.get_input_embeddings().num_embeddings if model is not None else None)
+                vocab_size=embedding_rows(model) if model is not None else None,
+                reserved=REWARD_KEYWORDS | (PROCESS_REWARD_KEYWORDS if ctx.process_sources else frozenset()))
 
         # training: a failure on one process (its output refused) stops every process; evaluation runs its
         # processes' different numbers of calls under run_together already (groupwise.evaluation)
