@@ -52,8 +52,8 @@ def test_a_callback_stopping_mid_epoch_gets_the_epoch_end_and_its_log_evaluation
     trainer, rec = _train(tmp_path, tokenizer, stop, max_steps=10, eval_strategy="epoch", save_strategy="epoch",
                           logging_strategy="epoch")
     tail = rec.names()[rec.names().index("on_step_end"):]
-    assert tail == ["on_step_end", "on_epoch_end", "on_log", "on_log", "on_evaluate", "on_save", "on_log",
-                    "on_train_end"]
+    assert tail == ["on_step_end", "on_epoch_end", "on_log", "on_prediction_step", "on_log", "on_evaluate",
+                    "on_save", "on_log", "on_train_end"]  # one evaluation batch (4 prompts)
     assert (tmp_path / "out" / "checkpoint-1").is_dir()
     assert "loss" in trainer.state.log_history[0] and "eval_reward" in trainer.state.log_history[1]
 
