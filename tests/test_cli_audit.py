@@ -268,6 +268,11 @@ def test_yaml_types_a_trl_user_writes():
     # a text field given a number in exponent form gets it as written, not as the float's repr (12345000000.0)
     c = GRPOConfig(**read_yaml("run_name: 3e10\nhub_revision: 12345e6\nlearning_rate: 1e-6"))
     assert (c.run_name, c.hub_revision, c.learning_rate) == ("3e10", "12345e6", 1e-6)
+    # from_pretrained's text arguments inside a mapping too (the commit 12345e6 was the number 1.2345e10)
+    c = GRPOConfig(**read_yaml("model_init_kwargs: {revision: 12345e6, dtype: float32}\n"
+                               "lr_scheduler_kwargs: {min_lr: 1e-7}\nlr_scheduler_type: cosine_with_min_lr"))
+    assert c.model_init_kwargs == {"revision": "12345e6", "dtype": "float32"}
+    assert type(c.model_init_kwargs["revision"]) is str and c.lr_scheduler_kwargs == {"min_lr": 1e-7}
     assert type(c.learning_rate) is float
     with pytest.raises(ConfigError, match=r"reward_weights must be a list of finite numbers, got \['x'\]"):
         GRPOConfig(reward_weights=["x"])

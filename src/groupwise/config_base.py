@@ -153,6 +153,8 @@ class StrictConfig(metaclass=_Screened):
             value = getattr(self, f.name)
             if _RULES.get(f, {}).get("json_text") and isinstance(value, str):  # dict fields: JSON text, as TRL reads it
                 value = None if value.strip().lower() in ("none", "null") else _json_mapping(f.name, value)
+            if isinstance(value, dict) and any(isinstance(value.get(k), YamlFloat) for k in TEXT_KWARGS):
+                value = {k: v.text if k in TEXT_KWARGS and isinstance(v, YamlFloat) else v for k, v in value.items()}
             value = coerce(f.name, annotation_of(f, type(self)), value)
             rules = rules_of(f)
             check_rules(f.name, value, rules)
@@ -270,6 +272,10 @@ class YamlLoader(yaml.SafeLoader):
     and a sign: it read them as text, which TRL's parser then turns into numbers for its float fields). Such a
     number remembers its text (YamlFloat): a field that takes text gets it as written (a commit id 12345e6, a
     run_name 3e10). A quoted "1e-7" stays text, and so does an exponent of 3 digits or more (2e45607: inf)."""
+
+
+# from_pretrained arguments that are always text: an unquoted `revision: 12345e6` in a YAML mapping is that text
+TEXT_KWARGS = ("revision", "code_revision", "subfolder", "attn_implementation", "gguf_file", "cache_dir")
 
 
 class YamlFloat(float):
