@@ -149,6 +149,17 @@ INVALID = [
 ]
 
 
+def test_the_batch_sizes_suggested_with_dynamic_sampling_pass_its_check_too(monkeypatch):
+    """2 processes, B = 3, G = 4, dynamic_sampling: B ∈ {2, 6, …} makes the global batch whole groups but not each
+    process's (2 completions per process); the suggestion offered 2, which the next check refused."""
+    with processes(2, monkeypatch), pytest.raises(ConfigError, match=r"per_device_train_batch_size to one of "
+                                                                    r"\[4, 8, 12, 16\]") as err:
+        GRPOConfig(per_device_train_batch_size=3, num_generations=4, dynamic_sampling=True)
+    for b in map(int, re.search(r"one of \[([\d, ]+)\]", str(err.value))[1].split(", ")):
+        with processes(2, monkeypatch):
+            GRPOConfig(per_device_train_batch_size=b, num_generations=4, dynamic_sampling=True)
+
+
 @pytest.mark.parametrize("W, kw, match", INVALID)
 def test_invalid_combinations_fail_like_trl_with_a_fix(W, kw, match, monkeypatch):
     with pytest.raises(ValueError):  # TRL refuses the same combination

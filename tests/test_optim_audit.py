@@ -121,6 +121,30 @@ def test_fractional_epochs_give_transformers_max_steps_and_the_logged_rate_is_th
     assert [x["learning_rate"] for x in lines if "learning_rate" in x] == pytest.approx([0.0, 0.005, 0.01])
 
 
+@pytest.mark.slow
+def test_epochs_of_a_dataset_that_is_not_whole_rounds_take_the_steps_of_those_epochs(tmp_path):
+    """10 prompts, rounds of 4 prompts (16 rows) of 2 optimizer steps, num_train_epochs=3. Rounds wrap around the
+    epochs (an epoch's last round is filled from the next one's order), so 3 epochs = 30 prompts = 7.5 rounds =
+    ceil(3 · 10 / 4 · 2) = 15 steps. It was ceil(3 · ceil(10 / 4) · 2) = 18 (3.6 epochs: the run overshot, stretched
+    the schedule and fired a 4th on_epoch_end). Epochs end at steps 6 (12 prompts), 10 (20) and 15 (the stop)."""
+    from transformers import TrainerCallback
+
+    class Epochs(TrainerCallback):
+        ends: list = []
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self.ends.append(state.global_step)
+
+    tokenizer = toy.build_tokenizer()
+    args = small_args(tmp_path, max_steps=-1, num_train_epochs=3, steps_per_generation=2, logging_steps=5)
+    trainer = GRPOTrainer(toy.build_model(tokenizer, hidden_size=16, num_layers=1), [toy.letter_reward], args=args,
+                          train_dataset=toy.dataset(10), processing_class=tokenizer, callbacks=[Epochs])
+    assert (trainer.max_steps, trainer.state.num_train_epochs) == (15, 3)
+    trainer.train()
+    assert trainer.global_step == 15 and Epochs.ends == [6, 10, 15]
+    assert trainer.state.epoch == pytest.approx(3.0)
+
+
 @pytest.mark.parametrize("optim, optim_args, key, want", [
     ("sgd", "momentum=0.9,nesterov=false", "nesterov", False),  # was the string 'false', which is truthy
     ("sgd", "momentum=0.9,nesterov=no", "nesterov", False),

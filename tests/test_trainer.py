@@ -91,6 +91,22 @@ def test_old_logps_only_when_needed(tmp_path, tokenizer, tiny_model):
     on_policy = _trainer(tmp_path, tiny_model, tokenizer)
     assert not on_policy.rollout_ctx.need_old_logps and on_policy.reference is None
     assert _trainer(tmp_path, tiny_model, tokenizer, num_iterations=2).rollout_ctx.need_old_logps
+    # S = 1, μ = 2 passes accumulated into one optimizer step (gradient_accumulation_steps = 2): the policy does not move
+    # within the round, so π_θold is π_θ detached (TRL skips the pass too); the same step as with the extra pass
+    import dataclasses
+
+    def one_step(force):
+        model = toy.build_model(tokenizer, seed=0, hidden_size=32)
+        t = _trainer(tmp_path, model, tokenizer, num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=1,
+                     max_steps=1, beta=0.0, output_dir=str(tmp_path / f"force-{force}"))
+        assert not t.rollout_ctx.need_old_logps
+        if force:
+            t.rollout_ctx = dataclasses.replace(t.rollout_ctx, need_old_logps=True)
+        t.train()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(one_step(False), one_step(True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_chat_prompts(tmp_path, tokenizer, tiny_model):

@@ -87,7 +87,8 @@ def resolve(args, world_size: int) -> BatchLayout:
         return f"set steps_per_generation={k} (generation_batch_size={per_round * k})"
 
     if gen_batch % G:
-        valid = [b for b in range(1, 4 * G + 1) if b * W * steps % G == 0][:6]
+        valid = [b for b in range(1, 4 * G + 1)  # each passing the dynamic_sampling check below too
+                 if b * W * steps % G == 0 and not (args.dynamic_sampling and b * steps % G)][:6]
         change = "" if "generation_batch_size" in user else \
             f", or per_device_train_batch_size to one of {valid}"
         raise ConfigError(

@@ -107,8 +107,10 @@ class GRPOTrainer(TransformersHabits):
             PromptSampler(len(self.train_data), self.layout.prompts_per_generation, shuffle=args.shuffle_dataset,
                           seed=data_seed)
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
-        self.max_steps = args.max_steps if args.max_steps > 0 else \
-            math.ceil(args.num_train_epochs * (self.sampler.rounds_per_epoch() * self.steps_per_round))  # transformers
+        # num_train_epochs: the steps that cover that many passes over the prompts (transformers' ceil(E × steps per
+        # epoch); rounds wrap around the epochs, so a dataset that is not whole rounds needs no extra round per epoch)
+        self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(
+            args.num_train_epochs * len(self.train_data) / self.layout.prompts_per_generation * self.steps_per_round)
         from transformers import TrainerControl, TrainerState
 
         # transformers' own records, as TRL users read them: state.global_step, state.log_history, …
@@ -195,8 +197,9 @@ class GRPOTrainer(TransformersHabits):
             correct_sampling=args.corrects_sampling,
             # TRL's reward-function keywords: curriculum from the state, metrics and completion columns out
             reward_kwargs={"trainer_state": self.state, "log_metric": self._log_metric, "log_extra": self._log_extra},
-            # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation
-            need_old_logps=args.num_iterations > 1 or self.layout.steps_per_generation > args.gradient_accumulation_steps)
+            # π_θold differs from π_θ for a micro-batch whenever an optimizer step happened since generation: a round
+            # of more than one step (TRL: unless gradient_accumulation_steps % (steps_per_generation × μ) == 0)
+            need_old_logps=self.steps_per_round > 1)
 
     @property
     def global_step(self) -> int:
