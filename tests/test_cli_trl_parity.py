@@ -271,12 +271,13 @@ def test_trls_own_parsers_build_a_groupwise_grpo_config(tmp_path):
     argv = ["--output_dir", str(tmp_path / "out"), "--logging_steps", "5", "--save_steps", "0.5",
             "--eval_strategy", "steps", "--eval_steps", "10", "--scale_rewards", "batch", "--report_to", "none",
             "--resume_from_checkpoint", str(tmp_path / "ckpt"), "--learning_rate", "1e-5", "--bf16", "false",
-            "--fsdp", "full_shard", "--pad_to_multiple_of", "8", "--beta", "0.04"]
+            "--fsdp", "full_shard", "--pad_to_multiple_of", "8", "--beta", "0.04", "--log_level", "detail"]
     (parsed,) = HfArgumentParser((GRPOConfig,)).parse_args_into_dataclasses(argv)
     expected = GRPOConfig(output_dir=str(tmp_path / "out"), logging_steps=5, save_steps=0.5, eval_strategy="steps",
                           eval_steps=10, scale_rewards="batch", report_to="none",
                           resume_from_checkpoint=str(tmp_path / "ckpt"), learning_rate=1e-5, bf16=False,
-                          fsdp="full_shard", pad_to_multiple_of=8, beta=0.04)
+                          fsdp="full_shard", pad_to_multiple_of=8, beta=0.04, log_level="detail",  # transformers
+                          include_num_input_tokens_seen=False)  # the parser reads the default 'no' as a bool, as TRL's
     assert isinstance(parsed, GRPOConfig) and parsed.to_dict() == expected.to_dict()
     config = tmp_path / "grpo.yaml"
     config.write_text(yaml.safe_dump({"model_name_or_path": "m", "dataset_name": "d", "use_peft": True, "lora_r": 8,
@@ -286,6 +287,14 @@ def test_trls_own_parsers_build_a_groupwise_grpo_config(tmp_path):
     assert isinstance(args, GRPOConfig) and (args.num_generations, args.max_completion_length) == (4, 64)
     assert (model.use_peft, model.lora_r, script.dataset_name) == (True, 8, "d")  # TRL's ModelConfig holds LoRA
     assert not args.use_peft  # groupwise's own copy of those fields stays unset: TRL passes peft_config
+    # TRL's fields groupwise does not support are parser fields too: set in a config file or on the command line,
+    # refused by name (TRL's script drops an unknown argument silently: a DeepSpeed config would have been ignored)
+    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "deepspeed": "ds.json", "bf16": False}))
+    with pytest.raises(ConfigError, match="TRL field deepspeed='ds.json' is not supported by groupwise: DeepSpeed"):
+        TrlParser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(["--config", str(config)],
+                                                                                    fail_with_unknown_args=False)
+    with pytest.raises(ConfigError, match="TRL field use_cpu=True is not supported"):
+        HfArgumentParser((GRPOConfig,)).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "1"])
     # the parsers rewrote the fields' types in place (transformers does); groupwise still reads what they accept
     after = GRPOConfig(resume_from_checkpoint=True, fsdp=["full_shard", "offload"], scale_rewards=False,
                        report_to=["none"], use_peft=True, lora_r=4)

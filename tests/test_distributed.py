@@ -75,6 +75,8 @@ def test_each_process_samples_its_first_round_from_the_policy_it_trains(tmp_path
     process rank 0's, but a generation_dtype replica copied before that kept process 1's own until step 1."""
     _launch(2, "replica", tmp_path)
     assert [json.loads((tmp_path / f"result_{r}.json").read_text())["same"] for r in (0, 1)] == [True, True]
+    # then trainer.end() (TRL's scripts call it; it did not exist) destroyed the process group on both
+    assert [json.loads((tmp_path / f"result_{r}.json").read_text())["group_left"] for r in (0, 1)] == [True, True]
 
 
 @pytest.mark.slow

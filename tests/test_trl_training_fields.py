@@ -353,6 +353,7 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
     t.train()
     uploads = [c for c in _FakeHub.calls if c[0] == "upload_folder"]
     assert [c[2] for c in uploads] == ["groupwise: step 1", "groupwise: step 2"]  # the end is step 2: once
+    assert t.hub_model_id == "me/tiny-grpo"  # transformers' attribute (TRL's script prints it; it did not exist)
     assert all(c[1] == "me/tiny-grpo" and "model.safetensors" in c[4] and "checkpoint-*" in c[5] for c in uploads)
     assert ("create_repo", "me/tiny-grpo", True) in _FakeHub.calls
     assert t.push_to_hub(commit_message="by hand") == "https://hub/me/tiny-grpo/commit/1"

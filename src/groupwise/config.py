@@ -18,8 +18,8 @@ from typing import Any
 
 from groupwise.best import check_fields as check_best_fields
 from groupwise.config_habits import TrainingArgumentsHabits
-from groupwise.config_base import HUB_ID, ConfigError, StrictConfig, load_yaml, option
-from groupwise.config_trl import TRL_NOT_SUPPORTED
+from groupwise.config_base import HUB_ID, ConfigError, load_yaml, option
+from groupwise.config_trl import TRL_NOT_SUPPORTED, TRLFields
 from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
@@ -53,7 +53,7 @@ SWITCHED_FIELDS = {
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
 
 @dataclass
-class GRPOConfig(StrictConfig, TrainingArgumentsHabits):
+class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     """Configuration of a GRPO run (DeepSeekMath §4.1; arXiv 2402.03300). Field names follow TRL's GRPOConfig."""
 
     # ---- output, logging, checkpoints -------------------------------------------------------------------------

@@ -149,8 +149,13 @@ class StrictConfig(metaclass=_Screened):
         for name, value in _LATE.get().items():
             setattr(self, name, value)
         _LATE.set({})  # this object's only (a config built inside validate() gets its own)
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            entry = self.UNSUPPORTED.get(f.name)  # another trainer's field, kept at its default (TRLFields)
+            if entry is not None and not entry.accepts(value, given):
+                raise ConfigError(f"{type(self).__name__}: TRL field {f.name}={value!r} is not supported by "
+                                  f"groupwise: {entry.reason} (docs/trl_compat.md)")
             if _RULES.get(f, {}).get("json_text") and isinstance(value, str):  # dict fields: JSON text, as TRL reads it
                 value = None if value.strip().lower() in ("none", "null") else _json_mapping(f.name, value)
             if isinstance(value, dict) and any(isinstance(value.get(k), YamlFloat) for k in TEXT_KWARGS):
@@ -188,6 +193,8 @@ class StrictConfig(metaclass=_Screened):
         entries carry a `summary` is shown as "name: summary"."""
         out = []
         for f in dataclasses.fields(cls):
+            if f.name in cls.UNSUPPORTED:  # TRL's fields kept only to be refused (docs/trl_compat.md lists them)
+                continue
             registry = f.metadata.get("choices", ())
             choices = [f"{k}: {registry[k].summary}" if hasattr(registry, "get") and hasattr(registry[k], "summary")
                        else str(k) for k in registry]

@@ -8,7 +8,7 @@ dumped whole loads, since it asks for nothing groupwise lacks. Any other value i
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from typing import Any
 
 
@@ -96,3 +96,45 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "log_completions_hub_repo": NotSupported(None, "completions are written to output_dir/completions.jsonl; "
                                                    "upload that file yourself"),
 }
+
+# TRL 1.16's annotations of those fields, in a form TRL's parser reads (TrlParser / HfArgumentParser): each is a
+# GRPOConfig field (TRLFields), so that a TRL script's config file or command line that sets one is refused by name
+# instead of being dropped as an unknown argument; at TRL's default it is kept and does nothing
+PARSER_TYPES = {
+    "use_transformers_paged": "bool", "use_transformers_continuous_batching": "bool",
+    "transformers_continuous_batching_config": "dict | str | None", "cache_implementation": "str | None",
+    "use_liger_kernel": "bool", "liger_kernel_config": "dict | str | None", "bf16_full_eval": "bool",
+    "fp16_full_eval": "bool", "use_cpu": "bool", "deepspeed": "dict | str | None", "ds3_gather_for_generation": "bool",
+    "accelerator_config": "dict | str | None", "parallelism_config": "str | None", "save_on_each_node": "bool",
+    "neftune_noise_alpha": "float | None", "label_smoothing_factor": "float", "label_names": "list[str] | None",
+    "optim_target_modules": "str | None", "auto_find_batch_size": "bool", "train_sampling_strategy": "str",
+    "length_column_name": "str", "ignore_data_skip": "bool", "include_num_input_tokens_seen": "bool",
+    "prediction_loss_only": "bool", "eval_do_concat_batches": "bool", "eval_use_gather_object": "bool",
+    "eval_accumulation_steps": "int | None", "include_for_metrics": "list[str]", "batch_eval_metrics": "bool",
+    "enable_jit_checkpoint": "bool", "debug": "str", "project": "str", "trackio_space_id": "str | None",
+    "trackio_bucket_id": "str | None", "trackio_static_space_id": "str | None", "log_completions_hub_repo": "str | None",
+}
+# the other values TRL writes or accepts for some of them (option's `accepts`: read, then checked by NotSupported)
+PARSER_ACCEPTS = {"debug": "list[str]", "include_num_input_tokens_seen": "str", "optim_target_modules": "list[str]",
+                  "trackio_static_space_id": "bool", "parallelism_config": "dict"}
+
+
+def _field(name: str, entry: NotSupported):
+    from groupwise.config_base import option
+
+    default = {"default_factory": list} if entry.default == [] else {"default": entry.default}
+    return name, PARSER_TYPES[name], option(f"TRL's field, not supported by groupwise: {entry.reason}.",
+                                            accepts=PARSER_ACCEPTS.get(name), **default)
+
+
+def _trl_fields():
+    """The base dataclass of GRPOConfig holding TRL_NOT_SUPPORTED's TRL 1.16 fields (use_liger_loss, older TRL's,
+    stays a constructor keyword only); StrictConfig refuses a value other than TRL's (NotSupported.accepts)."""
+    from groupwise.config_base import StrictConfig
+
+    return make_dataclass("TRLFields", [_field(name, entry) for name, entry in TRL_NOT_SUPPORTED.items()
+                                        if name in PARSER_TYPES], bases=(StrictConfig,),
+                          namespace={"__module__": __name__})
+
+
+TRLFields = _trl_fields()

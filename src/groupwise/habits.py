@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from groupwise.callbacks import epoch_flow
 from groupwise.config_base import ConfigError
 from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
-from groupwise.hub import check_card, push_checkpoint, push_folder, write_model_card
+from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
 from groupwise.modeling import eval_mode
 
@@ -66,6 +67,23 @@ class TransformersHabits:
         return self.dist.accelerator
 
     @property
+    def hub_model_id(self) -> str | None:
+        """The hub repository pushes go to (transformers' attribute): the created repository's full id once a push
+        happened (read from its commit URL), before that hub_model_id or output_dir's folder name; None without
+        push_to_hub and hub_model_id."""
+        url = getattr(self, "_hub_commit_url", None)
+        found = re.match(r"^https?://[^/]+/(.+?)/commit/", url) if isinstance(url, str) else None
+        if found:
+            return found[1]
+        return repo_id(self.args) if self.args.push_to_hub else self.args.hub_model_id
+
+    def end(self) -> None:
+        """transformers' Trainer.end() (TRL's scripts call it last): the trackers were closed by train(); the
+        process group is destroyed, so nothing that talks to the other processes (train, evaluate, save_model,
+        push_to_hub) can run after it."""
+        self.dist.teardown()
+
+    @property
     def ref_model(self):
         """The frozen reference copy; None when β = 0 and for a PEFT policy (the policy with its adapters off), as
         in TRL."""
@@ -107,9 +125,11 @@ class TransformersHabits:
             write_model_card(out, self.args, base, **card)
         self._pushed_at = self.global_step
         # the main process uploads; a failure there stops every process instead of leaving them in a barrier
-        return self.dist.run_together(
+        url = self.dist.run_together(
             lambda: push_folder(self.args, out, commit_message, token=token, revision=revision, private=private)
             if self.dist.is_main else None, "push_to_hub")
+        self._hub_commit_url = url if url is not None else getattr(self, "_hub_commit_url", None)
+        return url
 
     def _push_save(self, checkpoint) -> None:
         """push_to_hub at a save, by hub_strategy (transformers' _push_from_checkpoint): the model (output_dir), then

@@ -144,7 +144,7 @@ def _wandb(output_dir: str, config: dict, model=None):
 
 
 # GRPOConfig.log_level / log_level_replica: transformers' names; "passive" leaves the levels as they are
-LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": None}
+LOG_LEVELS = {"detail": 10, "debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": None}
 
 
 def set_log_level(level: str) -> None:
