@@ -72,3 +72,40 @@ def test_tools(tmp_path):
     assert all(x["rewards/correctness_reward/errors"] == 0.0 for x in lines)
     rows = _lines(tmp_path / "tools" / "completions.jsonl")
     assert rows and all(isinstance(r["completion"], list) and r["completion"][0]["role"] == "assistant" for r in rows)
+
+
+@pytest.mark.slow
+def test_trls_own_grpo_script_with_its_imports_switched(tmp_path):
+    """TRL 1.16's scripts/grpo.py (`trl grpo`), its two imports of GRPOConfig / GRPOTrainer switched to groupwise,
+    everything else TRL's (TrlParser with ScriptArguments, ModelConfig and DatasetMixtureConfig, get_dataset,
+    get_peft_config, its reward registry, trainer.end()): it trains with LoRA from a local model and data folder and
+    exits 0 (it exited 1: no trainer.end(); before that TrlParser could not even build)."""
+    import trl.scripts.grpo as trl_grpo
+
+    from groupwise.tasks import toy
+
+    source = Path(trl_grpo.__file__).read_text()
+    switched = source.replace("    from trl import GRPOTrainer, get_dataset,",
+                              "    from groupwise import GRPOTrainer\n    from trl import get_dataset,")
+    switched = switched.replace("    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser",
+                                "    from groupwise import GRPOConfig\n"
+                                "    from trl import DatasetMixtureConfig, ModelConfig, TrlParser")
+    assert switched.count("from groupwise import") == 2, "TRL's grpo.py changed its imports"
+    script = tmp_path / "grpo.py"
+    script.write_text(switched)
+    toy.save_tiny_model(str(tmp_path / "model"))
+    (tmp_path / "data").mkdir()
+    toy.math_dataset(8).to_json(str(tmp_path / "data" / "train.jsonl"))
+    args = ["--model_name_or_path", "model", "--dataset_name", "data", "--output_dir", "out", "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+            "--bf16", "false", "--report_to", "none", "--logging_steps", "1", "--save_steps", "1",
+            "--reward_funcs", "think_format_reward", "--use_peft", "--lora_r", "8"]
+    proc = torchrun(script, *args, nproc=1, cwd=tmp_path, timeout=600,
+                    env={"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1",
+                         "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "adapter_model.safetensors").exists() and (out / "checkpoint-2").is_dir()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 8  # ModelConfig's --lora_r reached it
+    assert [x["step"] for x in _lines(out / "metrics.jsonl")] == [1, 2]
