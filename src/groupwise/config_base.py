@@ -366,12 +366,7 @@ def coerce(name: str, annotation: str, value: Any) -> Any:
             return dict(value)
     if isinstance(value, str):  # '1e-3' from YAML 1.1 or the command line; a dict as JSON text (TRL parses it)
         if any(a.startswith("dict") for a in allowed) and value.lstrip().startswith("{"):
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{name}={value!r} is not valid JSON: {e.msg} at column {e.colno}") from None
-            if isinstance(parsed, dict):
-                return parsed
+            return _json_mapping(name, value)
         for a in allowed:
             if a in ("float", "int"):
                 try:
