@@ -469,19 +469,6 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
         mask when the sampler differs (its KL is then measured from the policy that really sampled, as TRL)."""
         return self.corrects_sampling or (self.off_policy_mask_threshold is not None and self.samples_apart)
 
-    def every(self, name: str, max_steps: int) -> int:
-        """logging_steps / save_steps / eval_steps in optimizer steps: a fraction below 1 of max_steps, rounded up."""
-        value = getattr(self, name) or 0
-        return math.ceil(max_steps * value) if 0 < value < 1 else int(value)
-
-    def warmup(self, max_steps: int) -> int:
-        """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""
-        if self.warmup_steps >= 1:
-            return int(self.warmup_steps)
-        if self.warmup_steps > 0:
-            return math.ceil(max_steps * self.warmup_steps)
-        return math.ceil(self.warmup_ratio * max_steps)  # transformers 4's rounding
-
     def estimator_options(self, *, outcome: bool = False) -> dict[str, Any]:
         """`estimator=` and the options the chosen advantage estimator takes, read from their fields. `outcome`:
         for the combined outcome reward, whose scale the multi_objective_aggregation may fix."""

@@ -6,6 +6,7 @@ else from the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK), as accelera
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -70,6 +71,19 @@ class TrainingArgumentsHabits:
     def eval_batch_size(self) -> int:
         """transformers: per_device_eval_batch_size × max(1, n_gpu)."""
         return self.per_device_eval_batch_size * max(1, self.n_gpu)
+
+    def every(self, name: str, max_steps: int) -> int:
+        """logging_steps / save_steps / eval_steps in optimizer steps: a fraction below 1 of max_steps, rounded up."""
+        value = getattr(self, name) or 0
+        return math.ceil(max_steps * value) if 0 < value < 1 else int(value)
+
+    def warmup(self, max_steps: int) -> int:
+        """Warm-up steps of a run of max_steps: warmup_steps as transformers 5 reads it, else warmup_ratio."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        if self.warmup_steps > 0:
+            return math.ceil(max_steps * self.warmup_steps)
+        return math.ceil(self.warmup_ratio * max_steps)  # transformers 4's rounding
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
         """Warm-up steps of a run of num_training_steps (warmup_steps, or warmup_ratio of the run)."""
