@@ -145,6 +145,22 @@ def test_epochs_of_a_dataset_that_is_not_whole_rounds_take_the_steps_of_those_ep
     assert trainer.state.epoch == pytest.approx(3.0)
 
 
+def test_a_checkpoint_planned_by_the_former_epoch_count_is_named_on_resume(tmp_path):
+    """A run of num_train_epochs=3 over 10 prompts planned 18 steps before the epoch count was exact (15 now):
+    resuming it re-planned silently (its schedule stretched to 15, or step 16 'not before max_steps=15'). The
+    checkpoint is named with the max_steps that finishes it as planned; that max_steps, given, resumes."""
+    from groupwise.checkpoint import CheckpointError
+    from groupwise.checkpoint_load import check_resume
+
+    state = {"global_step": 8, "world_size": 1, "max_steps": 18}
+    derived = small_args(tmp_path, max_steps=-1, num_train_epochs=3)
+    with pytest.raises(CheckpointError, match=r"planned for max_steps=18 by num_train_epochs=3.0 .* resume with "
+                                              r"max_steps=18 to finish it as planned"):
+        check_resume("ckpt", state, derived, world_size=1, max_steps=15, epoch_steps_before=18)
+    check_resume("ckpt", {**state, "max_steps": 15}, derived, world_size=1, max_steps=15, epoch_steps_before=18)
+    check_resume("ckpt", state, small_args(tmp_path, max_steps=18), world_size=1, max_steps=18, epoch_steps_before=18)
+
+
 @pytest.mark.parametrize("optim, optim_args, key, want", [
     ("sgd", "momentum=0.9,nesterov=false", "nesterov", False),  # was the string 'false', which is truthy
     ("sgd", "momentum=0.9,nesterov=no", "nesterov", False),

@@ -109,3 +109,30 @@ def test_every_trl_trainer_argument_is_taken():
 def test_unknown_names_still_get_a_close_match():
     with pytest.raises(ConfigError, match=r"unknown field 'optim_arg'; did you mean 'optim_args'"):
         GRPOConfig(optim_arg="x")
+
+
+def test_trls_unsupported_fields_as_the_command_line_and_yaml_give_them(tmp_path):
+    """They are GRPOConfig fields (TRLFields, so that TRL's parsers refuse them by name): keyword-only, so
+    GRPOConfig("out") is still output_dir; their text values (groupwise train's command line) and nulls read by
+    type before the check (TRL's default given as text was refused); a subclass's own field of one of their names is
+    its own (a wandb `project`)."""
+    from groupwise.cli import build_run, parse_overrides
+    from groupwise.config_base import read_yaml
+
+    assert GRPOConfig(str(tmp_path)).output_dir == str(tmp_path)  # the first positional argument
+    for argv in (["--include_num_input_tokens_seen", "true"], ["--label_smoothing_factor", "0"],
+                 ["--liger_kernel_config", "null"], ["--optim_target_modules", "None"], ["--use_cpu", "false"]):
+        _, args = build_run({"model_name_or_path": "m", "output_dir": str(tmp_path), **parse_overrides(argv)})
+    assert args.use_cpu is False and args.liger_kernel_config is None
+    for text in ("use_cpu: null", "debug: null", "label_smoothing_factor: null", "include_for_metrics: null"):
+        cfg = GRPOConfig(output_dir=str(tmp_path), **read_yaml(text))
+        name = text.split(":")[0]
+        assert getattr(cfg, name) == GRPO_CONFIG_DEFAULTS[name]  # null: TRL's default
+    with pytest.raises(ConfigError, match="TRL field label_smoothing_factor=0.1 is not supported"):
+        build_run({"model_name_or_path": "m", **parse_overrides(["--label_smoothing_factor", "0.1"])})
+
+    @dataclasses.dataclass
+    class Mine(GRPOConfig):
+        project: str = "my-wandb-project"
+
+    assert Mine(output_dir=str(tmp_path)).project == "my-wandb-project"

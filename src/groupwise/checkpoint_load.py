@@ -158,9 +158,12 @@ RESUME_FIELDS = {
 }
 
 
-def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None) -> None:
+def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None,
+                 epoch_steps_before: int | None = None) -> None:
     """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads); warn when
-    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint)."""
+    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint).
+    `epoch_steps_before`: the max_steps num_train_epochs gave before the epoch count was exact (session 24's fix:
+    ceil(E × rounds per epoch × steps per round)); a checkpoint planned by it is named, not silently re-planned."""
     if state.get("model_only"):
         raise _error(f"{path} was written with save_only_model=True: it holds the model only (no "
                      "optimizer, scheduler or RNG state), so the run cannot resume from it; start a new "
@@ -172,6 +175,11 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
     if state["world_size"] != world_size:
         raise _error(f"{path} was saved by {state['world_size']} processes; resume with the same number "
                      f"(now {world_size}) so the data split and RNG streams match")
+    planned = state.get("max_steps")
+    if args.max_steps <= 0 and planned not in (None, max_steps) and planned == epoch_steps_before:
+        raise _error(f"{path} was planned for max_steps={planned} by num_train_epochs={args.num_train_epochs} as an "
+                     f"earlier groupwise counted epochs (now {max_steps} steps: rounds wrap around the epochs); "
+                     f"resume with max_steps={planned} to finish it as planned")
     if state["global_step"] >= max_steps:
         raise _error(f"{path} is at step {state['global_step']}, which is not before max_steps={max_steps}: "
                      "raise max_steps to train further")

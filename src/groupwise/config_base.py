@@ -39,7 +39,8 @@ _MISSING = dataclasses.MISSING
 
 def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = None, ge: float | None = None,
            gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING,
-           inert: str | None = None, accepts: str | None = None, parsed: bool = True, json_text: bool = False):
+           inert: str | None = None, accepts: str | None = None, parsed: bool = True, json_text: bool = False,
+           unsupported: Any = None):
     """A documented config field with its constraints (checked by StrictConfig on construction). `inert` marks a
     field kept for configs written for another trainer that has no effect here: a value other than the default
     warns, with this reason.
@@ -49,9 +50,12 @@ def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = Non
     types groupwise takes as well (e.g. 'bool' for resume_from_checkpoint=True). `parsed=False` keeps a field out
     of those parsers (init=False; still a constructor keyword, through StrictConfig): ModelConfig's LoRA fields,
     which TRL's scripts parse from their ModelConfig (dataclasses.replace carries them over). `json_text`: a dict field
-    whose text value is a JSON mapping (TRL's `dict | str | None` fields, parsed as TrainingArguments does)."""
+    whose text value is a JSON mapping (TRL's `dict | str | None` fields, parsed as TrainingArguments does).
+    `unsupported`: a field kept only to be refused unless at a value this NotSupported entry accepts
+    (groupwise.config_trl)."""
     rules = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("inert", inert),
-                               ("accepts", accepts), ("json_text", json_text or None)) if v is not None}
+                               ("accepts", accepts), ("json_text", json_text or None),
+                               ("unsupported", unsupported)) if v is not None}
     kw = {"default": default} if default_factory is _MISSING else {"default_factory": default_factory}
     # the metadata holds what argparse's add_argument takes (those parsers pass it on as keywords); the other rules
     # are kept beside it
@@ -152,10 +156,9 @@ class StrictConfig(metaclass=_Screened):
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            entry = self.UNSUPPORTED.get(f.name)  # another trainer's field, kept at its default (TRLFields)
-            if entry is not None and not entry.accepts(value, given):
-                raise ConfigError(f"{type(self).__name__}: TRL field {f.name}={value!r} is not supported by "
-                                  f"groupwise: {entry.reason} (docs/trl_compat.md)")
+            if "unsupported" in _RULES.get(f, {}):  # another trainer's field, kept at its default (TRLFields)
+                self._refuse_unsupported(f, value, given)
+                continue
             if _RULES.get(f, {}).get("json_text") and isinstance(value, str):  # dict fields: JSON text, as TRL reads it
                 value = None if value.strip().lower() in ("none", "null") else _json_mapping(f.name, value)
             if isinstance(value, dict) and any(isinstance(value.get(k), YamlFloat) for k in TEXT_KWARGS):
@@ -167,6 +170,23 @@ class StrictConfig(metaclass=_Screened):
             if "inert" in rules and value != (f.default if f.default is not _MISSING else f.default_factory()):
                 warnings.warn(f"{f.name}={value!r} has no effect in groupwise: {rules['inert']}", stacklevel=5)
         self.validate()
+
+    def _refuse_unsupported(self, f: dataclasses.Field, value: Any, given: dict[str, Any]) -> None:
+        """A field kept only so that a config setting it is refused by name (option(unsupported=…)): its value,
+        read by its type (command-line text too), must be one its NotSupported entry accepts; it is then left at the
+        field's default."""
+        entry = _RULES[f]["unsupported"]
+        default = f.default if f.default is not _MISSING else f.default_factory()
+        if isinstance(value, str) and value.strip().lower() in ("none", "null"):  # the parsers' word for None
+            value = None
+        try:
+            read = coerce(f.name, annotation_of(f, type(self)), value) if value is not None else None
+        except ConfigError:
+            read = value
+        if not (entry.accepts(read, given) or entry.accepts(value, given)):
+            raise ConfigError(f"{type(self).__name__}: TRL field {f.name}={read!r} is not supported by groupwise: "
+                              f"{entry.reason} (docs/trl_compat.md)")
+        setattr(self, f.name, read if read is not None else default)
 
     def validate(self) -> None:
         """Rules that span several fields (subclasses override)."""
@@ -193,7 +213,7 @@ class StrictConfig(metaclass=_Screened):
         entries carry a `summary` is shown as "name: summary"."""
         out = []
         for f in dataclasses.fields(cls):
-            if f.name in cls.UNSUPPORTED:  # TRL's fields kept only to be refused (docs/trl_compat.md lists them)
+            if "unsupported" in _RULES.get(f, {}):  # TRL's fields kept only to be refused (docs/trl_compat.md)
                 continue
             registry = f.metadata.get("choices", ())
             choices = [f"{k}: {registry[k].summary}" if hasattr(registry, "get") and hasattr(registry[k], "summary")

@@ -124,7 +124,7 @@ def _field(name: str, entry: NotSupported):
 
     default = {"default_factory": list} if entry.default == [] else {"default": entry.default}
     return name, PARSER_TYPES[name], option(f"TRL's field, not supported by groupwise: {entry.reason}.",
-                                            accepts=PARSER_ACCEPTS.get(name), **default)
+                                            accepts=PARSER_ACCEPTS.get(name), unsupported=entry, **default)
 
 
 def _trl_fields():
@@ -133,8 +133,8 @@ def _trl_fields():
     from groupwise.config_base import StrictConfig
 
     return make_dataclass("TRLFields", [_field(name, entry) for name, entry in TRL_NOT_SUPPORTED.items()
-                                        if name in PARSER_TYPES], bases=(StrictConfig,),
-                          namespace={"__module__": __name__})
+                                        if name in PARSER_TYPES], bases=(StrictConfig,), kw_only=True,
+                          namespace={"__module__": __name__})  # keyword-only: GRPOConfig("out") is output_dir
 
 
 TRLFields = _trl_fields()

@@ -107,8 +107,7 @@ class GRPOTrainer(TransformersHabits):
             PromptSampler(len(self.train_data), self.layout.prompts_per_generation, shuffle=args.shuffle_dataset,
                           seed=data_seed)
         self.steps_per_round = self.layout.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
-        # num_train_epochs: the steps that cover that many passes over the prompts (transformers' ceil(E × steps per
-        # epoch); rounds wrap around the epochs, so a dataset that is not whole rounds needs no extra round per epoch)
+        # num_train_epochs: the steps of that many passes over the prompts (rounds wrap around the epochs)
         self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(
             args.num_train_epochs * len(self.train_data) / self.layout.prompts_per_generation * self.steps_per_round)
         from transformers import TrainerControl, TrainerState
@@ -466,7 +465,8 @@ class GRPOTrainer(TransformersHabits):
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
         check_resume(path, state, self.args, world_size=self.dist.world_size, max_steps=self.max_steps,
-                     data=self.train_data.fingerprint())
+                     data=self.train_data.fingerprint(), epoch_steps_before=math.ceil(
+                         self.args.num_train_epochs * self.sampler.rounds_per_epoch() * self.steps_per_round))
         pending = self.dist.run_together(lambda: load_checkpoint(  # a file missing on one process stops them all
             path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
             sharded_model=self.unwrapped if self.dist.sharding is not None else None, scheduler=self.scheduler,
