@@ -159,6 +159,8 @@ def test_a_checkpoint_planned_by_the_former_epoch_count_is_named_on_resume(tmp_p
         check_resume("ckpt", state, derived, world_size=1, max_steps=15, epoch_steps_before=18)
     check_resume("ckpt", {**state, "max_steps": 15}, derived, world_size=1, max_steps=15, epoch_steps_before=18)
     check_resume("ckpt", state, small_args(tmp_path, max_steps=18), world_size=1, max_steps=18, epoch_steps_before=18)
+    # a checkpoint of the exact count ("epoch_plan") resumed with fewer epochs on purpose: not taken for an old one
+    check_resume("ckpt", {**state, "epoch_plan": "passes"}, derived, world_size=1, max_steps=15, epoch_steps_before=18)
 
 
 @pytest.mark.parametrize("optim, optim_args, key, want", [

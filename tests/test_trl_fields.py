@@ -128,6 +128,13 @@ def test_trls_unsupported_fields_as_the_command_line_and_yaml_give_them(tmp_path
         cfg = GRPOConfig(output_dir=str(tmp_path), **read_yaml(text))
         name = text.split(":")[0]
         assert getattr(cfg, name) == GRPO_CONFIG_DEFAULTS[name]  # null: TRL's default
+    import json
+
+    from groupwise.config_trl import ACCELERATOR_CONFIG_DEFAULTS
+
+    # the mapping TRL's to_json_string() writes, given as JSON text (the parser's form), as the mapping is accepted
+    assert GRPOConfig(accelerator_config=json.dumps(ACCELERATOR_CONFIG_DEFAULTS)).accelerator_config == \
+        ACCELERATOR_CONFIG_DEFAULTS
     with pytest.raises(ConfigError, match="TRL field label_smoothing_factor=0.1 is not supported"):
         build_run({"model_name_or_path": "m", **parse_overrides(["--label_smoothing_factor", "0.1"])})
 

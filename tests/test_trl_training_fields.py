@@ -354,11 +354,11 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
     uploads = [c for c in _FakeHub.calls if c[0] == "upload_folder"]
     assert [c[2] for c in uploads] == ["groupwise: step 1", "groupwise: step 2"]  # the end is step 2: once
     assert t.hub_model_id == "me/tiny-grpo"  # transformers' attribute (TRL's script prints it; it did not exist)
-    t.args.push_to_hub = False
-    assert t.hub_model_id is None  # transformers: None without push_to_hub
-    t.hub_model_id = "other/x"  # and settable, as transformers' attribute
+    t.hub_model_id = "other/x"  # settable, as transformers' attribute: the next pushes go there
+    assert t.hub_model_id == "other/x" == t.args.hub_model_id
+    assert t.push_to_hub(commit_message="elsewhere") == "https://hub/other/x/commit/1"
     assert t.hub_model_id == "other/x"
-    t.hub_model_id, t.args.push_to_hub = None, True
+    t.hub_model_id = "me/tiny-grpo"
     assert all(c[1] == "me/tiny-grpo" and "model.safetensors" in c[4] and "checkpoint-*" in c[5] for c in uploads)
     assert ("create_repo", "me/tiny-grpo", True) in _FakeHub.calls
     assert t.push_to_hub(commit_message="by hand") == "https://hub/me/tiny-grpo/commit/1"

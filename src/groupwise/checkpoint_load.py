@@ -175,8 +175,9 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
     if state["world_size"] != world_size:
         raise _error(f"{path} was saved by {state['world_size']} processes; resume with the same number "
                      f"(now {world_size}) so the data split and RNG streams match")
-    planned = state.get("max_steps")
-    if args.max_steps <= 0 and planned not in (None, max_steps) and planned == epoch_steps_before:
+    planned = state.get("max_steps")  # a checkpoint from before the exact count has no "epoch_plan"
+    if "epoch_plan" not in state and args.max_steps <= 0 and planned not in (None, max_steps) \
+            and planned == epoch_steps_before:
         raise _error(f"{path} was planned for max_steps={planned} by num_train_epochs={args.num_train_epochs} as an "
                      f"earlier groupwise counted epochs (now {max_steps} steps: rounds wrap around the epochs); "
                      f"resume with max_steps={planned} to finish it as planned")

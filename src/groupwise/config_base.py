@@ -179,8 +179,11 @@ class StrictConfig(metaclass=_Screened):
         default = f.default if f.default is not _MISSING else f.default_factory()
         if isinstance(value, str) and value.strip().lower() in ("none", "null"):  # the parsers' word for None
             value = None
+        annotation = annotation_of(f, type(self))
         try:
-            read = coerce(f.name, annotation_of(f, type(self)), value) if value is not None else None
+            if isinstance(value, str) and "dict" in annotation and value.lstrip().startswith("{"):
+                value = _json_mapping(f.name, value)  # JSON text of a mapping, as TrainingArguments reads it
+            read = coerce(f.name, annotation, value) if value is not None else None
         except ConfigError:
             read = value
         if not (entry.accepts(read, given) or entry.accepts(value, given)):

@@ -68,20 +68,18 @@ class TransformersHabits:
 
     @property
     def hub_model_id(self) -> str | None:
-        """The hub repository pushes go to, on the main process (transformers' attribute; None elsewhere and without
-        push_to_hub): the repository's full id once a push happened (read from its commit URL), before that
-        hub_model_id or output_dir's folder name. May be set, as transformers' attribute."""
-        if getattr(self, "_hub_model_id", None) is not None:
-            return self._hub_model_id
-        if not (self.args.push_to_hub and self.dist.is_main):
+        """The hub repository pushes go to, on the main process (transformers' attribute; None on the others): the
+        repository's full id once a push happened (read from its commit URL), before that hub_model_id or, with
+        push_to_hub, output_dir's folder name. Setting it sets args.hub_model_id: the next pushes go there."""
+        if not self.dist.is_main:
             return None
         url = getattr(self, "_hub_commit_url", None)
         found = re.match(r"^https?://[^/]+/(.+?)/commit/", url) if isinstance(url, str) else None
-        return found[1] if found else repo_id(self.args)
+        return found[1] if found else repo_id(self.args) if self.args.push_to_hub else self.args.hub_model_id
 
     @hub_model_id.setter
     def hub_model_id(self, value: str | None) -> None:
-        self._hub_model_id = value
+        self.args.hub_model_id, self._hub_commit_url = value, None
 
     def end(self) -> None:
         """transformers' Trainer.end() (TRL's scripts call it last): the trackers were closed by train(); the

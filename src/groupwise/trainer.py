@@ -439,7 +439,7 @@ class GRPOTrainer(TransformersHabits):
     def save(self, pending: TrainBatch | None = None, round_metrics: dict | None = None, round_step: int = 0):
         best = BestModel.at_save(self.state, self.args.output_dir, self.global_step)  # as transformers: this save's
         state = {"global_step": self.global_step, "max_steps": self.max_steps, "sampler": self.sampler.state_dict(),
-                 "epochs_done": self._epochs_done, "data": self.train_data.fingerprint(),
+                 "epochs_done": self._epochs_done, "data": self.train_data.fingerprint(), "epoch_plan": "passes",
                  "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "consecutive_skipped": self.consecutive_skipped, "window": dict(self._window),
