@@ -166,14 +166,16 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
         return out
 
     if ctx.rollout_func is not None:
+        required = want and (ctx.correct_sampling or args.corrects_sampling)  # the importance correction's
+        # the off-policy mask reads them when given, else π_θold (as TRL)
+        kept = want or args.off_policy_mask_threshold is not None and not greedy and not evaluation
+        reserved = REWARD_KEYWORDS | (PROCESS_REWARD_KEYWORDS if ctx.process_sources else frozenset())
+
         def custom() -> Completions:
             return rollout_completions(
                 ctx.rollout_func, rows, tokenizer=tok, eos_token_ids=ctx.eos_token_ids,
-                max_completion_length=args.max_completion_length, logprobs=want and (ctx.correct_sampling or args.corrects_sampling),
-                device=device, keep_logprobs=want or args.off_policy_mask_threshold is not None and not greedy
-                and not evaluation,  # the mask alone falls back to π_θold without them, as TRL
-                vocab_size=embedding_rows(model) if model is not None else None,
-                reserved=REWARD_KEYWORDS | (PROCESS_REWARD_KEYWORDS if ctx.process_sources else frozenset()))
+                max_completion_length=args.max_completion_length, logprobs=required, device=device,
+                keep_logprobs=kept, vocab_size=embedding_rows(model) if model is not None else None, reserved=reserved)
 
         # training: a failure on one process (its output refused) stops every process; evaluation runs its
         # processes' different numbers of calls under run_together already (groupwise.evaluation)
