@@ -257,6 +257,13 @@ def test_debug_prints_the_traceback_and_keeps_the_exit_code(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith(
         "groupwise: configuration error: ")
+    # TRL's `--debug underflow_overflow` (transformers' debug modes): named, not "unexpected argument"
+    assert main(["train", "--debug", "underflow_overflow"]) == 2
+    assert "--debug 'underflow_overflow': --debug takes no value here" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_steps: -3\n")
+    assert main(["train", "--debug", str(cfg)]) == 2  # a config path after --debug is the config
+    assert "max_steps must be ≥ -1, got -3" in capsys.readouterr().err
 
 
 def test_trls_own_parsers_build_a_groupwise_grpo_config(tmp_path):

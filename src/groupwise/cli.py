@@ -269,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     130 / 143 stopped by SIGINT / SIGTERM (after writing a checkpoint when save_on_interrupt)."""
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    after = argv[argv.index("--debug") + 1] if debug and argv.index("--debug") + 1 < len(argv) else None
     argv = [a for a in argv if a != "--debug"]
     try:
+        if after is not None and set(after.split()) <= DEBUG_MODES:  # TRL's --debug field with a value
+            raise ConfigError(f"--debug {after!r}: --debug takes no value here (it shows the traceback of an error); "
+                              "TRL's debug field (transformers' debug modes) is not supported by groupwise")
         return _main(argv)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         if debug:  # the traceback, and the same exit code
@@ -292,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"groupwise: run stopped: {e}", file=sys.stderr)
         return 1
+
+
+DEBUG_MODES = {"underflow_overflow", "tpu_metrics_debug"}  # transformers' DebugOption values (TRL's debug field)
 
 
 def print_lines(lines: list[str]) -> int:
