@@ -154,7 +154,8 @@ def test_bad_rows_are_found_before_the_model_loads(tmp_path, model_dir, capsys):
     code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir, rows=rows)])
     assert code == 2 and "train_dataset row 3 has an empty prompt; 2 of 8 rows are unusable" in line
     rows = [{"prompt": [{"role": "user", "content": None}]}]
-    with pytest.raises(ConfigError, match=r"row 0 has message 0 that is not a \{'role': str, 'content': str\} dict"):
+    with pytest.raises(ConfigError, match=r"row 0 has message 0 that is not a \{'role': str, 'content': str \| "
+                                          r"content blocks\} dict \(content None only for an assistant turn\)"):
         GRPOTrainer("./not/loaded", _length, args=small_args(tmp_path), train_dataset=rows)
 
 

@@ -258,6 +258,35 @@ def test_prompt_ids_are_trls(name, bos_tokenizer):
     assert all(i.count(bos_tokenizer.bos_token_id) == 1 for i in ids)
 
 
+BLOCKS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}"
+                   "{{ m['content'] }}{% elif m['content'] %}{% for b in m['content'] %}{{ b['text'] }}{% endfor %}"
+                   "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_prompts_are_rendered_and_tokenized_in_one_call_as_trl(bos_tokenizer):
+    """transformers' sanitize_control_tokens works only when the template call tokenizes (it raised "requires
+    tokenize=True", then the dataset check refused every prompt); content blocks and an assistant turn with
+    content None (a tool-call history) are rendered by the template, as TRL passes them on (they were refused)."""
+    import copy
+
+    from groupwise.data import prompt_problem
+
+    tok = copy.deepcopy(bos_tokenizer)
+    tok.chat_template = BLOCKS_TEMPLATE
+    special = [{"role": "user", "content": "a<bos>b"}]  # a control token typed in the user's text
+    kwargs = {"sanitize_control_tokens": True}
+    ids = prompt_token_ids([special], tok, kwargs)
+    assert ids == trl_prompt_ids(tok, [special], kwargs) and ids[0].count(tok.bos_token_id) == 1  # the template's
+    assert prompt_token_ids([special], tok)[0].count(tok.bos_token_id) == 2  # without it: a real <bos> in the text
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+              {"role": "assistant", "content": None}, {"role": "user", "content": "go"}]
+    assert prompt_problem(blocks) is None
+    assert prompt_token_ids([blocks], tok) == trl_prompt_ids(tok, [blocks])
+    # (transformers renders with trim_blocks: the newline after {% endif %} is dropped)
+    assert tok.decode(prompt_token_ids([blocks], tok)[0]) == "<bos>user: hiassistant: user: goassistant:"
+    assert "content None only for an assistant turn" in prompt_problem([{"role": "user", "content": None}])
+
+
 def test_encode_prompts_left_pads_and_keeps_the_end(bos_tokenizer):
     from trl.trainer.utils import pad
 

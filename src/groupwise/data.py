@@ -19,15 +19,20 @@ from groupwise.text import is_conversational, prompt_token_ids
 
 def prompt_problem(prompt: Any) -> str | None:
     """Why a prompt is unusable, or None: it must be a non-empty string or a non-empty list of chat messages, each
-    a dict with a string 'role' and a string 'content'."""
+    a dict with a string 'role' and a 'content' the chat template renders: a string, a list of content blocks
+    ({"type": "text", "text": …}), or None (an assistant turn that only calls tools), as TRL passes them on."""
     if isinstance(prompt, str):
         return None if prompt.strip() else "an empty prompt"
     if isinstance(prompt, list):
         if not prompt:
             return "an empty message list"
         for j, m in enumerate(prompt):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                return f"message {j} that is not a {{'role': str, 'content': str}} dict: {m!r:.80}"
+            content = m.get("content") if isinstance(m, dict) else None
+            blocks = isinstance(content, list) and all(isinstance(b, dict) and "type" in b for b in content)
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and (isinstance(content, str) or blocks or (content is None and m.get("role") == "assistant"))):
+                return (f"message {j} that is not a {{'role': str, 'content': str | content blocks}} dict (content "
+                        f"None only for an assistant turn): {m!r:.80}")
         return None
     if prompt is None:
         return "no prompt (None)"

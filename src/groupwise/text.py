@@ -1,7 +1,7 @@
 """Text formats and token layouts shared by generation, rewards, process reward models and the rollout.
 
 Bottom-level: imports torch only (a tokenizer is passed in, never imported).
-    is_conversational, prompt_text   TRL's two prompt formats: a string, or a list of {"role", "content"} messages
+    is_conversational                TRL's two prompt formats: a string, or a list of {"role", "content"} messages
     prompt_token_ids                 prompts → token ids (special tokens as TRL adds them)
     encode_prompts                   prompts → left-padded (N, P) ids and mask
     pad_rows                         ragged token lists → (N, L) ids and mask, padded on either side
@@ -22,28 +22,27 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def prompt_text(prompt: Any, tokenizer, chat_template_kwargs: dict | None = None) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if is_conversational(prompt):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                             **(chat_template_kwargs or {}))
-    raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}: {prompt!r:.80}")
-
-
 def prompt_token_ids(prompts: list[Any], tokenizer, chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """Each prompt's token ids, as TRL builds them: chat messages through the chat template, whose text carries its
     own special tokens (none are added); a string with the tokenizer's special tokens (a BOS, for tokenizers that
     add one). The one place prompts become ids: the rollout and the dataset's length checks agree."""
-    texts = [prompt_text(p, tokenizer, chat_template_kwargs) for p in prompts]
     chat = [is_conversational(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
-    for templated in (True, False):
-        where = [i for i, c in enumerate(chat) if c == templated]
-        if where:
-            encoded = tokenizer([texts[i] for i in where], add_special_tokens=not templated)["input_ids"]
-            for i, ids in zip(where, encoded):
-                out[i] = list(ids)
+    where = [i for i, c in enumerate(chat) if c]
+    if where:  # rendered and tokenized in one call, as TRL (options such as sanitize_control_tokens need it)
+        encoded = tokenizer.apply_chat_template([prompts[i] for i in where], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True, **(chat_template_kwargs or {}))
+        for i, ids in zip(where, encoded["input_ids"]):
+            out[i] = list(ids)
+    where = [i for i, c in enumerate(chat) if not c]
+    for i in where:
+        if not isinstance(prompts[i], str):
+            raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompts[i]).__name__}: "
+                            f"{prompts[i]!r:.80}")
+    if where:
+        encoded = tokenizer([prompts[i] for i in where])["input_ids"]
+        for i, ids in zip(where, encoded):
+            out[i] = list(ids)
     return out
 
 

@@ -30,11 +30,17 @@ from groupwise.text import ensure_pad_token, pad_rows
 PRM_CONFIG = "groupwise_prm.json"  # written by `groupwise prm train`: kind, separator, positive label, max_length
 
 
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return "" if content is None else str(content)
+
+
 def _prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list):  # chat messages: the conversation's text
-        return "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+    if isinstance(prompt, list):  # chat messages: the conversation's text (text blocks of block contents)
+        return "\n".join(_content_text(m.get("content")) for m in prompt if isinstance(m, dict))
     raise TypeError(f"a prompt must be a string or chat messages, got {type(prompt).__name__}")
 
 
