@@ -69,8 +69,18 @@ _LATE: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_LATE", 
 
 
 def rules_of(f: dataclasses.Field) -> dict[str, Any]:
-    """A field's rules: choices, ge / gt / le / lt, inert, accepts."""
+    """A field's rules: choices, ge / gt / le / lt, inert, accepts, json_text, unsupported."""
     return {**f.metadata, **_RULES.get(f, {})}
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not _MISSING else f.default_factory()
+
+
+def _not_supported(owner: str, name: str, value: Any, entry) -> ConfigError:
+    """Another trainer's field set to a value groupwise cannot honour (entry: a NotSupported, groupwise.config_trl)."""
+    return ConfigError(f"{owner}: TRL field {name}={value!r} is not supported by groupwise: {entry.reason} "
+                       "(docs/trl_compat.md)")
 
 
 def annotation_of(f: dataclasses.Field, owner: type | None = None) -> str:
@@ -143,8 +153,7 @@ class StrictConfig(metaclass=_Screened):
         for key, value in kwargs.items():
             entry = cls.UNSUPPORTED.get(key)
             if key not in known and entry is not None and not entry.accepts(value, kwargs):
-                raise ConfigError(f"{cls.__name__}: TRL field {key}={value!r} is not supported by groupwise: "
-                                  f"{entry.reason} (docs/trl_compat.md)")
+                raise _not_supported(cls.__name__, key, value, entry)
         kwargs = {k: v for k, v in kwargs.items() if k in known or k not in cls.UNSUPPORTED}
         reject_unknown(kwargs, known, owner=cls.__name__)
         return kwargs
@@ -167,16 +176,15 @@ class StrictConfig(metaclass=_Screened):
             rules = rules_of(f)
             check_rules(f.name, value, rules)
             setattr(self, f.name, value)
-            if "inert" in rules and value != (f.default if f.default is not _MISSING else f.default_factory()):
+            if "inert" in rules and value != _default_of(f):
                 warnings.warn(f"{f.name}={value!r} has no effect in groupwise: {rules['inert']}", stacklevel=5)
         self.validate()
 
     def _refuse_unsupported(self, f: dataclasses.Field, value: Any, given: dict[str, Any]) -> None:
         """A field kept only so that a config setting it is refused by name (option(unsupported=…)): its value,
-        read by its type (command-line text too), must be one its NotSupported entry accepts; it is then left at the
-        field's default."""
+        read by its type (command-line text too), must be one its NotSupported entry accepts; it is kept as read
+        (None: the field's default)."""
         entry = _RULES[f]["unsupported"]
-        default = f.default if f.default is not _MISSING else f.default_factory()
         if isinstance(value, str) and value.strip().lower() in ("none", "null"):  # the parsers' word for None
             value = None
         annotation = annotation_of(f, type(self))
@@ -187,9 +195,8 @@ class StrictConfig(metaclass=_Screened):
         except ConfigError:
             read = value
         if not (entry.accepts(read, given) or entry.accepts(value, given)):
-            raise ConfigError(f"{type(self).__name__}: TRL field {f.name}={read!r} is not supported by groupwise: "
-                              f"{entry.reason} (docs/trl_compat.md)")
-        setattr(self, f.name, read if read is not None else default)
+            raise _not_supported(type(self).__name__, f.name, read, entry)
+        setattr(self, f.name, read if read is not None else _default_of(f))
 
     def validate(self) -> None:
         """Rules that span several fields (subclasses override)."""

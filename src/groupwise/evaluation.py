@@ -15,7 +15,6 @@ from groupwise.checkpoint_files import rng_untouched
 from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
-from groupwise.rewards.process import compute_step_rewards
 from groupwise.rollout import RolloutContext
 from groupwise.rollout_metrics import nanstd, process_metrics, zero_std_fraction
 from groupwise.types import StepScores
@@ -73,11 +72,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
             tools[0] += float(comp.tool_calls.sum())
             tools[1] += float(comp.tool_failures.sum())
         if process:  # the step rewards, split and scored as in training (groupwise.rollout.score_steps)
-            split, dropped = R.split_steps(ctx, comp)
-            step_rewards, errors = compute_step_rewards(
-                ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions,
-                [list(s.texts) for s in split], comp.columns, on_error=args.on_reward_error,
-                timeout=args.reward_timeout, extra=kwargs, dropped_last=dropped)
+            split, step_rewards, errors = R.local_step_rewards(ctx, comp, kwargs)
             steps += [(r, list(s.ends)) for r, s in zip(step_rewards, split)]
             step_errors.add_(errors)
 
