@@ -390,3 +390,23 @@ def test_a_new_run_with_overwrite_output_dir_deletes_a_rotation_leftover(tmp_pat
         claim_output_dir(tmp_path, overwrite=False)
     claim_output_dir(tmp_path, overwrite=True)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_groupwise_train_names_a_hub_dataset_in_the_final_pushs_model_card(tmp_path, model_dir, hub, monkeypatch):
+    """TRL's script pushes with push_to_hub(dataset_name=script_args.dataset_name): the card's `datasets` names the
+    hub dataset (the CLI's push, made by train() itself, had none). A local data file is no hub id: left out, as a
+    local base model is."""
+    import datasets
+    import groupwise.cli
+    from groupwise.cli import main
+    from tests.test_cli_audit import _cfg, _rows
+
+    monkeypatch.setattr(groupwise.cli, "load_run_datasets", lambda run, args: (datasets.Dataset.from_list(_rows()), None))
+    hub_run = dict(push_to_hub=True, hub_token="hf_x", hub_model_id="me/x", max_steps=1, save_strategy="no")
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name="someorg/math", **hub_run)]) == 0
+    assert [u["message"] for u in hub] == ["groupwise: end of training"]
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "datasets:\n- someorg/math\n" in card and "on someorg/math." in card
+    assert main(["train", _cfg(tmp_path, model_dir, output_dir=str(tmp_path / "run2"), **hub_run)]) == 0
+    assert "datasets:" not in (tmp_path / "run2" / "README.md").read_text()  # p.jsonl, a local file

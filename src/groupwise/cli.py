@@ -244,6 +244,8 @@ def cmd_train(argv: list[str]) -> int:
     trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs or [], args=args, train_dataset=train_data,
                           eval_dataset=eval_data, process_reward_funcs=process_funcs,
                           environment_factory=environment_factory, quantization_config=run["quantization_config"])
+    if dataset_name and not run["datasets"] and task is None and not os.path.exists(os.path.expanduser(dataset_name)):
+        trainer._card_defaults = {"dataset_name": dataset_name}  # a hub dataset: its card names it, as TRL's script's
     trainer.train()
     if not args.push_to_hub:  # with it, train() ended by saving the final model to output_dir and uploading it
         trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it

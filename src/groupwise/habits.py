@@ -40,6 +40,8 @@ class TrainResult(dict):
 
 
 class TransformersHabits:
+    _card_defaults: dict | None = None  # model-card keywords every push uses (the CLI's dataset_name, as TRL's script)
+
     # TRL's trainer attributes, read-only views of groupwise's own
     @property
     def processing_class(self):
@@ -118,7 +120,7 @@ class TransformersHabits:
 
     def _upload(self, commit_message: str, token: str | None = None, revision: str | None = None,
                 private: bool | None = None, card: dict | None = None) -> str | None:
-        card = card or {}
+        card = {**(self._card_defaults or {}), **(card or {})}
         check_card(card)  # on every process, before anything is written
         out = self.args.output_dir
         self.save_model(out, _internal_call=True)
