@@ -6,9 +6,13 @@ step 2 + separator … tokenized at once (as PRMs are trained); each step is jud
 (found by offsets). prompt_separator keeps the question's last characters and step 1's first apart (else a BPE
 merge across them shows the PRM text it never saw): " " for a step-tag PRM (Math-Shepherd's f"{question} {output}"),
 "\n" for the other kinds, "" for a PRM `groupwise prm train` saved before the option existed (trained without).
+chat_template=True renders prompt and steps with the PRM tokenizer's chat template instead (the steps as the
+assistant's turn).
 
 TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_label) at the separator's last token
-                         (what `groupwise prm train` produces); with one label, that label's logit.
+                         (what `groupwise prm train` produces); with one label, that label's logit. A remote-code
+                         PRM whose auto_map names only AutoModel (Qwen2.5-Math-PRM) loads with AutoModel and is
+                         read alike, with chat_template=True and its separator token.
 StepTagPRM               AutoModelForCausalLM with a step tag (Math-Shepherd: separator " ки\\n", labels "+"/"-");
                          score = P(good) / (P(good) + P(bad)) of the next token predicted at the tag.
 PrefixClassificationPRM  AutoModelForSequenceClassification applied to each prefix (prompt + steps 1..j);
@@ -44,27 +48,57 @@ def _prompt_text(prompt: Any) -> str:
     raise TypeError(f"a prompt must be a string or chat messages, got {type(prompt).__name__}")
 
 
+def _chat_text(tokenizer, prompt: Any, content: str, system_prompt: str | None) -> tuple[str, int]:
+    """The conversation prompt + an assistant turn holding `content`, rendered by the PRM tokenizer's chat template
+    (as Qwen2.5-Math-PRM is read: system, user question, the steps as the assistant's answer), and where `content`
+    starts in it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the PRM tokenizer has no chat template, so chat_template=True cannot render the prompt "
+                          "and steps as a conversation: drop chat_template, or give a tokenizer that has one")
+    messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                else [dict(m, content=_content_text(m.get("content"))) for m in prompt])
+    if system_prompt is not None and not any(m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": content}], tokenize=False)
+    start = text.rfind(content)
+    if start < 0:
+        raise ValueError("the PRM tokenizer's chat template changes the assistant turn's text (it strips or rewrites "
+                         "it), so the step separators cannot be found in the rendered conversation: use "
+                         "chat_template=False, or a separator the template keeps")
+    return text, start
+
+
 def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_char: int = -1,
-                    max_length: int | None = None, prompt_separator: str = "") -> tuple[list[int], list[int]]:
+                    max_length: int | None = None, prompt_separator: str = "", chat_template: bool = False,
+                    system_prompt: str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the text prompt + prompt_separator (when the prompt has text) + Σ (step + separator), tokenized
     at once as a PRM is trained on it (Math-Shepherd
     style: tokenizing the pieces apart would give SentencePiece steps a leading '▁' and break byte-level merges
     across step boundaries), and for each step the position that judges it: the token covering the character
     `judge_char` of that step's separator (−1: its last character, so the separator's last token). Positions come
     from the tokenizer's offset mapping, so a fast tokenizer is needed. Steps past max_length are cut (positions
-    stop early)."""
+    stop early). With `chat_template`, the text is the PRM tokenizer's chat template over the prompt's messages (a
+    string prompt: one user message; `system_prompt` first when the prompt has no system message) and an assistant
+    turn of Σ (step + separator), tokenized without adding special tokens (the template writes them), as
+    Qwen2.5-Math-PRM reads a solution; prompt_separator is not used then."""
     if not tokenizer(separator, add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the PRM tokenizer encodes the separator {separator!r} to no tokens")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the PRM tokenizer ({type(tokenizer).__name__}) is a slow tokenizer: it has no offset "
                          "mapping to find each step's separator in the jointly tokenized text; load the fast one "
                          "(AutoTokenizer.from_pretrained(..., use_fast=True))")
-    text, judged = _prompt_text(prompt), []
-    text += prompt_separator if text else ""
+    content, judged = "", []  # each step's separator: where it starts and the character judging the step
     for step in steps:
-        text += step + separator
-        judged.append((len(text) - len(separator), len(text) - len(separator) + judge_char % len(separator)))
-    enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        content += step + separator
+        judged.append((len(content) - len(separator), len(content) - len(separator) + judge_char % len(separator)))
+    if chat_template:
+        text, start = _chat_text(tokenizer, prompt, content, system_prompt)
+    else:
+        head = _prompt_text(prompt)
+        head += prompt_separator if head else ""
+        text, start = head + content, len(head)
+    judged = [(a + start, c + start) for a, c in judged]
+    enc = tokenizer(text, add_special_tokens=not chat_template, return_offsets_mapping=True)
     ids, spans = list(enc["input_ids"]), [tuple(s) for s in enc["offset_mapping"]]
     real = [i for i, (a, b) in enumerate(spans) if a < b]  # special tokens have empty spans
     positions, k = [], 0
@@ -97,7 +131,17 @@ class _PRM:
     prompt_separator = "\n"  # between the prompt and step 1, unless given
 
     def __init__(self, model, tokenizer, *, separator: str = "\n", batch_size: int = 8, max_length: int | None = None,
-                 name: str | None = None, prompt_separator: str | None = None):
+                 name: str | None = None, prompt_separator: str | None = None, chat_template: bool = False,
+                 system_prompt: str | None = None):
+        if not isinstance(chat_template, bool):
+            raise ConfigError(f"PRM chat_template={chat_template!r} must be true or false")
+        if chat_template and prompt_separator is not None:
+            raise ConfigError(f"PRM prompt_separator={prompt_separator!r} is not read with chat_template=True (the "
+                              "chat template places the prompt and the steps): drop one of them")
+        if system_prompt is not None and (not chat_template or not isinstance(system_prompt, str)):
+            raise ConfigError(f"PRM system_prompt={system_prompt!r} needs chat_template=True and a string (the "
+                              "system message put before a prompt that has none)")
+        self.chat_template, self.system_prompt = chat_template, system_prompt
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         ensure_pad_token(tokenizer, "the PRM's tokenizer")
@@ -136,10 +180,14 @@ class _PRM:
                           "up to the PRM's context, or shorten the prompts", RuntimeWarning, stacklevel=2)
         return out
 
+    def _build(self, prompts, steps, judge_char=-1) -> list[tuple[list[int], list[int]]]:
+        return [build_prm_input(self.tokenizer, p, s, self.separator, judge_char=judge_char,
+                                max_length=self.max_length, prompt_separator=self.prompt_separator,
+                                chat_template=self.chat_template, system_prompt=self.system_prompt)
+                for p, s in zip(prompts, steps)]
+
     def _inputs(self, prompts, steps, judge_char=-1):
-        built = [build_prm_input(self.tokenizer, p, s, self.separator, judge_char=judge_char,
-                                 max_length=self.max_length, prompt_separator=self.prompt_separator)
-                 for p, s in zip(prompts, steps)]
+        built = self._build(prompts, steps, judge_char)
         ids, mask = (t.to(self.device) for t in pad_rows([b[0] for b in built], self.tokenizer.pad_token_id))
         return ids, mask, [b[1] for b in built]
 
@@ -167,7 +215,8 @@ class TokenClassificationPRM(_PRM):
 
     def _score(self, prompts, steps):
         ids, mask, positions = self._inputs(prompts, steps)
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # (n, L, num_labels)
+        out = self.model(input_ids=ids, attention_mask=mask)
+        logits = (out.logits if hasattr(out, "logits") else out[0]).float()  # (n, L, num_labels)
         scores = logits[..., 0] if logits.size(-1) == 1 else torch.softmax(logits, -1)[..., self.positive_label]
         return self._per_step(scores, positions, steps)
 
@@ -217,8 +266,7 @@ class PrefixClassificationPRM(_PRM):
     def _score(self, prompts, steps):
         # prefix j = prompt + steps 1..j with their separators = the tokens up to step j's judged position (its
         # separator's last token); a step cut by max_length has no position: None, and no forward pass
-        built = [build_prm_input(self.tokenizer, p, s, self.separator, max_length=self.max_length,
-                                 prompt_separator=self.prompt_separator) for p, s in zip(prompts, steps)]
+        built = self._build(prompts, steps)
         prefixes = [(i, j) for i, (_, pos) in enumerate(built) for j in range(len(pos))]
         texts = [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
         scores: list[float] = []
@@ -277,8 +325,19 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"{path} was trained by `groupwise prm train` as a {saved} PRM ({PRM_CONFIG}); kind="
                           f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
     kind = kind or saved
-    model, info = getattr(transformers, _AUTO[kind]).from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                                     dtype=dtype, output_loading_info=True)
+    auto = _AUTO[kind]
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(f"PRM {path} runs its own code (config.json's auto_map): set trust_remote_code: true in "
+                          "its spec (or the run's trust_remote_code) if you trust that code") from None
+    auto_map = getattr(config, "auto_map", None) or {}
+    if kind == "token_classification" and auto not in auto_map and "AutoModel" in auto_map:
+        auto = "AutoModel"  # a remote-code PRM naming only AutoModel (Qwen2.5-Math-PRM): logits per token, read alike
+    model, info = getattr(transformers, auto).from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype,
+                                                              output_loading_info=True)
     if info["missing_keys"]:  # newly initialised weights would score at random (transformers only logs them)
         missing = sorted(info["missing_keys"])
         raise ConfigError(f"PRM {path}: its checkpoint has no weights for {', '.join(missing[:4])}"

@@ -36,7 +36,8 @@ def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, devic
         spec = resolve_process_spec(spec, f"process_reward_funcs[{i}]")
         if isinstance(spec, dict):
             spec = dict(spec)
-            spec = load_prm(spec.pop("path"), spec.pop("kind", None), trust_remote_code=trust_remote_code, **spec)
+            trust = spec.pop("trust_remote_code", trust_remote_code)  # the spec's own, or the run's
+            spec = load_prm(spec.pop("path"), spec.pop("kind", None), trust_remote_code=trust, **spec)
         if hasattr(spec, "model") and hasattr(spec, "to") and device is not None:
             spec.to(device)
         resolved.append(spec)

@@ -1,0 +1,138 @@
+"""A PRM read through its chat template, as Qwen2.5-Math-PRM is: system, the question as the user's turn, the steps
+joined by its step token as the assistant's answer; a remote-code model (auto_map naming only AutoModel) loaded
+from a local folder with trust_remote_code. Scores are checked against the model card's own procedure (render,
+encode, softmax at every step token, class 1), written out here as a plain loop."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from groupwise.config_base import ConfigError
+from groupwise.rewards.prm import TokenClassificationPRM, build_prm_input, load_prm
+from groupwise.rewards.process import load_process_reward_sources
+from groupwise.tasks import toy
+
+# Qwen2.5's template: a default system turn when the conversation has none
+TEMPLATE = ("{% if messages[0].role != 'system' %}<|im_start|>system\nPlease reason step by step.<|im_end|>\n"
+            "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+STEP = "<extra_0>"
+
+MODELING = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig, LlamaModel, LlamaPreTrainedModel
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+
+    class TinyPRMConfig(LlamaConfig):
+        model_type = "tiny_prm"
+
+
+    class TinyProcessRewardModel(LlamaPreTrainedModel):  # Qwen2ForProcessRewardModel's shape: a 2-layer score head
+        config_class = TinyPRMConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = LlamaModel(config)
+            self.score = nn.Sequential(nn.Linear(config.hidden_size, config.hidden_size), nn.ReLU(),
+                                       nn.Linear(config.hidden_size, 2))
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return SequenceClassifierOutputWithPast(logits=self.score(hidden))
+''')
+
+
+def _tokenizer():
+    tok = toy.build_tool_tokenizer(TEMPLATE)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", STEP]})
+    return tok
+
+
+@pytest.fixture
+def qwen_like_prm(tmp_path):
+    """A folder as Qwen2.5-Math-PRM's: config.json's auto_map names its own config and AutoModel class only."""
+    import importlib.util
+
+    folder = tmp_path / "tiny-math-prm"
+    folder.mkdir()
+    (folder / "modeling_tiny_prm.py").write_text(MODELING)
+    spec = importlib.util.spec_from_file_location("modeling_tiny_prm_local", folder / "modeling_tiny_prm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tok = _tokenizer()
+    config = module.TinyPRMConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    config.auto_map = {"AutoConfig": "modeling_tiny_prm.TinyPRMConfig",
+                       "AutoModel": "modeling_tiny_prm.TinyProcessRewardModel"}
+    torch.manual_seed(0)
+    module.TinyProcessRewardModel(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _model_card_scores(model, tok, question, steps, system=None):
+    """Qwen2.5-Math-PRM's model card, as a loop: the conversation rendered, encoded, softmax at each step token."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}, {"role": "assistant", "content": STEP.join(steps) + STEP}]
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    logits = model(input_ids=torch.tensor([ids])).logits[0]
+    step_id = tok.convert_tokens_to_ids(STEP)
+    return [float(torch.softmax(logits[i], -1)[1]) for i, t in enumerate(ids) if t == step_id]
+
+
+def test_a_remote_code_prm_read_through_its_chat_template_scores_as_its_model_card(qwen_like_prm):
+    prm = load_prm(qwen_like_prm, "token_classification", trust_remote_code=True, chat_template=True,
+                   separator=STEP, batch_size=2)
+    assert type(prm.model).__name__ == "TinyProcessRewardModel"  # AutoModel: the class auto_map names
+    questions = ["1+1?", "2+3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "4-1?"}]]
+    steps = [["1+1=2", "so 2"], ["2+3=5", "5", "done"], ["4-1=3"]]
+    got = prm(prompts=questions, completions=[""] * 3, steps=steps)  # two batches, padded rows among them
+    for q, s, row in zip(questions, steps, got):
+        want = _model_card_scores(prm.model, prm.tokenizer, q if isinstance(q, str) else q[1]["content"], s,
+                                  system=None if isinstance(q, str) else q[0]["content"])
+        assert len(row) == len(s) and row == pytest.approx(want, abs=1e-5)
+    # system_prompt: put first when the prompt has none (the card's system message); a prompt's own one wins
+    with_system = load_prm(qwen_like_prm, "token_classification", trust_remote_code=True, chat_template=True,
+                           separator=STEP, system_prompt="Use \\boxed{}.")
+    got = with_system(prompts=questions, completions=[""] * 3, steps=steps)
+    assert got[0] == pytest.approx(_model_card_scores(prm.model, prm.tokenizer, "1+1?", steps[0],
+                                                      system="Use \\boxed{}."), abs=1e-5)
+    assert got[2] == pytest.approx(prm(prompts=questions[2:], completions=[""], steps=steps[2:])[0], abs=1e-6)
+
+
+def test_a_process_spec_sets_its_own_trust_remote_code_and_without_it_the_prm_is_named(qwen_like_prm):
+    spec = {"path": qwen_like_prm, "kind": "token_classification", "chat_template": True, "separator": STEP}
+    with pytest.raises(ConfigError, match="runs its own code.*trust_remote_code: true"):
+        load_process_reward_sources([dict(spec)])
+    (source,) = load_process_reward_sources([{**spec, "trust_remote_code": True}])
+    assert source.fn(prompts=["1+1?"], completions=[""], steps=[["2"]])[0][0] is not None
+
+
+def test_chat_template_positions_and_refusals(tokenizer):
+    tok = _tokenizer()
+    ids, pos = build_prm_input(tok, "q", ["a", "bc"], STEP, chat_template=True)
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\nPlease reason step by step.<|im_end|>\n<|im_start|>user\nq<|im_end|>")
+    assert text.endswith(f"<|im_start|>assistant\na{STEP}bc{STEP}<|im_end|>\n")
+    step_id = tok.convert_tokens_to_ids(STEP)
+    assert [ids[p] for p in pos] == [step_id, step_id] and [i for i, t in enumerate(ids) if t == step_id] == pos
+    model = torch.nn.Module()
+    model.config = type("C", (), {"num_labels": 2})()
+    model.register_parameter("w", torch.nn.Parameter(torch.zeros(1)))
+    with pytest.raises(ConfigError, match="prompt_separator=' ' is not read with chat_template"):
+        TokenClassificationPRM(model, tok, chat_template=True, prompt_separator=" ")
+    with pytest.raises(ConfigError, match="system_prompt='s' needs chat_template=True"):
+        TokenClassificationPRM(model, tok, system_prompt="s")
+    with pytest.raises(ConfigError, match="chat_template='yes' must be true or false"):
+        TokenClassificationPRM(model, tok, chat_template="yes")
+    with pytest.raises(ConfigError, match="has no chat template"):  # the char tokenizer has none
+        build_prm_input(tokenizer, "q", ["a"], "\n", chat_template=True)
+    tok.chat_template = "{% for m in messages %}{{ m.content | trim }}|{% endfor %}"  # strips the separator
+    with pytest.raises(ValueError, match="chat template changes the assistant turn's text"):
+        build_prm_input(tok, "q", ["a"], "\n", chat_template=True)
