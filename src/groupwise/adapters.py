@@ -341,6 +341,30 @@ def _check_adapter_config(model: torch.nn.Module, folder: Path, source: str) -> 
                                   "now; resume with the same LoRA configuration (peft_config / lora_* fields)")
 
 
+def load_adapter_checkpoint(folder: str, args, quantization_config=None):
+    """An adapter folder (a LoRA run's checkpoint-N or output_dir) as the policy `groupwise eval` evaluates: a
+    PeftModel over its base (adapter_config.json's base_model_name_or_path, loaded as a policy path is: the run's
+    dtype, trust_remote_code and quantization_config) and the folder's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from groupwise.config_base import check_model_location
+    from groupwise.loading import policy_init_kwargs
+
+    peft = _peft()
+    base = peft.PeftConfig.from_pretrained(folder).base_model_name_or_path
+    if not base:
+        raise ConfigError(f"model_name_or_path={folder!r} is an adapter that does not name its base model (the policy "
+                          f"was built in memory): merge it first with `groupwise export {folder} --merge OUT --base "
+                          "BASE` and evaluate OUT")
+    check_model_location(base, f"{folder}'s base_model_name_or_path", policy=True)
+    kwargs = policy_init_kwargs(args)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
+    model = peft.PeftModel.from_pretrained(model, folder, is_trainable=True)  # as trained: the trainer's checks hold
+    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=kwargs["trust_remote_code"])
+
+
 def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False) -> str:
     """Base model + the checkpoint's adapter, merged (merge_and_unload), saved to `out` with the tokenizer.
     `base` defaults to the adapter's base_model_name_or_path. A full fine-tune checkpoint is copied as a model."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from typing import Any
@@ -186,11 +187,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     if argv and argv[0].startswith("builtin:"):  # a built-in task's demo: its shipped policy, data and rewards
         return run_builtin_demo(argv[0], parse_overrides(argv[1:]))
-    values, overrides = read_config(argv)
-    for pair in ALIASES:  # one field's two names (dtype / torch_dtype): the command line wins over the file too
-        if any(name in overrides for name in pair):
-            values = {k: v for k, v in values.items() if k not in pair}
-    values = {**values, **overrides}
+    values = read_values(argv)
     if "model_name_or_path" not in values:
         given = sorted(set(values) & (set(RUN_FIELDS) | set(QUANTIZATION)))
         if given:
@@ -199,11 +196,33 @@ def cmd_train(argv: list[str]) -> int:
         from groupwise.demo import run_demo
 
         return run_demo(values)
+    trainer, args = build_trainer(values)
+    trainer.train()
+    if not args.push_to_hub:  # with it, train() ended by saving the final model to output_dir and uploading it
+        trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
+    return 0
+
+
+def read_values(argv: list[str]) -> dict[str, Any]:
+    """The config file's values under the command line's (which win; both names of an aliased field included)."""
+    values, overrides = read_config(argv)
+    for pair in ALIASES:  # one field's two names (dtype / torch_dtype): the command line wins over the file too
+        if any(name in overrides for name in pair):
+            values = {k: v for k, v in values.items() if k not in pair}
+    return {**values, **overrides}
+
+
+def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
+    """The GRPOTrainer a run's fields describe, everything they name checked before anything loads: its model,
+    datasets (TRL's grpo script's choice of train and evaluation rows), reward and step-reward functions. With
+    `evaluation` (groupwise eval): the evaluation rows are required, and output_dir is not claimed (nothing trains)."""
     run, args = build_run(values)
     # everything that names a file is checked before anything loads
-    check_model_location(run["model_name_or_path"], "model_name_or_path", policy=True)
+    model, processing_class = run["model_name_or_path"], None
+    adapter = evaluation and os.path.isfile(os.path.join(os.path.expanduser(model), "adapter_config.json"))
+    check_model_location(model, "model_name_or_path", policy=not adapter)  # eval reads an adapter over its base
     dataset_name = run["dataset_name"]
-    if not dataset_name and not run["datasets"]:
+    if not dataset_name and not run["datasets"] and not (evaluation and run["eval_dataset_name"]):
         raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name), "
                           "or TRL's datasets: mixture")
     for field in ("dataset_name", "eval_dataset_name"):  # a mixture wins: dataset_name is ignored (TRL warns)
@@ -218,11 +237,15 @@ def cmd_train(argv: list[str]) -> int:
         resolve_spec(spec, where)
     for i, spec in enumerate(run["process_reward_funcs"] or []):
         resolve_process_spec(spec, f"process_reward_funcs[{i}]")
-    if not args.resume_from_checkpoint and not args.overwrite_output_dir:
-        claim_output_dir(args.output_dir, overwrite=False)  # refuses only; deleting is the trainer's, on one process
-    resume_folder(args.resume_from_checkpoint, args.output_dir)  # a checkpoint that is not there, named now
-    train_data, eval_data = load_run_datasets(run, args)
-    task = builtin_task(dataset_name) if dataset_name and not run["datasets"] else None
+    if evaluation:
+        args.push_to_hub = False  # a training config's upload is not an evaluation's
+    else:
+        if not args.resume_from_checkpoint and not args.overwrite_output_dir:
+            claim_output_dir(args.output_dir, overwrite=False)  # refuses only; deleting is the trainer's, on one process
+        resume_folder(args.resume_from_checkpoint, args.output_dir)  # a checkpoint that is not there, named now
+    train_data, eval_data = load_run_datasets(run, args, evaluation=evaluation)
+    named = run["eval_dataset_name"] or dataset_name if evaluation else dataset_name  # the rows' task, if built in
+    task = builtin_task(named) if named and not run["datasets"] else None
     reward_funcs = specs or (task.REWARD_FUNCS if task else None)  # a built-in task brings its reward functions
     process_funcs = run["process_reward_funcs"] or None
     if not process_funcs and task is not None and args.supervision != "outcome":
@@ -231,8 +254,9 @@ def cmd_train(argv: list[str]) -> int:
     environment_factory = getattr(task, "ENVIRONMENT_FACTORY", None)
     if environment_factory is None:  # the files named, not the trainer's train_dataset / eval_dataset arguments
         source = "datasets (the mixture)" if run["datasets"] else f"dataset_name={dataset_name!r}"
-        for data, where in ((train_data, source), (eval_data, f"eval_dataset_name={run['eval_dataset_name']!r}"
-                                                   if run["eval_dataset_name"] else f"{source}'s evaluation rows")):
+        named_rows = [(eval_data, f"eval_dataset_name={run['eval_dataset_name']!r}" if run["eval_dataset_name"]
+                       else f"{source}'s evaluation rows")]
+        for data, where in ([] if evaluation else [(train_data, source)]) + named_rows:
             columns = getattr(data, "column_names", None)
             if columns is not None and "prompt" not in columns:
                 raise ConfigError(f"{where} has no 'prompt' column (columns: {columns}): rename the column holding "
@@ -241,14 +265,46 @@ def cmd_train(argv: list[str]) -> int:
         raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
     from groupwise.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(run["model_name_or_path"], reward_funcs or [], args=args, train_dataset=train_data,
-                          eval_dataset=eval_data, process_reward_funcs=process_funcs,
-                          environment_factory=environment_factory, quantization_config=run["quantization_config"])
+    if adapter:
+        from groupwise.adapters import load_adapter_checkpoint
+
+        model, processing_class = load_adapter_checkpoint(os.path.expanduser(model), args, run["quantization_config"])
+        args.model_init_kwargs, args.use_peft = None, False  # read by the loading above: the adapter is the run's
+    trainer = GRPOTrainer(model, reward_funcs or [], args=args, train_dataset=train_data, eval_dataset=eval_data,
+                          processing_class=processing_class, process_reward_funcs=process_funcs,
+                          environment_factory=environment_factory,
+                          quantization_config=None if adapter else run["quantization_config"])  # adapter: loaded
     if dataset_name and not run["datasets"] and task is None and not os.path.exists(os.path.expanduser(dataset_name)):
         trainer._card_defaults = {"dataset_name": dataset_name}  # a hub dataset: its card names it, as TRL's script's
-    trainer.train()
-    if not args.push_to_hub:  # with it, train() ended by saving the final model to output_dir and uploading it
-        trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
+    return trainer, args
+
+
+EVAL_USAGE = """usage: groupwise eval [CONFIG.yaml | --config CONFIG.yaml] [--field value …]
+
+Evaluates model_name_or_path (a trained output_dir, a checkpoint-N folder, a hub id) as training's evaluation does
+(trainer.evaluate()): the run's reward and step-reward functions over its evaluation rows — eval_dataset_name
+(eval_split), else dataset_name's dataset_test_split — greedy and one completion per prompt, or
+num_generations_eval sampled ones (rewards/<func>/mean@k, pass@k). The same config and fields as `groupwise train`
+(training-only fields are read and not used; nothing is pushed). Prints the eval_* metrics and writes them to
+output_dir/eval_results.json. Exit codes: 0 done, 2 a configuration or input error, 1 an error while evaluating."""
+
+
+def cmd_eval(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        return print_lines([EVAL_USAGE])
+    values = read_values(argv)
+    if "model_name_or_path" not in values:
+        raise ConfigError("groupwise eval needs model_name_or_path: the model to evaluate (a trained output_dir, a "
+                          "checkpoint-N folder or a hub id)")
+    trainer, args = build_trainer(values, evaluation=True)
+    metrics = trainer.evaluate()
+    if trainer.dist.is_main:
+        os.makedirs(args.output_dir, exist_ok=True)
+        path = os.path.join(args.output_dir, "eval_results.json")  # transformers' save_metrics("eval", …) name
+        with open(path, "w") as f:
+            json.dump(metrics, f, indent=2, sort_keys=True)
+        print_lines([f"{k:40s} {v:.6g}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in sorted(metrics.items())]
+                    + [f"groupwise: wrote {path}"])
     return 0
 
 
@@ -331,8 +387,9 @@ def cmd_export(argv: list[str]) -> int:
 
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
-    parser.add_argument("command", choices=["train", "prm", "export", "fields"],
-                        help="train: run GRPO; prm train: train a process reward model; export CHECKPOINT --merge OUT: "
+    parser.add_argument("command", choices=["train", "eval", "prm", "export", "fields"],
+                        help="train: run GRPO; eval: evaluate a model as training's evaluation does (groupwise eval "
+                             "--help); prm train: train a process reward model; export CHECKPOINT --merge OUT: "
                              "a checkpoint as a standalone model (LoRA merged into its base); fields: list config fields")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -349,6 +406,8 @@ def _main(argv: list[str]) -> int:
         if not rest or rest[0] != "train":
             parser.error(usage)
         return cmd_prm_train(rest[1:])
+    if command == "eval":
+        return cmd_eval(rest)
     if command == "export":
         return cmd_export(rest)
     if command == "fields":

@@ -263,8 +263,25 @@ def load_mixture(entries: list[dict], *, streaming: bool):
                           f"e.g. with columns: [prompt, …]): {' '.join(str(e).split())[:300]}") from None
 
 
-def load_run_datasets(run: dict[str, Any], args) -> tuple[Any, Any]:
-    """The training rows and the evaluation rows (or None) of a run, as TRL's grpo script chooses them."""
+def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) -> tuple[Any, Any]:
+    """The training rows and the evaluation rows (or None) of a run, as TRL's grpo script chooses them.
+    `evaluation` (groupwise eval): the evaluation rows are wanted whatever eval_strategy says, and are the training
+    rows too (the trainer is built to evaluate only), so dataset_name may be left out given eval_dataset_name."""
+    if evaluation:
+        if run["eval_dataset_name"]:
+            held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test",
+                                     field="eval_dataset_name")
+            return held, held
+        if not run["dataset_name"] or run["datasets"]:
+            raise ConfigError("groupwise eval needs evaluation rows: give eval_dataset_name (and eval_split), or "
+                              "dataset_name, whose dataset_test_split is evaluated")
+        split = run["eval_split"] or run["dataset_test_split"]
+        try:
+            held = load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False)
+        except ConfigError as e:
+            raise ConfigError(f"groupwise eval evaluates split {split!r} of dataset_name (dataset_test_split, as "
+                              f"TRL): {e}; give eval_dataset_name, or eval_split") from None
+        return held, held
     from groupwise.data import is_stream
 
     mixture = run["datasets"]

@@ -1,0 +1,81 @@
+"""`groupwise eval`: a model (an output_dir, a checkpoint-N folder, a LoRA run's adapter folder) evaluated as
+training's evaluation does, from the training config: the same numbers as trainer.evaluate() on the same model and
+rows, written to output_dir/eval_results.json; nothing claimed, trained or pushed; missing inputs named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from groupwise import GRPOTrainer
+from groupwise.cli import main
+from groupwise.tasks import toy
+from tests.conftest import small_args
+from tests.test_cli_audit import _cfg, _jsonl, _rows
+
+EVAL = ["--num_generations_eval", "4", "--per_device_eval_batch_size", "4", "--max_completion_length", "4"]
+
+
+def _api_metrics(tmp_path, model, rows, **kw):
+    """trainer.evaluate() in-process: what `groupwise eval` must report for the same model, rows and settings."""
+    args = small_args(tmp_path / "api", num_generations_eval=4, per_device_eval_batch_size=4, max_completion_length=4,
+                      seed=42, **kw)  # the CLI's default seed: the same samples
+    trainer = GRPOTrainer(model, [toy.letter_reward], args=args, train_dataset=rows, eval_dataset=rows)
+    return trainer.evaluate()
+
+
+@pytest.mark.slow
+def test_eval_reports_what_trainer_evaluate_reports_for_a_trained_checkpoint(tmp_path, model_dir, capsys):
+    cfg = _cfg(tmp_path, model_dir, max_steps=2, save_steps=2)
+    assert main(["train", cfg]) == 0
+    run = tmp_path / "run"
+    before = sorted(p.name for p in run.iterdir())
+    held = _jsonl(tmp_path / "held.jsonl", _rows(6))
+    # the training config as it is (its output_dir holds the run: not claimed, nothing deleted or written there)
+    assert main(["eval", cfg, "--model_name_or_path", str(run / "checkpoint-2"), "--eval_dataset_name", held,
+                 "--output_dir", str(tmp_path / "ev"), *EVAL]) == 0
+    assert sorted(p.name for p in run.iterdir()) == before
+    got = json.loads((tmp_path / "ev" / "eval_results.json").read_text())
+    printed = capsys.readouterr().out
+    assert "eval_rewards/letter_reward/pass@4" in printed and "eval_results.json" in printed
+    want = _api_metrics(tmp_path, str(run / "checkpoint-2"), _rows(6))
+    timing = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
+    assert set(got) == set(want) and "eval_rewards/letter_reward/mean@4" in got
+    assert {k: v for k, v in got.items() if k not in timing} == pytest.approx(
+        {k: v for k, v in want.items() if k not in timing})
+    # without eval_dataset_name: dataset_name's dataset_test_split, which a data file does not have: named
+    assert main(["eval", cfg, "--model_name_or_path", str(run)]) == 2
+    assert "groupwise eval evaluates split 'test' of dataset_name" in capsys.readouterr().err
+    assert main(["eval", cfg, "--model_name_or_path", str(run), "--eval_split", "train[:4]", "--output_dir",
+                 str(tmp_path / "ev2"), *EVAL]) == 0  # that file's first 4 rows
+
+
+@pytest.mark.slow
+def test_eval_reads_a_lora_runs_adapter_over_its_base_and_pushes_nothing(tmp_path, model_dir, monkeypatch):
+    """An adapter folder is evaluated as PeftModel(base, adapter): the numbers of the merged model (groupwise export
+    --merge) evaluated as a plain one. A training config's push_to_hub is not an evaluation's (no token needed)."""
+    import huggingface_hub
+
+    cfg = _cfg(tmp_path, model_dir, max_steps=2, save_steps=2, use_peft=True, lora_target_modules="all-linear",
+               learning_rate=0.05)
+    assert main(["train", cfg]) == 0
+    monkeypatch.setattr(huggingface_hub, "HfApi", None)  # any upload would fail
+    held = _jsonl(tmp_path / "held.jsonl", _rows(6))
+    assert main(["eval", cfg, "--model_name_or_path", str(tmp_path / "run" / "checkpoint-2"), "--eval_dataset_name",
+                 held, "--output_dir", str(tmp_path / "ev"), "--push_to_hub", "true", *EVAL]) == 0
+    got = json.loads((tmp_path / "ev" / "eval_results.json").read_text())
+    assert main(["export", str(tmp_path / "run" / "checkpoint-2"), "--merge", str(tmp_path / "merged")]) == 0
+    want = _api_metrics(tmp_path, str(tmp_path / "merged"), _rows(6))
+    assert got["eval_rewards/letter_reward/mean"] == pytest.approx(want["eval_rewards/letter_reward/mean"])
+    assert got["eval_completions/mean_length"] == pytest.approx(want["eval_completions/mean_length"])
+
+
+def test_eval_names_what_it_lacks(tmp_path, model_dir, capsys):
+    assert main(["eval", "--dataset_name", "builtin:arithmetic"]) == 2
+    assert "groupwise eval needs model_name_or_path" in capsys.readouterr().err
+    (tmp_path / "no_data.yaml").write_text(f"model_name_or_path: {model_dir}\n"
+                                           "reward_funcs: [groupwise.tasks.toy:letter_reward]\n")
+    assert main(["eval", str(tmp_path / "no_data.yaml")]) == 2
+    assert "dataset_name is required" in capsys.readouterr().err
+    assert main(["eval", "--help"]) == 0 and "eval_results.json" in capsys.readouterr().out
