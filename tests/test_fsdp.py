@@ -115,10 +115,13 @@ def test_fsdp2_lora_trains_like_ddp_lora_keeps_adapter_sized_shards_and_resumes_
     """LoRA under FSDP2: the decoder layers sharded with their frozen base and trainable adapters together; π_ref
     is the sharded policy with its adapters off (β > 0); the sampling replica receives the gathered adapters after
     every step. Same training as DDP; the per-process shards of a checkpoint hold the adapters only (the base is the
-    model the run loads); a run resumed from step 2 in fresh processes ends bitwise equal to the straight one."""
+    model the run loads); a run resumed from step 2 in fresh processes ends bitwise equal to the straight one.
+    shard_grad_op with 2 micro-batches: the units stay gathered after the no-grad reference pass, where PEFT's
+    disable_adapter() used to leave the sharded adapters frozen (grad_norm 0, or "does not require grad" at the
+    second micro-batch); full_shard LoRA is run by the tests below."""
     common = dict(max_steps=4, save_steps=2, use_peft=True, lora_target_modules=["q_proj", "v_proj"],
-                  learning_rate=0.05, beta=0.04)
-    ddp, fsdp, _ = _like_ddp_and_resumed(tmp_path, common, "full_shard", crash_after=2)
+                  learning_rate=0.05, beta=0.04, gradient_accumulation_steps=2)
+    ddp, fsdp, _ = _like_ddp_and_resumed(tmp_path, common, "shard_grad_op", crash_after=2)
     want, got = _weights(ddp), _weights(fsdp)
     kl = [[json.loads(x)["kl"] for x in training_lines(run / "metrics.jsonl")] for run in (ddp, fsdp)]
     assert kl[0][0] == kl[1][0] == 0.0 and kl[1][1] > 0 and kl[1] == pytest.approx(kl[0], abs=1e-7)

@@ -247,7 +247,27 @@ class Reference:
     def context(self):
         if not self.adapters_off:
             return contextlib.nullcontext()
-        return self._initial_adapter() if self.initial is not None else self.model.disable_adapter()
+        return self._initial_adapter() if self.initial is not None else self._adapters_disabled()
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self):
+        """PEFT's disable_adapter(), which turns requires_grad off and back on for the parameter objects the adapter
+        layers hold at that moment. Sharded (FSDP2), every unit is resharded on entry and before the exit, so both
+        see the sharded parameters: a unit left gathered by the no-grad reference pass (shard_grad_op keeps them
+        until a backward) would have its gathered copies turned back on and its shards left frozen, and the adapters
+        would silently stop training."""
+        from groupwise.sharding import reshard
+
+        if self.root is not None:
+            reshard(self.root)
+            _wait_for_device()
+        with self.model.disable_adapter():
+            try:
+                yield
+            finally:
+                if self.root is not None:
+                    reshard(self.root)
+                    _wait_for_device()
 
     @contextlib.contextmanager
     def _initial_adapter(self):
