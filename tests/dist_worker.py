@@ -337,6 +337,28 @@ def replica(out: Path) -> None:
     (out / f"result_{rank}.json").write_text(json.dumps(seen))
 
 
+def one_rank(out: Path) -> None:
+    """Callbacks and calls made on the main process alone, as users write them: a stop asked for in on_epoch_begin
+    (every process stops at the same step), then save_model under `if trainer.is_world_process_zero()` (no
+    collective under DDP, as transformers). ddp_timeout=20: a process left waiting fails the run."""
+    from groupwise import GRPOTrainer
+
+    class StopOnMain:
+        def on_epoch_begin(self, args, state, control, **kw):
+            if state.is_world_process_zero and state.global_step > 0:
+                control.should_training_stop = True
+
+    tok = toy.build_tokenizer()
+    args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=4,
+                      max_steps=6, save_steps=0, ddp_timeout=20, logging_steps=1)
+    t = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                    train_dataset=toy.dataset(4), processing_class=tok, callbacks=[StopOnMain()])
+    t.train()
+    if t.is_world_process_zero():
+        t.save_model(str(out / "final"))
+    (out / f"result_{t.dist.rank}.json").write_text(json.dumps({"step": t.state.global_step}))
+
+
 def groups(out: Path) -> None:
     """Distributed.subgroup(2): each process's group (its members' ranks, gathered within it)."""
     dist = Distributed()
@@ -350,4 +372,5 @@ if __name__ == "__main__":
     if mode.startswith("fault_"):
         fault(out, mode.removeprefix("fault_"))
     else:
-        {"same": same, "train": train, "run": run, "replica": replica, "groups": groups}[mode](out)
+        {"same": same, "train": train, "run": run, "replica": replica, "groups": groups,
+         "one_rank": one_rank}[mode](out)

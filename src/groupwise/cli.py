@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from typing import Any
@@ -281,12 +280,13 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
 
 EVAL_USAGE = """usage: groupwise eval [CONFIG.yaml | --config CONFIG.yaml] [--field value …]
 
-Evaluates model_name_or_path (a trained output_dir, a checkpoint-N folder, a hub id) as training's evaluation does
-(trainer.evaluate()): the run's reward and step-reward functions over its evaluation rows — eval_dataset_name
-(eval_split), else dataset_name's dataset_test_split — greedy and one completion per prompt, or
-num_generations_eval sampled ones (rewards/<func>/mean@k, pass@k). The same config and fields as `groupwise train`
-(training-only fields are read and not used; nothing is pushed). Prints the eval_* metrics and writes them to
-output_dir/eval_results.json. Exit codes: 0 done, 2 a configuration or input error, 1 an error while evaluating."""
+Evaluates model_name_or_path (a trained output_dir, a checkpoint-N folder, a LoRA run's adapter folder over its
+base, a hub id) as training's evaluation does (trainer.evaluate()): the run's reward and step-reward functions over
+its evaluation rows — eval_dataset_name (eval_split), else dataset_name's dataset_test_split — greedy and one
+completion per prompt, or num_generations_eval sampled ones (rewards/<func>/mean@k, pass@k). The same config and
+fields as `groupwise train` (training-only fields are read and not used; nothing is pushed). Prints the eval_*
+metrics and writes them to output_dir/eval_results.json (and all_results.json, as transformers' save_metrics).
+Exit codes: 0 done, 2 a configuration or input error, 1 an error while evaluating."""
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -298,11 +298,9 @@ def cmd_eval(argv: list[str]) -> int:
                           "checkpoint-N folder or a hub id)")
     trainer, args = build_trainer(values, evaluation=True)
     metrics = trainer.evaluate()
+    trainer.save_metrics("eval", metrics)  # eval_results.json (and all_results.json), as transformers' Trainer
     if trainer.dist.is_main:
-        os.makedirs(args.output_dir, exist_ok=True)
-        path = os.path.join(args.output_dir, "eval_results.json")  # transformers' save_metrics("eval", …) name
-        with open(path, "w") as f:
-            json.dump(metrics, f, indent=2, sort_keys=True)
+        path = os.path.join(args.output_dir, "eval_results.json")
         print_lines([f"{k:40s} {v:.6g}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in sorted(metrics.items())]
                     + [f"groupwise: wrote {path}"])
     return 0

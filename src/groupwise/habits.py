@@ -308,13 +308,17 @@ class TransformersHabits:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The policy (safetensors) and its tokenizer, loadable with from_pretrained (TRL / transformers' name). With
-        push_to_hub, a call from the user also uploads output_dir's model ("Model save", as transformers)."""
+        push_to_hub, a call from the user also uploads output_dir's model ("Model save", as transformers). Under DDP
+        a user may call it on the main process alone (`if trainer.is_world_process_zero():`), as with transformers;
+        with fsdp (the weights gathered) or push_to_hub (the upload's failure shared), every process calls it."""
         out = output_dir or self.args.output_dir
-        model, weights = self.consolidated()  # every process: with fsdp it may gather
+        collective = self.dist.sharding is not None or _internal_call or self.args.push_to_hub
+        model, weights = self.consolidated()  # with fsdp every process gathers
         if self.dist.is_main:
             model.save_pretrained(out, safe_serialization=True, state_dict=weights)
             self.tokenizer.save_pretrained(out)
-        self.dist.barrier()
+        if collective:
+            self.dist.barrier()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
@@ -343,6 +347,11 @@ class TransformersHabits:
             self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
 
     # ---- transformers' flow after an optimizer step (GRPOTrainer._after_step) ----------------------------------
+    def _event_agreed(self, name: str) -> None:
+        """An event after which the loop reads the stop flags: every process takes any process's callbacks' flags."""
+        self._event(name)
+        self._agree()
+
     def _agree(self) -> bool:
         """Every process takes the stop flags any process's callbacks set (saves and evaluations are collective).
         Returns whether a signal has arrived on any process."""

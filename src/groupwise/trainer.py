@@ -308,7 +308,7 @@ class GRPOTrainer(TransformersHabits):
         restored = getattr(self, "_restored_history", None)
         self.state.log_history = list(self._logger.history) if restored is None else restored
         self._event("on_train_begin")
-        self._event("on_epoch_begin")
+        self._event_agreed("on_epoch_begin")  # a stop asked for on one process is every process's
         # resumed, or a replica (generation_dtype, fsdp) copied before DDP synced the processes' weights: refresh
         if self.global_step or self._replica is not None:
             self._weights_changed()
@@ -398,7 +398,7 @@ class GRPOTrainer(TransformersHabits):
             raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
         if new_epoch and not last_step:
-            self._event("on_epoch_begin")
+            self._event_agreed("on_epoch_begin")
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
