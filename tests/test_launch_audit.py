@@ -138,9 +138,13 @@ def test_fsdp_transformer_layer_cls_to_wrap_is_honoured_or_refused_by_name(monke
     units = {type(m).__name__.removeprefix("FSDP") for m in model.modules() if isinstance(m, FSDPModule)}
     assert {"LlamaMLP", "LlamaAttention"} <= units and "LlamaDecoderLayer" not in units
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "GPT2Block")
-    with pytest.raises(ConfigError, match=r"fsdp_transformer_layer_cls_to_wrap names \['GPT2Block'\], which "
-                                          r"LlamaForCausalLM does not contain: name its decoder layer class"):
+    with pytest.raises(ConfigError, match=r"the accelerate config's fsdp_transformer_layer_cls_to_wrap names "
+                                          r"\['GPT2Block'\], which LlamaForCausalLM does not contain: name its decoder"):
         shard(*(2 * [toy.build_model(tokenizer, seed=0, hidden_size=32)]), resolve(None), torch.device("cpu"))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")  # the field's fsdp_config names the class: that is named, not accelerate
+    with pytest.raises(ConfigError, match=r"^fsdp_config's transformer_layer_cls_to_wrap names \['Qwen2DecoderLayer'\]"):
+        shard(*(2 * [toy.build_model(tokenizer, seed=0, hidden_size=32)]),
+              resolve("full_shard", {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}), torch.device("cpu"))
 
 
 # ---- seeding ------------------------------------------------------------------------------------------------------

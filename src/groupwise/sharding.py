@@ -42,6 +42,7 @@ class Sharding:
     reshard_after_forward: bool  # full_shard: free gathered weights after each forward; shard_grad_op: keep them
     layer_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap; (): the model's _no_split_modules
     offload: bool = False  # cpu_offload: shards, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)
+    classes_from: str = "fsdp_config's transformer_layer_cls_to_wrap"  # where layer_classes was set (errors name it)
 
 
 # FSDP_RESHARD_AFTER_FORWARD as `accelerate launch` exports fsdp_reshard_after_forward (a boolean for FSDP2)
@@ -168,7 +169,8 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
                               "(full_shard) or false (shard_grad_op) in the accelerate config file")
         classes = tuple(c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip())
         offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("1", "true")
-        return Sharding(reshard_after_forward=RESHARD_VALUES[reshard.lower()], layer_classes=classes, offload=offload)
+        return Sharding(reshard_after_forward=RESHARD_VALUES[reshard.lower()], layer_classes=classes, offload=offload,
+                        classes_from="the accelerate config's fsdp_transformer_layer_cls_to_wrap")
     return None
 
 
@@ -194,9 +196,8 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
     missing = sorted(layer_names - {type(m).__name__ for m in layers}) if sharding.layer_classes else []
     if missing:  # as accelerate: every class named must be in the model
-        raise ConfigError(f"the accelerate config's fsdp_transformer_layer_cls_to_wrap names {missing}, which "
-                          f"{type(model).__name__} does not contain: name its decoder layer class ({declared}) in "
-                          "the accelerate config file, or leave the key out")
+        raise ConfigError(f"{sharding.classes_from} names {missing}, which {type(model).__name__} does not contain: "
+                          f"name its decoder layer class ({declared}) there, or leave the key out")
     if not layers:
         raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules): "
                           "it cannot be sharded layer by layer")
