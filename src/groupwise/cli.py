@@ -240,7 +240,7 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
         args.push_to_hub = False  # a training config's upload is not an evaluation's
     else:
         if not args.resume_from_checkpoint and not args.overwrite_output_dir:
-            claim_output_dir(args.output_dir, overwrite=False)  # refuses only; deleting is the trainer's, on one process
+            claim_output_dir(args.output_dir, overwrite=False)  # refuses only; the trainer deletes, on one process
         resume_folder(args.resume_from_checkpoint, args.output_dir)  # a checkpoint that is not there, named now
     train_data, eval_data = load_run_datasets(run, args, evaluation=evaluation)
     named = run["eval_dataset_name"] or dataset_name if evaluation else dataset_name  # the rows' task, if built in

@@ -121,7 +121,9 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     full_determinism: bool = option("Deterministic algorithms everywhere (transformers' enable_full_determinism): slower, bitwise reproducible across runs.", default=False)
     torch_empty_cache_steps: int | None = option("Release cached accelerator memory every this many optimizer steps (None: never).", default=None, ge=1)
     average_tokens_across_devices: bool = option("Normalise token-count losses by the tokens of all processes (always the case for loss_type 'dapo' / 'cispo'; transformers' meaning).", default=True)
-    ddp_find_unused_parameters: bool | None = option("DDP find_unused_parameters (None: accelerate's default, False).", default=None)
+    ddp_find_unused_parameters: bool | None = option(
+        "DDP find_unused_parameters (None: False; true for a model that leaves trainable parameters without a "
+        "gradient; TRL's None: True without gradient checkpointing).", default=None)
     ddp_bucket_cap_mb: int | None = option("DDP gradient bucket size in MiB (None: torch's default).", default=None, ge=1)
     ddp_broadcast_buffers: bool | None = option("DDP broadcast_buffers (None: torch's default).", default=None)
     ddp_static_graph: bool | None = option("DDP static_graph (None: torch's default).", default=None)
