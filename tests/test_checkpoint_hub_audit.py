@@ -402,7 +402,8 @@ def test_groupwise_train_names_a_hub_dataset_in_the_final_pushs_model_card(tmp_p
     from groupwise.cli import main
     from tests.test_cli_audit import _cfg, _rows
 
-    monkeypatch.setattr(groupwise.cli, "load_run_datasets", lambda run, args: (datasets.Dataset.from_list(_rows()), None))
+    rows = datasets.Dataset.from_list(_rows())
+    monkeypatch.setattr(groupwise.cli, "load_run_datasets", lambda run, args, **_: (rows, None))
     hub_run = dict(push_to_hub=True, hub_token="hf_x", hub_model_id="me/x", max_steps=1, save_strategy="no")
     assert main(["train", _cfg(tmp_path, model_dir, dataset_name="someorg/math", **hub_run)]) == 0
     assert [u["message"] for u in hub] == ["groupwise: end of training"]
