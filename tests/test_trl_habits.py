@@ -355,6 +355,13 @@ def test_trl_trainer_attributes(tmp_path, tokenizer):
     assert isinstance(trainer.ref_model, torch.nn.Module) and trainer.ref_model is not trainer.model
     assert trainer.lr_scheduler is trainer.scheduler and trainer.num_generations == args.num_generations
     assert _trainer(tmp_path / "b", tokenizer, beta=0.0).ref_model is None
+    # TRL's reward_func_names / reward_weights (a float32 tensor, 1 each unless reward_weights) and transformers'
+    # is_local_process_zero()
+    assert trainer.reward_func_names == ["_length", "letter_reward"] and trainer.is_local_process_zero()
+    assert torch.equal(trainer.reward_weights, torch.ones(2)) and trainer.reward_weights.dtype == torch.float32
+    weighted = GRPOTrainer(trainer.model, [_length, toy.letter_reward], train_dataset=train, processing_class=tokenizer,
+                           args=small_args(tmp_path, output_dir=str(tmp_path / "w"), reward_weights=[2.0, 0.5]))
+    assert torch.equal(weighted.reward_weights, torch.tensor([2.0, 0.5]))
 
 
 def test_reward_names_and_tokenizers_as_trl(tmp_path, tokenizer):

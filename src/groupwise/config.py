@@ -398,8 +398,8 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
                               "of max_steps below 1): set logging_steps, or logging_strategy='no'")
         if self.generation_kwargs and not BACKENDS[self.generation_backend].generation_kwargs:
             raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
-                              "'transformers' (the fast sampler supports temperature, top_p, top_k, min_p and "
-                              "repetition_penalty)")
+                              "'transformers' (model.generate takes them, as in TRL); the fast sampler reads "
+                              "temperature, top_p, top_k, min_p and repetition_penalty as GRPOConfig fields instead")
         shaping = sorted(set(self.generation_kwargs or {}) & set(SHAPING_GENERATION_KWARGS))
         if shaping:
             raise ConfigError(f"generation_kwargs[{shaping[0]!r}] would change the shape of the completions: set "

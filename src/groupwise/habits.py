@@ -22,6 +22,7 @@ from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
 from groupwise.modeling import eval_mode
+from groupwise.rewards.combine import reward_weights as weights_of
 
 # transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
 # in the logging window is logged as None, as TRL's log() does (and as metrics.jsonl, hence a resumed history, has it)
@@ -105,6 +106,19 @@ class TransformersHabits:
 
     def is_world_process_zero(self) -> bool:
         return self.dist.is_main
+
+    def is_local_process_zero(self) -> bool:
+        return self.dist.is_local_main
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """As TRL: each reward function's name in the metrics (`rewards/<name>/mean`), in order."""
+        return [s.name for s in self.reward_sources]
+
+    @property
+    def reward_weights(self) -> torch.Tensor:  # (F,)
+        """As TRL: the weight of each reward function (reward_weights, else 1), float32."""
+        return weights_of(self.args.reward_weights, len(self.reward_sources))
 
     def push_to_hub(self, commit_message: str = "groupwise: end of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None,

@@ -76,12 +76,21 @@ def _not_cached_offline(e: BaseException) -> bool:
 
 def load_tokenizer(model, processing_class, args: GRPOConfig):
     """The policy's tokenizer and its max positions (from the model's config), before the weights load."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, ProcessorMixin
 
+    if isinstance(processing_class, ProcessorMixin):
+        raise ConfigError(f"processing_class is a {type(processing_class).__name__}, a multimodal processor: groupwise "
+                          "trains text-only causal language models (vision-language models are not supported yet); "
+                          "pass its tokenizer (processing_class=processor.tokenizer) to train on text alone")
     if isinstance(model, str):
         revision = (args.model_init_kwargs or {}).get("revision")  # the config and tokenizer of the same revision
         hub = {"trust_remote_code": args.trust_remote_code, **({"revision": revision} if revision else {})}
         config = _from_pretrained(AutoConfig, model, "config", **hub)
+        if type(config) not in AutoModelForCausalLM._model_mapping and \
+                "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
+            raise ConfigError(f"model {model!r} is a {type(config).__name__}, which AutoModelForCausalLM cannot load: "
+                              "groupwise trains causal language models (vision-language models are not supported "
+                              "yet); give a causal LM")
         tokenizer = processing_class or _from_pretrained(AutoTokenizer, model, "tokenizer", **hub)
     else:
         config, tokenizer = model.config, processing_class
@@ -268,6 +277,12 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]
     for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
+        images = sorted({"image", "images"} & set(rows.columns() or [])) if rows is not None else []
+        if images and not custom_rollout:  # TRL feeds them to a vision-language model's processor
+            raise ConfigError(f"{name} has an {images[0]!r} column: groupwise trains text-only causal language models "
+                              "(vision-language models and image inputs are not supported yet), so the images would "
+                              f"be ignored; drop the column (dataset.remove_columns({images[0]!r})) to train on the "
+                              "text alone")
         if rows is not None and not custom_rollout:
             check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, name)
             if process_reward_funcs:

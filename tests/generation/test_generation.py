@@ -112,6 +112,11 @@ def test_generation_kwargs_override_the_transformers_fields_as_in_trl(tokenizer,
     with pytest.raises(ConfigError, match=r"generation_kwargs\['max_new_tokens'\] would change the shape of the "
                                           r"completions: set max_completion_length instead"):
         small_args(Path("unused"), generation_backend="transformers", generation_kwargs={"max_new_tokens": 4})
+    # TRL passes generation_kwargs to model.generate: the transformers backend does; the fast sampler names both ways
+    with pytest.raises(ConfigError, match=r"generation_kwargs \['temperature'\] need generation_backend="
+                                          r"'transformers' \(model.generate takes them, as in TRL\); the fast sampler "
+                                          "reads temperature"):
+        small_args(Path("unused"), generation_kwargs={"temperature": 0.9})
 
 
 def test_a_model_asking_for_beams_is_still_sampled_and_beams_in_generation_kwargs_are_refused(tokenizer):
