@@ -92,6 +92,19 @@ def test_process_supervision_from_the_command_line(tmp_path, model_dir):
     assert "process/step_reward_mean" in line and "reward" not in line
 
 
+def test_demo_settings_without_its_before_after_table_are_named_before_the_policy_loads(tmp_path, capsys):
+    """The table reads the evaluations of step 0 and of the last step: without them it printed the wrong numbers
+    (eval_strategy no: 'after' was step 0's) or crashed after training (IndexError)."""
+    out = ["--output_dir", str(tmp_path / "demo")]
+    assert main(["train", "--eval_strategy", "no", *out]) == 2
+    assert "eval_strategy='no': the builtin:arithmetic demo prints held-out accuracy before" in capsys.readouterr().err
+    assert main(["train", "builtin:calculator", "--eval_on_start", "false", *out]) == 2
+    assert "eval_on_start=False: the builtin:calculator demo" in capsys.readouterr().err
+    assert main(["train", "builtin:arithmetic", "--step_split", "turn", *out]) == 2
+    assert "builtin:arithmetic's completions are one turn of text" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 def test_demo_runs_two_steps(tmp_path, capsys):
     """`groupwise train` with no config runs the embedded demo: shipped policy, process supervision, eval before and
@@ -144,8 +157,24 @@ def test_builtin_task_splits():
     with pytest.raises(ConfigError, match=r"split 'test\[:5%\]' of 'builtin:arithmetic'.*e.g. 'test\[:100\]'"):
         load_dataset_spec("builtin:arithmetic", "test[:5%]")
     assert len(load_dataset_spec("builtin:toy", None)) > 0
-    with pytest.raises(ConfigError, match="builtin:toy.*no train/test split"):
+    with pytest.raises(ConfigError, match="builtin:toy.*no train/test split.*give eval_dataset_name: builtin:toy"):
         load_dataset_spec("builtin:toy", "test")
+    # the run's seed draws the training problems (it was ignored: every config run trained on seed 0's); the
+    # held-out problems are the same whatever the seed
+    train = {s: load_dataset_spec("builtin:arithmetic", None, seed=s) for s in (0, 1)}
+    assert train[0] != train[1] and len(train[1]) == 2000
+    assert not any(is_held_out(r["problem"]) for r in train[1])
+    assert load_dataset_spec("builtin:arithmetic", "test", seed=1) == test
+    assert load_dataset_spec("builtin:toy", None, seed=1) != load_dataset_spec("builtin:toy", None)
+
+
+def test_help_piped_to_head_and_groupwise_demo(capsys):
+    proc = subprocess.run(f"{sys.executable} -m groupwise train --help | head -1", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith("usage: groupwise train") and "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit):  # argparse's usage error, exit 2, naming where the demo is
+        main(["demo"])
+    assert "the demo is `groupwise train`" in capsys.readouterr().err
 
 
 def test_config_run_of_the_calculator_task(tmp_path):

@@ -180,10 +180,9 @@ def build_run(values: dict[str, Any]):
 
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(TRAIN_USAGE + "\n\nrun fields:")
-        for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items():
-            print(f"  {name:28s} {help_text}" + (f" (default {default!r})" if default is not None else ""))
-        return 0
+        return print_lines([TRAIN_USAGE + "\n\nrun fields:"] + [
+            f"  {name:28s} {help_text}" + (f" (default {default!r})" if default is not None else "")
+            for name, (_, default, help_text) in {**RUN_FIELDS, **QUANTIZATION_FIELDS}.items()])
     if argv and argv[0].startswith("builtin:"):  # a built-in task's demo: its shipped policy, data and rewards
         return run_builtin_demo(argv[0], parse_overrides(argv[1:]))
     values = read_values(argv)
@@ -393,6 +392,9 @@ def _main(argv: list[str]) -> int:
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "demo":  # the demo is `groupwise train` without a model
+        parser.error("the demo is `groupwise train` (no config: the built-in arithmetic demo; `groupwise train "
+                     "builtin:calculator` for the tool-calling one), or `make demo`")
     if command == "train":
         return cmd_train(rest)
     if command == "prm":

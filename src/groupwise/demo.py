@@ -46,6 +46,18 @@ CALCULATOR_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+def _check_table(args: GRPOConfig, task: str) -> None:
+    """The before/after table reads the evaluation of step 0 and of the last step: refused before the policy loads
+    when the settings leave it without one."""
+    from groupwise.config_base import ConfigError
+
+    if not args.eval_on_start or args.eval_strategy == "no":
+        off = "eval_on_start=False" if not args.eval_on_start else "eval_strategy='no'"
+        raise ConfigError(f"{off}: the builtin:{task} demo prints held-out accuracy before and after training, from "
+                          "the evaluations at step 0 and at the last step; leave eval_on_start and eval_strategy at "
+                          "the demo's values (true, 'steps'), or write a config to train without evaluating")
+
+
 def _load_policy(folder: Path, script: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,6 +77,7 @@ def calculator_trainer(overrides: dict[str, Any]):
     if values["supervision"] != "outcome" and "step_split" not in overrides:
         values["step_split"] = "turn"  # a reward per assistant turn, from CalculatorEnv.get_step_rewards
     args = GRPOConfig(**values)
+    _check_table(args, "calculator")
     model, tokenizer = _load_policy(CALCULATOR_POLICY_DIR, "scripts/make_calculator_policy.py")
     return GRPOTrainer(model, args=args, train_dataset=calculator.dataset(20_000, split="train", seed=args.seed),
                        eval_dataset=calculator.dataset(NUM_EVAL_PROBLEMS, split="test"), processing_class=tokenizer,
@@ -75,7 +88,14 @@ def demo_trainer(overrides: dict[str, Any]):
     from groupwise.tasks import arithmetic
     from groupwise.trainer import GRPOTrainer
 
+    from groupwise.config_base import ConfigError
+    from groupwise.rewards.steps import SPLIT_MODES
+
     args = GRPOConfig(**{**DEMO_DEFAULTS, **overrides})
+    _check_table(args, "arithmetic")
+    if SPLIT_MODES[args.step_split].turns:
+        raise ConfigError(f"step_split={args.step_split!r} makes each assistant turn a step, but builtin:arithmetic's "
+                          "completions are one turn of text: leave step_split unset (builtin:calculator has turns)")
     model, tokenizer = _load_policy(POLICY_DIR, "scripts/make_demo_policy.py")
     process = arithmetic.PROCESS_REWARD_FUNCS if args.supervision != "outcome" else None
     return GRPOTrainer(model, arithmetic.REWARD_FUNCS, args=args,
@@ -104,18 +124,21 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     eval_key = demo.eval_key
     trainer = demo.make_trainer(overrides)
     trainer.train()
+    evals = {x["step"]: x[eval_key] for x in trainer.state.log_history if eval_key in x}  # step 0's kept on resume
+    before = evals[0]
+    # every process: an evaluation is collective
+    after = evals[trainer.global_step] if trainer.global_step in evals else trainer.evaluate()[eval_key]
     if not trainer.dist.is_main:
         return 0
     out = Path(trainer.args.output_dir)
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [x for x in lines if eval_key in x]
-    before, after = evals[0][eval_key], evals[-1][eval_key]
+    k = trainer.args.num_generations_eval
+    kind = "greedy accuracy" if k is None else f"accuracy (mean of {k} samples)"
     plot = plot_metrics(out / "metrics.jsonl", out / "reward_accuracy.png", eval_key=eval_key)
     took = f"{time.perf_counter() - start:.0f} s"
     if trainer._first_step:  # resumed: the time is this call's steps only
         took += (f" (steps {trainer._first_step + 1}-{trainer.global_step}, resumed from "
                  f"checkpoint-{trainer._first_step})")
-    print(f"\n  {demo.title}held-out greedy accuracy ({NUM_EVAL_PROBLEMS} problems)\n"
+    print(f"\n  {demo.title}held-out {kind} ({NUM_EVAL_PROBLEMS} problems)\n"
           + "  ┌──────────┬──────────┬──────────┐\n  │  before  │  after   │  change  │\n"
           + "  ├──────────┼──────────┼──────────┤\n"
           + f"  │  {before:6.1%}  │  {after:6.1%}  │ {100 * (after - before):+5.1f} pt │\n"

@@ -159,24 +159,25 @@ def _file_builder(path: Path, field: str) -> str:
 
 def load_dataset_spec(name: str, split: str | None, *, default: str = "train", field: str = "dataset_name",
                       config: str | None = None, data_dir: str | None = None, data_files: Any = None,
-                      streaming: bool = False, file_is_split: bool = True):
+                      streaming: bool = False, file_is_split: bool = True, seed: int = 0):
     """The rows of `split` (None: `default`) of a dataset as a run names it: builtin:<task>, a data file (one split,
     'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved Dataset's rows
     are every split's when `file_is_split`), a folder of data files or a hub dataset (load_dataset's name / data_dir /
-    data_files). Anything that fails is one ConfigError naming `field`."""
+    data_files). Anything that fails is one ConfigError naming `field`. `seed` draws a built-in task's training
+    problems (its 'test' split is fixed: the same held-out problems whatever the run's seed)."""
     task = builtin_task(name)
     if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
         if "split" not in inspect.signature(task.dataset).parameters:
             if split not in (None, "train"):  # 'train': dataset_train_split's default, its one split
-                raise ConfigError(f"{name!r} has no train/test split: leave dataset_split / eval_split unset "
-                                  "(its rows are the same either way)")
-            return task.dataset()
+                raise ConfigError(f"{name!r} has no train/test split (it has one set of rows): to evaluate on it, "
+                                  f"give eval_dataset_name: {name} without eval_split; leave dataset_split unset")
+            return task.dataset(seed=seed)
         split = split or default
         match = BUILTIN_SPLIT.fullmatch(split)
         if match is None:
             raise ConfigError(f"split {split!r} of {name!r}: built-in tasks have the splits 'train' and 'test' (a "
                               "slice of one in datasets' syntax works too, e.g. 'test[:100]')")
-        rows = task.dataset(split=match["split"])
+        rows = task.dataset(split=match["split"], **({"seed": seed} if match["split"] == "train" else {}))
         if match["slice"] is None:
             return rows
         start, stop = (int(x) if x else None for x in (match["start"], match["stop"]))
@@ -292,7 +293,7 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
         train = load_mixture(mixture, streaming=run["streaming"])
     else:
         train = load_dataset_spec(run["dataset_name"], run["dataset_split"], config=run["dataset_config"],
-                                  streaming=run["dataset_streaming"])
+                                  streaming=run["dataset_streaming"], seed=args.seed)
     held_out = None
     if mixture and run["test_split_size"] is not None:  # TRL: get_dataset splits the mixture only
         if is_stream(train):
