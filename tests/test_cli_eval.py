@@ -46,7 +46,7 @@ def test_eval_reports_what_trainer_evaluate_reports_for_a_trained_checkpoint(tmp
         {k: v for k, v in want.items() if k not in timing})
     # without eval_dataset_name: dataset_name's dataset_test_split, which a data file does not have: named
     assert main(["eval", cfg, "--model_name_or_path", str(run)]) == 2
-    assert "groupwise eval evaluates split 'test' of dataset_name" in capsys.readouterr().err
+    assert "groupwise eval evaluates on split 'test' of dataset_name" in capsys.readouterr().err
     assert main(["eval", cfg, "--model_name_or_path", str(run), "--eval_split", "train[:4]", "--output_dir",
                  str(tmp_path / "ev2"), *EVAL]) == 0  # that file's first 4 rows
 
@@ -79,3 +79,40 @@ def test_eval_names_what_it_lacks(tmp_path, model_dir, capsys):
     assert main(["eval", str(tmp_path / "no_data.yaml")]) == 2
     assert "dataset_name is required" in capsys.readouterr().err
     assert main(["eval", "--help"]) == 0 and "eval_results.json" in capsys.readouterr().out
+
+
+def test_eval_takes_the_rewards_of_the_training_task_and_a_mixtures_held_out_share(tmp_path, monkeypatch, capsys):
+    """dataset_name: builtin:arithmetic with eval_dataset_name a file: the task's reward (and step-reward) functions
+    score the evaluation, as in training (eval took the file's task: none, 'reward_funcs is required'). A datasets:
+    mixture with test_split_size evaluates its held-out share, as training does."""
+    import groupwise.trainer
+    from groupwise.demo import POLICY_DIR
+    from groupwise.tasks import arithmetic
+
+    made = []
+
+    class Evaluates:
+        dist = type("D", (), {"is_main": True})()
+
+        def __init__(self, model, reward_funcs, **kwargs):
+            self.reward_funcs, self.kwargs = reward_funcs, kwargs
+            made.append(self)
+
+        def evaluate(self):
+            return {"eval_reward": 0.5}
+
+        def save_metrics(self, split, metrics):
+            pass
+
+    monkeypatch.setattr(groupwise.trainer, "GRPOTrainer", Evaluates)
+    held = _jsonl(tmp_path / "held.jsonl", [{"prompt": "Q: 1+1", "problem": "1+1"}] * 3)
+    assert main(["eval", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", "builtin:arithmetic",
+                 "--eval_dataset_name", held, "--supervision", "both", "--output_dir", str(tmp_path / "ev")]) == 0
+    assert made[-1].reward_funcs == arithmetic.REWARD_FUNCS
+    assert made[-1].kwargs["process_reward_funcs"] == arithmetic.PROCESS_REWARD_FUNCS
+    assert len(made[-1].kwargs["eval_dataset"]) == 3
+    mixture = tmp_path / "mix.yaml"
+    mixture.write_text(f"model_name_or_path: {POLICY_DIR}\nreward_funcs: [groupwise.tasks.arithmetic:accuracy]\n"
+                       f"datasets: [{{path: {held}}}]\ntest_split_size: 1\noutput_dir: {tmp_path / 'ev2'}\n")
+    assert main(["eval", str(mixture)]) == 0 and len(made[-1].kwargs["eval_dataset"]) == 1
+    assert "eval_reward" in capsys.readouterr().out

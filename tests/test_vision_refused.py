@@ -38,3 +38,7 @@ def test_a_vision_language_model_path_a_processor_and_image_columns_are_refused_
     with pytest.raises(ConfigError, match="eval_dataset has an 'images' column"):
         GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path), train_dataset=text_rows,
                     eval_dataset=[{"prompt": "x", "letter": "a", "images": []}] * 2, processing_class=tokenizer)
+    trainer = GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path), train_dataset=text_rows,
+                          processing_class=tokenizer)
+    with pytest.raises(ConfigError, match="eval_dataset has an 'image' column"):  # evaluate()'s own dataset too
+        trainer.evaluate(eval_dataset=rows)

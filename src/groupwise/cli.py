@@ -242,7 +242,8 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
             claim_output_dir(args.output_dir, overwrite=False)  # refuses only; the trainer deletes, on one process
         resume_folder(args.resume_from_checkpoint, args.output_dir)  # a checkpoint that is not there, named now
     train_data, eval_data = load_run_datasets(run, args, evaluation=evaluation)
-    named = run["eval_dataset_name"] or dataset_name if evaluation else dataset_name  # the rows' task, if built in
+    # the task whose rewards train (and evaluate); `groupwise eval` without dataset_name: its eval rows' task
+    named = dataset_name or (run["eval_dataset_name"] if evaluation else None)
     task = builtin_task(named) if named and not run["datasets"] else None
     reward_funcs = specs or (task.REWARD_FUNCS if task else None)  # a built-in task brings its reward functions
     process_funcs = run["process_reward_funcs"] or None

@@ -21,6 +21,7 @@ from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
+from groupwise.loading import refuse_images
 from groupwise.modeling import eval_mode
 from groupwise.rewards.combine import reward_weights as weights_of
 
@@ -282,6 +283,7 @@ class TransformersHabits:
                     for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
         data = self.eval_data if eval_dataset is None else self._eval_data(eval_dataset)
         if eval_dataset is not None and self.rollout_func is None:  # a rollout_func tokenizes its prompts itself
+            refuse_images(data, "eval_dataset")
             self._check_lengths(data)
         if data is None:
             raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")

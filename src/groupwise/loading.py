@@ -277,18 +277,23 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]
     for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
-        images = sorted({"image", "images"} & set(rows.columns() or [])) if rows is not None else []
-        if images and not custom_rollout:  # TRL feeds them to a vision-language model's processor
-            raise ConfigError(f"{name} has an {images[0]!r} column: groupwise trains text-only causal language models "
-                              "(vision-language models and image inputs are not supported yet), so the images would "
-                              f"be ignored; drop the column (dataset.remove_columns({images[0]!r})) to train on the "
-                              "text alone")
         if rows is not None and not custom_rollout:
+            refuse_images(rows, name)
             check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, name)
             if process_reward_funcs:
                 check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, name,
                                      keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs")
     return reward_funcs, process_reward_funcs
+
+
+def refuse_images(rows, name: str) -> None:
+    """An `image` / `images` column (TRL feeds it to a vision-language model's processor): refused, not ignored."""
+    images = sorted({"image", "images"} & set(rows.columns() or []))
+    if images:
+        raise ConfigError(f"{name} has an {images[0]!r} column: groupwise trains text-only causal language models "
+                          "(vision-language models and image inputs are not supported yet), so the images would be "
+                          f"ignored; drop the column (dataset.remove_columns({images[0]!r})) to train on the text "
+                          "alone")
 
 
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,

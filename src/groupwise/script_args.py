@@ -268,21 +268,17 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
     """The training rows and the evaluation rows (or None) of a run, as TRL's grpo script chooses them.
     `evaluation` (groupwise eval): the evaluation rows are wanted whatever eval_strategy says, and are the training
     rows too (the trainer is built to evaluate only), so dataset_name may be left out given eval_dataset_name."""
-    if evaluation:
-        if run["eval_dataset_name"]:
-            held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test",
-                                     field="eval_dataset_name")
-            return held, held
-        if not run["dataset_name"] or run["datasets"]:
-            raise ConfigError("groupwise eval needs evaluation rows: give eval_dataset_name (and eval_split), or "
-                              "dataset_name, whose dataset_test_split is evaluated")
-        split = run["eval_split"] or run["dataset_test_split"]
-        try:
-            held = load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False)
-        except ConfigError as e:
-            raise ConfigError(f"groupwise eval evaluates split {split!r} of dataset_name (dataset_test_split, as "
-                              f"TRL): {e}; give eval_dataset_name, or eval_split") from None
+    if evaluation and run["eval_dataset_name"] and not (run["datasets"] and run["test_split_size"] is not None):
+        held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test", field="eval_dataset_name")
         return held, held
+    if evaluation and not run["dataset_name"] and not run["datasets"]:
+        raise ConfigError("groupwise eval needs evaluation rows: give eval_dataset_name (and eval_split), or "
+                          "dataset_name, whose dataset_test_split is evaluated")
+    train, held = _run_datasets(run, args, evaluation)
+    return (held, held) if evaluation else (train, held)
+
+
+def _run_datasets(run: dict[str, Any], args, evaluation: bool) -> tuple[Any, Any]:
     from groupwise.data import is_stream
 
     mixture = run["datasets"]
@@ -305,7 +301,7 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
         except ValueError as e:
             raise ConfigError(f"test_split_size={size}: {' '.join(str(e).split())[:200]}") from None
         train, held_out = parts["train"], parts["test"]
-    wants_eval = args.eval_strategy != "no" or args.eval_on_start
+    wants_eval = evaluation or args.eval_strategy != "no" or args.eval_on_start
     if run["eval_dataset_name"]:
         if held_out is not None:
             raise ConfigError("test_split_size and eval_dataset_name both give the evaluation rows: drop one")
@@ -315,7 +311,8 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
         return train, None
     if held_out is not None:
         return train, held_out
-    asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
+    asked = ("groupwise eval" if evaluation else f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no"
+             else "eval_on_start=True")
     if mixture:
         raise ConfigError(f"{asked} needs evaluation rows: set test_split_size (a share of the mixture held out) "
                           "or eval_dataset_name")

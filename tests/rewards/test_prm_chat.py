@@ -136,3 +136,43 @@ def test_chat_template_positions_and_refusals(tokenizer):
     tok.chat_template = "{% for m in messages %}{{ m.content | trim }}|{% endfor %}"  # strips the separator
     with pytest.raises(ValueError, match="chat template changes the assistant turn's text"):
         build_prm_input(tok, "q", ["a"], "\n", chat_template=True)
+    # the steps' text also in the prompt ("1\n"): found in the user's turn by a search, it is named all the same
+    with pytest.raises(ValueError, match="chat template changes the assistant turn's text"):
+        build_prm_input(tok, "Check: 1\nthen 2", ["1"], "\n", chat_template=True)
+
+
+def test_a_remote_code_prm_of_a_known_architecture_without_trust_remote_code_is_named(qwen_like_prm):
+    """Qwen2.5-Math-PRM's config is model_type qwen2: transformers reads it without its code and AutoModel would give
+    the plain base model (the score head unexpected keys), whose hidden states would have been read as logits."""
+    import json
+    from pathlib import Path
+
+    config = Path(qwen_like_prm) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "llama"}))
+    with pytest.raises(ConfigError, match="runs its own code .*TinyProcessRewardModel.*trust_remote_code: true"):
+        load_prm(qwen_like_prm, "token_classification", chat_template=True, separator=STEP)
+    prm = load_prm(qwen_like_prm, "token_classification", chat_template=True, separator=STEP, trust_remote_code=True)
+    from transformers import LlamaModel
+
+    base = TokenClassificationPRM(LlamaModel(prm.model.config), prm.tokenizer, chat_template=True, separator=STEP)
+    with pytest.raises(ValueError, match=r"returned \(1, \d+, 16\) where a token-classification PRM gives"):
+        base(prompts=["q"], completions=[""], steps=[["a"]])
+
+
+def test_chat_template_is_refused_where_it_cannot_read_as_trained(tmp_path, tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from groupwise.rewards.prm import PRM_CONFIG, PrefixClassificationPRM
+
+    tok = _tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    with pytest.raises(ConfigError, match="not supported for a prefix_classification PRM"):
+        PrefixClassificationPRM(LlamaForSequenceClassification(cfg), tok, chat_template=True)
+    # a PRM `groupwise prm train` wrote (its recorded prompt_separator): trained on plain text, said so
+    folder = tmp_path / "prm"
+    LlamaForSequenceClassification(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / PRM_CONFIG).write_text('{"kind": "prefix_classification", "separator": "\\n", "prompt_separator": "\\n"}')
+    with pytest.raises(ConfigError, match="trained by `groupwise prm train` on plain text, without a chat template"):
+        load_prm(str(folder), chat_template=True)

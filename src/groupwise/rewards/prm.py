@@ -59,12 +59,19 @@ def _chat_text(tokenizer, prompt: Any, content: str, system_prompt: str | None) 
                 else [dict(m, content=_content_text(m.get("content"))) for m in prompt])
     if system_prompt is not None and not any(m.get("role") == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": content}], tokenize=False)
-    start = text.rfind(content)
-    if start < 0:
+    def render(answer: str) -> str:
+        return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
+
+    # where the answer goes: found by a placeholder (a search for the steps' text could match inside the prompt),
+    # then the real rendering must be that text with the steps in the placeholder's place, unchanged
+    mark = "\x1eGROUPWISE-STEPS\x1e"
+    marked, text = render(mark), render(content)
+    start = marked.find(mark)
+    if start < 0 or text != marked[:start] + content + marked[start + len(mark):]:
         raise ValueError("the PRM tokenizer's chat template changes the assistant turn's text (it strips or rewrites "
                          "it), so the step separators cannot be found in the rendered conversation: use "
-                         "chat_template=False, or a separator the template keeps")
+                         "chat_template=False, or a separator the template keeps (one that does not end the turn "
+                         "with whitespace, e.g. Qwen2.5-Math-PRM's <extra_0>)")
     return text, start
 
 
@@ -212,11 +219,16 @@ class TokenClassificationPRM(_PRM):
         super().__init__(model, tokenizer, **kw)
         n = model.config.num_labels  # one label: the score is that logit (a softmax over one label is always 1)
         self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
+        self.num_labels = n
 
     def _score(self, prompts, steps):
         ids, mask, positions = self._inputs(prompts, steps)
         out = self.model(input_ids=ids, attention_mask=mask)
         logits = (out.logits if hasattr(out, "logits") else out[0]).float()  # (n, L, num_labels)
+        if logits.dim() != 3 or logits.size(-1) != self.num_labels:  # e.g. a base model's hidden states
+            raise ValueError(f"PRM {self.__name__!r} returned {tuple(logits.shape)} where a token-classification PRM "
+                             f"gives (batch, tokens, {self.num_labels}) label logits: load a model with its "
+                             "classification head")
         scores = logits[..., 0] if logits.size(-1) == 1 else torch.softmax(logits, -1)[..., self.positive_label]
         return self._per_step(scores, positions, steps)
 
@@ -254,6 +266,10 @@ class PrefixClassificationPRM(_PRM):
     kind = "prefix_classification"
 
     def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
+        if kw.get("chat_template"):
+            raise ConfigError("chat_template=True is not supported for a prefix_classification PRM yet (each prefix "
+                              "would need to be its own finished conversation): use token_classification or "
+                              "step_tag, or drop chat_template")
         super().__init__(model, tokenizer, **kw)
         n = model.config.num_labels  # one label: the score is logits[0] and positive_label is not read
         self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
@@ -325,6 +341,9 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"{path} was trained by `groupwise prm train` as a {saved} PRM ({PRM_CONFIG}); kind="
                           f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
     kind = kind or saved
+    if options.get("chat_template") and saved is not None:
+        raise ConfigError(f"{path} was trained by `groupwise prm train` on plain text, without a chat template "
+                          f"({PRM_CONFIG}): drop chat_template to read it as trained")
     auto = _AUTO[kind]
     try:
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -335,7 +354,13 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
                           "its spec (or the run's trust_remote_code) if you trust that code") from None
     auto_map = getattr(config, "auto_map", None) or {}
     if kind == "token_classification" and auto not in auto_map and "AutoModel" in auto_map:
-        auto = "AutoModel"  # a remote-code PRM naming only AutoModel (Qwen2.5-Math-PRM): logits per token, read alike
+        # a remote-code PRM naming only AutoModel (Qwen2.5-Math-PRM): logits per token, read alike. Without
+        # trust_remote_code transformers would load its architecture's plain base model (no score head)
+        if not trust_remote_code:
+            raise ConfigError(f"PRM {path} runs its own code (config.json's auto_map names {auto_map['AutoModel']}): "
+                              "set trust_remote_code: true in its spec (or the run's trust_remote_code) if you trust "
+                              "that code")
+        auto = "AutoModel"
     model, info = getattr(transformers, auto).from_pretrained(path, trust_remote_code=trust_remote_code, dtype=dtype,
                                                               output_loading_info=True)
     if info["missing_keys"]:  # newly initialised weights would score at random (transformers only logs them)
