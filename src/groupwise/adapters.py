@@ -256,18 +256,20 @@ class Reference:
         see the sharded parameters: a unit left gathered by the no-grad reference pass (shard_grad_op keeps them
         until a backward) would have its gathered copies turned back on and its shards left frozen, and the adapters
         would silently stop training."""
+        self._reshard()
+        with self.model.disable_adapter():
+            try:
+                yield
+            finally:
+                self._reshard()
+
+    def _reshard(self) -> None:
+        """Sharded (FSDP2): every unit freed to this process's shards, the device done with the gathers."""
         from groupwise.sharding import reshard
 
         if self.root is not None:
             reshard(self.root)
             _wait_for_device()
-        with self.model.disable_adapter():
-            try:
-                yield
-            finally:
-                if self.root is not None:
-                    reshard(self.root)
-                    _wait_for_device()
 
     @contextlib.contextmanager
     def _initial_adapter(self):
@@ -276,11 +278,7 @@ class Reference:
         process's shards, with every unit resharded before and after: a unit left gathered (shard_grad_op keeps
         them until a backward) would otherwise run the reference with the trained values, and then π_θ with the
         initial ones."""
-        from groupwise.sharding import reshard
-
-        if self.root is not None:
-            reshard(self.root)
-            _wait_for_device()
+        self._reshard()
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             trained = {n: params[n].detach().clone() for n in self.initial}
@@ -289,9 +287,7 @@ class Reference:
         try:
             yield
         finally:
-            if self.root is not None:
-                reshard(self.root)
-                _wait_for_device()
+            self._reshard()
             with torch.no_grad():
                 for n, t in trained.items():
                     params[n].copy_(t)

@@ -46,11 +46,12 @@ CALCULATOR_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def _check_table(args: GRPOConfig, task: str) -> None:
+def _check_table(values: dict[str, Any], task: str) -> None:
     """The before/after table reads the evaluation of step 0 and of the last step: refused before the policy loads
-    when the settings leave it without one."""
+    when the settings (the demo's defaults and the overrides) leave it without one."""
     from groupwise.config_base import ConfigError
 
+    args = GRPOConfig(**values)
     if not args.eval_on_start or args.eval_strategy == "no":
         off = "eval_on_start=False" if not args.eval_on_start else "eval_strategy='no'"
         raise ConfigError(f"{off}: the builtin:{task} demo prints held-out accuracy before and after training, from "
@@ -77,7 +78,6 @@ def calculator_trainer(overrides: dict[str, Any]):
     if values["supervision"] != "outcome" and "step_split" not in overrides:
         values["step_split"] = "turn"  # a reward per assistant turn, from CalculatorEnv.get_step_rewards
     args = GRPOConfig(**values)
-    _check_table(args, "calculator")
     model, tokenizer = _load_policy(CALCULATOR_POLICY_DIR, "scripts/make_calculator_policy.py")
     return GRPOTrainer(model, args=args, train_dataset=calculator.dataset(20_000, split="train", seed=args.seed),
                        eval_dataset=calculator.dataset(NUM_EVAL_PROBLEMS, split="test"), processing_class=tokenizer,
@@ -92,7 +92,6 @@ def demo_trainer(overrides: dict[str, Any]):
     from groupwise.rewards.steps import SPLIT_MODES
 
     args = GRPOConfig(**{**DEMO_DEFAULTS, **overrides})
-    _check_table(args, "arithmetic")
     if SPLIT_MODES[args.step_split].turns:
         raise ConfigError(f"step_split={args.step_split!r} makes each assistant turn a step, but builtin:arithmetic's "
                           "completions are one turn of text: leave step_split unset (builtin:calculator has turns)")
@@ -109,12 +108,14 @@ class Demo:
     make_trainer: Callable[[dict[str, Any]], Any]  # GRPOConfig overrides -> GRPOTrainer
     eval_key: str  # the held-out greedy accuracy metric
     title: str  # printed above the before/after table
+    defaults: dict[str, Any]  # the GRPOConfig values make_trainer starts from
 
 
 # builtin:<task> -> its demo
 DEMOS: dict[str, Demo] = {
-    "arithmetic": Demo(demo_trainer, "eval_rewards/accuracy/mean", ""),
-    "calculator": Demo(calculator_trainer, "eval_rewards/CalculatorEnv/mean", "builtin:calculator, "),  # get_reward, greedy
+    "arithmetic": Demo(demo_trainer, "eval_rewards/accuracy/mean", "", DEMO_DEFAULTS),
+    "calculator": Demo(calculator_trainer, "eval_rewards/CalculatorEnv/mean", "builtin:calculator, ",  # get_reward
+                       CALCULATOR_DEFAULTS),
 }
 
 
@@ -122,6 +123,7 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     start = time.perf_counter()
     demo = DEMOS[task]
     eval_key = demo.eval_key
+    _check_table({**demo.defaults, **overrides}, task)
     trainer = demo.make_trainer(overrides)
     trainer.train()
     evals = {x["step"]: x[eval_key] for x in trainer.state.log_history if eval_key in x}  # step 0's kept on resume

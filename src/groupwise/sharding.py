@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +42,8 @@ class Sharding:
     reshard_after_forward: bool  # full_shard: free gathered weights after each forward; shard_grad_op: keep them
     layer_classes: tuple[str, ...] = ()  # fsdp_transformer_layer_cls_to_wrap; (): the model's _no_split_modules
     offload: bool = False  # cpu_offload: shards, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)
-    classes_from: str = "fsdp_config's transformer_layer_cls_to_wrap"  # where layer_classes was set (errors name it)
+    # where layer_classes was set (errors name it); not part of what the sharding is
+    classes_from: str = field(default="fsdp_config's transformer_layer_cls_to_wrap", compare=False)
 
 
 # FSDP_RESHARD_AFTER_FORWARD as `accelerate launch` exports fsdp_reshard_after_forward (a boolean for FSDP2)
