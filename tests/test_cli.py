@@ -166,6 +166,10 @@ def test_builtin_task_splits():
     assert not any(is_held_out(r["problem"]) for r in train[1])
     assert load_dataset_spec("builtin:arithmetic", "test", seed=1) == test
     assert load_dataset_spec("builtin:toy", None, seed=1) != load_dataset_spec("builtin:toy", None)
+    from groupwise.script_args import load_mixture  # a built-in task inside a datasets: mixture takes it too
+
+    mixed = [load_mixture([{"path": "builtin:arithmetic"}], streaming=False, seed=s) for s in (0, 1)]
+    assert list(mixed[1]) == train[1] and list(mixed[0]) == train[0]
 
 
 def test_help_piped_to_head_and_groupwise_demo(capsys):

@@ -46,7 +46,8 @@ def test_eval_reports_what_trainer_evaluate_reports_for_a_trained_checkpoint(tmp
         {k: v for k, v in want.items() if k not in timing})
     # without eval_dataset_name: dataset_name's dataset_test_split, which a data file does not have: named
     assert main(["eval", cfg, "--model_name_or_path", str(run)]) == 2
-    assert "groupwise eval evaluates on split 'test' of dataset_name" in capsys.readouterr().err
+    assert "groupwise eval evaluates split 'test' of dataset_name" in (err := capsys.readouterr().err)
+    assert err.rstrip().endswith("give eval_split, or eval_dataset_name")
     assert main(["eval", cfg, "--model_name_or_path", str(run), "--eval_split", "train[:4]", "--output_dir",
                  str(tmp_path / "ev2"), *EVAL]) == 0  # that file's first 4 rows
 
@@ -116,3 +117,11 @@ def test_eval_takes_the_rewards_of_the_training_task_and_a_mixtures_held_out_sha
                        f"datasets: [{{path: {held}}}]\ntest_split_size: 1\noutput_dir: {tmp_path / 'ev2'}\n")
     assert main(["eval", str(mixture)]) == 0 and len(made[-1].kwargs["eval_dataset"]) == 1
     assert "eval_reward" in capsys.readouterr().out
+    # dataset_name alone: its evaluation split only (a folder with a test split and no train split: the training
+    # split was loaded first, and refused)
+    only_test = tmp_path / "only_test"
+    only_test.mkdir()
+    _jsonl(only_test / "test.jsonl", [{"prompt": "Q: 2+2", "problem": "2+2"}] * 5)
+    assert main(["eval", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", str(only_test),
+                 "--reward_funcs", "groupwise.tasks.arithmetic:accuracy", "--output_dir", str(tmp_path / "ev3")]) == 0
+    assert len(made[-1].kwargs["eval_dataset"]) == 5

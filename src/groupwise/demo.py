@@ -14,6 +14,7 @@ tool (groupwise.tasks.calculator, docs/calculator.md): outcome + per-turn proces
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,11 +128,13 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     trainer = demo.make_trainer(overrides)
     trainer.train()
     evals = {x["step"]: x[eval_key] for x in trainer.state.log_history if eval_key in x}  # step 0's kept on resume
-    before = evals[0]
-    # every process: an evaluation is collective
-    after = evals[trainer.global_step] if trainer.global_step in evals else trainer.evaluate()[eval_key]
+    # an evaluation is collective: every process evaluates when any lacks the last step's (a process resumed from an
+    # old checkpoint may hold no history)
+    if trainer.dist.any(trainer.global_step not in evals):
+        evals[trainer.global_step] = trainer.evaluate()[eval_key]
     if not trainer.dist.is_main:
         return 0
+    before, after = evals.get(0), evals[trainer.global_step]
     out = Path(trainer.args.output_dir)
     k = trainer.args.num_generations_eval
     kind = "greedy accuracy" if k is None else f"accuracy (mean of {k} samples)"
@@ -143,12 +146,23 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
     print(f"\n  {demo.title}held-out {kind} ({NUM_EVAL_PROBLEMS} problems)\n"
           + "  ┌──────────┬──────────┬──────────┐\n  │  before  │  after   │  change  │\n"
           + "  ├──────────┼──────────┼──────────┤\n"
-          + f"  │  {before:6.1%}  │  {after:6.1%}  │ {100 * (after - before):+5.1f} pt │\n"
+          + f"  │  {_share(before)}  │  {_share(after)}  │ {_points(before, after)} │\n"
           + "  └──────────┴──────────┴──────────┘\n"
           + f"  supervision {trainer.args.supervision}, {trainer.global_step} steps, {took}\n"
           + f"  metrics {out / 'metrics.jsonl'}\n"
           + f"  model   {out / f'checkpoint-{trainer.global_step}'}\n" + (f"  plot    {plot}\n" if plot else ""))
     return 0
+
+
+def _share(value) -> str:
+    """A table cell: the accuracy as a percentage, or n/a (no evaluation, or every reward failed: None / NaN)."""
+    return f"{value:6.1%}" if isinstance(value, float) and math.isfinite(value) else "  n/a "
+
+
+def _points(before, after) -> str:
+    if any(not isinstance(v, float) or not math.isfinite(v) for v in (before, after)):
+        return "   n/a  "
+    return f"{100 * (after - before):+5.1f} pt"
 
 
 def plot_metrics(jsonl: Path, png: Path, train_key: str = "reward", eval_key: str = "eval_rewards/accuracy/mean"):

@@ -229,9 +229,9 @@ def _as_dataset(data):
     return data
 
 
-def load_mixture(entries: list[dict], *, streaming: bool):
+def load_mixture(entries: list[dict], *, streaming: bool, seed: int = 0):
     """TRL's get_dataset: each entry loaded (its columns selected), shares by fraction (the first rows of each, the
-    largest mixture that oversamples none), concatenated."""
+    largest mixture that oversamples none), concatenated. `seed`: a built-in task's training problems."""
     import datasets
 
     parts = []
@@ -240,7 +240,8 @@ def load_mixture(entries: list[dict], *, streaming: bool):
         if builtin_task(entry["path"]) is None and not entry.get("data_files"):  # (with data_files: a builder name)
             check_location(entry["path"], where)
         data = load_dataset_spec(entry["path"], entry.get("split"), field=where, config=entry.get("name"),
-                                 data_dir=entry.get("data_dir"), data_files=entry.get("data_files"), streaming=streaming)
+                                 data_dir=entry.get("data_dir"), data_files=entry.get("data_files"), streaming=streaming,
+                                 seed=seed)
         columns = entry.get("columns")
         if columns is not None:
             have = list(data.column_names or [])
@@ -271,9 +272,17 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
     if evaluation and run["eval_dataset_name"] and not (run["datasets"] and run["test_split_size"] is not None):
         held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test", field="eval_dataset_name")
         return held, held
-    if evaluation and not run["dataset_name"] and not run["datasets"]:
-        raise ConfigError("groupwise eval needs evaluation rows: give eval_dataset_name (and eval_split), or "
-                          "dataset_name, whose dataset_test_split is evaluated")
+    if evaluation and not run["datasets"]:  # dataset_name's evaluation split only (a mixture is split first)
+        if not run["dataset_name"]:
+            raise ConfigError("groupwise eval needs evaluation rows: give eval_dataset_name (and eval_split), or "
+                              "dataset_name, whose dataset_test_split is evaluated")
+        split = run["eval_split"] or run["dataset_test_split"]
+        try:
+            held = load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False)
+        except ConfigError as e:
+            raise ConfigError(f"groupwise eval evaluates split {split!r} of dataset_name (dataset_test_split, as "
+                              f"TRL): {e}; give eval_split, or eval_dataset_name") from None
+        return held, held
     train, held = _run_datasets(run, args, evaluation)
     return (held, held) if evaluation else (train, held)
 
@@ -286,7 +295,7 @@ def _run_datasets(run: dict[str, Any], args, evaluation: bool) -> tuple[Any, Any
         warnings.warn("both datasets and dataset_name are set: the datasets mixture is used and dataset_name is "
                       "ignored, as in TRL", stacklevel=2)
     if mixture:
-        train = load_mixture(mixture, streaming=run["streaming"])
+        train = load_mixture(mixture, streaming=run["streaming"], seed=args.seed)
     else:
         train = load_dataset_spec(run["dataset_name"], run["dataset_split"], config=run["dataset_config"],
                                   streaming=run["dataset_streaming"], seed=args.seed)

@@ -139,6 +139,12 @@ def test_chat_template_positions_and_refusals(tokenizer):
     # the steps' text also in the prompt ("1\n"): found in the user's turn by a search, it is named all the same
     with pytest.raises(ValueError, match="chat template changes the assistant turn's text"):
         build_prm_input(tok, "Check: 1\nthen 2", ["1"], "\n", chat_template=True)
+    # Llama-3's and Gemma's templates trim every message: steps and a separator without outer whitespace are read
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>"
+                         "{% endfor %}")
+    ids, pos = build_prm_input(tok, " q ", ["1+1=2", "so 2"], STEP, chat_template=True)
+    assert tok.decode(ids).endswith(f"<|im_start|>assistant\n1+1=2{STEP}so 2{STEP}<|im_end|>")
+    assert [ids[p] for p in pos] == [tok.convert_tokens_to_ids(STEP)] * 2
 
 
 def test_a_remote_code_prm_of_a_known_architecture_without_trust_remote_code_is_named(qwen_like_prm):
@@ -157,6 +163,17 @@ def test_a_remote_code_prm_of_a_known_architecture_without_trust_remote_code_is_
     base = TokenClassificationPRM(LlamaModel(prm.model.config), prm.tokenizer, chat_template=True, separator=STEP)
     with pytest.raises(ValueError, match=r"returned \(1, \d+, 16\) where a token-classification PRM gives"):
         base(prompts=["q"], completions=[""], steps=[["a"]])
+    # a transformers token classifier whose config kept such an auto_map (fine-tuned from one) loads as it is
+    from transformers import LlamaForTokenClassification
+
+    native = Path(qwen_like_prm).parent / "native"
+    model = LlamaForTokenClassification(prm.model.config.__class__.__base__(**{
+        k: v for k, v in prm.model.config.to_dict().items() if k not in ("auto_map", "architectures", "model_type")}))
+    model.config.auto_map = {"AutoModel": "modeling_tiny_prm.TinyProcessRewardModel"}
+    model.save_pretrained(native)
+    prm.tokenizer.save_pretrained(native)
+    loaded = load_prm(str(native), "token_classification", chat_template=True, separator=STEP)
+    assert type(loaded.model).__name__ == "LlamaForTokenClassification"
 
 
 def test_chat_template_is_refused_where_it_cannot_read_as_trained(tmp_path, tokenizer):
@@ -169,10 +186,18 @@ def test_chat_template_is_refused_where_it_cannot_read_as_trained(tmp_path, toke
                       num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
     with pytest.raises(ConfigError, match="not supported for a prefix_classification PRM"):
         PrefixClassificationPRM(LlamaForSequenceClassification(cfg), tok, chat_template=True)
+    with pytest.raises(ConfigError, match="chat_template='yes' must be true or false"):
+        PrefixClassificationPRM(LlamaForSequenceClassification(cfg), tok, chat_template="yes")
+    plain = tmp_path / "plain"  # a prefix PRM folder of another trainer: refused before its weights load
+    LlamaForSequenceClassification(cfg).save_pretrained(plain)
+    tok.save_pretrained(plain)
+    (plain / "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(ConfigError, match="not supported for a prefix_classification PRM"):
+        load_prm(str(plain), "prefix_classification", chat_template=True)
     # a PRM `groupwise prm train` wrote (its recorded prompt_separator): trained on plain text, said so
     folder = tmp_path / "prm"
     LlamaForSequenceClassification(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
-    (folder / PRM_CONFIG).write_text('{"kind": "prefix_classification", "separator": "\\n", "prompt_separator": "\\n"}')
+    (folder / PRM_CONFIG).write_text('{"kind": "token_classification", "separator": "\\n", "prompt_separator": "\\n"}')
     with pytest.raises(ConfigError, match="trained by `groupwise prm train` on plain text, without a chat template"):
         load_prm(str(folder), chat_template=True)

@@ -64,7 +64,7 @@ def _chat_text(tokenizer, prompt: Any, content: str, system_prompt: str | None) 
 
     # where the answer goes: found by a placeholder (a search for the steps' text could match inside the prompt),
     # then the real rendering must be that text with the steps in the placeholder's place, unchanged
-    mark = "\x1eGROUPWISE-STEPS\x1e"
+    mark = "\ue000GROUPWISE-STEPS\ue000"  # private-use characters: not whitespace, so a template's trim keeps them
     marked, text = render(mark), render(content)
     start = marked.find(mark)
     if start < 0 or text != marked[:start] + content + marked[start + len(mark):]:
@@ -262,14 +262,17 @@ class StepTagPRM(_PRM):
         return self._per_step(torch.softmax(logits, -1)[..., 0], positions, steps)  # P(good)/(P(good)+P(bad))
 
 
+PREFIX_CHAT_TEMPLATE = ("chat_template=True is not supported for a prefix_classification PRM yet (each prefix would "
+                        "need to be its own finished conversation): use token_classification or step_tag, or drop "
+                        "chat_template")
+
+
 class PrefixClassificationPRM(_PRM):
     kind = "prefix_classification"
 
     def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
-        if kw.get("chat_template"):
-            raise ConfigError("chat_template=True is not supported for a prefix_classification PRM yet (each prefix "
-                              "would need to be its own finished conversation): use token_classification or "
-                              "step_tag, or drop chat_template")
+        if kw.get("chat_template") is True:
+            raise ConfigError(PREFIX_CHAT_TEMPLATE)
         super().__init__(model, tokenizer, **kw)
         n = model.config.num_labels  # one label: the score is logits[0] and positive_label is not read
         self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
@@ -341,6 +344,8 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"{path} was trained by `groupwise prm train` as a {saved} PRM ({PRM_CONFIG}); kind="
                           f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
     kind = kind or saved
+    if options.get("chat_template") is True and kind == "prefix_classification":  # named before the weights load
+        raise ConfigError(PREFIX_CHAT_TEMPLATE)
     if options.get("chat_template") and saved is not None:
         raise ConfigError(f"{path} was trained by `groupwise prm train` on plain text, without a chat template "
                           f"({PRM_CONFIG}): drop chat_template to read it as trained")
@@ -353,9 +358,11 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"PRM {path} runs its own code (config.json's auto_map): set trust_remote_code: true in "
                           "its spec (or the run's trust_remote_code) if you trust that code") from None
     auto_map = getattr(config, "auto_map", None) or {}
-    if kind == "token_classification" and auto not in auto_map and "AutoModel" in auto_map:
+    own_class = any(not hasattr(transformers, a) for a in getattr(config, "architectures", None) or [])
+    if kind == "token_classification" and auto not in auto_map and "AutoModel" in auto_map and own_class:
         # a remote-code PRM naming only AutoModel (Qwen2.5-Math-PRM): logits per token, read alike. Without
-        # trust_remote_code transformers would load its architecture's plain base model (no score head)
+        # trust_remote_code transformers would load its architecture's plain base model (no score head); a
+        # transformers class in `architectures` (an inherited auto_map) loads as any token classifier
         if not trust_remote_code:
             raise ConfigError(f"PRM {path} runs its own code (config.json's auto_map names {auto_map['AutoModel']}): "
                               "set trust_remote_code: true in its spec (or the run's trust_remote_code) if you trust "
