@@ -59,6 +59,7 @@ def _chat_text(tokenizer, prompt: Any, content: str, system_prompt: str | None) 
                 else [dict(m, content=_content_text(m.get("content"))) for m in prompt])
     if system_prompt is not None and not any(m.get("role") == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
+
     def render(answer: str) -> str:
         return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
 
