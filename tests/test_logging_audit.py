@@ -109,6 +109,19 @@ def test_wandb_environment_variables_as_transformers(tmp_path, tokenizer, monkey
     assert runs[0].init["project"] == "mine" and runs[0].init["resume"] == "never"
     assert watched == [(t.unwrapped, {"log": "gradients", "log_freq": 100})]
     runs, watched = _wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_WATCH", "all")  # logging_steps a share of max_steps: transformers' absolute count
+    from transformers import TrainerCallback
+
+    class StopAtOne(TrainerCallback):  # the plan is 1000 steps; one is enough to see the watch
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = True
+
+    long = _trainer(tmp_path, tokenizer, max_steps=1000, logging_steps=0.5, report_to=["wandb"],
+                    overwrite_output_dir=True)
+    long.add_callback(StopAtOne)
+    long.train()
+    assert watched[0][1] == {"log": "all", "log_freq": 500}
+    runs, watched = _wandb(monkeypatch)
     _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"], overwrite_output_dir=True).train()
     assert runs[0].init["project"] == "huggingface" and runs[0].init["resume"] == "allow" and watched == []
 

@@ -128,6 +128,8 @@ def _wandb(output_dir: str, config: dict, model=None):
     watch = os.getenv("WANDB_WATCH", "false")
     if watch in ("all", "parameters", "gradients") and model is not None:
         steps = config.get("logging_steps") or 0
+        if 0 < steps < 1 and (config.get("max_steps") or 0) > 0:  # transformers' state.logging_steps: a share
+            steps = math.ceil(config["max_steps"] * steps)
         wandb.watch(model, log=watch, log_freq=max(100, int(steps) if steps >= 1 else 0))
 
     def log(step, metrics):
