@@ -170,6 +170,17 @@ def test_builtin_task_splits():
 
     mixed = [load_mixture([{"path": "builtin:arithmetic"}], streaming=False, seed=s) for s in (0, 1)]
     assert list(mixed[1]) == train[1] and list(mixed[0]) == train[0]
+    # and evaluation rows read from a training split (builtin:toy has only that) are the rows the run trains on
+    from types import SimpleNamespace
+
+    from groupwise.script_args import RUN_FIELDS, load_run_datasets
+
+    run = {**{k: d for k, (_, d, _) in RUN_FIELDS.items()}, "dataset_name": "builtin:toy",
+           "eval_dataset_name": "builtin:toy"}
+    args = SimpleNamespace(seed=1, eval_strategy="steps", eval_on_start=False)
+    rows, held = load_run_datasets(run, args)
+    assert rows == held == load_dataset_spec("builtin:toy", None, seed=1)
+    assert load_run_datasets(run, args, evaluation=True)[1] == rows
 
 
 def test_help_piped_to_head_and_groupwise_demo(capsys):

@@ -122,6 +122,13 @@ def test_wandb_environment_variables_as_transformers(tmp_path, tokenizer, monkey
     long.train()
     assert watched[0][1] == {"log": "all", "log_freq": 500}
     runs, watched = _wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_WATCH", "all")  # sized by epochs: the planned steps' share (max_steps -1 in the config)
+    by_epochs = _trainer(tmp_path, tokenizer, max_steps=-1, num_train_epochs=1000, logging_steps=0.5,
+                         report_to=["wandb"], overwrite_output_dir=True)
+    by_epochs.add_callback(StopAtOne)
+    by_epochs.train()
+    assert by_epochs.state.logging_steps > 1000 and watched[0][1]["log_freq"] == by_epochs.state.logging_steps
+    runs, watched = _wandb(monkeypatch)
     _trainer(tmp_path, tokenizer, max_steps=1, report_to=["wandb"], overwrite_output_dir=True).train()
     assert runs[0].init["project"] == "huggingface" and runs[0].init["resume"] == "allow" and watched == []
 

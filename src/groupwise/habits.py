@@ -20,7 +20,8 @@ from groupwise.config_base import ConfigError
 from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
-from groupwise.logging import completion_rows, console_line, print_rows, speed_metrics, window_summary
+from groupwise.logging import (MetricsLogger, completion_rows, console_line, print_rows, speed_metrics,
+                               window_summary)
 from groupwise.loading import refuse_images
 from groupwise.modeling import eval_mode
 from groupwise.rewards.combine import reward_weights as weights_of
@@ -361,6 +362,15 @@ class TransformersHabits:
         if self.dist.is_main:
             Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
             self.state.save_to_json(str(Path(self.args.output_dir) / "trainer_state.json"))
+
+    def _open_trackers(self) -> MetricsLogger:
+        """metrics.jsonl and the report_to trackers, opened by the main process; a tracker failing there stops every
+        process."""
+        args = self.args
+        return self.dist.run_together(lambda: MetricsLogger(
+            args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(), model=self.unwrapped,
+            resume_step=self.global_step, run_id=self.run_id, resumed=self.global_step > 0,
+            logging_steps=self.state.logging_steps), "opening the trackers")
 
     # ---- transformers' flow after an optimizer step (GRPOTrainer._after_step) ----------------------------------
     def _event_agreed(self, name: str) -> None:

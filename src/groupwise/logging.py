@@ -50,7 +50,7 @@ END_OF_TRAINING = "total_flos"
 SUMMARY_ONLY = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
 
 
-def _tensorboard(output_dir: str, config: dict, model=None):
+def _tensorboard(output_dir: str, config: dict, model=None, logging_steps: int = 0):
     """transformers' TensorBoardCallback: a folder per run, output_dir/runs/<date>_<host> (or $TENSORBOARD_LOGGING_DIR),
     the config as text `args` and the model's as `model_config`, scalars (bools too) under tracker_names, text
     values as text; torch's SummaryWriter, else tensorboardX's."""
@@ -100,7 +100,7 @@ def wandb_config(config: dict, model=None) -> dict:
     return combined
 
 
-def _wandb(output_dir: str, config: dict, model=None):
+def _wandb(output_dir: str, config: dict, model=None, logging_steps: int = 0):
     """transformers' WandbCallback: a run in $WANDB_PROJECT (default "huggingface"), or the run the user already
     started (wandb.run: its config updated, and left open at the end: it is the user's); the config of wandb_config;
     series under tracker_names against `train/global_step`; the end-of-training values (SUMMARY_ONLY) in the run's
@@ -127,10 +127,7 @@ def _wandb(output_dir: str, config: dict, model=None):
         run.define_metric("*", step_metric="train/global_step", step_sync=True)
     watch = os.getenv("WANDB_WATCH", "false")
     if watch in ("all", "parameters", "gradients") and model is not None:
-        steps = config.get("logging_steps") or 0
-        if 0 < steps < 1 and (config.get("max_steps") or 0) > 0:  # transformers' state.logging_steps: a share
-            steps = math.ceil(config["max_steps"] * steps)
-        wandb.watch(model, log=watch, log_freq=max(100, int(steps) if steps >= 1 else 0))
+        wandb.watch(model, log=watch, log_freq=max(100, logging_steps))  # transformers': state.logging_steps
 
     def log(step, metrics):
         for k in SUMMARY_ONLY:
@@ -186,7 +183,7 @@ class Opened(NamedTuple):
 
 
 class Tracker(NamedTuple):
-    open: Callable[..., Opened]  # (output_dir, config, model)
+    open: Callable[..., Opened]  # (output_dir, config, model, logging_steps)
     modules: tuple[str, ...]  # what it needs installed: one of these
 
 
@@ -241,7 +238,7 @@ class MetricsLogger:
     dropped (they are replayed exactly) and a torn last line (a crash mid-write) is skipped with a warning."""
 
     def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0,
-                 run_id: str | None = None, resumed: bool = False, model=None):
+                 run_id: str | None = None, resumed: bool = False, model=None, logging_steps: int = 0):
         self.enabled, self.run_id = enabled, run_id
         self.path = Path(output_dir) / "metrics.jsonl"
         self.completions_path = Path(output_dir) / "completions.jsonl"
@@ -255,7 +252,8 @@ class MetricsLogger:
             trim_jsonl(self.completions_path, resume_step, run_id)
         for name in report_to:
             try:
-                self.trackers.append(TRACKERS[name].open(output_dir, config, model))  # model: its config
+                # model: its config; logging_steps: the run's log interval in steps (transformers' state's)
+                self.trackers.append(TRACKERS[name].open(output_dir, config, model, logging_steps))
             except BaseException:
                 self.close(failed=True)  # the ones already opened
                 raise

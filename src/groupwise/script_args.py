@@ -164,7 +164,7 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
     'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved Dataset's rows
     are every split's when `file_is_split`), a folder of data files or a hub dataset (load_dataset's name / data_dir /
     data_files). Anything that fails is one ConfigError naming `field`. `seed` draws a built-in task's training
-    problems (its 'test' split is fixed: the same held-out problems whatever the run's seed)."""
+    problems, wherever they are read (its 'test' split is fixed: the same held-out problems whatever the seed)."""
     task = builtin_task(name)
     if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none
         if "split" not in inspect.signature(task.dataset).parameters:
@@ -240,8 +240,8 @@ def load_mixture(entries: list[dict], *, streaming: bool, seed: int = 0):
         if builtin_task(entry["path"]) is None and not entry.get("data_files"):  # (with data_files: a builder name)
             check_location(entry["path"], where)
         data = load_dataset_spec(entry["path"], entry.get("split"), field=where, config=entry.get("name"),
-                                 data_dir=entry.get("data_dir"), data_files=entry.get("data_files"), streaming=streaming,
-                                 seed=seed)
+                                 data_dir=entry.get("data_dir"), data_files=entry.get("data_files"),
+                                 streaming=streaming, seed=seed)
         columns = entry.get("columns")
         if columns is not None:
             have = list(data.column_names or [])
@@ -270,7 +270,8 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
     `evaluation` (groupwise eval): the evaluation rows are wanted whatever eval_strategy says, and are the training
     rows too (the trainer is built to evaluate only), so dataset_name may be left out given eval_dataset_name."""
     if evaluation and run["eval_dataset_name"] and not (run["datasets"] and run["test_split_size"] is not None):
-        held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test", field="eval_dataset_name")
+        held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test", field="eval_dataset_name",
+                                 seed=args.seed)
         return held, held
     if evaluation and not run["datasets"]:  # dataset_name's evaluation split only (a mixture is split first)
         if not run["dataset_name"]:
@@ -278,10 +279,12 @@ def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) ->
                               "dataset_name, whose dataset_test_split is evaluated")
         split = run["eval_split"] or run["dataset_test_split"]
         try:
-            held = load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False)
+            held = load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False,
+                                     seed=args.seed)
         except ConfigError as e:
+            fix = "" if "eval_dataset_name" in str(e) else "; give eval_split, or eval_dataset_name"
             raise ConfigError(f"groupwise eval evaluates split {split!r} of dataset_name (dataset_test_split, as "
-                              f"TRL): {e}; give eval_split, or eval_dataset_name") from None
+                              f"TRL): {e}{fix}") from None
         return held, held
     train, held = _run_datasets(run, args, evaluation)
     return (held, held) if evaluation else (train, held)
@@ -315,7 +318,7 @@ def _run_datasets(run: dict[str, Any], args, evaluation: bool) -> tuple[Any, Any
         if held_out is not None:
             raise ConfigError("test_split_size and eval_dataset_name both give the evaluation rows: drop one")
         return train, load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test",
-                                        field="eval_dataset_name")
+                                        field="eval_dataset_name", seed=args.seed)
     if not wants_eval:
         return train, None
     if held_out is not None:
@@ -327,7 +330,8 @@ def _run_datasets(run: dict[str, Any], args, evaluation: bool) -> tuple[Any, Any
                           "or eval_dataset_name")
     split = run["eval_split"] or run["dataset_test_split"]
     try:  # TRL: dataset_name's dataset_test_split
-        return train, load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False)
+        return train, load_dataset_spec(run["dataset_name"], split, config=run["dataset_config"], file_is_split=False,
+                                        seed=args.seed)
     except ConfigError as e:
         raise ConfigError(f"{asked} evaluates on split {split!r} of dataset_name (dataset_test_split, as TRL): {e}; "
                           "give eval_dataset_name, or a datasets: mixture with test_split_size") from None

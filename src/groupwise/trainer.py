@@ -32,7 +32,7 @@ from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import MetricsLogger, resolve_report_to, set_log_level
+from groupwise.logging import resolve_report_to, set_log_level
 from groupwise.signals import TrainingInterrupted, stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
@@ -294,10 +294,7 @@ class GRPOTrainer(TransformersHabits):
     def _begin(self) -> None:
         """Metrics file, progress bar, clocks; the step-0 evaluation of a fresh run."""
         args = self.args
-        # opened by the main process; a tracker failing there stops every process
-        self._logger = self.dist.run_together(lambda: MetricsLogger(
-            args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(), model=self.unwrapped,
-            resume_step=self.global_step, run_id=self.run_id, resumed=self.global_step > 0), "opening the trackers")
+        self._logger = self._open_trackers()
         self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
                          disable=bool(args.disable_tqdm) or not self.dist.is_main)  # transformers' ProgressCallback
         self._started = self._tick = time.perf_counter()

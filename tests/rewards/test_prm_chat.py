@@ -133,6 +133,17 @@ def test_chat_template_positions_and_refusals(tokenizer):
         TokenClassificationPRM(model, tok, chat_template="yes")
     with pytest.raises(ConfigError, match="has no chat template"):  # the char tokenizer has none
         build_prm_input(tokenizer, "q", ["a"], "\n", chat_template=True)
+    # a template that refuses the conversation (Gemma's: no system turn) is named when the PRM is built, not at its
+    # first score
+    gemma = _tokenizer()
+    gemma.chat_template = ("{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+                           "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ConfigError, match="with chat_template=True: System role not supported"):
+        TokenClassificationPRM(model, gemma, chat_template=True, system_prompt="s", separator=STEP)
+    # and one that drops the separator, by its error
+    gemma.chat_template = "{% for m in messages %}{{ m.content | trim }}|{% endfor %}"
+    with pytest.raises(ConfigError, match="chat template changes the assistant turn's text"):
+        TokenClassificationPRM(model, gemma, chat_template=True)
     tok.chat_template = "{% for m in messages %}{{ m.content | trim }}|{% endfor %}"  # strips the separator
     with pytest.raises(ValueError, match="chat template changes the assistant turn's text"):
         build_prm_input(tok, "q", ["a"], "\n", chat_template=True)
@@ -174,6 +185,13 @@ def test_a_remote_code_prm_of_a_known_architecture_without_trust_remote_code_is_
     prm.tokenizer.save_pretrained(native)
     loaded = load_prm(str(native), "token_classification", chat_template=True, separator=STEP)
     assert type(loaded.model).__name__ == "LlamaForTokenClassification"
+    # a remote-code PRM whose config names no architectures: its auto_map's class is the model's
+    unnamed = {k: v for k, v in json.loads(config.read_text()).items() if k != "architectures"}
+    config.write_text(json.dumps(unnamed))
+    with pytest.raises(ConfigError, match="runs its own code"):
+        load_prm(qwen_like_prm, "token_classification", chat_template=True, separator=STEP)
+    assert type(load_prm(qwen_like_prm, "token_classification", chat_template=True, separator=STEP,
+                         trust_remote_code=True).model).__name__ == "TinyProcessRewardModel"
 
 
 def test_chat_template_is_refused_where_it_cannot_read_as_trained(tmp_path, tokenizer):

@@ -167,6 +167,13 @@ class _PRM:
                               f"max_length ≤ {limit}, or leave it unset to use the model's limit")
         self.max_length = limit if max_length is None else max_length
         self.__name__ = name or f"prm_{self.kind}"
+        if chat_template:  # a template that cannot render the conversation (Gemma's refuses a system turn): now
+            from jinja2.exceptions import TemplateError
+
+            try:
+                build_prm_input(tokenizer, "?", ["."], separator, chat_template=True, system_prompt=system_prompt)
+            except (ValueError, TemplateError) as e:
+                raise ConfigError(f"PRM {self.__name__!r} with chat_template=True: {e}") from None
 
     def to(self, device) -> "_PRM":
         self.model.to(device)
@@ -359,7 +366,8 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"PRM {path} runs its own code (config.json's auto_map): set trust_remote_code: true in "
                           "its spec (or the run's trust_remote_code) if you trust that code") from None
     auto_map = getattr(config, "auto_map", None) or {}
-    own_class = any(not hasattr(transformers, a) for a in getattr(config, "architectures", None) or [])
+    named = getattr(config, "architectures", None) or []  # none named: the auto_map's class is the model's
+    own_class = not named or any(not hasattr(transformers, a) for a in named)
     if kind == "token_classification" and auto not in auto_map and "AutoModel" in auto_map and own_class:
         # a remote-code PRM naming only AutoModel (Qwen2.5-Math-PRM): logits per token, read alike. Without
         # trust_remote_code transformers would load its architecture's plain base model (no score head); a
