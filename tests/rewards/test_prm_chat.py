@@ -194,6 +194,42 @@ def test_a_remote_code_prm_of_a_known_architecture_without_trust_remote_code_is_
                          trust_remote_code=True).model).__name__ == "TinyProcessRewardModel"
 
 
+def test_a_prefix_classifier_reads_each_prefix_as_its_own_finished_conversation(tmp_path):
+    """prefix_classification with chat_template: prefix j is the conversation whose assistant turn is steps 1..j with
+    their separators, finished as the template finishes a turn (its end-of-turn token included), scored as a
+    sequence classifier scores a whole conversation: checked against a loop over single forwards."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from groupwise.rewards.prm import PrefixClassificationPRM
+
+    tok = _tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(cfg).eval()
+    prm = PrefixClassificationPRM(model, tok, chat_template=True, separator=STEP, batch_size=2)
+    prompts, steps = ["1+1?", "2+3?"], [["1+1=2", "so 2"], ["2+3=5", "5", "done"]]
+    got = prm(prompts=prompts, completions=["", ""], steps=steps)
+    for q, own, row in zip(prompts, steps, got):
+        want = []
+        for j in range(len(own)):
+            text = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": STEP.join(
+                own[:j + 1]) + STEP}], tokenize=False)
+            assert text.endswith(f"{STEP}<|im_end|>\n")  # the finished turn
+            ids = tok.encode(text, add_special_tokens=False)
+            want.append(float(model(input_ids=torch.tensor([ids])).logits[0, 0]))
+        assert row == pytest.approx(want, abs=1e-5)
+    # past max_length: that prefix and the longer ones are unscored (None), as without a template
+    short = PrefixClassificationPRM(model, tok, chat_template=True, separator=STEP,
+                                    max_length=len(tok.encode(tok.apply_chat_template([
+                                        {"role": "user", "content": "2+3?"},
+                                        {"role": "assistant", "content": f"2+3=5{STEP}"}], tokenize=False),
+                                        add_special_tokens=False)))
+    with pytest.warns(RuntimeWarning, match="unscored"):
+        row = short(prompts=prompts[1:], completions=[""], steps=steps[1:])[0]
+    assert row[0] == pytest.approx(got[1][0], abs=1e-5) and row[1:] == [None, None]
+
+
 def test_chat_template_is_refused_where_it_cannot_read_as_trained(tmp_path, tokenizer):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -202,16 +238,8 @@ def test_chat_template_is_refused_where_it_cannot_read_as_trained(tmp_path, toke
     tok = _tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
-    with pytest.raises(ConfigError, match="not supported for a prefix_classification PRM"):
-        PrefixClassificationPRM(LlamaForSequenceClassification(cfg), tok, chat_template=True)
     with pytest.raises(ConfigError, match="chat_template='yes' must be true or false"):
         PrefixClassificationPRM(LlamaForSequenceClassification(cfg), tok, chat_template="yes")
-    plain = tmp_path / "plain"  # a prefix PRM folder of another trainer: refused before its weights load
-    LlamaForSequenceClassification(cfg).save_pretrained(plain)
-    tok.save_pretrained(plain)
-    (plain / "model.safetensors").write_bytes(b"not weights")
-    with pytest.raises(ConfigError, match="not supported for a prefix_classification PRM"):
-        load_prm(str(plain), "prefix_classification", chat_template=True)
     # a PRM `groupwise prm train` wrote (its recorded prompt_separator): trained on plain text, said so
     folder = tmp_path / "prm"
     LlamaForSequenceClassification(cfg).save_pretrained(folder)

@@ -15,7 +15,8 @@ TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_lab
                          read alike, with chat_template=True and its separator token.
 StepTagPRM               AutoModelForCausalLM with a step tag (Math-Shepherd: separator " ки\\n", labels "+"/"-");
                          score = P(good) / (P(good) + P(bad)) of the next token predicted at the tag.
-PrefixClassificationPRM  AutoModelForSequenceClassification applied to each prefix (prompt + steps 1..j);
+PrefixClassificationPRM  AutoModelForSequenceClassification applied to each prefix (prompt + steps 1..j; with
+                         chat_template=True each prefix is its own finished conversation);
                          score = logits[0] for one label, else P(positive_label).
 """
 
@@ -270,17 +271,10 @@ class StepTagPRM(_PRM):
         return self._per_step(torch.softmax(logits, -1)[..., 0], positions, steps)  # P(good)/(P(good)+P(bad))
 
 
-PREFIX_CHAT_TEMPLATE = ("chat_template=True is not supported for a prefix_classification PRM yet (each prefix would "
-                        "need to be its own finished conversation): use token_classification or step_tag, or drop "
-                        "chat_template")
-
-
 class PrefixClassificationPRM(_PRM):
     kind = "prefix_classification"
 
     def __init__(self, model, tokenizer, *, positive_label: int = 1, **kw):
-        if kw.get("chat_template") is True:
-            raise ConfigError(PREFIX_CHAT_TEMPLATE)
         super().__init__(model, tokenizer, **kw)
         n = model.config.num_labels  # one label: the score is logits[0] and positive_label is not read
         self.positive_label = _check_positive_label(positive_label, n) if n > 1 else positive_label
@@ -290,12 +284,28 @@ class PrefixClassificationPRM(_PRM):
             model.config.pad_token_id = tokenizer.pad_token_id
         self.pad_id = model.config.pad_token_id
 
+    def _prefixes(self, prompts, steps) -> tuple[list[tuple[int, int]], list[list[int]]]:
+        """(completion, step) pairs and the token ids each is judged on. Prefix j = prompt + steps 1..j with their
+        separators = the tokens up to step j's judged position (its separator's last token); with chat_template,
+        the conversation whose assistant turn is steps 1..j with their separators, finished as the template
+        finishes a turn. A step past max_length: no prefix (None, no forward pass)."""
+        if not self.chat_template:
+            built = self._build(prompts, steps)
+            prefixes = [(i, j) for i, (_, pos) in enumerate(built) for j in range(len(pos))]
+            return prefixes, [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
+        prefixes, texts = [], []
+        for i, (prompt, own) in enumerate(zip(prompts, steps)):
+            for j in range(len(own)):
+                ids, _ = build_prm_input(self.tokenizer, prompt, own[:j + 1], self.separator, chat_template=True,
+                                         system_prompt=self.system_prompt)
+                if self.max_length is not None and len(ids) > self.max_length:
+                    break  # the longer prefixes are longer still
+                prefixes.append((i, j))
+                texts.append(ids)
+        return prefixes, texts
+
     def _score(self, prompts, steps):
-        # prefix j = prompt + steps 1..j with their separators = the tokens up to step j's judged position (its
-        # separator's last token); a step cut by max_length has no position: None, and no forward pass
-        built = self._build(prompts, steps)
-        prefixes = [(i, j) for i, (_, pos) in enumerate(built) for j in range(len(pos))]
-        texts = [built[i][0][:built[i][1][j] + 1] for i, j in prefixes]
+        prefixes, texts = self._prefixes(prompts, steps)
         scores: list[float] = []
         config = self.model.config.get_text_config()
         for lo in range(0, len(texts), self.batch_size):
@@ -352,8 +362,6 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
         raise ConfigError(f"{path} was trained by `groupwise prm train` as a {saved} PRM ({PRM_CONFIG}); kind="
                           f"{kind!r} cannot read it: drop kind, or give a PRM of that kind")
     kind = kind or saved
-    if options.get("chat_template") is True and kind == "prefix_classification":  # named before the weights load
-        raise ConfigError(PREFIX_CHAT_TEMPLATE)
     if options.get("chat_template") and saved is not None:
         raise ConfigError(f"{path} was trained by `groupwise prm train` on plain text, without a chat template "
                           f"({PRM_CONFIG}): drop chat_template to read it as trained")
