@@ -125,3 +125,27 @@ def test_eval_takes_the_rewards_of_the_training_task_and_a_mixtures_held_out_sha
     assert main(["eval", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", str(only_test),
                  "--reward_funcs", "groupwise.tasks.arithmetic:accuracy", "--output_dir", str(tmp_path / "ev3")]) == 0
     assert len(made[-1].kwargs["eval_dataset"]) == 5
+
+
+def test_eval_names_an_adapter_without_its_base_and_a_run_without_evaluation_rows(tmp_path, tokenizer, capsys):
+    """An adapter saved from a policy built in memory names no base model: merging it with --base is the way. A run
+    with neither dataset_name nor eval_dataset_name has no evaluation rows (load_run_datasets says so itself)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from groupwise.config_base import ConfigError
+    from groupwise.script_args import RUN_FIELDS, load_run_datasets
+
+    model = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
+                           LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    held = _jsonl(tmp_path / "held.jsonl", _rows(4))
+    assert main(["eval", "--model_name_or_path", str(tmp_path / "adapter"), "--eval_dataset_name", held,
+                 "--reward_funcs", "groupwise.tasks.toy:letter_reward", "--output_dir", str(tmp_path / "ev")]) == 2
+    assert "is an adapter that does not name its base model" in (err := capsys.readouterr().err)
+    assert "groupwise export" in err and "--base BASE" in err
+    run = {k: d for k, (_, d, _) in RUN_FIELDS.items()}
+    with pytest.raises(ConfigError, match="groupwise eval needs evaluation rows: give eval_dataset_name"):
+        load_run_datasets(run, SimpleNamespace(seed=0), evaluation=True)
