@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from groupwise.config_base import ConfigError
-from groupwise.quantization import is_quantized
+from groupwise.quantization import forget_gguf, gguf_base, is_quantized
 
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
@@ -376,6 +376,9 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
     kwargs = policy_init_kwargs(args)
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
+    if "gguf_file" not in kwargs:  # a base read from a GGUF file, named by the folder that holds it
+        base, gguf = gguf_base(base)
+        kwargs.update(gguf)
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     model = peft.PeftModel.from_pretrained(model, folder, is_trainable=True)  # as trained: the trainer's checks hold
     return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=kwargs["trust_remote_code"])
@@ -398,8 +401,10 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         if not base:
             raise ConfigError(f"export: {checkpoint} does not name its base model (the policy was built in memory): "
                               "give it with --base PATH")
+        base, gguf = gguf_base(base)  # a GGUF file (or the folder holding one): read dequantized, saved plain
         check_location(base, "--base")
-        model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf)
+        forget_gguf(model)
         quantized = is_quantized(model)
         if quantized:  # a base saved in 4 / 8 bits: merged into the weights it computes with, unquantized
             model = model.dequantize()

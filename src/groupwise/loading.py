@@ -14,7 +14,7 @@ from groupwise.config_base import ConfigError, check_model_location
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
-from groupwise.quantization import check_quantization
+from groupwise.quantization import check_quantization, forget_gguf
 from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES, TOOL_TEXT_STEPS
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
@@ -83,8 +83,9 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
                           "trains text-only causal language models (vision-language models are not supported yet); "
                           "pass its tokenizer (processing_class=processor.tokenizer) to train on text alone")
     if isinstance(model, str):
-        revision = (args.model_init_kwargs or {}).get("revision")  # the config and tokenizer of the same revision
-        hub = {"trust_remote_code": args.trust_remote_code, **({"revision": revision} if revision else {})}
+        # the config and tokenizer of the same revision, and of the same GGUF file (which holds both)
+        same = {k: v for k, v in (args.model_init_kwargs or {}).items() if k in ("revision", "gguf_file") and v}
+        hub = {"trust_remote_code": args.trust_remote_code, **same}
         config = _from_pretrained(AutoConfig, model, "config", **hub)
         if type(config) not in AutoModelForCausalLM._model_mapping and \
                 "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
@@ -150,6 +151,7 @@ def load_policy(model, args: GRPOConfig, quantization_config=None, device: torch
         policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     else:
         policy = model
+    forget_gguf(policy)  # its weights are plain once read: saved as a plain model
     if args.disable_dropout:
         disable_dropout(policy)
     if args.gradient_checkpointing:

