@@ -12,7 +12,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name.replace('/', '_')}_example", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,3 +45,31 @@ def test_the_process_example_scores_every_line_and_trains_on_both_advantages(tmp
     truth = example.arithmetic.solution_lines(problem)
     assert example.line_is_right([None], [None], [truth], [problem]) == [[1.0] * len(truth)]
     assert example.line_is_right([None], [None], [["x = 0"] + truth[1:]], [problem])[0][0] == 0.0
+
+
+def test_the_smollm2_task_scores_the_last_number_by_hand():
+    task = _example("smollm2/task")
+    # "16 - 7 = 9." ends in 9 (right); "9, not 10" ends in 10 (wrong); "-3" for 1 - 4 (right); no number (wrong)
+    completions = [[{"role": "assistant", "content": "16 - 7 = 9."}], "9, not 10", "The answer is -3", "nine"]
+    assert task.correct(completions, [9, 9, -3, 9]) == [1.0, 0.0, 1.0, 0.0]
+    rows = task.rows(5, "test")
+    a, op, b = rows[0]["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split()
+    assert rows[0]["answer"] == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    train = {r["prompt"][0]["content"] for r in task.rows(200, "train")}
+    assert not train & {r["prompt"][0]["content"] for r in rows}  # held out by the hash of the problem
+
+
+def test_the_smollm2_example_runs_on_a_gguf_file(tmp_path):
+    """examples/smollm2/train.py with a tiny Llama written as a GGUF file in place of SmolLM2's (the wheel is not a
+    test dependency): the policy, its tokenizer and chat template come from the file, and the table's evaluations
+    are read from the log history."""
+    from .gguf_support import write_tiny_llama_gguf
+
+    write_tiny_llama_gguf(tmp_path / "gguf")
+    trainer = _example("smollm2/train").main(
+        model=str(tmp_path / "gguf"), gguf_file="tiny.gguf", num_train=8, num_test=4, output_dir=str(tmp_path / "o"),
+        max_steps=2, eval_steps=2, save_steps=2, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=4, logging_steps=1, log_completions=False)
+    evaluations = [h["step"] for h in trainer.state.log_history if "eval_rewards/correct/mean" in h]
+    assert evaluations == [0, 2]
+    assert (tmp_path / "o" / "checkpoint-2" / "model.safetensors").exists()
