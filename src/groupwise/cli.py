@@ -19,6 +19,7 @@ from groupwise.checkpoint import CheckpointError, claim_output_dir, resume_folde
 from groupwise.config import ConfigError, GRPOConfig, load_yaml
 from groupwise.config_base import (FALSE_WORDS, TRUE_WORDS, check_location, check_model_location, read_yaml,
                                    reject_unknown)
+from groupwise.core.supervision import SUPERVISIONS
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.quantization import QUANTIZATION, QUANTIZATION_FIELDS, from_script_fields
@@ -247,7 +248,7 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
     task = builtin_task(named) if named and not run["datasets"] else None
     reward_funcs = specs or (task.REWARD_FUNCS if task else None)  # a built-in task brings its reward functions
     process_funcs = run["process_reward_funcs"] or None
-    if not process_funcs and task is not None and args.supervision != "outcome":
+    if not process_funcs and task is not None and SUPERVISIONS[args.supervision].process:
         process_funcs = getattr(task, "PROCESS_REWARD_FUNCS", None)
     # a task whose environment owns its rewards (get_reward, get_step_rewards) brings it: TRL's environment_factory
     environment_factory = getattr(task, "ENVIRONMENT_FACTORY", None)
@@ -260,7 +261,7 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
             if columns is not None and "prompt" not in columns:
                 raise ConfigError(f"{where} has no 'prompt' column (columns: {columns}): rename the column holding "
                                   "the prompts to 'prompt'")
-    if not reward_funcs and args.supervision != "process" and environment_factory is None:
+    if not reward_funcs and SUPERVISIONS[args.supervision].outcome and environment_factory is None:
         raise ConfigError("reward_funcs is required: a list of 'package.module:function' paths or reward-model paths")
     from groupwise.trainer import GRPOTrainer
 

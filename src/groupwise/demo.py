@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from groupwise.config import GRPOConfig
+from groupwise.core.supervision import SUPERVISIONS
 
 POLICY_DIR = Path(__file__).parent / "tasks" / "data" / "arithmetic_policy"
 CALCULATOR_POLICY_DIR = Path(__file__).parent / "tasks" / "data" / "calculator_policy"
@@ -97,7 +98,7 @@ def demo_trainer(overrides: dict[str, Any]):
         raise ConfigError(f"step_split={args.step_split!r} makes each assistant turn a step, but builtin:arithmetic's "
                           "completions are one turn of text: leave step_split unset (builtin:calculator has turns)")
     model, tokenizer = _load_policy(POLICY_DIR, "scripts/make_demo_policy.py")
-    process = arithmetic.PROCESS_REWARD_FUNCS if args.supervision != "outcome" else None
+    process = arithmetic.PROCESS_REWARD_FUNCS if SUPERVISIONS[args.supervision].process else None
     return GRPOTrainer(model, arithmetic.REWARD_FUNCS, args=args,
                        train_dataset=arithmetic.dataset(20_000, split="train", seed=args.seed),
                        eval_dataset=arithmetic.dataset(NUM_EVAL_PROBLEMS, split="test"),

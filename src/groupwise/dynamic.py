@@ -25,7 +25,8 @@ def group_signal(ctx: RolloutContext, scores: Scores | None, step_scores: StepSc
     step_return, the returns at each step index), or either with a nonzero weight (supervision='both': a term
     weighted 0 adds nothing to the advantages) — gets advantage 0."""
     args = ctx.args
-    variant, both = SUPERVISIONS[args.supervision], args.supervision == "both"
+    variant = SUPERVISIONS[args.supervision]
+    both = variant.outcome and variant.process
     signal = torch.zeros(len(scores.rewards) if scores is not None else len(step_scores.rewards), dtype=torch.bool)
     if variant.outcome and scores is not None and not (both and args.outcome_advantage_weight == 0):
         signal |= spread(scores.rewards.unsqueeze(-1)) > 1e-6
