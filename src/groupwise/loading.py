@@ -14,7 +14,7 @@ from groupwise.config_base import ConfigError, check_model_location
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
-from groupwise.quantization import check_quantization, forget_gguf
+from groupwise.quantization import check_quantization, forget_gguf, gguf_quantizer
 from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES, TOOL_TEXT_STEPS
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
@@ -99,7 +99,10 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
             name = getattr(config, "_name_or_path", "")
             if not name:
                 raise ConfigError("the model was passed as an object: pass its tokenizer as processing_class")
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+            quantizer = gguf_quantizer(model)  # a model read from a GGUF file: its tokenizer is in that file too
+            gguf = getattr(getattr(quantizer, "quantization_config", None), "gguf_file", None)
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code,
+                                                      **({"gguf_file": gguf} if gguf else {}))
     try:
         ensure_pad_token(tokenizer)
     except ValueError as e:  # neither a pad nor an EOS token: the run cannot batch prompts
@@ -274,7 +277,8 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         check_model_location(model, "model", policy=True)
         policy_init_kwargs(args)  # a bad dtype, named now
     elif args.model_init_kwargs:
-        raise ConfigError("model_init_kwargs only applies when model is a path; the model is already loaded")
+        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r} only applies when model is a path, but the "
+                          "model was passed loaded: drop model_init_kwargs, or pass the model's path")
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]

@@ -45,27 +45,42 @@ def is_quantized(model) -> bool:
     return quantizer is not None and not _dequantized(getattr(quantizer, "quantization_config", None))
 
 
-def forget_gguf(model) -> None:
-    """A policy read from a GGUF file holds plain full-precision weights, but transformers keeps its GGUF quantizer,
-    which makes save_pretrained refuse the model ("quantized with gguf and is not serializable") and would write a
-    config that points back to the .gguf file. Drop both, so checkpoints and exports are plain safetensors models
-    (a PeftModel: its base)."""
+def gguf_quantizer(model):
+    """The GGUF quantizer transformers left on a model read from a GGUF file (a PeftModel: on its base), or None."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     quantizer = getattr(base, "hf_quantizer", None)
-    config = getattr(quantizer, "quantization_config", None)
-    method = getattr(config, "quant_method", None)
-    if quantizer is None or str(getattr(method, "value", method)) != "gguf":
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    return quantizer if quantizer is not None and str(getattr(method, "value", method)) == "gguf" else None
+
+
+def forget_gguf(model) -> None:
+    """A policy read from a GGUF file holds plain weights (transformers dequantizes them on load), but transformers
+    keeps its GGUF quantizer, which makes save_pretrained refuse the model ("quantized with gguf and is not
+    serializable") and would write a config that points back to the .gguf file. Drop it (transformers' own
+    remove_quantization_config, and the `_is_quantized` mark on the configs), so checkpoints and exports are plain
+    safetensors models. Weights transformers left packed in GGUF blocks (its GgufLinear layers, for architectures
+    with a GGUF kernel on the device) cannot train: a ConfigError."""
+    quantizer = gguf_quantizer(model)
+    if quantizer is None:
         return
-    base.hf_quantizer, base.is_quantized, base.quantization_method = None, False, None
-    if hasattr(base.config, "quantization_config"):
-        del base.config.quantization_config
+    packed = getattr(quantizer, "packed_modules", None) or {}
+    if packed:
+        raise ConfigError(f"the policy keeps {len(packed)} weights packed in GGUF blocks (e.g. {next(iter(packed))}), "
+                          "which cannot train: load it dequantized, AutoModelForCausalLM.from_pretrained(…, gguf_file="
+                          "…, quantization_config=transformers.GgufConfig(dequantize=True)), and pass the model")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantizer.remove_quantization_config(base)
+    for module in base.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_is_quantized", False):
+            config._is_quantized = False
 
 
 def gguf_base(path: str) -> tuple[str, dict]:
     """A base model named by path, as from_pretrained reads it: a .gguf file → (its folder, {"gguf_file": name}); a
     local folder without config.json holding one .gguf file (what a LoRA run over a GGUF policy records as its
-    adapter's base) → (the folder, that file); anything else as given. Several .gguf files: a ConfigError naming
-    them."""
+    adapter's base) → (the folder, that file); anything else (a hub id: its GGUF file is not looked for) as given.
+    Several .gguf files: a ConfigError naming them."""
     local = os.path.expanduser(path)
     if os.path.isfile(local) and local.endswith(".gguf"):
         return os.path.dirname(local) or ".", {"gguf_file": os.path.basename(local)}
@@ -75,7 +90,7 @@ def gguf_base(path: str) -> tuple[str, dict]:
             raise ConfigError(f"base model {path!r} holds several GGUF files ({', '.join(files)}) and no config.json: "
                               f"name one, e.g. {os.path.join(path, files[0])!r}")
         if files:
-            return path, {"gguf_file": files[0]}
+            return local, {"gguf_file": files[0]}
     return path, {}
 
 

@@ -222,7 +222,9 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
         if isinstance(spec, str):  # a reward model on disk or the hub
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+            # the policy's kwargs, but not the name of its GGUF file (a reward model is in a folder of its own)
+            kwargs = {"trust_remote_code": trust_remote_code,
+                      **{k: v for k, v in (model_init_kwargs or {}).items() if k != "gguf_file"}}
             model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1, **kwargs)
             revision = {"revision": kwargs["revision"]} if kwargs.get("revision") else {}
             tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=kwargs["trust_remote_code"], **revision)
