@@ -54,7 +54,7 @@ def test_a_gguf_policy_trains_and_saves_plain_checkpoints(tmp_path, gguf_folder,
     trainer = GRPOTrainer(model, distinct_characters, args=args, train_dataset=PROMPTS, processing_class=tokenizer)
     if tokenizer is None:  # read from the same file (the folder has no tokenizer files)
         assert trainer.processing_class.chat_template == CHAT_TEMPLATE
-    assert not getattr(trainer.model.config, "_is_quantized", False)  # transformers' mark, dropped with the quantizer
+    assert not hasattr(trainer.model.config, "_is_quantized")  # transformers' mark (read by presence), dropped too
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
     saved = json.loads((checkpoint / "config.json").read_text())
@@ -145,17 +145,46 @@ def test_a_reward_model_beside_a_gguf_policy_loads_from_its_own_folder(tmp_path,
                       max_completion_length=4, model_init_kwargs={"gguf_file": "tiny.gguf", "dtype": "bfloat16"})
     trainer = GRPOTrainer(str(folder), str(tmp_path / "rm"), args=args, train_dataset=PROMPTS)
     assert trainer.model.dtype == torch.bfloat16
+    assert trainer.reward_funcs[0].dtype == torch.bfloat16  # the other kwargs reached the reward model
     trainer.train()
     assert [h for h in trainer.state.log_history if "rewards/rm/mean" in h]
 
 
-def test_model_init_kwargs_with_a_loaded_model_are_an_error_naming_them(tmp_path, gguf_folder):
-    """TRL warns and ignores them; here they are named (a gguf_file with a model already read from that file)."""
+def test_model_init_kwargs_with_a_loaded_model_and_no_reward_model_path_are_named(tmp_path, gguf_folder):
+    """TRL warns that they are ignored (they still load reward models given as paths); here, with nothing to apply
+    them to, they are an error naming them, and with a reward model path they load it."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
     from groupwise.config_base import ConfigError
 
     folder, _ = gguf_folder
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
-    with pytest.raises(ConfigError, match=r"model_init_kwargs=\{'gguf_file': 'tiny.gguf'\} only applies when model "
-                                          r"is a path.*drop model_init_kwargs, or pass the model's path"):
-        GRPOTrainer(model, distinct_characters, train_dataset=PROMPTS,
-                    args=small_args(tmp_path, model_init_kwargs={"gguf_file": "tiny.gguf"}))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf")
+    with pytest.raises(ConfigError, match=r"model_init_kwargs=\{'dtype': 'bfloat16'\} apply to a model or reward "
+                                          r"model given as a path.*drop model_init_kwargs, or pass the model's path"):
+        GRPOTrainer(model, distinct_characters, train_dataset=PROMPTS, processing_class=tokenizer,
+                    args=small_args(tmp_path, model_init_kwargs={"dtype": "bfloat16"}))
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=2)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    trainer = GRPOTrainer(model, str(tmp_path / "rm"), train_dataset=PROMPTS, processing_class=tokenizer,
+                          args=small_args(tmp_path, model_init_kwargs={"dtype": "bfloat16"}))
+    assert trainer.reward_funcs[0].dtype == torch.bfloat16 and trainer.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize("passed", ["path", "object without its tokenizer"])
+def test_a_gguf_policy_dequantized_at_load_by_ggufconfig_trains(tmp_path, gguf_folder, passed):
+    """GgufConfig(dequantize=True) (what the packed-weights error advises): transformers removes its quantizer itself;
+    a model passed so without processing_class finds its tokenizer in its folder's one .gguf file."""
+    from transformers import GgufConfig
+
+    folder, _ = gguf_folder
+    kwargs = {"gguf_file": "tiny.gguf", "quantization_config": GgufConfig(dequantize=True)}
+    model = str(folder) if passed == "path" else AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    args = small_args(tmp_path, max_steps=1, save_steps=1, num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=4, model_init_kwargs=kwargs if passed == "path" else None)
+    trainer = GRPOTrainer(model, distinct_characters, args=args, train_dataset=PROMPTS)
+    assert trainer.processing_class.chat_template == CHAT_TEMPLATE
+    trainer.train()
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "checkpoint-1" / "config.json").read_text())

@@ -44,7 +44,9 @@ def main(model: str | None = None, gguf_file: str | None = GGUF_FILE, num_train:
         "num_generations": 8, "per_device_train_batch_size": 32,
         "max_completion_length": 48, "temperature": 0.7, "beta": 0.0,
         "learning_rate": 1e-5, "lr_scheduler_type": "constant", "max_steps": 50,
-        "eval_strategy": "steps", "eval_steps": 25, "eval_on_start": True, "logging_steps": 5, "save_steps": 25,
+        # every held-out prompt in one evaluation batch: a decode step reads all the weights whatever the batch
+        "eval_strategy": "steps", "eval_steps": 25, "eval_on_start": True, "per_device_eval_batch_size": num_test,
+        "logging_steps": 5, "save_steps": 25,
         "log_completions": True, "num_completions_to_print": 2, **overrides})
     trainer = GRPOTrainer(model, task.correct, args=args, train_dataset=task.rows(num_train, "train"),
                           eval_dataset=task.rows(num_test, "test"))

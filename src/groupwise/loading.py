@@ -14,7 +14,7 @@ from groupwise.config_base import ConfigError, check_model_location
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
-from groupwise.quantization import check_quantization, forget_gguf, gguf_quantizer
+from groupwise.quantization import check_quantization, forget_gguf, gguf_base, gguf_quantizer
 from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES, TOOL_TEXT_STEPS
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
@@ -99,10 +99,12 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
             name = getattr(config, "_name_or_path", "")
             if not name:
                 raise ConfigError("the model was passed as an object: pass its tokenizer as processing_class")
-            quantizer = gguf_quantizer(model)  # a model read from a GGUF file: its tokenizer is in that file too
-            gguf = getattr(getattr(quantizer, "quantization_config", None), "gguf_file", None)
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code,
-                                                      **({"gguf_file": gguf} if gguf else {}))
+            # a model read from a GGUF file: its tokenizer is in that file too, named by the quantizer transformers
+            # keeps, or (dequantized at load: no quantizer left) the one .gguf file of a folder without config.json
+            gguf = getattr(getattr(gguf_quantizer(model), "quantization_config", None), "gguf_file", None)
+            name, found = (name, {"gguf_file": gguf}) if gguf else gguf_base(name)
+            tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=args.trust_remote_code,
+                                         **found)
     try:
         ensure_pad_token(tokenizer)
     except ValueError as e:  # neither a pad nor an EOS token: the run cannot batch prompts
@@ -276,10 +278,11 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     if isinstance(model, str):
         check_model_location(model, "model", policy=True)
         policy_init_kwargs(args)  # a bad dtype, named now
-    elif args.model_init_kwargs:
-        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r} only applies when model is a path, but the "
-                          "model was passed loaded: drop model_init_kwargs, or pass the model's path")
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
+    if not isinstance(model, str) and args.model_init_kwargs and not any(isinstance(s, str) for s in reward_funcs):
+        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r} apply to a model or reward model given as a "
+                          "path, but the model was passed loaded and no reward model is a path: drop "
+                          "model_init_kwargs, or pass the model's path")
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]
     for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None

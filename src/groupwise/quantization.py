@@ -66,14 +66,15 @@ def forget_gguf(model) -> None:
     packed = getattr(quantizer, "packed_modules", None) or {}
     if packed:
         raise ConfigError(f"the policy keeps {len(packed)} weights packed in GGUF blocks (e.g. {next(iter(packed))}), "
-                          "which cannot train: load it dequantized, AutoModelForCausalLM.from_pretrained(…, gguf_file="
-                          "…, quantization_config=transformers.GgufConfig(dequantize=True)), and pass the model")
+                          "which cannot train: load it dequantized, with model_init_kwargs={'gguf_file': …, "
+                          "'quantization_config': transformers.GgufConfig(dequantize=True)} (or pass a model loaded "
+                          "so)")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     quantizer.remove_quantization_config(base)
-    for module in base.modules():
+    for module in base.modules():  # transformers reads the mark's presence, not its value
         config = getattr(module, "config", None)
-        if getattr(config, "_is_quantized", False):
-            config._is_quantized = False
+        if config is not None and "_is_quantized" in vars(config):
+            del config._is_quantized
 
 
 def gguf_base(path: str) -> tuple[str, dict]:
