@@ -160,8 +160,8 @@ def test_model_init_kwargs_with_a_loaded_model_and_no_reward_model_path_are_name
     folder, _ = gguf_folder
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf")
-    with pytest.raises(ConfigError, match=r"model_init_kwargs=\{'dtype': 'bfloat16'\} apply to a model or reward "
-                                          r"model given as a path.*drop model_init_kwargs, or pass the model's path"):
+    with pytest.raises(ConfigError, match=r"model_init_kwargs dtype would apply to nothing: they load a model given "
+                                          r"as a path.*drop them, or pass the model's path"):
         GRPOTrainer(model, distinct_characters, train_dataset=PROMPTS, processing_class=tokenizer,
                     args=small_args(tmp_path, model_init_kwargs={"dtype": "bfloat16"}))
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -171,6 +171,26 @@ def test_model_init_kwargs_with_a_loaded_model_and_no_reward_model_path_are_name
     trainer = GRPOTrainer(model, str(tmp_path / "rm"), train_dataset=PROMPTS, processing_class=tokenizer,
                           args=small_args(tmp_path, model_init_kwargs={"dtype": "bfloat16"}))
     assert trainer.reward_funcs[0].dtype == torch.bfloat16 and trainer.model.dtype == torch.float32
+    # the policy's gguf_file never reaches a reward model; a bad dtype is named before anything loads
+    for kwargs, error in (({"gguf_file": "tiny.gguf", "dtype": "bfloat16"}, r"model_init_kwargs gguf_file would "),
+                          ({"dtype": "bf16"}, r"dtype='bf16' is not one of")):
+        with pytest.raises(ConfigError, match=error):
+            GRPOTrainer(model, str(tmp_path / "rm"), train_dataset=PROMPTS, processing_class=tokenizer,
+                        args=small_args(tmp_path, model_init_kwargs=kwargs))
+
+
+def test_a_dequantized_model_beside_several_gguf_files_reads_the_saved_tokenizer(tmp_path, gguf_folder):
+    """Which of several .gguf files the model was read from is not recorded once transformers dropped its quantizer:
+    the folder's tokenizer files are read (before, an error asked to name one file)."""
+    from transformers import GgufConfig
+
+    folder, _ = gguf_folder
+    (folder / "tiny-q8.gguf").write_bytes((folder / "tiny.gguf").read_bytes())
+    AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf").save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf",
+                                                 quantization_config=GgufConfig(dequantize=True))
+    trainer = GRPOTrainer(model, distinct_characters, train_dataset=PROMPTS, args=small_args(tmp_path))
+    assert trainer.processing_class.chat_template == CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize("passed", ["path", "object without its tokenizer"])

@@ -102,7 +102,12 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
             # a model read from a GGUF file: its tokenizer is in that file too, named by the quantizer transformers
             # keeps, or (dequantized at load: no quantizer left) the one .gguf file of a folder without config.json
             gguf = getattr(getattr(gguf_quantizer(model), "quantization_config", None), "gguf_file", None)
-            name, found = (name, {"gguf_file": gguf}) if gguf else gguf_base(name)
+            found = {"gguf_file": gguf} if gguf else {}
+            if not gguf:
+                try:
+                    name, found = gguf_base(name)
+                except ConfigError:  # several .gguf files: the folder's tokenizer files, if any, or the error below
+                    pass
             tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=args.trust_remote_code,
                                          **found)
     try:
@@ -279,10 +284,14 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         check_model_location(model, "model", policy=True)
         policy_init_kwargs(args)  # a bad dtype, named now
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
-    if not isinstance(model, str) and args.model_init_kwargs and not any(isinstance(s, str) for s in reward_funcs):
-        raise ConfigError(f"model_init_kwargs={args.model_init_kwargs!r} apply to a model or reward model given as a "
-                          "path, but the model was passed loaded and no reward model is a path: drop "
-                          "model_init_kwargs, or pass the model's path")
+    if not isinstance(model, str) and args.model_init_kwargs:
+        policy_init_kwargs(args)  # a bad dtype, named now (reward models given as paths load with it)
+        kwargs = args.model_init_kwargs  # they load reward models given as paths too, all but the policy's gguf_file
+        unused = [k for k in kwargs if k == "gguf_file" or not any(isinstance(s, str) for s in reward_funcs)]
+        if unused:
+            raise ConfigError(f"model_init_kwargs {', '.join(unused)} would apply to nothing: they load a model given "
+                              "as a path (and reward models given as paths, all but gguf_file), but the model was "
+                              "passed loaded: drop them, or pass the model's path")
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]
     for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
