@@ -2,7 +2,7 @@
 last number is the answer. Small enough that a 135M instruct model gets some of them right (about 1 in 8 sampled
 completions before training), which gives GRPO groups with a spread to learn from (§4.1.2).
 
-    python examples/smollm2/task.py outputs/smollm2      # writes train.jsonl and test.jsonl there
+    python examples/smollm2/task.py outputs/smollm2-data   # writes train.jsonl and test.jsonl there (eval.yaml reads them)
 """
 
 from __future__ import annotations
@@ -54,4 +54,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "outputs/smollm2")
+    main(sys.argv[1] if len(sys.argv) > 1 else "outputs/smollm2-data")

