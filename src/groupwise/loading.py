@@ -102,12 +102,13 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
             # a model read from a GGUF file: its tokenizer is in that file too, named by the quantizer transformers
             # keeps, or (dequantized at load: no quantizer left) the one .gguf file of a folder without config.json
             gguf = getattr(getattr(gguf_quantizer(model), "quantization_config", None), "gguf_file", None)
-            found = {"gguf_file": gguf} if gguf else {}
-            if not gguf:
+            if gguf:
+                found = {"gguf_file": gguf}
+            else:
                 try:
                     name, found = gguf_base(name)
                 except ConfigError:  # several .gguf files: the folder's tokenizer files, if any, or the error below
-                    pass
+                    found = {}
             tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=args.trust_remote_code,
                                          **found)
     try:
@@ -286,8 +287,9 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     reward_funcs = [resolve_spec(s, f"reward_funcs[{i}]") for i, s in enumerate(reward_funcs)]
     if not isinstance(model, str) and args.model_init_kwargs:
         policy_init_kwargs(args)  # a bad dtype, named now (reward models given as paths load with it)
-        kwargs = args.model_init_kwargs  # they load reward models given as paths too, all but the policy's gguf_file
-        unused = [k for k in kwargs if k == "gguf_file" or not any(isinstance(s, str) for s in reward_funcs)]
+        # they load reward models given as paths too, all but the policy's gguf_file
+        reward_paths = any(isinstance(s, str) for s in reward_funcs)
+        unused = [k for k in args.model_init_kwargs if k == "gguf_file" or not reward_paths]
         if unused:
             raise ConfigError(f"model_init_kwargs {', '.join(unused)} would apply to nothing: they load a model given "
                               "as a path (and reward models given as paths, all but gguf_file), but the model was "

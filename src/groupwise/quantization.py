@@ -60,7 +60,8 @@ def forget_gguf(model) -> None:
     remove_quantization_config, and the `_is_quantized` mark on the configs), so checkpoints and exports are plain
     safetensors models. Weights transformers left packed in GGUF blocks (its GgufLinear layers, for architectures
     with a GGUF kernel on the device) cannot train: a ConfigError."""
-    quantizer = gguf_quantizer(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantizer = gguf_quantizer(base)
     if quantizer is None:
         return
     packed = getattr(quantizer, "packed_modules", None) or {}
@@ -69,7 +70,6 @@ def forget_gguf(model) -> None:
                           "which cannot train: load it dequantized, with model_init_kwargs={'gguf_file': …, "
                           "'quantization_config': transformers.GgufConfig(dequantize=True)} (or pass a model loaded "
                           "so)")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     quantizer.remove_quantization_config(base)
     for module in base.modules():  # transformers reads the mark's presence, not its value
         config = getattr(module, "config", None)
