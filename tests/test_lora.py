@@ -54,6 +54,25 @@ def test_only_the_adapter_trains_with_every_backend(tmp_path, base_dir, backend)
     assert any(not torch.equal(adapter[n].cpu(), p.cpu()) for n, p in t.unwrapped.named_parameters() if n in adapter)
 
 
+def test_a_lora_run_samples_the_full_runs_first_completions(tmp_path, base_dir):
+    """Every process reseeds once the models are built (TRL: set_seed(seed, device_specific=True)), so the adapters'
+    random initialisation does not change what is sampled: a LoRA run (B = 0, the same policy at first) draws the
+    full-parameter run's first completions."""
+    seen = {}
+
+    def recording(name):
+        def reward(completions, **_):
+            seen.setdefault(name, list(completions))
+            return [float(len(c)) for c in completions]
+        return reward
+
+    for name, peft_config in (("full", None), ("lora", _lora())):
+        args = small_args(tmp_path, output_dir=str(tmp_path / name), max_steps=1)
+        GRPOTrainer(base_dir, [recording(name)], args=args, train_dataset=toy.dataset(12),
+                    peft_config=peft_config).train()
+    assert len(set(seen["full"])) > 1 and seen["full"] == seen["lora"]
+
+
 def test_reference_is_the_base_model_with_adapters_off_and_no_copy(tmp_path, base_dir):
     t = _trainer(tmp_path, base_dir, beta=0.1, max_steps=1)
     assert t.reference is not None and t.reference.copy is None  # no second model

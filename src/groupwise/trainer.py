@@ -157,8 +157,9 @@ class GRPOTrainer(TransformersHabits):
                                 trust_remote_code=args.trust_remote_code) if process_reward_funcs else []) + env_steps
         self.trained, self.optimizer, self.scheduler, self._replica = build_training(
             policy, args, self.dist, optimizers=self.optimizers, reference=self.reference, max_steps=self.max_steps)
-        if self.dist.rank:  # TRL's set_seed(args.seed, device_specific=True) (process 0 goes on from args.seed)
-            set_seed(args.seed + self.dist.rank)
+        # each process samples its own completions: TRL's set_seed(args.seed, device_specific=True) once the models
+        # are built, process 0 included, so what is sampled does not depend on what loading drew (LoRA's init)
+        set_seed(args.seed + self.dist.rank)
         self.rollout_ctx = self._build_rollout()
         self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
