@@ -293,3 +293,11 @@ def test_estimator_options_are_checked_against_the_estimator():
     assert GRPOConfig(multi_objective_aggregation="normalize_then_sum").estimator_options()["scale"] == "group"
     assert GRPOConfig(advantage_estimator="reinforce_plus_plus_baseline", advantage_eps=0.0).estimator_options() == \
         {"estimator": "reinforce_plus_plus_baseline", "std": "population", "eps": 0.0}
+
+
+def test_a_path_object_as_the_model_is_named_with_the_fix(tmp_path, base_dir):
+    """TRL takes a model path as a str; a pathlib.Path is refused before anything loads, saying to pass str(path)."""
+    from pathlib import Path
+
+    with pytest.raises(TypeError, match=r"got PosixPath: pass str\(PosixPath\(.*\)\), as TRL takes a path"):
+        GRPOTrainer(Path(base_dir), [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(16))

@@ -4,6 +4,7 @@ tokenizer (and the model's positions) before the weights, the policy, its EOS id
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -280,7 +281,9 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
         raise ConfigError("use_vllm=True needs vLLM: `pip install vllm` (on a machine with a GPU vLLM "
                           "supports), or drop use_vllm to sample with generation_backend 'fast'")
     if not isinstance(model, (str, torch.nn.Module)):
-        raise TypeError(f"model must be a path / hub id or a transformers model, got {type(model).__name__}")
+        fix = f": pass str({model!r}), as TRL takes a path" if isinstance(model, os.PathLike) else ""
+        raise TypeError(f"model must be a path / hub id (a str) or a transformers model, got {type(model).__name__}"
+                        + fix)
     if isinstance(model, str):
         check_model_location(model, "model", policy=True)
         policy_init_kwargs(args)  # a bad dtype, named now
