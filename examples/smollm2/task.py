@@ -1,6 +1,8 @@
-"""Single-operation arithmetic in chat form, for SmolLM2-135M-Instruct: "What is 16 - 7?" → a completion whose
-last number is the answer. Small enough that a 135M instruct model gets some of them right (about 1 in 8 sampled
-completions before training), which gives GRPO groups with a spread to learn from (§4.1.2).
+"""Arithmetic in chat form, for SmolLM2-135M-Instruct: "What is 16 - 7?" → a completion whose last number is the
+answer. Single operations are small enough that a 135M instruct model gets some of them right (about 1 in 8 sampled
+completions before training), which gives GRPO groups with a spread to learn from (§4.1.2). Two operations
+("What is 12 + 7 - 5?", `rows(..., operations=2)`) it almost never gets right; there `equations_right` scores each
+line of the working (DeepSeekMath §4.1.3's process supervision, examples/smollm2/process.py).
 
     python examples/smollm2/task.py outputs/smollm2-data   # writes train.jsonl and test.jsonl there (eval.yaml reads them)
 """
@@ -19,20 +21,42 @@ MAX_OPERAND = 25
 _NUMBER = re.compile(r"-?\d+")
 
 
-def make_problem(rng: random.Random) -> str:
-    return f"{rng.randint(1, MAX_OPERAND)} {rng.choice('+-')} {rng.randint(1, MAX_OPERAND)}"
+# a chain of equal sides, each side an integer or a sum / difference of integers: "20 + 23 = 43", "5 + 9 + 16 = 14 +
+# 16 = 30"; at least one "=" (a number alone is not an equation). Not inside a word ("x20"), a decimal ("43.5"), a
+# product ("2 × 10 + 3") or parentheses ("(20 + 23) - 9"): such text is no equation here, rather than a wrong one.
+_SIDE = r"-?\d+(?:\s*[+-]\s*-?\d+)*"
+_EQUATION = re.compile(rf"(?<![\w.×*/^()])(?<![×*/^()]\s){_SIDE}(?:\s*=\s*{_SIDE})+(?![\w×*/^()]|\.\d|\s*[×*/^(])")
+_TERM = re.compile(r"(^|[+-])\s*(-?\d+)")  # a side's terms: (operator before it, the integer as written)
+
+
+def make_problem(rng: random.Random, operations: int = 1) -> str:
+    return " ".join([str(rng.randint(1, MAX_OPERAND))]
+                    + [f"{rng.choice('+-')} {rng.randint(1, MAX_OPERAND)}" for _ in range(operations)])
+
+
+def terms(side: str) -> list[tuple[str, int]]:
+    """The terms of a sum / difference as written, each with the operator before it: "43 - 9" → [("", 43), ("-", 9)];
+    "5 - -3" → [("", 5), ("-", -3)]."""
+    return [(op, int(number)) for op, number in _TERM.findall(side.strip())]
+
+
+def evaluate(expression: str) -> int:
+    """The value of a sum / difference of integers, left to right ("25 - 16 - 7" → 2), without eval()."""
+    return sum(-number if op == "-" else number for op, number in terms(expression))
 
 
 def answer(problem: str) -> int:
-    a, op, b = problem.split()
-    return int(a) + int(b) if op == "+" else int(a) - int(b)
+    return evaluate(problem)
 
 
-def rows(n: int, split: str, seed: int = 0) -> list[dict]:
+def rows(n: int, split: str, seed: int = 0, operations: int = 1) -> list[dict]:
     """n distinct problems of the split ('train' or 'test': disjoint by a hash of the problem text), each a
-    conversational prompt (TRL's format) with its answer."""
-    problems = draw_problems(make_problem, n, split=split, seed=seed, stream="smollm2")
-    return [{"prompt": [{"role": "user", "content": f"What is {p}?"}], "answer": answer(p)} for p in problems]
+    conversational prompt (TRL's format) with the problem and its answer; `operations` per problem (1: "16 - 7",
+    2: "12 + 7 - 5")."""
+    stream = "smollm2" if operations == 1 else f"smollm2-{operations}ops"
+    problems = draw_problems(lambda rng: make_problem(rng, operations), n, split=split, seed=seed, stream=stream)
+    return [{"prompt": [{"role": "user", "content": f"What is {p}?"}], "problem": p, "answer": answer(p)}
+            for p in problems]
 
 
 def correct(completions, answer, **_) -> list[float]:
@@ -41,6 +65,41 @@ def correct(completions, answer, **_) -> list[float]:
     for completion, want in zip(completions, answer):
         numbers = _NUMBER.findall(completion[-1]["content"] if isinstance(completion, list) else completion)
         out.append(float(bool(numbers) and int(numbers[-1]) == int(want)))
+    return out
+
+
+def equations_right(steps, problem, **_) -> list[list[float | None]]:
+    """Step reward (one per step of the working, DeepSeekMath §4.1.3), a rule-based process reward model. It checks
+    arithmetic, not the plan: an equation that holds and starts from numbers in play is right, whether or not it is a
+    step of the solution ("23 - 20 = 3" for 20 + 23 - 9 is right).
+    - 1.0 for a step whose equations all hold ("20 + 23 = 43"; in a chain "22 + 14 + 17 = 36 + 17 = 53" every side)
+      and each start from known numbers: the problem's, or a result of an earlier right equation (signed: after
+      "4 - 15 = -11", "-11 - 3" starts from one, "11 - 3" does not);
+    - 0.0 for a step with an equation that does not hold ("25 - 16 - 7 = 25 + 16 + 7 = 42") or that starts from a
+      number found neither in the problem nor in the working before it ("2 + 1 = 3" for 22 + 19 + 1);
+    - None (unscored) for a step without an equation that has an operation ("First, we add 20 and 23:", "34 = 34"),
+      and for text that is not a sum or difference of integers (products, decimals, parentheses).
+    The "−" sign counts as "-"; markdown bold ("**") is ignored."""
+    out = []
+    for row, question in zip(steps, problem):
+        known = {number for _, number in terms(question)}
+        scores = []
+        for step in row:
+            text = step.replace("−", "-").replace("**", " ")  # a minus sign; markdown bold ("**20 + 23 = 43**")
+            chains = [m.group(0) for m in _EQUATION.finditer(text)]
+            if not any(len(terms(c.split("=")[0])) > 1 or len(terms(c.split("=")[-1])) > 1 for c in chains):
+                scores.append(None)
+                continue
+            right = True
+            for chain in chains:  # in order: a later equation may start from an earlier one's result
+                sides = chain.split("=")
+                operation = any(len(terms(side)) > 1 for side in sides)
+                right = right and len({evaluate(side) for side in sides}) == 1 and (
+                    not operation or {number for _, number in terms(sides[0])} <= known)
+                if right:
+                    known.add(evaluate(sides[0]))
+            scores.append(float(right))
+        out.append(scores)
     return out
 
 

@@ -8,6 +8,8 @@ transformers reads the GGUF file (`model_init_kwargs: {gguf_file: …}`) and deq
 checkpoints are plain safetensors models. Any local or hub causal LM works the same way:
 `main(model="Qwen/Qwen2.5-0.5B-Instruct", gguf_file=None)`. Greedy accuracy on 100 held-out problems is evaluated
 before training and every 25 steps; the table at the end reads them from `trainer.state.log_history`.
+`main(operations=2, process_reward_funcs=[…])` is examples/smollm2/process.py's run (two-operation problems, a
+reward per step of the working).
 Afterwards a checkpoint is evaluated from a config: `python examples/smollm2/task.py` (writes the prompt files to
 outputs/smollm2-data), then `groupwise eval examples/smollm2/eval.yaml`.
 """
@@ -36,7 +38,7 @@ def smollm2_folder() -> str:
 
 
 def main(model: str | None = None, gguf_file: str | None = GGUF_FILE, num_train: int = 600, num_test: int = 100,
-         **overrides):
+         operations: int = 1, process_reward_funcs=None, **overrides):
     model = model or smollm2_folder()
     args = GRPOConfig(**{
         "output_dir": "outputs/smollm2", "overwrite_output_dir": True,
@@ -50,8 +52,9 @@ def main(model: str | None = None, gguf_file: str | None = GGUF_FILE, num_train:
         "eval_strategy": "steps", "eval_steps": 25, "eval_on_start": True, "per_device_eval_batch_size": num_test,
         "logging_steps": 5, "save_steps": 25,
         "log_completions": True, "num_completions_to_print": 2, **overrides})
-    trainer = GRPOTrainer(model, task.correct, args=args, train_dataset=task.rows(num_train, "train"),
-                          eval_dataset=task.rows(num_test, "test"))
+    trainer = GRPOTrainer(model, task.correct, args=args, process_reward_funcs=process_reward_funcs,
+                          train_dataset=task.rows(num_train, "train", operations=operations),
+                          eval_dataset=task.rows(num_test, "test", operations=operations))
     trainer.train()
     evaluations = [h for h in trainer.state.log_history if "eval_rewards/correct/mean" in h]
     if evaluations and evaluations[-1]["step"] != trainer.state.global_step:
