@@ -84,9 +84,13 @@ def test_the_smollm2_two_operation_problems_and_their_step_reward_by_hand():
              "43 - 9 = 34 and 34 - 9 = 26",  # both start from known numbers; the second fails (25 ≠ 26): 0.0
              "**20 + 23 = 43**, 43 - 9 = 34",  # markdown bold; the second starts from the first's result: 1.0
              "20 − 23 = −3",  # the minus sign "−": 1.0
-             "2 × 10 + 3 = 23 and 20 + 23 = 43.5"]  # a product and a decimal are no sums of integers: None
+             "2 × 10 + 3 = 23 and 20 + 23 = 43.5",  # a product and a decimal are no sums of integers: None
+             "2 × 10 + 3 = 23, then 20 + 23 = 43",  # the product is no equation ("3 = 23" is not read); 1.0
+             "x = 43 - 9 = 34",  # after "=": part of a longer expression, not an equation: None
+             "43 = 20 + 23",  # starts from its side with an operation (20, 23): 1.0
+             "- 20 + 23 = 43"]  # a list bullet, not a minus: 1.0
     assert task.equations_right([steps], ["20 + 23 - 9"]) == [[None, 1.0, 1.0, 0.0, 0.0, None, 1.0, 0.0, 1.0, 1.0,
-                                                               None]]
+                                                               None, 1.0, None, 1.0, 1.0]]
     # results are known with their sign: after "4 - 15 = -11", "-11 - 3" starts from known numbers, "11 - 3" does
     # not; a wrong equation's result is not known ("20 + 3 = 24" is wrong, so "24 - 9" starts from nothing)
     assert task.equations_right([["4 - 15 = -11", "11 - 3 = 8", "-11 - 3 = -14"], ["20 + 3 = 24", "24 - 9 = 15"]],

@@ -2,7 +2,7 @@
 answer. Single operations are small enough that a 135M instruct model gets some of them right (about 1 in 8 sampled
 completions before training), which gives GRPO groups with a spread to learn from (§4.1.2). Two operations
 ("What is 12 + 7 - 5?", `rows(..., operations=2)`) it almost never gets right; there `equations_right` scores each
-line of the working (DeepSeekMath §4.1.3's process supervision, examples/smollm2/process.py).
+step (sentence or line) of the working (DeepSeekMath §4.1.3's process supervision, examples/smollm2/process.py).
 
     python examples/smollm2/task.py outputs/smollm2-data   # writes train.jsonl and test.jsonl there (eval.yaml reads them)
 """
@@ -22,10 +22,14 @@ _NUMBER = re.compile(r"-?\d+")
 
 
 # a chain of equal sides, each side an integer or a sum / difference of integers: "20 + 23 = 43", "5 + 9 + 16 = 14 +
-# 16 = 30"; at least one "=" (a number alone is not an equation). Not inside a word ("x20"), a decimal ("43.5"), a
-# product ("2 × 10 + 3") or parentheses ("(20 + 23) - 9"): such text is no equation here, rather than a wrong one.
+# 16 = 30"; at least one "=" (a number alone is not an equation). Not part of a longer expression: not inside a word
+# ("x20"), a decimal ("43.5"), a thousands-separated number ("1,000"), a product ("2 × 10 + 3"), parentheses
+# ("(20 + 23) - 9") or after an operator or "=" ("x = 43 - 9 = 34"): such text is no equation here, rather than a
+# wrong one.
 _SIDE = r"-?\d+(?:\s*[+-]\s*-?\d+)*"
-_EQUATION = re.compile(rf"(?<![\w.×*/^()])(?<![×*/^()]\s){_SIDE}(?:\s*=\s*{_SIDE})+(?![\w×*/^()]|\.\d|\s*[×*/^(])")
+_EQUATION = re.compile(rf"(?<![\w.×*/^()+\-=])(?<![×*/^()+\-=]\s)(?<!\d,){_SIDE}(?:\s*=\s*{_SIDE})+"
+                       rf"(?![\w×*/^()]|[.,]\d|\s*[×*/^(])")
+_BULLET = re.compile(r"(^|\n)\s*[-*+•]\s+")
 _TERM = re.compile(r"(^|[+-])\s*(-?\d+)")  # a side's terms: (operator before it, the integer as written)
 
 
@@ -71,31 +75,33 @@ def correct(completions, answer, **_) -> list[float]:
 def equations_right(steps, problem, **_) -> list[list[float | None]]:
     """Step reward (one per step of the working, DeepSeekMath §4.1.3), a rule-based process reward model. It checks
     arithmetic, not the plan: an equation that holds and starts from numbers in play is right, whether or not it is a
-    step of the solution ("23 - 20 = 3" for 20 + 23 - 9 is right).
+    step of the solution ("23 - 20 = 3" for 20 + 23 - 9 is right, and so is "4 + 6 = 10" for 4 - 6 - 1: the
+    problem's numbers are taken without their signs).
     - 1.0 for a step whose equations all hold ("20 + 23 = 43"; in a chain "22 + 14 + 17 = 36 + 17 = 53" every side)
-      and each start from known numbers: the problem's, or a result of an earlier right equation (signed: after
-      "4 - 15 = -11", "-11 - 3" starts from one, "11 - 3" does not);
+      and each start from known numbers (the terms of its first side with an operation: "43 = 20 + 23" starts from
+      20 and 23): the problem's, or results of earlier right equations (signed: after "4 - 15 = -11", "-11 - 3"
+      starts from one, "11 - 3" does not);
     - 0.0 for a step with an equation that does not hold ("25 - 16 - 7 = 25 + 16 + 7 = 42") or that starts from a
       number found neither in the problem nor in the working before it ("2 + 1 = 3" for 22 + 19 + 1);
     - None (unscored) for a step without an equation that has an operation ("First, we add 20 and 23:", "34 = 34"),
       and for text that is not a sum or difference of integers (products, decimals, parentheses).
-    The "−" sign counts as "-"; markdown bold ("**") is ignored."""
+    The "−" sign counts as "-"; markdown bold ("**") and list bullets ("- ", "* ") are ignored."""
     out = []
     for row, question in zip(steps, problem):
         known = {number for _, number in terms(question)}
         scores = []
         for step in row:
-            text = step.replace("−", "-").replace("**", " ")  # a minus sign; markdown bold ("**20 + 23 = 43**")
-            chains = [m.group(0) for m in _EQUATION.finditer(text)]
-            if not any(len(terms(c.split("=")[0])) > 1 or len(terms(c.split("=")[-1])) > 1 for c in chains):
+            # a minus sign; markdown bold ("**20 + 23 = 43**"); a list bullet ("- 20 + 23 = 43") is no operator
+            text = _BULLET.sub(r"\1", step.replace("−", "-").replace("**", " "))
+            chains = [m.group(0).split("=") for m in _EQUATION.finditer(text)]  # each a list of sides
+            if not any(len(terms(side)) > 1 for sides in chains for side in sides):
                 scores.append(None)
                 continue
             right = True
-            for chain in chains:  # in order: a later equation may start from an earlier one's result
-                sides = chain.split("=")
-                operation = any(len(terms(side)) > 1 for side in sides)
+            for sides in chains:  # in order: a later equation may start from an earlier one's result
+                start = next((side for side in sides if len(terms(side)) > 1), None)  # None: "34 = 34"
                 right = right and len({evaluate(side) for side in sides}) == 1 and (
-                    not operation or {number for _, number in terms(sides[0])} <= known)
+                    start is None or {number for _, number in terms(start)} <= known)
                 if right:
                     known.add(evaluate(sides[0]))
             scores.append(float(right))

@@ -8,8 +8,8 @@ transformers reads the GGUF file (`model_init_kwargs: {gguf_file: …}`) and deq
 checkpoints are plain safetensors models. Any local or hub causal LM works the same way:
 `main(model="Qwen/Qwen2.5-0.5B-Instruct", gguf_file=None)`. Greedy accuracy on 100 held-out problems is evaluated
 before training and every 25 steps; the table at the end reads them from `trainer.state.log_history`.
-`main(operations=2, process_reward_funcs=[…])` is examples/smollm2/process.py's run (two-operation problems, a
-reward per step of the working).
+examples/smollm2/process.py calls `main(operations=2, process_reward_funcs=[…], supervision="both", step_split=…)`:
+two-operation problems, a reward per step of the working.
 Afterwards a checkpoint is evaluated from a config: `python examples/smollm2/task.py` (writes the prompt files to
 outputs/smollm2-data), then `groupwise eval examples/smollm2/eval.yaml`.
 """
