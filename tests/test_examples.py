@@ -86,11 +86,16 @@ def test_the_smollm2_two_operation_problems_and_their_step_reward_by_hand():
              "20 − 23 = −3",  # the minus sign "−": 1.0
              "2 × 10 + 3 = 23 and 20 + 23 = 43.5",  # a product and a decimal are no sums of integers: None
              "2 × 10 + 3 = 23, then 20 + 23 = 43",  # the product is no equation ("3 = 23" is not read); 1.0
-             "x = 43 - 9 = 34",  # after "=": part of a longer expression, not an equation: None
-             "43 = 20 + 23",  # starts from its side with an operation (20, 23): 1.0
+             "x + 9 = 43",  # after an operator: part of a longer expression ("9 = 43" is not read): None
+             "x = 43 - 9 = 34",  # after "=" an equation may start: from 43 (known) and 9: 1.0
+             "(20 + 23) - 9 = 34",  # a parenthesised operation: the step is not read: None
+             "1) 20 + 23 = 43 (the sum)",  # a list marker and a remark: 1.0
              "- 20 + 23 = 43"]  # a list bullet, not a minus: 1.0
     assert task.equations_right([steps], ["20 + 23 - 9"]) == [[None, 1.0, 1.0, 0.0, 0.0, None, 1.0, 0.0, 1.0, 1.0,
-                                                               None, 1.0, None, 1.0, 1.0]]
+                                                               None, 1.0, None, 1.0, None, 1.0, 1.0]]
+    # an equation starts from its first side with an operation: "43 = 20 + 23" from 20 and 23 (1.0), "9 = 20 - 11"
+    # from 20 and 11, which is no number in play (0.0)
+    assert task.equations_right([["43 = 20 + 23"], ["9 = 20 - 11"]], ["20 + 23 - 9"] * 2) == [[1.0], [0.0]]
     # results are known with their sign: after "4 - 15 = -11", "-11 - 3" starts from known numbers, "11 - 3" does
     # not; a wrong equation's result is not known ("20 + 3 = 24" is wrong, so "24 - 9" starts from nothing)
     assert task.equations_right([["4 - 15 = -11", "11 - 3 = 8", "-11 - 3 = -14"], ["20 + 3 = 24", "24 - 9 = 15"]],
@@ -98,7 +103,7 @@ def test_the_smollm2_two_operation_problems_and_their_step_reward_by_hand():
 
 
 def test_the_smollm2_process_example_runs_on_a_gguf_file(tmp_path):
-    """examples/smollm2/process.py on the tiny GGUF Llama: supervision "both" scores each line with equations_right
+    """examples/smollm2/process.py on the tiny GGUF Llama: supervision "both" scores each step with equations_right
     and weights it 0.5; "outcome" scores the lines too (logged) but weights them 0."""
     from .gguf_support import write_tiny_llama_gguf
 

@@ -24,11 +24,12 @@ _NUMBER = re.compile(r"-?\d+")
 # a chain of equal sides, each side an integer or a sum / difference of integers: "20 + 23 = 43", "5 + 9 + 16 = 14 +
 # 16 = 30"; at least one "=" (a number alone is not an equation). Not part of a longer expression: not inside a word
 # ("x20"), a decimal ("43.5"), a thousands-separated number ("1,000"), a product ("2 × 10 + 3"), parentheses
-# ("(20 + 23) - 9") or after an operator or "=" ("x = 43 - 9 = 34"): such text is no equation here, rather than a
-# wrong one.
+# ("(20 + 23) - 9") or after an operator ("x + 9 = 43" is no "9 = 43"): such text is no equation here, rather than a
+# wrong one. After "=" ("Total = 20 + 23 = 43") or a list marker ("1) 20 + 23 = 43") an equation may start.
 _SIDE = r"-?\d+(?:\s*[+-]\s*-?\d+)*"
-_EQUATION = re.compile(rf"(?<![\w.×*/^()+\-=])(?<![×*/^()+\-=]\s)(?<!\d,){_SIDE}(?:\s*=\s*{_SIDE})+"
-                       rf"(?![\w×*/^()]|[.,]\d|\s*[×*/^(])")
+_EQUATION = re.compile(rf"(?<![\w.×*/^()+\-])(?<![×*/^+\-]\s)(?<!\d,){_SIDE}(?:\s*=\s*{_SIDE})+"
+                       rf"(?![\w×*/^()]|[.,]\d|\s*[×*/^])")
+_PARENTHESES = re.compile(r"\(\s*-?\d+\s*[-+×*/]")  # "(20 + 23) - 9": the step is not read (a list's "(1)" is)
 _BULLET = re.compile(r"(^|\n)\s*[-*+•]\s+")
 _TERM = re.compile(r"(^|[+-])\s*(-?\d+)")  # a side's terms: (operator before it, the integer as written)
 
@@ -84,8 +85,10 @@ def equations_right(steps, problem, **_) -> list[list[float | None]]:
     - 0.0 for a step with an equation that does not hold ("25 - 16 - 7 = 25 + 16 + 7 = 42") or that starts from a
       number found neither in the problem nor in the working before it ("2 + 1 = 3" for 22 + 19 + 1);
     - None (unscored) for a step without an equation that has an operation ("First, we add 20 and 23:", "34 = 34"),
-      and for text that is not a sum or difference of integers (products, decimals, parentheses).
-    The "−" sign counts as "-"; markdown bold ("**") and list bullets ("- ", "* ") are ignored."""
+      and for text that is not a sum or difference of integers: products, decimals, numbers with thousands
+      separators, a sum that follows an operator ("x + 9 = 43"), and any step with a parenthesised operation.
+    The "−" sign counts as "-"; markdown bold ("**") and a list bullet starting the step ("- ", "* ", "+ ", "• ") are
+    ignored (so "- 1 - 1 = 0" reads as "1 - 1 = 0")."""
     out = []
     for row, question in zip(steps, problem):
         known = {number for _, number in terms(question)}
@@ -93,7 +96,7 @@ def equations_right(steps, problem, **_) -> list[list[float | None]]:
         for step in row:
             # a minus sign; markdown bold ("**20 + 23 = 43**"); a list bullet ("- 20 + 23 = 43") is no operator
             text = _BULLET.sub(r"\1", step.replace("−", "-").replace("**", " "))
-            chains = [m.group(0).split("=") for m in _EQUATION.finditer(text)]  # each a list of sides
+            chains = [] if _PARENTHESES.search(text) else [m.group(0).split("=") for m in _EQUATION.finditer(text)]
             if not any(len(terms(side)) > 1 for sides in chains for side in sides):
                 scores.append(None)
                 continue
