@@ -62,9 +62,9 @@ def train_table() -> None:
 
 def process_table() -> None:
     """examples/smollm2/process.py under both supervisions: each evaluation, from trainer.state.log_history."""
-    rows, notes, n = [], [], 100  # n: the held-out problems (train.main's num_test)
+    rows, notes, n = [], [], 100  # n: the held-out problems
     for supervision in ("both", "outcome"):
-        history = process.main(supervision).state.log_history
+        history = process.main(supervision, num_test=n).state.log_history
         for h in history:
             if "eval_rewards/correct/mean" in h:
                 scored = h["eval_process/steps_per_completion"] - h["eval_process/unscored_steps"] / n

@@ -50,17 +50,13 @@ def evaluate(expression: str) -> int:
     return sum(-number if op == "-" else number for op, number in terms(expression))
 
 
-def answer(problem: str) -> int:
-    return evaluate(problem)
-
-
 def rows(n: int, split: str, seed: int = 0, operations: int = 1) -> list[dict]:
     """n distinct problems of the split ('train' or 'test': disjoint by a hash of the problem text), each a
     conversational prompt (TRL's format) with the problem and its answer; `operations` per problem (1: "16 - 7",
     2: "12 + 7 - 5")."""
     stream = "smollm2" if operations == 1 else f"smollm2-{operations}ops"
     problems = draw_problems(lambda rng: make_problem(rng, operations), n, split=split, seed=seed, stream=stream)
-    return [{"prompt": [{"role": "user", "content": f"What is {p}?"}], "problem": p, "answer": answer(p)}
+    return [{"prompt": [{"role": "user", "content": f"What is {p}?"}], "problem": p, "answer": evaluate(p)}
             for p in problems]
 
 
