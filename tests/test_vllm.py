@@ -283,6 +283,9 @@ def test_a_tensor_parallel_engine_spans_two_processes_that_train_as_one(tmp_path
     # processes, as on one (process 1 raised it within the join and told the group; it did not wait nor hang)
     assert one["engine_failure"] == two[0]["engine_failure"] == two[1]["engine_failure"] == \
         "RuntimeError: the stand-in engine failed"
+    # a fresh trainer resumed from checkpoint-1 ends with the straight run's weights: its engine left the
+    # checkpoint's random streams (the same on both processes: the stand-in checks the group samples alike)
+    assert one["resumed"] is two[0]["resumed"] is two[1]["resumed"] is True
 
 
 def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm, tokenizer):
@@ -368,3 +371,54 @@ def test_an_adapter_on_tied_embeddings_is_refused_with_vllm(tmp_path, tokenizer,
                                           r"embeddings and output head are one tensor"):
         GRPOTrainer(str(folder), [_length], args=small_args(tmp_path, use_vllm=True), train_dataset=toy.dataset(12),
                     peft_config=lora)
+
+
+def _resumable_run(tmp_path, base_dir, out, crash_on_round=None, resume=None):
+    from groupwise.rewards import RewardFunctionError
+
+    calls = []
+
+    def reward(completions, **_):
+        calls.append(len(completions))
+        if len(calls) == crash_on_round:
+            raise RuntimeError("the machine went away")
+        noise = torch.rand(len(completions)) * 0.1  # torch's stream, which a reward function may draw from
+        return [float(len(c)) + float(e) for c, e in zip(completions, noise)]
+
+    args = small_args(tmp_path, output_dir=str(tmp_path / out), use_vllm=True, max_steps=4, save_steps=2,
+                      max_completion_length=6)
+    t = GRPOTrainer(base_dir, [reward], args=args, train_dataset=toy.dataset(12))
+    if crash_on_round is None:
+        t.train(resume_from_checkpoint=resume)
+    else:
+        with pytest.raises(RewardFunctionError, match="the machine went away"):
+            t.train()
+    return t
+
+
+def test_a_resumed_colocate_run_samples_what_the_straight_run_sampled(tmp_path, base_dir, vllm):
+    """vLLM's in-process worker seeds python's, numpy's and torch's random streams with its `seed` when it starts,
+    then samples from torch's. A fresh run lets it (TRL's engine starts in the trainer's constructor, after its own
+    seeding); a resumed run's engine, built at its first generation, reseeded the streams the checkpoint had just
+    restored, so the run sampled other completions than the run it continued."""
+    straight = _resumable_run(tmp_path, base_dir, "straight")
+    (engine,) = vllm.ENGINES
+    straight_outputs = engine.outputs  # the last round's completions
+    _resumable_run(tmp_path, base_dir, "crashed", crash_on_round=3)
+    vllm.ENGINES.clear()
+    resumed = _resumable_run(tmp_path, base_dir, "crashed", resume=str(tmp_path / "crashed" / "checkpoint-2"))
+    (engine,) = vllm.ENGINES
+    assert engine.calls == 2 and engine.outputs == straight_outputs
+    for (n, a), (_, b) in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):
+        assert torch.equal(a, b), f"{n} differs after resume"
+
+
+def test_a_fresh_colocate_run_s_streams_are_the_engine_s_seed_as_in_trl(tmp_path, base_dir, vllm):
+    """TRL seeds each process with seed + rank, then builds the engine, which reseeds every stream with rank // tp:
+    what vLLM samples does not depend on `seed`. A fresh groupwise run lets the engine reseed them too (with tp > 1
+    the engines of a group need the same streams)."""
+    args = small_args(tmp_path, use_vllm=True, max_completion_length=4, seed=7)
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
+    assert torch.initial_seed() == 7
+    t._collect()
+    assert torch.initial_seed() == 0

@@ -3,13 +3,14 @@ the stand-in `vllm` on PYTHONPATH: a GRPOTrainer run with use_vllm in $VLLM_MODE
 server at $STANDIN_URL, which tests/test_vllm_server.py starts) or 'colocate' (vllm_tensor_parallel_size = N: one
 engine spans every process). 8 rows per round over all processes, then an evaluation of 5 prompts in batches of 2
 (with 2 processes: 2 batches on one, 1 on the other), then an evaluation whose reward function fails on the last
-process only, in colocate mode an evaluation whose engine fails on the last prompt (with 2 processes in a round only
-process 0 has prompts for), then one step with a tool whose rollouts take 2 turns for one prompt and 1 for the other
-(`scripted_replies`: with 2 processes one process runs more turns than the other), then an evaluation with the tool
-of 3 prompts in batches of 1. Writes result_<rank>.json (the logged losses and rewards, the rows this process
-trained on, the evaluation's metrics, the failed evaluation's error, the tool step's metrics and the tool
-evaluation's, and in colocate mode the number of prompts of each engine call) and, from rank 0,
-weights.safetensors."""
+process only; in colocate mode an evaluation whose engine fails on the last prompt (with 2 processes in a round only
+process 0 has prompts for), and a fresh trainer resumed from the run's checkpoint-1 (saved in colocate mode only);
+then one step with a tool whose rollouts take 2 turns for one prompt and 1 for the other (`scripted_replies`: with 2
+processes one process runs more turns than the other), then an evaluation with the tool of 3 prompts in batches of
+1. Writes result_<rank>.json (the logged losses and rewards, the rows this process trained on, the evaluation's
+metrics, the failed evaluation's error, the tool step's metrics and the tool evaluation's, and in colocate mode the
+number of prompts of each engine call and whether the resumed trainer ended with the straight run's weights) and,
+from rank 0, weights.safetensors."""
 
 import dataclasses
 import json
@@ -17,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from groupwise import GRPOConfig, GRPOTrainer
@@ -110,7 +112,8 @@ def main(out: Path) -> None:
                  vllm_server_timeout=10.0) if mode == "server" else dict(vllm_tensor_parallel_size=world)
     args = GRPOConfig(output_dir=str(out), use_vllm=True, vllm_mode=mode, **where,
                       num_generations=4, per_device_train_batch_size=8 // world, max_completion_length=6, max_steps=2,
-                      learning_rate=1e-2, logging_steps=1, save_steps=0, lr_scheduler_type="constant", seed=0,
+                      learning_rate=1e-2, logging_steps=1, save_steps=int(mode == "colocate"),
+                      lr_scheduler_type="constant", seed=0,
                       per_device_eval_batch_size=2, ddp_timeout=60.0)
     seen, failing = [], []
 
@@ -152,6 +155,16 @@ def main(out: Path) -> None:
     if mode == "server":
         t.rollout_ctx.generator.close()
     lines = [{k: h[k] for k in ("loss", "reward") if k in h} for h in t.state.log_history if "loss" in h]
+    resumed = None
+    if mode == "colocate":  # a fresh trainer resumed from checkpoint-1 trains step 2 as the straight run did
+        import vllm
+
+        built = len(vllm.ENGINES)
+        r = GRPOTrainer(os.environ["BASE_DIR"], [length], args=args, train_dataset=toy.dataset(16))
+        r.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+        theirs = r.unwrapped.state_dict()
+        resumed = all(torch.equal(p, theirs[k]) for k, p in t.unwrapped.state_dict().items())
+        del vllm.ENGINES[built:]  # its engine is not one of the calls the test counts
     if t.dist.is_main:
         save_file({k: v.detach().clone() for k, v in t.unwrapped.state_dict().items()}, str(out / "weights.safetensors"))
     tools = dataclasses.replace(args, output_dir=str(out / "tools"), max_steps=1, max_completion_length=200,
@@ -179,6 +192,7 @@ def main(out: Path) -> None:
                    "kwargs": {k: vllm.ENGINES[0].kwargs[k] for k in ("tensor_parallel_size", "seed", "max_num_seqs")}}
     (out / f"result_{t.dist.rank}.json").write_text(json.dumps({
         "lines": lines, "completions": trained, "eval": evaluation, "failure": failure, "engine_failure": engine_failure,
+        "resumed": resumed,
         "tools": tool_line,
         "tool_eval": tool_eval,
         "engines": engines}))

@@ -471,6 +471,9 @@ class GRPOTrainer(TransformersHabits):
             ref_model=self.reference.copy if self.reference is not None else None), "loading the checkpoint")
         self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
             self.args.output_dir, state["global_step"], state.get("run_id")), "setting aside the abandoned checkpoints")
+        restored = getattr(self.rollout_ctx.generator, "random_streams_restored", None)
+        if restored is not None:  # an engine that seeds the random streams when it starts leaves the checkpoint's
+            restored()
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])

@@ -11,6 +11,9 @@ A backend is a class with
     independently(model) (optional)                      a context in which processes may make different numbers
                                                          of calls, for a backend whose calls are collective
                                                          (`independently` below)
+    random_streams_restored() (optional)                 a resume restored the run's random streams: a backend
+                                                         whose engine seeds them when it starts (vLLM colocate)
+                                                         must then leave them
 and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
 validation) never imports transformers or an inference engine.
 """

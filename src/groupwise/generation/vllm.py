@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from groupwise.checkpoint_files import rng_untouched
 from groupwise.config_base import ConfigError
 from groupwise.distributed import ProcessFailed
 from groupwise.generation import Generated
@@ -156,6 +157,15 @@ class VLLMColocateGenerator:
         self.group = dist.subgroup(tp) if tp > 1 else None
         self.failed = False  # a process of the group reported a failure within independently()
         self.exchanging = False  # inside the group's exchange (a gather that raised leaves it True)
+        self.keep_random_streams = False  # a resumed run's: the engine leaves the checkpoint's streams as they are
+
+    def random_streams_restored(self) -> None:
+        """The run's random streams were restored from a checkpoint (a resume). vLLM's worker, in this process,
+        seeds python's, numpy's and torch's (CPU and CUDA) streams with its `seed` when it starts, then samples
+        from the device's stream. A fresh run lets it, as TRL's engine does when the trainer is built (and the
+        engines of a tensor-parallel group need the same streams); a resumed run's engine leaves them, or it would
+        sample other completions than the run it continues."""
+        self.keep_random_streams = True
 
     def _engine(self, model):
         if self.llm is not None:
@@ -170,14 +180,15 @@ class VLLMColocateGenerator:
                               "not as a model built in memory")
         rank = launcher_environment()
         tp = args.vllm_tensor_parallel_size
-        self.llm = vllm.LLM(model=path, tensor_parallel_size=tp,
-                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                            max_model_len=args.vllm_max_model_length,
-                            max_num_seqs=args.per_device_train_batch_size * tp * (args.steps_per_generation or 1),
-                            enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
-                            distributed_executor_backend="external_launcher", seed=rank // tp,
-                            max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
-                            trust_remote_code=args.trust_remote_code)
+        with rng_untouched() if self.keep_random_streams else contextlib.nullcontext():
+            self.llm = vllm.LLM(model=path, tensor_parallel_size=tp,
+                                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                max_model_len=args.vllm_max_model_length,
+                                max_num_seqs=args.per_device_train_batch_size * tp * (args.steps_per_generation or 1),
+                                enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl,
+                                distributed_executor_backend="external_launcher", seed=rank // tp,
+                                max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
+                                trust_remote_code=args.trust_remote_code)
         self._load(model)  # the engine starts from the policy as it is now (a resumed run's weights)
         return self.llm
 

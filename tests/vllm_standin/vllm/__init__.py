@@ -12,7 +12,11 @@ a supported GPU; CI has none). It follows vLLM's names and shapes, backed by a t
 
 tensor_parallel_size > 1 (with the external launcher) is emulated: the engine spans a group of consecutive
 processes, each holding the whole model, and generate() checks that every process of the group called it with the
-same requests (a process that does not call it leaves the others waiting, as vLLM's collectives would).
+same requests (a process that does not call it leaves the others waiting, as vLLM's collectives would) and that
+they sampled the same tokens (vLLM's engines of a group must: their random streams have to agree).
+Random streams: with the external launcher, as vLLM's in-process worker, the engine seeds python's, numpy's and
+torch's streams with its `seed` (0 when unset) when it starts and samples from torch's stream; otherwise (the server,
+a process of its own in vLLM) from a generator of its own seeded alike; a request with a `seed`, from its own.
 SamplingParams checks its fields' ranges as vLLM's _verify_args. Sampling: temperature (0 = greedy), top-k (top-p,
 min-p and the repetition penalty are accepted, not applied), structured_outputs=StructuredOutputsParams(regex=…)
 (vllm.sampling_params: a token is allowed when the completion's text stays a prefix of a match, EOS once it is a
@@ -117,6 +121,17 @@ class _WeightLoader:
                 self.engine.loads.append(name)
 
 
+def _seed_everything(seed: int) -> None:
+    """vLLM's set_random_seed: python's, numpy's and torch's (CPU and every CUDA device's) random streams."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def _tensor_parallel_group(tp: int, executor: str | None):
     """The group of `tp` consecutive ranks this process's engine spans (vLLM's tensor-parallel groups under the
     external launcher, which runs on the launcher's torch.distributed world); built by every rank together."""
@@ -168,7 +183,16 @@ class LLM:
         self.kwargs = kwargs
         self.path = model
         self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
-        self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
+        # with the external launcher (colocate mode) vLLM's worker runs in this process: it seeds python's, numpy's
+        # and torch's random streams with `seed` (0 when unset) when it starts (Worker.init_device, and again after
+        # its warm-up), then samples from the device's torch stream. Otherwise (`vllm serve`) the engine runs in a
+        # process of its own, seeded alike: here, a generator of its own.
+        seed = int(kwargs.get("seed") or 0)
+        self.generator = None
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            _seed_everything(seed)
+        else:
+            self.generator = torch.Generator().manual_seed(seed)
         self.loads: list[str] = []
         self.calls = 0
         self.sizes: list[int] = []  # the number of prompts of each generate() call
@@ -254,6 +278,7 @@ class LLM:
                 out.append(RequestOutput(ids, [CompletionOutput(k, list(scripted), None) for k in range(p.n)]))
                 continue
             completions, stop = [], eos | set(p.stop_token_ids or [])
+            generator = self.generator if p.seed is None else torch.Generator().manual_seed(p.seed)  # request's own
             for k in range(p.n):
                 seq, lps = list(ids), []
                 for _ in range(p.max_tokens):
@@ -269,7 +294,7 @@ class LLM:
                             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]  # vLLM clamps it
                             logits = logits.masked_fill(logits < kth, float("-inf"))
                         probs = torch.softmax(logits, -1)
-                        token = int(torch.multinomial(probs, 1, generator=self.generator))
+                        token = int(torch.multinomial(probs, 1, generator=generator))
                     lps.append({token: Logprob(float(torch.log(probs[token])))})
                     seq.append(token)
                     if token in stop:
@@ -277,6 +302,14 @@ class LLM:
                 completions.append(CompletionOutput(k, seq[len(ids):], lps if p.logprobs is not None else None))
             out.append(RequestOutput(ids, completions))
         self.outputs = [c.token_ids for r in out for c in r.outputs]
+        if self.group is not None:  # one engine in vLLM: every rank of the group holds the same tokens
+            import torch.distributed as dist
+
+            sampled = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(sampled, self.outputs, group=self.group)
+            if any(other != sampled[0] for other in sampled):
+                raise RuntimeError("stand-in vLLM: the processes of a tensor-parallel group sampled different tokens "
+                                   "(their random streams differ; vLLM seeds the engines of a group alike)")
         self.sampled_logprobs = [[e[t].logprob for t, e in zip(c.token_ids, lps)] for c, lps in
                                  ((c, c.logprobs) for r in out for c in r.outputs) if lps is not None]
         return out
