@@ -100,10 +100,22 @@ def test_the_smollm2_two_operation_problems_and_their_step_reward_by_hand():
     # not; a wrong equation's result is not known ("20 + 3 = 24" is wrong, so "24 - 9" starts from nothing)
     assert task.equations_right([["4 - 15 = -11", "11 - 3 = 8", "-11 - 3 = -14"], ["20 + 3 = 24", "24 - 9 = 15"]],
                                 ["4 - 15 - 3", "20 + 3 - 9"]) == [[1.0, 0.0, 1.0], [0.0, 0.0]]
+    # solution_steps checks the plan too: a right equation's result must be the left-to-right solution's, 43 (20 +
+    # 23) or 34 (the answer). The same steps: the same scores but "20 − 23 = −3" (true, off the path: 0.0)
+    assert task.solution_steps([steps], ["20 + 23 - 9"]) == [[None, 1.0, 1.0, 0.0, 0.0, None, 1.0, 0.0, 1.0, 0.0,
+                                                              None, 1.0, None, 1.0, None, 1.0, 1.0]]
+    # "23 - 20 = 3": true, off the path. For 4 - 6 - 1 (results -2, then -3): "4 + 6 = 10" is off the path (the
+    # problem's numbers taken without signs make it a right equation to equations_right); "4 - 6 = -2" and
+    # "-2 - 1 = -3" are the path. A valid reordering, "23 - 9 = 14" then "20 + 14 = 34", is off the path at its first
+    # step, and its second starts from 14, which no right step gave
+    problems = ["20 + 23 - 9", "4 - 6 - 1", "4 - 6 - 1", "20 + 23 - 9"]
+    working = [["23 - 20 = 3"], ["4 + 6 = 10"], ["4 - 6 = -2", "-2 - 1 = -3"], ["23 - 9 = 14", "20 + 14 = 34"]]
+    assert task.solution_steps(working, problems) == [[0.0], [0.0], [1.0, 1.0], [0.0, 0.0]]
+    assert task.equations_right(working, problems) == [[1.0], [1.0], [1.0, 1.0], [1.0, 1.0]]
 
 
 def test_the_smollm2_process_example_runs_on_a_gguf_file(tmp_path):
-    """examples/smollm2/process.py on the tiny GGUF Llama: supervision "both" scores each step with equations_right
+    """examples/smollm2/process.py on the tiny GGUF Llama: supervision "both" scores each step with solution_steps
     and weights it 0.5; "outcome" scores the lines too (logged) but weights them 0."""
     from .gguf_support import write_tiny_llama_gguf
 
@@ -116,7 +128,7 @@ def test_the_smollm2_process_example_runs_on_a_gguf_file(tmp_path):
             per_device_train_batch_size=4, num_generations=2, max_completion_length=8, logging_steps=1,
             log_completions=False)
         assert trainer.args.supervision == "both" and trainer.args.process_advantage_weight == weight
-        assert [s.name for s in trainer.process_sources] == ["equations_right"]
+        assert [s.name for s in trainer.process_sources] == ["solution_steps"]
         evaluations = [h for h in trainer.state.log_history if "eval_process/step_reward_mean" in h]
         assert [h["step"] for h in evaluations] == [0, 1]
     with pytest.raises(SystemExit, match="supervision 'process': give 'both' or 'outcome'"):

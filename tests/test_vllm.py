@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,6 +162,7 @@ def test_sleep_mode_generates_from_the_policy_s_current_weights(tmp_path, base_d
     the policy's as they are then."""
     args = small_args(tmp_path, use_vllm=True, max_steps=3, max_completion_length=6, vllm_enable_sleep_mode=True)
     t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
+    assert vllm.ENGINES[0].sleeping  # started with the trainer, asleep at once (TRL): its memory given back
     seen = []
     original = vllm.LLM.generate
 
@@ -283,8 +286,9 @@ def test_a_tensor_parallel_engine_spans_two_processes_that_train_as_one(tmp_path
     # processes, as on one (process 1 raised it within the join and told the group; it did not wait nor hang)
     assert one["engine_failure"] == two[0]["engine_failure"] == two[1]["engine_failure"] == \
         "RuntimeError: the stand-in engine failed"
-    # a fresh trainer resumed from checkpoint-1 ends with the straight run's weights: its engine left the
-    # checkpoint's random streams (the same on both processes: the stand-in checks the group samples alike)
+    # a fresh trainer resumed from checkpoint-1 ends with the straight run's weights: the checkpoint's random
+    # streams were restored after its engine started (the same on both processes: the stand-in checks that the group
+    # samples alike); and a run that evaluates before training trains (its engine started with the trainer)
     assert one["resumed"] is two[0]["resumed"] is two[1]["resumed"] is True
 
 
@@ -382,7 +386,8 @@ def _resumable_run(tmp_path, base_dir, out, crash_on_round=None, resume=None):
         calls.append(len(completions))
         if len(calls) == crash_on_round:
             raise RuntimeError("the machine went away")
-        noise = torch.rand(len(completions)) * 0.1  # torch's stream, which a reward function may draw from
+        # python's, numpy's and torch's streams, which a reward function may draw from
+        noise = torch.rand(len(completions)) * 0.1 + random.random() * 0.01 + float(np.random.rand()) * 0.01
         return [float(len(c)) + float(e) for c, e in zip(completions, noise)]
 
     args = small_args(tmp_path, output_dir=str(tmp_path / out), use_vllm=True, max_steps=4, save_steps=2,
@@ -398,9 +403,9 @@ def _resumable_run(tmp_path, base_dir, out, crash_on_round=None, resume=None):
 
 def test_a_resumed_colocate_run_samples_what_the_straight_run_sampled(tmp_path, base_dir, vllm):
     """vLLM's in-process worker seeds python's, numpy's and torch's random streams with its `seed` when it starts,
-    then samples from torch's. A fresh run lets it (TRL's engine starts in the trainer's constructor, after its own
-    seeding); a resumed run's engine, built at its first generation, reseeded the streams the checkpoint had just
-    restored, so the run sampled other completions than the run it continued."""
+    then samples from torch's. The engine starts with the trainer (as TRL's), so the resume restores the
+    checkpoint's streams after it; an engine built at the resumed run's first generation reseeded them, and the run
+    sampled other completions than the run it continued."""
     straight = _resumable_run(tmp_path, base_dir, "straight")
     (engine,) = vllm.ENGINES
     straight_outputs = engine.outputs  # the last round's completions
@@ -413,12 +418,15 @@ def test_a_resumed_colocate_run_samples_what_the_straight_run_sampled(tmp_path, 
         assert torch.equal(a, b), f"{n} differs after resume"
 
 
-def test_a_fresh_colocate_run_s_streams_are_the_engine_s_seed_as_in_trl(tmp_path, base_dir, vllm):
-    """TRL seeds each process with seed + rank, then builds the engine, which reseeds every stream with rank // tp:
-    what vLLM samples does not depend on `seed`. A fresh groupwise run lets the engine reseed them too (with tp > 1
-    the engines of a group need the same streams)."""
+def test_the_engine_starts_with_the_trainer_and_its_seed_is_the_run_s_streams_as_in_trl(tmp_path, base_dir, vllm):
+    """TRL seeds each process with seed + rank, then builds the engine, whose in-process worker reseeds python's,
+    numpy's and torch's streams with rank // tp. groupwise starts it at the same point, so an evaluation before
+    training (eval_on_start, or evaluate() first), which keeps the streams as they were, does not build it with
+    the streams it set aside: the engines of a tensor-parallel group would then sample from different streams."""
     args = small_args(tmp_path, use_vllm=True, max_completion_length=4, seed=7)
-    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8))
-    assert torch.initial_seed() == 7
-    t._collect()
-    assert torch.initial_seed() == 0
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8), eval_dataset=toy.dataset(2))
+    (engine,) = vllm.ENGINES
+    assert torch.initial_seed() == 0 and engine.calls == 0
+    t.evaluate()
+    assert torch.initial_seed() == 0 and engine.calls == 1
+    assert _engine_matches(engine, t.unwrapped)  # the policy's weights, loaded before its first generation

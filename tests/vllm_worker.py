@@ -4,13 +4,14 @@ server at $STANDIN_URL, which tests/test_vllm_server.py starts) or 'colocate' (v
 engine spans every process). 8 rows per round over all processes, then an evaluation of 5 prompts in batches of 2
 (with 2 processes: 2 batches on one, 1 on the other), then an evaluation whose reward function fails on the last
 process only; in colocate mode an evaluation whose engine fails on the last prompt (with 2 processes in a round only
-process 0 has prompts for), and a fresh trainer resumed from the run's checkpoint-1 (saved in colocate mode only);
-then one step with a tool whose rollouts take 2 turns for one prompt and 1 for the other (`scripted_replies`: with 2
-processes one process runs more turns than the other), then an evaluation with the tool of 3 prompts in batches of
-1. Writes result_<rank>.json (the logged losses and rewards, the rows this process trained on, the evaluation's
-metrics, the failed evaluation's error, the tool step's metrics and the tool evaluation's, and in colocate mode the
-number of prompts of each engine call and whether the resumed trainer ended with the straight run's weights) and,
-from rank 0, weights.safetensors."""
+process 0 has prompts for), a fresh trainer resumed from the run's checkpoint-1 (saved in colocate mode only) and a
+one-step run that evaluates before training; then one step with a tool whose rollouts take 2 turns for one prompt
+and 1 for the other (`scripted_replies`: with 2 processes one process runs more turns than the other), then an
+evaluation with the tool of 3 prompts in batches of 1. Writes result_<rank>.json (the logged losses and rewards, the
+rows this process trained on, the evaluation's metrics, the failed evaluation's error, the tool step's metrics and
+the tool evaluation's, and in colocate mode the number of prompts of each engine call and whether the resumed
+trainer ended with the straight run's weights and the evaluating run trained) and, from rank 0,
+weights.safetensors."""
 
 import dataclasses
 import json
@@ -164,7 +165,14 @@ def main(out: Path) -> None:
         r.train(resume_from_checkpoint=str(out / "checkpoint-1"))
         theirs = r.unwrapped.state_dict()
         resumed = all(torch.equal(p, theirs[k]) for k, p in t.unwrapped.state_dict().items())
-        del vllm.ENGINES[built:]  # its engine is not one of the calls the test counts
+        # an evaluation before training (it keeps the random streams as they were): the stand-in raises if the
+        # group's processes sample from different streams
+        e = GRPOTrainer(os.environ["BASE_DIR"], [length], args=dataclasses.replace(
+            args, output_dir=str(out / "eval-first"), eval_on_start=True, max_steps=1, save_steps=0),
+            train_dataset=toy.dataset(16), eval_dataset=toy.dataset(5, seed=1))
+        e.train()
+        resumed = resumed and e.state.global_step == 1
+        del vllm.ENGINES[built:]  # their engines are not among the calls the test counts
     if t.dist.is_main:
         save_file({k: v.detach().clone() for k, v in t.unwrapped.state_dict().items()}, str(out / "weights.safetensors"))
     tools = dataclasses.replace(args, output_dir=str(out / "tools"), max_steps=1, max_completion_length=200,

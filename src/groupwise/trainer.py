@@ -161,6 +161,9 @@ class GRPOTrainer(TransformersHabits):
         # are built, process 0 included, so what is sampled does not depend on what loading drew (LoRA's init)
         set_seed(args.seed + self.dist.rank)
         self.rollout_ctx = self._build_rollout()
+        start = getattr(self.rollout_ctx.generator, "start", None)  # vLLM colocate's engine, which seeds the random
+        if start is not None:  # streams as it starts: after the seeding, as TRL builds it (a resume restores them)
+            self.dist.run_together(lambda: start(self.sampling_model), "starting the generation engine")
         self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
                                                 train_dataloader=None, eval_dataloader=None)
@@ -471,9 +474,6 @@ class GRPOTrainer(TransformersHabits):
             ref_model=self.reference.copy if self.reference is not None else None), "loading the checkpoint")
         self.dist.run_together(lambda: self.dist.is_main and set_aside_later(
             self.args.output_dir, state["global_step"], state.get("run_id")), "setting aside the abandoned checkpoints")
-        restored = getattr(self.rollout_ctx.generator, "random_streams_restored", None)
-        if restored is not None:  # an engine that seeds the random streams when it starts leaves the checkpoint's
-            restored()
         self.run_id = state.get("run_id", self.run_id)
         self.global_step, self.skipped_steps = state["global_step"], state["skipped_steps"]
         self.sampler.load_state_dict(state["sampler"])

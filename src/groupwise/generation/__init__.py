@@ -11,9 +11,10 @@ A backend is a class with
     independently(model) (optional)                      a context in which processes may make different numbers
                                                          of calls, for a backend whose calls are collective
                                                          (`independently` below)
-    random_streams_restored() (optional)                 a resume restored the run's random streams: a backend
-                                                         whose engine seeds them when it starts (vLLM colocate)
-                                                         must then leave them
+    start(model) (optional)                              build what it holds apart from the policy (vLLM
+                                                         colocate: its engine, which seeds the random streams as
+                                                         it starts), called by the trainer on every process
+                                                         together once its models are built and seeded
 and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
 validation) never imports transformers or an inference engine.
 """
