@@ -17,7 +17,8 @@ the run's time.
 
 --process: examples/smollm2/process.py twice, supervision "both" then "outcome" (two-operation problems; the same
 seed, so both start from the same evaluation), and at each evaluation: greedy accuracy, the share of scored steps
-whose equations are right (task.equations_right), scored steps per completion and the mean completion length.
+that are right (task.solution_steps), scored steps per completion, the mean completion length and the share of
+completions cut at the length limit.
 """
 
 from __future__ import annotations
@@ -71,15 +72,16 @@ def process_table() -> None:
                 right = h["eval_process/step_reward_mean"]  # None when no step was scored
                 rows.append([supervision, str(h["step"]), f"{100 * h['eval_rewards/correct/mean']:.1f} %",
                              "–" if right is None else f"{100 * right:.1f} %", f"{scored:.2f}",
-                             f"{h['eval_completions/mean_length']:.1f}"])
+                             f"{h['eval_completions/mean_length']:.1f}",
+                             f"{100 * h['eval_completions/clipped_ratio']:.0f} %"])
         runtime = next(h["train_runtime"] for h in history if "train_runtime" in h)
         notes.append(f"{supervision}: train_runtime {runtime:.0f} s (evaluations included)")
     write_table("smollm2_process", "Process supervision on a real model on a CPU: examples/smollm2/process.py "
                 "(SmolLM2-135M-Instruct, two-operation problems)",
                 ["supervision", "step", "held-out greedy accuracy (100 problems)", "right steps (of scored)",
-                 "scored steps per completion", "mean completion tokens"], rows,
+                 "scored steps per completion", "mean completion tokens", "cut at 64 tokens"], rows,
                 ["; ".join(notes) + ". 4 prompts × G = 8 per step, T = 0.7, lr 1e-5, β = 0, 40 steps, 64 tokens; "
-                 "a step is a sentence or a line; both: Â = 1.0 · Â_outcome + 0.5 · Â_process (equations_right per "
+                 "a step is a sentence or a line; both: Â = 1.0 · Â_outcome + 0.5 · Â_process (solution_steps per "
                  "step); outcome: the steps scored but weighted 0. One seed: a single run each, not a comparison "
                  "over seeds."])
 

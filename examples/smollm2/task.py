@@ -73,7 +73,7 @@ def equations_right(steps, problem, **_) -> list[list[float | None]]:
     """Step reward (one per step of the working, DeepSeekMath §4.1.3), a rule-based process reward model. It checks
     arithmetic, not the plan: an equation that holds and starts from numbers in play is right, whether or not it is a
     step of the solution ("23 - 20 = 3" for 20 + 23 - 9 is right, and so is "4 + 6 = 10" for 4 - 6 - 1: the
-    problem's numbers are taken without their signs).
+    problem's numbers are taken without their signs). `solution_steps` checks the plan too.
     - 1.0 for a step whose equations all hold ("20 + 23 = 43"; in a chain "22 + 14 + 17 = 36 + 17 = 53" every side)
       and each start from known numbers (the terms of its first side with an operation: "43 = 20 + 23" starts from
       20 and 23): the problem's, or results of earlier right equations (signed: after "4 - 15 = -11", "-11 - 3"
@@ -85,27 +85,41 @@ def equations_right(steps, problem, **_) -> list[list[float | None]]:
       separators, a sum that follows an operator ("x + 9 = 43"), and any step with a parenthesised operation.
     The "−" sign counts as "-"; markdown bold ("**") and a list bullet starting the step ("- ", "* ", "+ ", "• ") are
     ignored (so "- 1 - 1 = 0" reads as "1 - 1 = 0")."""
-    out = []
-    for row, question in zip(steps, problem):
-        known = {number for _, number in terms(question)}
-        scores = []
-        for step in row:
-            # a minus sign; markdown bold ("**20 + 23 = 43**"); a list bullet ("- 20 + 23 = 43") is no operator
-            text = _BULLET.sub(r"\1", step.replace("−", "-").replace("**", " "))
-            chains = [] if _PARENTHESES.search(text) else [m.group(0).split("=") for m in _EQUATION.finditer(text)]
-            if not any(len(terms(side)) > 1 for sides in chains for side in sides):
-                scores.append(None)
-                continue
-            right = True
-            for sides in chains:  # in order: a later equation may start from an earlier one's result
-                start = next((side for side in sides if len(terms(side)) > 1), None)  # None: "34 = 34"
-                right = right and len({evaluate(side) for side in sides}) == 1 and (
-                    start is None or {number for _, number in terms(start)} <= known)
-                if right:
-                    known.add(evaluate(sides[0]))
-            scores.append(float(right))
-        out.append(scores)
-    return out
+    return [_score(row, question, plan=False) for row, question in zip(steps, problem)]
+
+
+def solution_steps(steps, problem, **_) -> list[list[float | None]]:
+    """Step reward that checks the plan as well as the arithmetic: as `equations_right`, and each equation's result
+    must be one of the left-to-right solution's: the first operation's, then the answer ("20 + 23 = 43" and
+    "43 - 9 = 34", or "20 + 23 - 9 = 34", for 20 + 23 - 9). A true equation off that path scores 0.0: "23 - 20 = 3",
+    "4 + 6 = 10" for 4 - 6 - 1 (whose results are -2 and -3), and a valid reordering ("23 - 9 = 14", then
+    "20 + 14 = 34": the first is off the path, the second, starting from 14, which no right step gave, too)."""
+    return [_score(row, question, plan=True) for row, question in zip(steps, problem)]
+
+
+def _score(row: list[str], question: str, plan: bool) -> list[float | None]:
+    """One completion's step scores (equations_right's rules; with `plan`, solution_steps')."""
+    signed = terms(question)
+    known = {number for _, number in signed}
+    path = {evaluate(" ".join(f"{op} {n}" for op, n in signed[:k])) for k in range(2, len(signed) + 1)}
+    scores = []
+    for step in row:
+        # a minus sign; markdown bold ("**20 + 23 = 43**"); a list bullet ("- 20 + 23 = 43") is no operator
+        text = _BULLET.sub(r"\1", step.replace("−", "-").replace("**", " "))
+        chains = [] if _PARENTHESES.search(text) else [m.group(0).split("=") for m in _EQUATION.finditer(text)]
+        if not any(len(terms(side)) > 1 for sides in chains for side in sides):
+            scores.append(None)
+            continue
+        right = True
+        for sides in chains:  # in order: a later equation may start from an earlier one's result
+            start = next((side for side in sides if len(terms(side)) > 1), None)  # None: "34 = 34"
+            right = right and len({evaluate(side) for side in sides}) == 1 and (
+                start is None or {number for _, number in terms(start)} <= known) and (
+                not plan or start is None or evaluate(sides[0]) in path)
+            if right:
+                known.add(evaluate(sides[0]))
+        scores.append(float(right))
+    return scores
 
 
 def main(folder: str) -> None:
