@@ -237,9 +237,9 @@ def _trained_adapter(model: torch.nn.Module, target_modules: list[str]) -> torch
 
 
 def _record_pushes(t) -> list[float]:
-    """Every load of weights into the (stand-in) vLLM engine — when it starts, then after each optimizer step: the
-    largest difference between the engine's weights after the load and the policy's (the weights the trainer
-    optimizes: the sharded ones gathered, a LoRA policy merged) at that moment."""
+    """Every load of weights into the (stand-in) vLLM engine — before its first generation, then after each
+    optimizer step: the largest difference between the engine's weights after the load and the policy's (the weights
+    the trainer optimizes: the sharded ones gathered, a LoRA policy merged) at that moment."""
     from groupwise.generation.vllm import vllm_named_weights
     from groupwise.sharding import full_state_dict
 

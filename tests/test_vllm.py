@@ -53,7 +53,8 @@ def test_colocate_trains_and_pushes_weights_every_step(tmp_path, base_dir, vllm)
     t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
     before = {n: p.detach().clone() for n, p in t.unwrapped.named_parameters()}
     pushed = []
-    original = t.rollout_ctx.generator._load  # every load into the engine: when it starts, then after each step
+    original = t.rollout_ctx.generator._load  # every load into the engine: before its first generation, then
+    # after each step
     t.rollout_ctx.generator._load = lambda m: (original(m), pushed.append(_engine_matches(
         vllm.ENGINES[0], t.unwrapped)))
     metrics = t.train()
@@ -61,7 +62,7 @@ def test_colocate_trains_and_pushes_weights_every_step(tmp_path, base_dir, vllm)
     assert engine.kwargs["distributed_executor_backend"] == "external_launcher"
     assert engine.kwargs["logprobs_mode"] == "processed_logprobs" and engine.kwargs["gpu_memory_utilization"] == 0.3
     assert engine.calls == 2  # one generation per round
-    # when the engine starts, then after each optimizer step, it holds the policy's current weights
+    # before its first generation, then after each optimizer step, the engine holds the policy's current weights
     assert pushed == [True, True, True]
     assert any(not torch.equal(before[n].cpu(), p) for n, p in engine.hf.named_parameters())  # and they did change
     assert engine.prefix_cache_resets == 3  # after each load
@@ -290,6 +291,7 @@ def test_a_tensor_parallel_engine_spans_two_processes_that_train_as_one(tmp_path
     # streams were restored after its engine started (the same on both processes: the stand-in checks that the group
     # samples alike); and a run that evaluates before training trains (its engine started with the trainer)
     assert one["resumed"] is two[0]["resumed"] is two[1]["resumed"] is True
+    assert one["evaluated_first"] is two[0]["evaluated_first"] is two[1]["evaluated_first"] is True
 
 
 def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm, tokenizer):
@@ -427,6 +429,9 @@ def test_the_engine_starts_with_the_trainer_and_its_seed_is_the_run_s_streams_as
     t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(8), eval_dataset=toy.dataset(2))
     (engine,) = vllm.ENGINES
     assert torch.initial_seed() == 0 and engine.calls == 0
+    with torch.no_grad():  # weights other than the path's, which the engine loaded as it started
+        for p in t.unwrapped.parameters():
+            p.add_(0.01)
+    assert not _engine_matches(engine, t.unwrapped)
     t.evaluate()
-    assert torch.initial_seed() == 0 and engine.calls == 1
-    assert _engine_matches(engine, t.unwrapped)  # the policy's weights, loaded before its first generation
+    assert engine.calls == 1 and _engine_matches(engine, t.unwrapped)  # loaded before its first generation

@@ -9,7 +9,7 @@ one-step run that evaluates before training; then one step with a tool whose rol
 and 1 for the other (`scripted_replies`: with 2 processes one process runs more turns than the other), then an
 evaluation with the tool of 3 prompts in batches of 1. Writes result_<rank>.json (the logged losses and rewards, the
 rows this process trained on, the evaluation's metrics, the failed evaluation's error, the tool step's metrics and
-the tool evaluation's, and in colocate mode the number of prompts of each engine call and whether the resumed
+the tool evaluation's, and in colocate mode the number of prompts of each engine call, whether the resumed
 trainer ended with the straight run's weights and the evaluating run trained) and, from rank 0,
 weights.safetensors."""
 
@@ -156,7 +156,7 @@ def main(out: Path) -> None:
     if mode == "server":
         t.rollout_ctx.generator.close()
     lines = [{k: h[k] for k in ("loss", "reward") if k in h} for h in t.state.log_history if "loss" in h]
-    resumed = None
+    resumed = evaluated_first = None
     if mode == "colocate":  # a fresh trainer resumed from checkpoint-1 trains step 2 as the straight run did
         import vllm
 
@@ -171,7 +171,8 @@ def main(out: Path) -> None:
             args, output_dir=str(out / "eval-first"), eval_on_start=True, max_steps=1, save_steps=0),
             train_dataset=toy.dataset(16), eval_dataset=toy.dataset(5, seed=1))
         e.train()
-        resumed = resumed and e.state.global_step == 1
+        evaluated_first = [h["step"] for h in e.state.log_history if "eval_reward" in h] == [0] and \
+            e.state.global_step == 1
         del vllm.ENGINES[built:]  # their engines are not among the calls the test counts
     if t.dist.is_main:
         save_file({k: v.detach().clone() for k, v in t.unwrapped.state_dict().items()}, str(out / "weights.safetensors"))
@@ -200,7 +201,7 @@ def main(out: Path) -> None:
                    "kwargs": {k: vllm.ENGINES[0].kwargs[k] for k in ("tensor_parallel_size", "seed", "max_num_seqs")}}
     (out / f"result_{t.dist.rank}.json").write_text(json.dumps({
         "lines": lines, "completions": trained, "eval": evaluation, "failure": failure, "engine_failure": engine_failure,
-        "resumed": resumed,
+        "resumed": resumed, "evaluated_first": evaluated_first,
         "tools": tool_line,
         "tool_eval": tool_eval,
         "engines": engines}))

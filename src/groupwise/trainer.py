@@ -161,9 +161,6 @@ class GRPOTrainer(TransformersHabits):
         # are built, process 0 included, so what is sampled does not depend on what loading drew (LoRA's init)
         set_seed(args.seed + self.dist.rank)
         self.rollout_ctx = self._build_rollout()
-        start = getattr(self.rollout_ctx.generator, "start", None)  # vLLM colocate's engine, which seeds the random
-        if start is not None:  # streams as it starts: after the seeding, as TRL builds it (a resume restores them)
-            self.dist.run_together(lambda: start(self.sampling_model), "starting the generation engine")
         self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
                                                 train_dataloader=None, eval_dataloader=None)
@@ -177,6 +174,9 @@ class GRPOTrainer(TransformersHabits):
         self._best = BestModel(args, tuple(s.name for s in self.reward_sources),  # metric_for_best_model:
                                tuple(s.name for s in self.process_sources))  # state.best_metric, best checkpoint
         self._event("on_init_end")
+        start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
+        if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
+            self.dist.run_together(lambda: start(self.sampling_model), "starting the generation engine")
 
     def _eval_data(self, dataset) -> PromptData:
         """An eval dataset (the constructor's or evaluate()'s); with environments its rows may lack a prompt."""
