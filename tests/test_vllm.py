@@ -178,6 +178,7 @@ def test_sleep_mode_generates_from_the_policy_s_current_weights(tmp_path, base_d
         vllm.LLM.generate = original
     (engine,) = vllm.ENGINES
     assert seen == [True, True, True] and engine.sleeping  # asleep between generations, awake for each
+    assert engine.prefix_cache_resets == engine.calls == 3  # one load per generation, none while asleep
     assert engine.kwargs["enable_sleep_mode"] is True
 
 

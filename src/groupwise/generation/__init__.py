@@ -7,8 +7,9 @@ A backend is a class with
                                                          processes share one engine)
     __call__(model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False) -> Generated
     update_weights(model)                                receive the policy's new weights after an optimizer step
-                                                         (and when a resume or the best checkpoint loads them; a
-                                                         no-op for backends that sample from the policy itself)
+                                                         (and when a resume, the best checkpoint or the start of
+                                                         training with a replica loads them; a no-op for
+                                                         backends that sample from the policy itself)
     independently(model) (optional)                      a context in which processes may make different numbers
                                                          of calls, for a backend whose calls are collective
                                                          (`independently` below)
@@ -17,8 +18,9 @@ A backend is a class with
                                                          it starts), called by the trainer on every process
                                                          together once its models are built and seeded; a backend
                                                          holding a copy of the weights loads the policy's itself
-                                                         before its first generation (update_weights is not called
-                                                         before a fresh run's first step)
+                                                         before its first generation (update_weights is not always
+                                                         called before it: evaluate() before training, a fresh run
+                                                         without a replica)
 and registers here with what it supports. Backends are imported on first use, so `import groupwise` (and config
 validation) never imports transformers or an inference engine.
 """

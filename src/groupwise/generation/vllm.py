@@ -9,8 +9,8 @@ distributed_executor_backend="external_launcher", seed=<rank> // tensor_parallel
 logprobs_mode="processed_logprobs", trust_remote_code)` once RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT are set (launcher_environment: the external launcher reads them), prompts go in
 as `{"prompt_token_ids": ids}` with `SamplingParams(n=1, temperature, top_p, top_k, min_p, repetition_penalty,
-max_tokens, logprobs=0)` (updated with generation_kwargs), and after each optimizer step the policy's weights are
-loaded with `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` followed by
+max_tokens, logprobs=0)` (updated with generation_kwargs), and after each optimizer step (with sleep mode: before
+each generation instead) the policy's weights are loaded with `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` followed by
 `llm.reset_prefix_cache()` (a LoRA policy's adapters are merged for the copy, then unmerged; the names are
 vllm_named_weights's, the same server mode sends), as they are before the engine's first generation too. The engine
 starts with the trainer (start(), after the trainer's seeding, as TRL builds it: it seeds the process's random
@@ -173,8 +173,8 @@ class VLLMColocateGenerator:
             self._sleep()
 
     def _sleep(self) -> None:
-        self.llm.sleep(level=2)  # level 2 discards the weights
         self.asleep, self.current = True, False
+        self.llm.sleep(level=2)  # level 2 discards the weights
 
     def _engine(self, model):
         if self.llm is not None:
@@ -203,7 +203,11 @@ class VLLMColocateGenerator:
     def update_weights(self, model) -> None:
         """Load the policy's current weights into the engine (merged adapters for a LoRA policy). Not built yet, or
         asleep: nothing to do now, the weights are loaded at its first generation or when it wakes."""
-        if self.llm is not None and not self.asleep:
+        if self.llm is None:
+            return
+        if self.asleep:
+            self.current = False  # (so already when it last slept; kept so by any failed wake)
+        else:
             self._load(model)
 
     def _load(self, model) -> None:
@@ -260,16 +264,16 @@ class VLLMColocateGenerator:
             params = self._params(vllm, parts[0][1])
         else:
             params = [self._params(vllm, fields) for rows, fields in parts for _ in rows]
-        if self.asleep:  # a level-2 sleep discarded the weights: wake them, load the policy's, then the KV cache
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # TRL: "required to avoid OOM in some cases"
-            llm.wake_up(tags=["weights"])
-        if not self.current:  # the engine's first generation, or its weights woke from a sleep: the policy's now
-            self._load(model)
-        if self.asleep:
-            llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
         try:
+            if self.asleep:  # a level-2 sleep discarded the weights: wake them, load the policy's, then the KV cache
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # TRL: "required to avoid OOM in some cases"
+                llm.wake_up(tags=["weights"])
+            if not self.current:  # the engine's first generation, or its weights woke from a sleep: the policy's
+                self._load(model)
+            if self.asleep:
+                llm.wake_up(tags=["kv_cache"])
+                self.asleep = False
             return llm.generate(prompts, sampling_params=params, use_tqdm=False)
         finally:
             if self.args.vllm_enable_sleep_mode:  # the memory goes back to training until the next generation

@@ -112,6 +112,8 @@ class _WeightLoader:
         self.hf, self.engine = model, engine
 
     def load_weights(self, weights):
+        if "weights" in self.engine.asleep:  # vLLM: the weights' memory is unmapped until wake_up(["weights"])
+            raise RuntimeError("stand-in vLLM: load_weights while the weights sleep; call wake_up(['weights'])")
         params = dict(self.hf.named_parameters())
         with torch.no_grad():
             for name, tensor in weights:
