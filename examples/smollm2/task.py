@@ -1,8 +1,9 @@
 """Arithmetic in chat form, for SmolLM2-135M-Instruct: "What is 16 - 7?" → a completion whose last number is the
 answer. Single operations are small enough that a 135M instruct model gets some of them right (about 1 in 8 sampled
 completions before training), which gives GRPO groups with a spread to learn from (§4.1.2). Two operations
-("What is 12 + 7 - 5?", `rows(..., operations=2)`) it almost never gets right; there `equations_right` scores each
-step (sentence or line) of the working (DeepSeekMath §4.1.3's process supervision, examples/smollm2/process.py).
+("What is 12 + 7 - 5?", `rows(..., operations=2)`) it almost never gets right; there `solution_steps` (or
+`equations_right`, arithmetic only) scores each step (sentence or line) of the working (DeepSeekMath §4.1.3's process
+supervision, examples/smollm2/process.py).
 
     python examples/smollm2/task.py outputs/smollm2-data   # writes train.jsonl and test.jsonl there (eval.yaml reads them)
 """
