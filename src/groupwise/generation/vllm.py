@@ -10,7 +10,8 @@ logprobs_mode="processed_logprobs", trust_remote_code)` once RANK, LOCAL_RANK, W
 MASTER_PORT are set (launcher_environment: the external launcher reads them), prompts go in
 as `{"prompt_token_ids": ids}` with `SamplingParams(n=1, temperature, top_p, top_k, min_p, repetition_penalty,
 max_tokens, logprobs=0)` (updated with generation_kwargs), and after each optimizer step (with sleep mode: before
-each generation instead) the policy's weights are loaded with `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` followed by
+each generation instead) the policy's weights are loaded with
+`llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)` followed by
 `llm.reset_prefix_cache()` (a LoRA policy's adapters are merged for the copy, then unmerged; the names are
 vllm_named_weights's, the same server mode sends), as they are before the engine's first generation too. The engine
 starts with the trainer (start(), after the trainer's seeding, as TRL builds it: it seeds the process's random
@@ -206,7 +207,7 @@ class VLLMColocateGenerator:
         if self.llm is None:
             return
         if self.asleep:
-            self.current = False  # (so already when it last slept; kept so by any failed wake)
+            self.current = False  # loaded when it wakes (even if a failed wake left the old weights awake)
         else:
             self._load(model)
 

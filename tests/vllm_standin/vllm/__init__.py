@@ -280,7 +280,9 @@ class LLM:
                 out.append(RequestOutput(ids, [CompletionOutput(k, list(scripted), None) for k in range(p.n)]))
                 continue
             completions, stop = [], eos | set(p.stop_token_ids or [])
-            generator = self.generator if p.seed is None else torch.Generator().manual_seed(p.seed)  # request's own
+            # a request's own seed: its own generator (vLLM gives each of n > 1 samples seed + index; groupwise
+            # sends n = 1)
+            generator = self.generator if p.seed is None else torch.Generator().manual_seed(p.seed)
             for k in range(p.n):
                 seq, lps = list(ids), []
                 for _ in range(p.max_tokens):
