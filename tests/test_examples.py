@@ -112,6 +112,26 @@ def test_the_smollm2_two_operation_problems_and_their_step_reward_by_hand():
     working = [["23 - 20 = 3"], ["4 + 6 = 10"], ["4 - 6 = -2", "-2 - 1 = -3"], ["23 - 9 = 14", "20 + 14 = 34"]]
     assert task.solution_steps(working, problems) == [[0.0], [0.0], [1.0, 1.0], [0.0, 0.0]]
     assert task.equations_right(working, problems) == [[1.0], [1.0], [1.0, 1.0], [1.0, 1.0]]
+    # it checks the result, not the operation: "20 - 9 + 23 = 34" gives the answer from the problem's numbers (1.0)
+    assert task.solution_steps([["20 - 9 + 23 = 34"]], ["20 + 23 - 9"]) == [[1.0]]
+    # a number restated is no result: after "25 = 25", 25 is still unknown ("25 + 9" starts from nowhere: 0.0); an
+    # equation's result is known when that equation is right, even if another in its step is wrong ("23 - 20 = 3"
+    # is off the path, "20 + 23 = 43" on it: the step scores 0.0, but "43 - 9 = 34" starts from 43: 1.0)
+    working = [["20 + 23 = 43 and 25 = 25", "25 + 9 = 34"], ["23 - 20 = 3 and 20 + 23 = 43", "43 - 9 = 34"]]
+    assert task.solution_steps(working, ["20 + 23 - 9"] * 2) == [[1.0, 0.0], [0.0, 1.0]]
+
+
+def test_the_smollm2_step_pattern_ends_a_step_at_its_full_stop():
+    """process.py's step_pattern: a newline run, or ".", "!" or "?" before a space or the end, ends a step; a decimal
+    point does not, and a full stop before a newline run makes no empty step."""
+    from groupwise.rewards.steps import StepSplitter
+
+    splitter = StepSplitter("regex", pattern=_example("smollm2/process").STEP_PATTERN)
+    text = "So 20 + 23 = 43. Then 43 - 9 = 34.\n\nIt is 34.5 now! Done?"
+    assert [t for t, _ in splitter.split_text(text)] == ["So 20 + 23 = 43", " Then 43 - 9 = 34", "It is 34.5 now",
+                                                         " Done"]
+    # each step ends just past its full stop (a character index), not at the next sentence's space
+    assert [e for _, e in splitter.split_text(text)][:2] == [text.index(". Then") + 1, text.index(".\n") + 1]
 
 
 def test_the_smollm2_process_example_runs_on_a_gguf_file(tmp_path):

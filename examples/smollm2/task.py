@@ -77,8 +77,8 @@ def equations_right(steps, problem, **_) -> list[list[float | None]]:
     problem's numbers are taken without their signs). `solution_steps` checks the plan too.
     - 1.0 for a step whose equations all hold ("20 + 23 = 43"; in a chain "22 + 14 + 17 = 36 + 17 = 53" every side)
       and each start from known numbers (the terms of its first side with an operation: "43 = 20 + 23" starts from
-      20 and 23): the problem's, or results of earlier right equations (signed: after "4 - 15 = -11", "-11 - 3"
-      starts from one, "11 - 3" does not);
+      20 and 23): the problem's, or results of earlier right equations, in this step or before (signed: after
+      "4 - 15 = -11", "-11 - 3" starts from one, "11 - 3" does not; a number restated, "25 = 25", is no result);
     - 0.0 for a step with an equation that does not hold ("25 - 16 - 7 = 25 + 16 + 7 = 42") or that starts from a
       number found neither in the problem nor in the working before it ("2 + 1 = 3" for 22 + 19 + 1);
     - None (unscored) for a step without an equation that has an operation ("First, we add 20 and 23:", "34 = 34"),
@@ -92,9 +92,10 @@ def equations_right(steps, problem, **_) -> list[list[float | None]]:
 def solution_steps(steps, problem, **_) -> list[list[float | None]]:
     """Step reward that checks the plan as well as the arithmetic: as `equations_right`, and each equation's result
     must be one of the left-to-right solution's: the first operation's, then the answer ("20 + 23 = 43" and
-    "43 - 9 = 34", or "20 + 23 - 9 = 34", for 20 + 23 - 9). A true equation off that path scores 0.0: "23 - 20 = 3",
-    "4 + 6 = 10" for 4 - 6 - 1 (whose results are -2 and -3), and a valid reordering ("23 - 9 = 14", then
-    "20 + 14 = 34": the first is off the path, the second, starting from 14, which no right step gave, too)."""
+    "43 - 9 = 34", or "20 + 23 - 9 = 34", for 20 + 23 - 9). A true equation with another result scores 0.0:
+    "23 - 20 = 3", "4 + 6 = 10" for 4 - 6 - 1 (whose results are -2 and -3), the first step of a reordering ("23 - 9
+    = 14"; then "20 + 14 = 34" starts from 14, which no right equation gave). It checks the result, not the
+    operation: "20 - 9 + 23 = 34" is right, and so is "1 - 4 = -3" for 4 - 6 - 1."""
     return [_score(row, question, plan=True) for row, question in zip(steps, problem)]
 
 
@@ -112,12 +113,12 @@ def _score(row: list[str], question: str, plan: bool) -> list[float | None]:
             scores.append(None)
             continue
         right = True
-        for sides in chains:  # in order: a later equation may start from an earlier one's result
+        for sides in chains:  # in order: a later equation may start from an earlier right one's result
             start = next((side for side in sides if len(terms(side)) > 1), None)  # None: "34 = 34"
-            right = right and len({evaluate(side) for side in sides}) == 1 and (
-                start is None or {number for _, number in terms(start)} <= known) and (
-                not plan or start is None or evaluate(sides[0]) in path)
-            if right:
+            ok = len({evaluate(side) for side in sides}) == 1 and (start is None or (
+                {number for _, number in terms(start)} <= known and (not plan or evaluate(sides[0]) in path)))
+            right = right and ok
+            if ok and start is not None:  # a number restated ("25 = 25") is no result
                 known.add(evaluate(sides[0]))
         scores.append(float(right))
     return scores
