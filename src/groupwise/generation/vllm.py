@@ -159,7 +159,7 @@ class VLLMColocateGenerator:
         self.group = dist.subgroup(tp) if tp > 1 else None
         self.failed = False  # a process of the group reported a failure within independently()
         self.exchanging = False  # inside the group's exchange (a gather that raised leaves it True)
-        self.current = False  # the engine holds the policy's current weights
+        self.current = False  # the engine holds the policy's current weights (not yet: its path's, as it starts)
 
     def start(self, model) -> None:
         """Build the engine, with the trainer (as TRL builds it), on every process together. vLLM's worker, in this
@@ -198,17 +198,12 @@ class VLLMColocateGenerator:
                             distributed_executor_backend="external_launcher", seed=rank // tp,
                             max_num_batched_tokens=4096, logprobs_mode="processed_logprobs",
                             trust_remote_code=args.trust_remote_code)
-        self.current = False  # it holds the weights of the policy's path, not (yet) the policy's own
         return self.llm
 
     def update_weights(self, model) -> None:
         """Load the policy's current weights into the engine (merged adapters for a LoRA policy). Not built yet, or
         asleep: nothing to do now, the weights are loaded at its first generation or when it wakes."""
-        if self.llm is None:
-            return
-        if self.asleep:
-            self.current = False  # loaded when it wakes (even if a failed wake left the old weights awake)
-        else:
+        if self.llm is not None and not self.asleep:  # asleep: `current` is False (_sleep), so it loads on waking
             self._load(model)
 
     def _load(self, model) -> None:
