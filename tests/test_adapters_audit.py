@@ -187,7 +187,14 @@ def test_adapters_added_by_transformers_are_refused(tokenizer):
     """model.add_adapter (transformers' PEFT integration): save_pretrained writes the adapter alone, so a checkpoint
     of what groupwise took for a full fine-tune could not be resumed ("no model*.safetensors weights")."""
     model = toy.build_model(tokenizer, hidden_size=32)
-    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
+    try:
+        model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
+    except ValueError as e:  # transformers 5.24 asks for peft >= 0.22, not yet released: add_adapter's own steps
+        assert "version of PEFT" in str(e), e
+        from peft import inject_adapter_in_model
+        model._hf_peft_config_loaded = True
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"]), model, "default")
+    assert any("lora_A" in name for name, _ in model.named_parameters())  # the adapter is in the model
     with pytest.raises(ConfigError, match=r"adapters added by transformers .*peft_config=LoraConfig"):
         check_passed_model(model)
     check_passed_model(toy.build_model(tokenizer, hidden_size=32))  # a plain model passes

@@ -15,7 +15,7 @@ import groupwise.config_trl
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config import TRL_NOT_SUPPORTED
 from groupwise.config_base import ConfigError, rules_of
-from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS, TRANSFORMERS_VERSION
+from tests.trl_1_16_fields import GRPO_CONFIG_DEFAULTS, GRPO_TRAINER_ARGUMENTS, TRANSFORMERS_VERSIONS, TRL_VERSION
 
 OURS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
 # TRL defaults that are not valid values here, each for a stated reason (docs/trl_compat.md)
@@ -39,16 +39,25 @@ def _other_value(default):
 
 
 def test_the_kept_list_matches_trl_when_trl_is_installed():
+    """On any transformers: GRPOConfig inherits TrainingArguments, so a transformers release that adds or renames a
+    field (which a TRL user's config may then carry) fails here, naming it, rather than being skipped."""
     if importlib.util.find_spec("trl") is None:
         pytest.skip("TRL is not installed (it is not a dependency); the kept list is used as it is")
     import trl
 
     import transformers
 
-    if trl.__version__ != "1.16.0" or transformers.__version__ != TRANSFORMERS_VERSION:
-        pytest.skip(f"TRL {trl.__version__} / transformers {transformers.__version__} are installed; the kept list is "
-                    f"TRL 1.16.0's on transformers {TRANSFORMERS_VERSION} (GRPOConfig inherits TrainingArguments)")
-    assert [f.name for f in dataclasses.fields(trl.GRPOConfig)] == list(GRPO_CONFIG_DEFAULTS)
+    if trl.__version__ != TRL_VERSION:
+        pytest.skip(f"TRL {trl.__version__} is installed; the kept list is TRL {TRL_VERSION}'s")
+    fields = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
+    where = (f"TRL {TRL_VERSION}'s GRPOConfig on transformers {transformers.__version__} (the kept list was checked on "
+             f"{', '.join(TRANSFORMERS_VERSIONS)}): update tests/trl_1_16_fields.py and groupwise's config")
+    assert set(fields) == set(GRPO_CONFIG_DEFAULTS), f"{where}: new {sorted(set(fields) - set(GRPO_CONFIG_DEFAULTS))}, " \
+        f"gone {sorted(set(GRPO_CONFIG_DEFAULTS) - set(fields))}"
+    assert list(fields) == list(GRPO_CONFIG_DEFAULTS), where
+    for name, f in fields.items():
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        assert default == GRPO_CONFIG_DEFAULTS[name], f"{where}: {name} defaults to {default!r}"
     assert list(inspect.signature(trl.GRPOTrainer.__init__).parameters)[1:] == list(GRPO_TRAINER_ARGUMENTS)
 
 

@@ -2,7 +2,7 @@
 kept here so the field walk needs no TRL install; tests/test_trl_fields.py checks it against TRL when TRL is installed."""
 
 TRL_VERSION = "1.16.0"
-TRANSFORMERS_VERSION = "5.23.0"  # GRPOConfig inherits TrainingArguments: its fields depend on this too
+TRANSFORMERS_VERSIONS = ("5.23.0", "5.24.0")  # checked on these: GRPOConfig inherits TrainingArguments' fields
 
 GRPO_CONFIG_DEFAULTS = {
     'output_dir': None,
