@@ -80,6 +80,8 @@ def test_server_mode_trains_and_pushes_weights_after_every_step(tmp_path, base_d
     t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
     gen = t.rollout_ctx.generator
     assert isinstance(gen, VLLMServerGenerator)
+    # the weight-transfer group opens with the trainer (TRL's constructor opens it), before any push
+    assert server.paths()[-1] == "/init_weight_transfer_engine" and gen.client.communicator is not None
     initial = {n: p.detach().clone() for n, p in server.llm.hf.named_parameters()}
     pushed = []
     original = gen.update_weights
@@ -325,6 +327,10 @@ def test_a_server_that_cannot_take_weights_says_how_to_start_it(tmp_path, base_d
         with pytest.raises(RuntimeError, match=match):
             gen.update_weights(toy.build_model(tokenizer, seed=0, hidden_size=32))
         assert gen.client.communicator is None
+        # a trainer says so as it is built (it opens the weight-transfer group then, as TRL's), not at its first push
+        with pytest.raises(RuntimeError, match=match):
+            GRPOTrainer(base_dir, [_length], args=_server_args(tmp_path, server.url), train_dataset=toy.dataset(8))
+        assert "/v1/completions" not in server.paths()
 
 
 def test_server_mode_config_is_checked_before_anything_loads():

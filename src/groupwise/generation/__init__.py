@@ -15,7 +15,8 @@ A backend is a class with
                                                          (`independently` below)
     start(model) (optional)                              build what it holds apart from the policy (vLLM
                                                          colocate: its engine, which seeds the random streams as
-                                                         it starts), called by the trainer on every process
+                                                         it starts; vLLM server: the weight-transfer group),
+                                                         called by the trainer on every process
                                                          together once its models are built and seeded; a backend
                                                          holding a copy of the weights loads the policy's itself
                                                          before its first generation (update_weights is not always

@@ -371,6 +371,13 @@ class VLLMServerGenerator:
         finally:
             self.alone = False
 
+    def start(self, model) -> None:
+        """Open the weight-transfer group with the trainer, as TRL's constructor does: a server that cannot take
+        weights, or a process that cannot send them, is named before training rather than at the first push."""
+        if self.client is not None and self.client.communicator is None:
+            device = self.dist.device if self.dist is not None else next(model.parameters()).device
+            self.client.init_communicator(device)
+
     def _client(self) -> VLLMServerClient | None:
         """Who sends this process's requests: the main process's client, or within independently() its own."""
         if self.client is not None or not self.alone:
