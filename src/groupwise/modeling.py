@@ -32,6 +32,12 @@ def accepts_kwarg(model, name: str) -> bool:
     return name in params
 
 
+def cache_keyword(model) -> str:
+    """The keyword forward takes its KV cache by: `cache` from transformers 5.24 (where `past_key_values` is a
+    deprecated alias, to be removed in 5.40), `past_key_values` before it and for models written without `cache`."""
+    return "cache" if accepts_kwarg(model, "cache") else "past_key_values"
+
+
 def completion_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # (N, P + T)

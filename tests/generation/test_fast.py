@@ -446,3 +446,33 @@ def test_ungrouped_batches_of_changing_shapes_share_one_dynamic_graph(tokenizer)
         assert torch.equal(gen(model, ids, mask, greedy=True).completion_ids,
                            _generate(model, tokenizer, ids, mask, max_new=10))
     assert counters["stats"]["unique_graphs"] == 1 and len(gen._static) == 4
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_cache_goes_by_the_keyword_the_model_takes(compile):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40): the
+    fast sampler, eager and static loops alike, passes its cache by the name the model's forward takes, so a user
+    sees no FutureWarning and a later transformers does not drop the cache."""
+    import warnings
+
+    import peft
+
+    from groupwise.modeling import cache_keyword
+
+    tok = toy.build_tokenizer()
+    model = _eos_biased_model(tok, seed=0)
+    takes_cache = "cache" in inspect.signature(model.forward).parameters
+    assert cache_keyword(model) == ("cache" if takes_cache else "past_key_values")
+    wrapped = peft.get_peft_model(toy.build_model(tok, seed=0, hidden_size=32),
+                                  peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert cache_keyword(wrapped) == cache_keyword(model)  # a PeftModel forwards to the base model's forward
+
+    class Old(torch.nn.Module):  # a model written against transformers before 5.24 (remote code, say)
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, **kwargs): ...
+
+    assert cache_keyword(Old()) == "past_key_values"
+    ids, mask = encode_prompts(["repeat a:", "b"], tok, None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        out = _fast(tok, compile=compile, compile_mode="eager")(model, ids, mask, greedy=True).completion_ids
+    assert torch.equal(out, _generate(model, tok, ids, mask)[:, :out.size(1)])

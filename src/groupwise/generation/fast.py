@@ -48,7 +48,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 from groupwise.generation import Generated, repeats
 from groupwise.generation.fused_linear import FusedProjections
 from groupwise.generation.static import StaticState, advance, fused_pick, open_slot, static_refusal
-from groupwise.modeling import accepts_kwarg, eval_mode, position_ids_from_mask
+from groupwise.modeling import accepts_kwarg, cache_keyword, eval_mode, position_ids_from_mask
 
 try:  # the recurrent / convolution states of hybrid models (Qwen3.5, LFM2, Jamba, …)
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -245,7 +245,7 @@ class FastGenerator:
             raise ValueError(f"{type(model).__name__}.forward takes no position_ids: use generation_backend="
                              "'transformers' for this model")
         out = model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask),
-                    past_key_values=cache, use_cache=True, **extra)
+                    **{cache_keyword(model): cache}, use_cache=True, **extra)
         if _state_outside_cache(model, cache):
             # (RecurrentGemma): the rows' states live in the model's modules, out of reach of sharing and dropping rows
             raise ValueError(f"{type(model).__name__} keeps its recurrent state outside the cache, which the fast "
@@ -285,6 +285,7 @@ class FastGenerator:
         rows = torch.arange(N, device=device)  # original row of each active row
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # per active row
         next_pos = position_ids_from_mask(prompt_mask)[:, -1] + 1  # (n,)
+        cache_kw = cache_keyword(model)
         steps = 0
         for t in range(self.max_new):
             steps = t + 1
@@ -301,7 +302,7 @@ class FastGenerator:
             if seq.size(1):
                 seq = torch.cat([seq, nxt[:, None]], dim=1)
             out = model(input_ids=nxt[:, None], attention_mask=mask[:, :P + t + 1], position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
+                        **{cache_kw: cache}, use_cache=True)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
         # as generate(): as many columns as decoding steps (pad may equal EOS)

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from groupwise.generation import decode_attention
+from groupwise.modeling import cache_keyword
 
 
 class StaticLayer(DynamicLayer):
@@ -63,6 +64,7 @@ class StaticState:
             layers.append(StaticLayer(keys, values, pos))
         self.cache = DynamicCache(config=model.config)
         self.cache.layers = layers
+        self.cache_kw = cache_keyword(model)
         dtype = prefill.layers[0].keys.dtype
         mask_dtype = torch.bool if impl == "sdpa" else dtype  # boolean for sdpa, additive for eager attention
         zeros = functools.partial(torch.zeros, device=device)
@@ -125,13 +127,13 @@ class StaticState:
         is reused by the next replay)."""
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        return self._step(model, self.cache, self.b.ids, self.b.pos_ids, self.b.mask).clone()
+        return self._step(model, self.cache, self.b.ids, self.b.pos_ids, self.b.mask, self.cache_kw).clone()
 
     def fused_step(self, model, temperature: float, greedy: bool, pad: int) -> None:
         """One step of the fused loop (fused_step), on the buffers."""
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        self._fused(model, self.cache, self.b, temperature, greedy, pad)
+        self._fused(model, self.cache, self.b, temperature, greedy, pad, self.cache_kw)
 
 
 def static_refusal(model, cache_layers: list | None = None) -> str | None:
@@ -187,20 +189,19 @@ def _own_code(fn, shape: tuple):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def decode_step(model, cache, ids, pos_ids, mask):
-    """One decode step of N rows: the forward whose shapes never change (what torch.compile captures). Returns the
-    logits (N, V) in float32."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos_ids, past_key_values=cache, use_cache=True)
+def decode_step(model, cache, ids, pos_ids, mask, cache_kw):
+    """One decode step of N rows: the forward whose shapes never change (what torch.compile captures), the cache
+    passed by `cache_kw` (modeling.cache_keyword). Returns the logits (N, V) in float32."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos_ids, **{cache_kw: cache}, use_cache=True)
     return out.logits[:, -1, :].float()
 
 
-def fused_step(model, cache, b: LoopBuffers, temperature, greedy, pad):
+def fused_step(model, cache, b: LoopBuffers, temperature, greedy, pad, cache_kw):
     """One step of the fused loop, all of it on the buffers: feed b.ids at slot b.pos (opened in the mask), pick
     token t = b.t (fused_pick), write it (pad for rows already finished) and its log-prob at column t, note whether
     any row was still running (b.ran[t]), mark rows that emitted EOS finished, advance pos, position ids and t."""
     open_slot(b)
-    out = model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.pos_ids, past_key_values=cache,
-                use_cache=True)
+    out = model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.pos_ids, **{cache_kw: cache}, use_cache=True)
     nxt, logp = fused_pick(out.logits[:, -1, :], temperature, greedy)
     b.ran.index_copy_(0, b.t, (~b.finished.all())[None])
     nxt = torch.where(b.finished, torch.full_like(nxt, pad), nxt)
