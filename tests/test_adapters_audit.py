@@ -7,6 +7,7 @@ settings follow each other in one process, and accelerate FSDP settings groupwis
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 
 import pytest
 import torch
@@ -183,17 +184,17 @@ def test_a_passed_in_adapter_resumes_exactly_against_its_initial_reference(tmp_p
         assert torch.equal(x, y), name
 
 
-def test_adapters_added_by_transformers_are_refused(tokenizer):
+def test_adapters_added_by_transformers_are_refused(tokenizer, monkeypatch):
     """model.add_adapter (transformers' PEFT integration): save_pretrained writes the adapter alone, so a checkpoint
     of what groupwise took for a full fine-tune could not be resumed ("no model*.safetensors weights")."""
+    import transformers.integrations.peft as integration
+    from packaging.version import Version
+
+    if Version(importlib.metadata.version("peft")) < Version(integration.MIN_PEFT_VERSION):
+        # transformers 5.24 asks for peft >= 0.22, not yet released: its add_adapter runs as it is, gate left out
+        monkeypatch.setattr(integration, "check_peft_version", lambda **_: None)
     model = toy.build_model(tokenizer, hidden_size=32)
-    try:
-        model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
-    except ValueError as e:  # transformers 5.24 asks for peft >= 0.22, not yet released: add_adapter's own steps
-        assert "version of PEFT" in str(e), e
-        from peft import inject_adapter_in_model
-        model._hf_peft_config_loaded = True
-        inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"]), model, "default")
+    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
     assert any("lora_A" in name for name, _ in model.named_parameters())  # the adapter is in the model
     with pytest.raises(ConfigError, match=r"adapters added by transformers .*peft_config=LoraConfig"):
         check_passed_model(model)

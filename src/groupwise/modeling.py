@@ -20,8 +20,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:  # (N,
 
 
 def accepts_kwarg(model, name: str) -> bool:
-    """Does model.forward take `name`? (position_ids / logits_to_keep are not universal.) A PEFT wrapper forwards
-    its keyword arguments to the base model, so the base model's signature decides."""
+    """Does model.forward take `name`? (position_ids / logits_to_keep are not universal.) A PEFT wrapper (and
+    torch.compile's) forwards its keyword arguments to the base model, so the base model's signature decides."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     fwd = getattr(model, "forward", model)

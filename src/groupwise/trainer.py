@@ -176,7 +176,7 @@ class GRPOTrainer(TransformersHabits):
         self._event("on_init_end")
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
-            self.dist.run_together(lambda: start(self.sampling_model), "starting the generation engine")
+            self.dist.run_together(lambda: start(self.sampling_model), "starting the generation backend")
 
     def _eval_data(self, dataset) -> PromptData:
         """An eval dataset (the constructor's or evaluate()'s); with environments its rows may lack a prompt."""

@@ -11,8 +11,9 @@ generate   POST /v1/completions {"model", "prompt": [[token id, …], …] (each
            "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens": max_completion_length,
            "logprobs": 0, **generation_kwargs} -> "choices", prompt-major: choice i·n + k is prompt i's k-th
            completion, with "token_ids" and "logprobs": {"token_logprobs": [log-prob of each sampled token]}.
-weights    once, before the first push: GET /server_info?config_format=json (its vllm_config must have a
-           weight_transfer_config), GET /get_world_size (W workers), then POST /init_weight_transfer_engine
+weights    once, when the trainer is built (start(); a generator used alone: at its first push):
+           GET /server_info?config_format=json (its vllm_config must have a weight_transfer_config),
+           GET /get_world_size (W workers), then POST /init_weight_transfer_engine
            {"init_info": {"master_address": vllm's get_ip(), "master_port": vllm_group_port, "rank_offset": 1,
            "world_size": W + 1} (+ "packed": true from vLLM 0.28)} while this process joins the same group as rank 0
            (vLLM's trainer end of its NCCL weight-transfer engine). Each push: POST /start_weight_update {};
