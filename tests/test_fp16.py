@@ -34,7 +34,7 @@ def _batch(tokenizer, n=4, P=3, T=5, seed=0):
     return TrainBatch(ids.to(DEVICE), attn.to(DEVICE), cmask.to(DEVICE), torch.randn(n, generator=g).to(DEVICE))
 
 
-def _step(tokenizer, dist, *, lr=0.0, hook=None, **kw):
+def _step(tokenizer, dist, *, lr=0.0, hook=None, events=None, **kw):
     """One optimizer step of a fresh tiny policy over 2 accumulated micro-batches (dapo); returns the metrics, the
     gradients the optimizer saw (None when it did not step), the model and its scheduler."""
     model = toy.build_model(tokenizer, seed=0, hidden_size=32)
@@ -49,7 +49,9 @@ def _step(tokenizer, dist, *, lr=0.0, hook=None, **kw):
     opt.step = lambda *a, **k: (seen.update({n: p.grad.clone() for n, p in model.named_parameters()}),
                                 step(*a, **k))[1]
     wrapped, opt = dist.prepare(PolicyForLogps(model), opt)
-    metrics = optimizer_step(UpdateContext(args, dist, wrapped, opt, sched), windows(_batch(tokenizer), 2, 2, 1, 2)[0])
+    event = (lambda name: events.append((name, bool(seen)))) if events is not None else (lambda name: None)
+    metrics = optimizer_step(UpdateContext(args, dist, wrapped, opt, sched, event),
+                             windows(_batch(tokenizer), 2, 2, 1, 2)[0])
     return metrics, (seen or None), model, sched
 
 
@@ -220,3 +222,20 @@ def test_qlora_trains_float32_adapters_under_fp16(tmp_path, base_dir):
     lines = [json.loads(x) for x in training_lines(tmp_path / "out" / "metrics.jsonl")]
     assert [x["train/overflow"] for x in lines] == [0.0, 0.0] and lines[0]["train/loss_scale"] == 2.0 ** 16
     assert any(not torch.equal(adapters[n], p) for n, p in t.unwrapped.named_parameters() if n in adapters)
+
+
+def test_the_optimizer_events_fire_at_every_step_skipped_or_not_as_transformers_fires_them(tokenizer):
+    """transformers' loop calls on_pre_optimizer_step, optimizer.step() (which the scaler may skip), then
+    on_optimizer_step at every optimizer step; here a skipped step does not call optimizer.step() at all, and the
+    events still come, in the same place (each event: whether the optimizer had stepped by then)."""
+    events = []
+    _step(tokenizer, Distributed(fp16=True), lr=1.0, events=events)  # a clean step
+    assert events == [("on_pre_optimizer_step", False), ("on_optimizer_step", True)]
+    for dist, scale in ((Distributed(fp16=True), 2.0 ** 60), (Distributed(fp16=True), 0.5)):  # overflow; non-finite
+        dist.scaler = torch.amp.GradScaler(DEVICE, init_scale=scale)
+        events = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            metrics, grads, _, _ = _step(tokenizer, dist, lr=1.0, events=events, hook=lambda g: g * float("inf"))
+        assert metrics["train/skipped"] == 1.0 and grads is None
+        assert events == [("on_pre_optimizer_step", False), ("on_optimizer_step", False)]

@@ -166,11 +166,12 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
         warnings.warn(f"non-finite loss or gradient (loss {step_loss}, grad norm {float(grad_norm)}): "
                       "optimizer step skipped, weights left untouched", RuntimeWarning, stacklevel=2)
     learning_rate = ctx.scheduler.get_last_lr()[0]  # the rate this step used (transformers logs it)
+    ctx.event("on_pre_optimizer_step")  # fired at every step, skipped or not, as transformers' loop fires them
     if not skipped:
-        ctx.event("on_pre_optimizer_step")
         ctx.optimizer.step()
-        ctx.event("on_optimizer_step")
-        ctx.scheduler.step()  # a skipped step does not advance the schedule either
+    ctx.event("on_optimizer_step")
+    if not skipped:
+        ctx.scheduler.step()  # a skipped step does not advance the schedule either (optimizer_step_was_skipped)
     dist.update_scale()
     ctx.optimizer.zero_grad(set_to_none=True)
     # average over processes: `loss` is Σ_i (ℓ_i·scale − c·H̄_i/k), the objective minimised (TRL's loss), whose mean
