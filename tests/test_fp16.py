@@ -49,7 +49,11 @@ def _step(tokenizer, dist, *, lr=0.0, hook=None, events=None, **kw):
     opt.step = lambda *a, **k: (seen.update({n: p.grad.clone() for n, p in model.named_parameters()}),
                                 step(*a, **k))[1]
     wrapped, opt = dist.prepare(PolicyForLogps(model), opt)
-    event = (lambda name: events.append((name, bool(seen)))) if events is not None else (lambda name: None)
+    def event(name):  # what a callback sees: has the optimizer stepped, the schedule's step, the scale, gradients
+        if events is not None:
+            events.append((name, bool(seen), sched.last_epoch, dist.loss_scale,
+                           any(p.grad is not None for p in model.parameters())))
+
     metrics = optimizer_step(UpdateContext(args, dist, wrapped, opt, sched, event),
                              windows(_batch(tokenizer), 2, 2, 1, 2)[0])
     return metrics, (seen or None), model, sched
@@ -225,17 +229,25 @@ def test_qlora_trains_float32_adapters_under_fp16(tmp_path, base_dir):
 
 
 def test_the_optimizer_events_fire_at_every_step_skipped_or_not_as_transformers_fires_them(tokenizer):
-    """transformers' loop calls on_pre_optimizer_step, optimizer.step() (which the scaler may skip), then
-    on_optimizer_step at every optimizer step; here a skipped step does not call optimizer.step() at all, and the
-    events still come, in the same place (each event: whether the optimizer had stepped by then)."""
+    """transformers' loop calls on_pre_optimizer_step, optimizer.step() (which the scaler may skip; accelerate
+    updates the scale inside it), then on_optimizer_step, then the schedule (unless skipped), then zero_grad, at
+    every optimizer step; here a skipped step does not call optimizer.step() at all, and the events still come, in
+    the same places. Each event records: had the optimizer stepped, the schedule's step, the loss scale, gradients."""
     events = []
-    _step(tokenizer, Distributed(fp16=True), lr=1.0, events=events)  # a clean step
-    assert events == [("on_pre_optimizer_step", False), ("on_optimizer_step", True)]
-    for dist, scale in ((Distributed(fp16=True), 2.0 ** 60), (Distributed(fp16=True), 0.5)):  # overflow; non-finite
-        dist.scaler = torch.amp.GradScaler(DEVICE, init_scale=scale)
+    _step(tokenizer, Distributed(fp16=True), lr=1.0, events=events)  # a clean step under the default 2^16
+    assert events == [("on_pre_optimizer_step", False, 0, 2.0 ** 16, True),
+                      ("on_optimizer_step", True, 0, 2.0 ** 16, True)]
+    fp32 = Distributed()
+    cases = ((Distributed(fp16=True), 2.0 ** 60, 1.0), (Distributed(fp16=True), 0.5, 0.0), (fp32, None, None))
+    for dist, scale, overflow in cases:  # an overflow (scale ≥ 1), non-finite under fp16, non-finite in float32
+        if scale is not None:
+            dist.scaler = torch.amp.GradScaler(DEVICE, init_scale=scale)
         events = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            metrics, grads, _, _ = _step(tokenizer, dist, lr=1.0, events=events, hook=lambda g: g * float("inf"))
-        assert metrics["train/skipped"] == 1.0 and grads is None
-        assert events == [("on_pre_optimizer_step", False), ("on_optimizer_step", False)]
+            metrics, grads, _, sched = _step(tokenizer, dist, lr=1.0, events=events, hook=lambda g: g * float("inf"))
+        assert metrics["train/skipped"] == 1.0 and grads is None and sched.last_epoch == 0
+        assert metrics.get("train/overflow") == overflow
+        halved = None if scale is None else scale / 2  # the scale halves within the skipped step
+        assert events == [("on_pre_optimizer_step", False, 0, scale, True),
+                          ("on_optimizer_step", False, 0, halved, True)]

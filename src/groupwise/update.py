@@ -169,10 +169,10 @@ def optimizer_step(ctx: UpdateContext, window: list[TrainBatch]) -> dict[str, fl
     ctx.event("on_pre_optimizer_step")  # fired at every step, skipped or not, as transformers' loop fires them
     if not skipped:
         ctx.optimizer.step()
+    dist.update_scale()  # within the step, as accelerate's optimizer.step() updates the scale
     ctx.event("on_optimizer_step")
     if not skipped:
         ctx.scheduler.step()  # a skipped step does not advance the schedule either (optimizer_step_was_skipped)
-    dist.update_scale()
     ctx.optimizer.zero_grad(set_to_none=True)
     # average over processes: `loss` is Σ_i (ℓ_i·scale − c·H̄_i/k), the objective minimised (TRL's loss), whose mean
     # over ranks is the step's; policy_loss (logged with an entropy bonus, as TRL) leaves the bonus out
