@@ -161,3 +161,67 @@ def test_without_checkpoints_the_best_metric_is_tracked_but_no_best_step(tmp_pat
     t = _trainer(tmp_path, tokenizer, save_strategy="no")
     t.train()
     assert t.state.best_metric == 0.0 and t.state.best_global_step is None and t.state.best_model_checkpoint is None
+
+
+def _peaks_by_dataset(completions, trainer_state, **_):
+    """Evaluation rewards per eval dataset, told apart by size: 'a' (3 prompts) gives −(step − 3)², 'b' (4 prompts)
+    −(step − 2)²; training rounds (8 completions) vary, so every step has a gradient."""
+    step = trainer_state.global_step
+    if step and len(completions) in (3, 4):
+        return [-float(step - (3 if len(completions) == 3 else 2)) ** 2] * len(completions)
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def test_eval_datasets_given_by_name_are_each_evaluated_during_training(tmp_path, tokenizer):
+    """transformers / TRL: GRPOTrainer(eval_dataset={name: dataset}) evaluates each dataset at every evaluation, its
+    metrics named eval_<name>_…, one evaluate() (a log line, an on_evaluate) per dataset; metric_for_best_model names
+    one dataset's metric. Steps 1–4: a's reward −(s−3)² = −4, −1, 0, −1; b's −(s−2)² = −1, 0, −1, −4; the best by
+    b_reward is step 2 (by a's it would be step 3)."""
+    from transformers import TrainerCallback
+
+    evaluated = []
+
+    class Record(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            evaluated.append((state.global_step, sorted({k.split("_")[1] for k in metrics if k.startswith("eval_")})))
+
+    a, b = toy.dataset(3, seed=1), toy.dataset(4, seed=2)
+    args = small_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=1,
+                      metric_for_best_model="b_reward")
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peaks_by_dataset], args=args,
+                    train_dataset=toy.dataset(12), eval_dataset={"a": a, "b": b}, processing_class=tokenizer,
+                    callbacks=[Record()])
+    assert t.eval_dataset == {"a": a, "b": b}
+    t.train()
+    assert evaluated == [(s, [name]) for s in (1, 2, 3, 4) for name in ("a", "b")]
+    lines = [x for x in t.state.log_history if any(k.startswith("eval_") for k in x)]
+    assert [(x["step"], x.get("eval_a_reward"), x.get("eval_b_reward")) for x in lines] == [
+        (1, -4.0, None), (1, None, -1.0), (2, -1.0, None), (2, None, 0.0),
+        (3, 0.0, None), (3, None, -1.0), (4, -1.0, None), (4, None, -4.0)]
+    assert t.state.best_metric == 0.0 and t.state.best_global_step == 2
+    # by name, as transformers' get_eval_dataloader takes one: the trainer's dataset 'a', under the plain prefix
+    assert t.evaluate("a")["eval_reward"] == -1.0
+    assert set(k for k in t.evaluate() if k.endswith("_reward")) == {"eval_a_reward", "eval_b_reward"}
+    with pytest.raises(ConfigError, match=r"evaluate\(eval_dataset='c'\): a name picks one of the trainer's eval "
+                                          r"datasets given as \{name: dataset\}, which are \['a', 'b'\]"):
+        t.evaluate("c")
+
+
+def test_eval_datasets_given_by_name_are_checked_when_the_trainer_is_built(tmp_path, tokenizer):
+    """The metric must name one dataset's (a plain 'reward' was a KeyError at the first evaluation in transformers),
+    and each dataset is checked as the single one is (here: a reward column missing from 'b' only)."""
+    def build(metric=None, funcs=(_peaks_by_dataset,), **eval_data):
+        return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), list(funcs),
+                           args=small_args(tmp_path, metric_for_best_model=metric), train_dataset=toy.dataset(8),
+                           eval_dataset=eval_data, processing_class=tokenizer)
+
+    with pytest.raises(ConfigError, match=r"metric_for_best_model='reward': the eval datasets are given as "
+                                          r"\{name: dataset\}, so every evaluation metric is eval_<name>_<metric>, "
+                                          r"with <name> one of \['a', 'b'\]: name one dataset's, e.g. 'a_reward'"):
+        build("reward", a=toy.dataset(2), b=toy.dataset(2))
+    # the dataset prefix is taken off before the metric is checked against the run's reward functions
+    with pytest.raises(ConfigError, match=r"no reward function named 'acuracy'"):
+        build("eval_b_rewards/acuracy/mean", a=toy.dataset(2), b=toy.dataset(2))
+    build("b_rewards/_peaks_by_dataset/mean", a=toy.dataset(2), b=toy.dataset(2))
+    with pytest.raises(ConfigError, match=r"eval_dataset\['b'\].*letter"):
+        build(funcs=(toy.letter_reward,), a=toy.dataset(2), b=[{"prompt": "repeat a:"}])

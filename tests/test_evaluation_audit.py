@@ -120,7 +120,7 @@ def test_evaluate_checks_a_given_dataset_as_the_constructor_checks_eval_dataset(
     t = _trainer(tmp_path, tokenizer, max_prompt_length=20, truncate_prompt="error")
     with pytest.raises(ConfigError, match="eval_dataset row 0 has 90 prompt tokens > max_prompt_length=20"):
         t.evaluate(eval_dataset=long_rows)  # before the fix: silently cut to 20 tokens and scored
-    with pytest.raises(ConfigError, match="eval_dataset row 0 has 90 prompt tokens > max_prompt_length=20"):
+    with pytest.raises(ConfigError, match=r"eval_dataset\['long'\] row 0 has 90 prompt tokens > max_prompt_length=20"):
         t.evaluate(eval_dataset={"long": long_rows})
     small = toy.build_model(tokenizer, seed=0, hidden_size=32, max_positions=64)
     t = _trainer(tmp_path, tokenizer, model=small, max_prompt_length=None)

@@ -132,8 +132,6 @@ def test_evaluate_takes_transformers_arguments(tmp_path, tokenizer):
     assert "eval_a_reward" in both and "eval_b_completions/mean_length" in both
     with pytest.raises(ConfigError, match="evaluate\\(\\) needs an eval_dataset"):
         t.evaluate()
-    with pytest.raises(ConfigError, match="eval_dataset is a dict of datasets"):
-        _trainer(tmp_path, tokenizer, eval_data={"a": toy.dataset(2)})
 
 
 def test_steps_given_as_fractions_of_max_steps(tmp_path, tokenizer):

@@ -111,6 +111,11 @@ def named_datasets(data: Any) -> bool:
     return isinstance(data, dict) and "prompt" not in data
 
 
+def each_dataset(data) -> tuple:
+    """The datasets of an eval_dataset as the trainer keeps it: none, one, or each of {name: dataset}."""
+    return () if data is None else tuple(data.values()) if isinstance(data, dict) else (data,)
+
+
 def _rows_of_columns(data: dict, name: str) -> list[dict[str, Any]]:
     """A dict of columns ({'prompt': [...], 'answer': [...]}, what datasets.Dataset.from_dict takes) as its rows."""
     lengths = {}

@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 
 from groupwise.callbacks import epoch_flow
 from groupwise.config_base import ConfigError
-from groupwise.data import named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import (MetricsLogger, completion_rows, console_line, print_rows, speed_metrics,
@@ -56,6 +55,8 @@ class TransformersHabits:
 
     @property
     def eval_dataset(self):
+        if isinstance(self.eval_data, dict):
+            return {name: data.data for name, data in self.eval_data.items()}
         return self.eval_data.data if self.eval_data is not None else None
 
     @property
@@ -274,20 +275,39 @@ class TransformersHabits:
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """transformers' Trainer.evaluate(): groupwise.evaluation.evaluate (greedy, or num_generations_eval samples
-        per prompt with mean@k / pass@k) on `eval_dataset` (default: the trainer's; a dict: each dataset, its
-        metrics prefixed with `metric_key_prefix`_<name>). The metrics, named `metric_key_prefix`_<TRL name>, are
-        logged (metrics.jsonl during training, state.log_history, on_log) and passed to on_evaluate."""
+        per prompt with mean@k / pass@k) on `eval_dataset` (default: the trainer's; a dict: each dataset in turn, its
+        metrics prefixed with `metric_key_prefix`_<name>, each evaluation logged and passed to on_evaluate as
+        transformers' evaluate() does; a str: the trainer's dataset of that name). The metrics, named
+        `metric_key_prefix`_<TRL name>, are logged (metrics.jsonl during training, state.log_history, on_log) and
+        passed to on_evaluate."""
+        given = eval_dataset is not None and not isinstance(eval_dataset, str)
+        data = self._eval_data(eval_dataset) if given else self._trainers_eval_data(eval_dataset)
+        if isinstance(data, dict):
+            return {k: v for name, one in data.items()
+                    for k, v in self._evaluate_one(one, given, ignore_keys, f"{metric_key_prefix}_{name}").items()}
+        return self._evaluate_one(data, given, ignore_keys, metric_key_prefix)
+
+    def _trainers_eval_data(self, name: str | None):
+        """The trainer's eval data; `name`: one of its datasets given as {name: dataset} (transformers'
+        get_eval_dataloader takes a name)."""
+        if self.eval_data is None:
+            raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
+        if name is None:
+            return self.eval_data
+        if not isinstance(self.eval_data, dict) or name not in self.eval_data:
+            names = sorted(self.eval_data) if isinstance(self.eval_data, dict) else []
+            raise ConfigError(f"evaluate(eval_dataset={name!r}): a name picks one of the trainer's eval datasets "
+                              f"given as {{name: dataset}}, which are {names}; pass a dataset instead")
+        return self.eval_data[name]
+
+    def _evaluate_one(self, data, given: bool, ignore_keys, metric_key_prefix: str) -> dict[str, float]:
+        """evaluate() on one dataset; `given`: passed to evaluate() (checked now), not the trainer's (checked when
+        the trainer was built)."""
         from groupwise.evaluation import evaluate
 
-        if named_datasets(eval_dataset):
-            return {k: v for name, data in eval_dataset.items()
-                    for k, v in self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        data = self.eval_data if eval_dataset is None else self._eval_data(eval_dataset)
-        if eval_dataset is not None and self.rollout_func is None:  # a rollout_func tokenizes its prompts itself
-            refuse_images(data, "eval_dataset")
+        if given and self.rollout_func is None:  # a rollout_func tokenizes its prompts itself
+            refuse_images(data, data.name)
             self._check_lengths(data)
-        if data is None:
-            raise ConfigError("evaluate() needs an eval_dataset (pass it to GRPOTrainer or to evaluate())")
         start = time.perf_counter()
         # in eval mode, as transformers' evaluation loop: a rollout_func or reward function reading
         # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it)

@@ -244,14 +244,14 @@ def as_list(funcs) -> list:
 
 
 def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_funcs: list,
-                 toolbox=None, data=(None, None), custom_rollout: bool = False) -> tuple[list, list]:
+                 toolbox=None, data=(), custom_rollout: bool = False) -> tuple[list, list]:
     """What can be checked before a model loads: the model argument (a local path must exist), reward specs
     (imported or located), counts against weights and against what the supervision variant reads (the toolbox's
     environments' get_reward are outcome rewards not counted by reward_weights, as in TRL; their get_step_rewards
     step rewards not counted by process_reward_weights), and step_split="turn" against the toolbox (tools or
-    environments given), reward keywords against the (train, eval) data's columns. With a rollout_func
-    (`custom_rollout`) its output may add reward keywords and turns (env_mask), known only once it runs. Returns the
-    reward and step-reward specs with 'module:function' strings imported."""
+    environments given), reward keywords against the columns of `data` (the train dataset, each eval dataset). With
+    a rollout_func (`custom_rollout`) its output may add reward keywords and turns (env_mask), known only once it
+    runs. Returns the reward and step-reward specs with 'module:function' strings imported."""
     env_rewards = len(toolbox.reward_sources) if toolbox is not None else 0
     # an environment's get_step_rewards is read only by a supervision variant that uses step rewards
     env_step_rewards = len(toolbox.process_sources) if toolbox is not None and SUPERVISIONS[args.supervision].process else 0
@@ -299,12 +299,12 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                               "passed loaded: drop them, or pass the model's path")
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]
-    for name, rows in zip(("train_dataset", "eval_dataset"), data):  # PromptData / StreamData, or None
+    for rows in data:  # PromptData / StreamData (train_dataset, then each eval dataset), or None
         if rows is not None and not custom_rollout:
-            refuse_images(rows, name)
-            check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, name)
+            refuse_images(rows, rows.name)
+            check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, rows.name)
             if process_reward_funcs:
-                check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, name,
+                check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
                                      keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs")
     return reward_funcs, process_reward_funcs
 

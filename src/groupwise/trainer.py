@@ -25,7 +25,8 @@ from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
-from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, is_stream, named_datasets
+from groupwise.data import (PromptData, PromptSampler, StreamData, StreamSampler, each_dataset, is_stream,
+                            named_datasets)
 from groupwise.distributed import Distributed, empty_cache
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
@@ -77,9 +78,7 @@ class GRPOTrainer(TransformersHabits):
         data_seed = args.seed if args.data_seed is None else args.data_seed
         self.train_data = StreamData(train_dataset, "train_dataset", shuffle_seed=data_seed if args.shuffle_dataset
                                      else None) if stream else PromptData(train_dataset, "train_dataset")
-        if named_datasets(eval_dataset):
-            raise ConfigError("eval_dataset is a dict of datasets: pass one here (evaluated during training), and "
-                              "evaluate the others with trainer.evaluate(eval_dataset={name: dataset, …})")
+        # one dataset, or {name: dataset} (transformers: each evaluated, its metrics named eval_<name>_…)
         self.eval_data = self._eval_data(eval_dataset) if eval_dataset is not None else None
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
             asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
@@ -91,7 +90,7 @@ class GRPOTrainer(TransformersHabits):
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
         reward_funcs, process_reward_funcs = check_inputs(args, model, as_list(reward_funcs),
                                                            as_list(process_reward_funcs), self.toolbox,
-                                                           (self.train_data, self.eval_data),
+                                                           (self.train_data, *each_dataset(self.eval_data)),
                                                            custom_rollout=rollout_func is not None)
         self.peft_config = peft_config if peft_config is not None else peft_config_from_args(args)
         check_combinations(args, model=model, sharded=self.dist.sharding is not None, peft_config=peft_config,
@@ -129,10 +128,11 @@ class GRPOTrainer(TransformersHabits):
         self._logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, self._max_positions = load_tokenizer(model, processing_class, args)
-        for data in (self.train_data, self.eval_data):  # a rollout_func tokenizes its prompts itself (TRL: no check)
+        datasets = (self.train_data, *each_dataset(self.eval_data))
+        for data in datasets:  # a rollout_func tokenizes its prompts itself (TRL: no check)
             if data is not None and self.rollout_func is None:  # a stream checks each row as it is read
                 self._check_lengths(data)
-        self.agent = build_agent(self.toolbox, self.tokenizer, args, (self.train_data, self.eval_data))  # tools
+        self.agent = build_agent(self.toolbox, self.tokenizer, args, datasets)  # tools
         policy = load_policy(model, args, quantization_config, self.dist.device)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
@@ -172,18 +172,29 @@ class GRPOTrainer(TransformersHabits):
         self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
         self._best = BestModel(args, tuple(s.name for s in self.reward_sources),  # metric_for_best_model:
-                               tuple(s.name for s in self.process_sources))  # state.best_metric, best checkpoint
+                               tuple(s.name for s in self.process_sources),  # state.best_metric, best checkpoint
+                               datasets=tuple(self.eval_data) if isinstance(self.eval_data, dict) else None)
         self._event("on_init_end")
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
             self.dist.run_together(lambda: start(self.sampling_model), "starting the generation backend")
 
-    def _eval_data(self, dataset) -> PromptData:
-        """An eval dataset (the constructor's or evaluate()'s); with environments its rows may lack a prompt."""
+    def _eval_data(self, dataset, name: str = "eval_dataset") -> PromptData | dict[str, PromptData]:
+        """An eval dataset (the constructor's or evaluate()'s), or {name: dataset} as a dict of them; with
+        environments its rows may lack a prompt."""
+        if named_datasets(dataset):
+            if not dataset:
+                raise ConfigError(f"{name} is an empty dict: pass a dataset, or {{name: dataset, …}} with at least "
+                                  "one")
+            bad = [k for k in dataset if not isinstance(k, str) or not k]
+            if bad:
+                raise ConfigError(f"{name} is a dict of datasets whose key {bad[0]!r} is not a name: its metrics are "
+                                  f"named eval_<key>_…, so use non-empty strings as keys")
+            return {key: self._eval_data(data, f"{name}[{key!r}]") for key, data in dataset.items()}
         if is_stream(dataset):
-            raise ConfigError("eval_dataset must be a datasets.Dataset or a list of dicts (evaluation reads every "
+            raise ConfigError(f"{name} must be a datasets.Dataset or a list of dicts (evaluation reads every "
                               "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
-        return PromptData(environment_prompts(dataset, self.toolbox), "eval_dataset")
+        return PromptData(environment_prompts(dataset, self.toolbox), name)
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_rollout(self) -> R.RolloutContext:
