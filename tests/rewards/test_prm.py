@@ -8,7 +8,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
 from groupwise.config_base import ConfigError
 from groupwise.tasks import toy
 from groupwise.rewards.prm import (PrefixClassificationPRM, StepTagPRM, TokenClassificationPRM, build_prm_input,
-                                   load_prm)
+                                   build_prm_input_per_step, load_prm)
 
 PROMPTS = ["q: 1+1", "q: 2+3"]
 STEPS = [["1+1=2", "so 2"], ["2+3=5", "5", "done"]]
@@ -252,6 +252,77 @@ def test_prm_input_is_the_joint_tokenization_of_the_text(which):
     assert tok.decode(ids[:pos[0] + 1]).endswith("x = 3.\n") and pos[1] == len(ids) - 1
     cut_ids, cut_pos = build_prm_input(tok, prompt, steps, sep, max_length=pos[1])
     assert cut_ids == ids[:pos[1]] and cut_pos == pos[:1]  # the second step cut by max_length: unscored
+
+
+def _trl_tokenize_row(tokenizer, prompt, steps, separator, max_length=None):
+    """TRL's PRMTrainer.tokenize_row (TRL ≤ 1.x, before the trainer was removed), as a plain loop: the prompt and
+    each step tokenized apart without special tokens, the separator's ids after each step, the step's label on its
+    last token, the BOS first when the tokenizer has one, then input_ids[:max_length]. Returns the ids and the
+    labelled positions."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    separator_ids = tokenizer.encode(separator, add_special_tokens=False)
+    completion_ids, labels = [], []
+    for step in steps:
+        piece = tokenizer(step, add_special_tokens=False)["input_ids"] + separator_ids
+        completion_ids += piece
+        labels += [-100] * (len(piece) - 1) + [1]
+    if tokenizer.bos_token_id is not None:
+        prompt_ids = [tokenizer.bos_token_id] + prompt_ids
+    input_ids, labels = prompt_ids + completion_ids, [-100] * len(prompt_ids) + labels
+    if max_length is not None:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return input_ids, [i for i, label in enumerate(labels) if label != -100]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["metaspace", "byte_level"])
+@pytest.mark.parametrize("bos", [None, "<eos>"])
+def test_per_step_tokenization_is_trls_prm_trainer_layout(which, bos):
+    """A PRM trained by TRL's PRMTrainer saw the prompt and each step tokenized apart: tokenization='per_step' gives
+    exactly its input ids and judges each step where its label was. With the Metaspace tokenizer that differs from
+    the joint tokenization (each step then starts with '▁'), which is why the option exists."""
+    tok = _llama_like_and_byte_level()[which]
+    if bos is not None:
+        tok.bos_token = bos
+    prompt, steps, sep = "Q: x = 1 + 2.", ["Step 1: x = 3.", "Step 2: So z = 4."], "\n"
+    ids, pos = build_prm_input_per_step(tok, prompt, steps, sep)
+    assert (ids, pos) == _trl_tokenize_row(tok, prompt, steps, sep)
+    assert (ids[0] == tok.bos_token_id) == (bos is not None)
+    cut = _trl_tokenize_row(tok, prompt, steps, sep, max_length=pos[1])
+    assert build_prm_input_per_step(tok, prompt, steps, sep, max_length=pos[1]) == cut and cut[1] == pos[:1]
+    if which == 0:  # the joint reading of the same text, which the PRM never saw
+        assert build_prm_input(tok, prompt, steps, sep, prompt_separator="")[0] != ids
+
+
+def test_a_per_step_prm_scores_trls_input_at_trls_labels():
+    tok = _llama_like_and_byte_level()[0]
+    model = LlamaForTokenClassification(_cfg(tok, num_labels=2)).eval()
+    prm = TokenClassificationPRM(model, tok, tokenization="per_step", batch_size=2)
+    assert prm.prompt_separator == ""  # TRL: the prompt's ids, then step 1's
+    prompts, steps = ["Q: x = 1 + 2.", "Q: y = 3."], [["Step 1: x = 3.", "So z = 4."], ["y = 3."]]
+    got = prm(prompts=prompts, completions=["", ""], steps=steps)
+    for p, s, row in zip(prompts, steps, got):
+        ids, pos = _trl_tokenize_row(tok, p, s, "\n")
+        probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[:, 1]
+        assert row == pytest.approx([float(probs[i]) for i in pos], abs=1e-5)
+    # a step tag inside the separator is judged at the tag's token, as in the joint reading
+    tok = _llama_like_and_byte_level()[1]  # '+' and '-' are single tokens of the byte-level one
+    tok.add_tokens(["ки"])
+    tag = StepTagPRM(LlamaForCausalLM(_cfg(tok)).eval(), tok, tokenization="per_step")
+    ids, pos = tag._build(["Q: 1"], [["a = 1.", "so 1."]], tag.judge_char)[0]
+    assert [tok.convert_ids_to_tokens(ids[i]) for i in pos] == ["ки", "ки"]
+
+
+def test_per_step_tokenization_is_checked(tmp_path, tokenizer):
+    model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2))
+    with pytest.raises(ConfigError, match=r"tokenization='apart' is not one of \['joint', 'per_step'\]"):
+        TokenClassificationPRM(model, tokenizer, tokenization="apart")
+    with pytest.raises(ConfigError, match="tokenization='per_step' reads plain text.*chat_template=True"):
+        TokenClassificationPRM(model, tokenizer, tokenization="per_step", chat_template=True)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "groupwise_prm.json").write_text(json.dumps({"kind": "token_classification", "separator": "\n"}))
+    with pytest.raises(ConfigError, match="trained by `groupwise prm train` on text tokenized at once"):
+        load_prm(str(tmp_path), tokenization="per_step")
 
 
 def test_a_slow_tokenizer_is_refused_with_the_fix(tokenizer):

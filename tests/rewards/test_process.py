@@ -109,3 +109,18 @@ def test_a_prm_hub_id_given_as_a_string_is_named_before_anything_loads(tmp_path)
     file.write_text("")
     with pytest.raises(ConfigError, match="is not a step-reward function"):
         load_process_reward_sources([str(file)])
+
+
+def test_a_prm_spec_key_no_prm_takes_is_named_before_the_model_loads(tmp_path):
+    """A misspelt option (tokenisation) or one of another kind (positive_label for a step-tag PRM) was a TypeError
+    from the PRM class after the weights had loaded; the folder here holds no model at all, so only the spec is
+    read."""
+    (tmp_path / "prm").mkdir()
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]: the PRM spec key 'tokenisation' is not an "
+                                          r"option of a token_classification PRM \(did you mean 'tokenization'\?\)"):
+        load_process_reward_sources([{"path": str(tmp_path / "prm"), "kind": "token_classification",
+                                      "tokenisation": "per_step"}])
+    with pytest.raises(ConfigError, match=r"the PRM spec key 'positive_label' is not an option of a step_tag PRM"):
+        load_process_reward_sources([{"path": str(tmp_path / "prm"), "kind": "step_tag", "positive_label": 1}])
+    with pytest.raises(ConfigError, match=r"the PRM spec key 'weight' is not an option of any PRM"):
+        load_process_reward_sources([{"path": str(tmp_path / "prm"), "weight": 2.0}])

@@ -7,7 +7,8 @@ step 2 + separator … tokenized at once (as PRMs are trained); each step is jud
 merge across them shows the PRM text it never saw): " " for a step-tag PRM (Math-Shepherd's f"{question} {output}"),
 "\n" for the other kinds, "" for a PRM `groupwise prm train` saved before the option existed (trained without).
 chat_template=True renders prompt and steps with the PRM tokenizer's chat template instead (the steps as the
-assistant's turn).
+assistant's turn). tokenization="per_step" reads a PRM as TRL's PRMTrainer trained it, the prompt and each step
+tokenized apart (`build_prm_input_per_step`).
 
 TokenClassificationPRM   AutoModelForTokenClassification; score = P(positive_label) at the separator's last token
                          (what `groupwise prm train` produces); with one label, that label's logit. A remote-code
@@ -124,6 +125,38 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
     return ids, positions
 
 
+def build_prm_input_per_step(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_char: int = -1,
+                             max_length: int | None = None, prompt_separator: str = "") -> tuple[list[int], list[int]]:
+    """The input as TRL's PRMTrainer built it for training (`tokenize_row`): [bos] + tokens(prompt +
+    prompt_separator) + Σ (tokens(step) + tokens(separator)), each piece tokenized apart without special tokens, the
+    tokenizer's BOS first when it has one; each step judged at the token of its separator that covers the character
+    `judge_char` of the separator (−1: its last token, where TRL puts the step's label). Steps past max_length are
+    cut (positions stop early), as TRL cuts input_ids[:max_length]."""
+    sep_ids = list(tokenizer(separator, add_special_tokens=False)["input_ids"])
+    if not sep_ids:
+        raise ValueError(f"the PRM tokenizer encodes the separator {separator!r} to no tokens")
+    judge = len(sep_ids) - 1  # the separator's last token; another character: the token covering it (offsets)
+    if judge_char % len(separator) != len(separator) - 1:
+        spans = tokenizer(separator, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        c = judge_char % len(separator)
+        judge = max((i for i, (a, b) in enumerate(spans) if a <= c and a < b), default=judge)
+    head = _prompt_text(prompt)
+    head += prompt_separator if head else ""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids, positions = bos + list(tokenizer(head, add_special_tokens=False)["input_ids"]), []
+    for step in steps:
+        step_ids = list(tokenizer(step, add_special_tokens=False)["input_ids"])
+        positions.append(len(ids) + len(step_ids) + judge)
+        ids += step_ids + sep_ids
+    if max_length is not None and len(ids) > max_length:
+        ids = ids[:max_length]
+        positions = [p for p in positions if p < max_length]
+    return ids, positions
+
+
+TOKENIZATIONS = ("joint", "per_step")  # how a PRM's input is tokenized: build_prm_input, build_prm_input_per_step
+
+
 def position_limit(model, tokenizer=None) -> int | None:
     """The most tokens `model` takes: the smaller of config.max_position_embeddings (GPT-2's n_positions maps to it)
     and the tokenizer's model_max_length when that is a real limit (transformers writes a huge sentinel when
@@ -141,9 +174,19 @@ class _PRM:
 
     def __init__(self, model, tokenizer, *, separator: str = "\n", batch_size: int = 8, max_length: int | None = None,
                  name: str | None = None, prompt_separator: str | None = None, chat_template: bool = False,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, tokenization: str = "joint"):
         if not isinstance(chat_template, bool):
             raise ConfigError(f"PRM chat_template={chat_template!r} must be true or false")
+        if tokenization not in TOKENIZATIONS:
+            raise ConfigError(f"PRM tokenization={tokenization!r} is not one of {list(TOKENIZATIONS)}: 'joint' reads "
+                              "the text tokenized at once, 'per_step' the prompt and each step tokenized apart, as "
+                              "TRL's PRMTrainer trained")
+        if tokenization == "per_step" and chat_template:
+            raise ConfigError("PRM tokenization='per_step' reads plain text, as TRL's PRMTrainer trained; "
+                              "chat_template=True renders a conversation: drop one of them")
+        self.tokenization = tokenization
+        if tokenization == "per_step":
+            self.prompt_separator = ""  # TRL's PRMTrainer: prompt ids, then step 1's, nothing between
         if chat_template and prompt_separator is not None:
             raise ConfigError(f"PRM prompt_separator={prompt_separator!r} is not read with chat_template=True (the "
                               "chat template places the prompt and the steps): drop one of them")
@@ -197,6 +240,10 @@ class _PRM:
         return out
 
     def _build(self, prompts, steps, judge_char=-1) -> list[tuple[list[int], list[int]]]:
+        if self.tokenization == "per_step":
+            return [build_prm_input_per_step(self.tokenizer, p, s, self.separator, judge_char=judge_char,
+                                             max_length=self.max_length, prompt_separator=self.prompt_separator)
+                    for p, s in zip(prompts, steps)]
         return [build_prm_input(self.tokenizer, p, s, self.separator, judge_char=judge_char,
                                 max_length=self.max_length, prompt_separator=self.prompt_separator,
                                 chat_template=self.chat_template, system_prompt=self.system_prompt)
@@ -365,6 +412,9 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
     if options.get("chat_template") and saved is not None:
         raise ConfigError(f"{path} was trained by `groupwise prm train` on plain text, without a chat template "
                           f"({PRM_CONFIG}): drop chat_template to read it as trained")
+    if options.get("tokenization", "joint") != "joint" and saved is not None:
+        raise ConfigError(f"{path} was trained by `groupwise prm train` on text tokenized at once ({PRM_CONFIG}): "
+                          f"drop tokenization={options['tokenization']!r} to read it as trained")
     auto = _AUTO[kind]
     try:
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

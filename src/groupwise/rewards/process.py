@@ -59,6 +59,7 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
         if "path" not in spec:
             raise ConfigError(f"{where}: a PRM spec needs 'path': {spec!r}")
         check_location(spec["path"], f"{where}.path")
+        check_prm_options(spec, where)
         return spec
     if isinstance(spec, str) and os.path.isdir(os.path.expanduser(spec)):
         if os.path.isfile(os.path.join(os.path.expanduser(spec), PRM_CONFIG)):
@@ -70,6 +71,29 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
         raise ConfigError(f"{where}={spec!r} is not a step-reward function: give a PRM as {{path: {spec}, kind: "
                           "token_classification | step_tag | prefix_classification}")
     return resolved
+
+
+def check_prm_options(spec: dict, where: str) -> None:
+    """A PRM spec's keys, before the model loads: load_prm's and the kind's options (every kind's when the kind is
+    left to the folder's groupwise_prm.json); a key none of them takes is named, with a close match."""
+    import difflib
+
+    from groupwise.rewards.prm import PRM_KINDS, load_prm
+
+    kind = spec.get("kind")
+    classes = [PRM_KINDS[kind]] if kind in PRM_KINDS else list(PRM_KINDS.values())  # a bad kind: load_prm names it
+    known = {"path", "kind", "trust_remote_code", "name"} | set(inspect.signature(load_prm).parameters)
+    for cls in classes:
+        for klass in cls.__mro__[:-1]:  # the kind's own keywords and the base class's
+            if "__init__" in vars(klass):
+                known |= set(inspect.signature(klass.__init__).parameters)
+    known -= {"self", "model", "tokenizer", "kw", "options"}
+    for key in spec:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            raise ConfigError(f"{where}: the PRM spec key {key!r} is not an option of "
+                              f"{'a ' + kind if kind in PRM_KINDS else 'any'} PRM"
+                              f"{f' (did you mean {close[0]!r}?)' if close else ''}; its options: {sorted(known)}")
 
 
 def _as_list(values: Any) -> Any:
