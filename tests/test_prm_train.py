@@ -291,3 +291,15 @@ def test_dropout_is_off_in_training_by_default_as_trl(tmp_path, model_dir, monke
     prm_train.train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=rows, output_dir=str(tmp_path / "o"),
                                        max_length=64, disable_dropout=disable))
     assert seen == [[0.0]] if disable else seen[0][-1] == 0.1
+
+
+def test_a_separator_the_tokenizer_cannot_write_is_refused(tmp_path, model_dir):
+    """The toy tokenizer has no 'ки': every separator became its unknown token and the PRM was trained to judge
+    steps there, without a word."""
+    from groupwise.prm_train import train_prm
+
+    row = {"prompt": "q:", "steps": ["abc", "xbc"], "labels": [1, 0]}
+    with pytest.raises(ConfigError, match=r"separator='ки' is not text the tokenizer of .* can write .* so every step "
+                                          r"would be judged at its unknown token"):
+        train_prm(PRMTrainConfig(model_name_or_path=model_dir, output_dir=str(tmp_path / "prm"), separator="ки",
+                                 train_file=_write(tmp_path / "t.jsonl", [row] * 4)))

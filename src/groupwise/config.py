@@ -250,7 +250,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     step_delimiter: str = option("Text that ends a step when step_split='delimiter'.", default="\n")
     step_pattern: str | None = option("Regex whose matches end steps when step_split='regex'; special tokens whose text it matches stay in the text it searches (as a special step delimiter or tag does).", default=None)
     step_tag: str | None = option("Step tag after each step when step_split='tag' (Math-Shepherd 'ки', Qwen2.5-Math-PRM '<extra_0>').", default=None)
-    score_truncated_step: bool = option("Score the last step of a completion cut by max_completion_length (False: leave it out; its tokens get advantage 0).", default=False)
+    score_truncated_step: bool = option("Score the last step of a completion cut by max_completion_length (False: leave it out; its tokens get process advantage 0, and under supervision='both' still w_o·Â_outcome).", default=False)
     process_reward_weights: list[float] | None = option("One weight per process reward function (default: all 1).", default=None)
     outcome_advantage_weight: float = option("w_o in supervision='both': Â = w_o·Â_outcome + w_p·Â_process.", default=1.0)
     process_advantage_weight: float = option("w_p in supervision='both'.", default=1.0)
@@ -419,6 +419,12 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
                               "generation_fuse_projections")
         SPLIT_MODES[self.step_split].check(step_delimiter=self.step_delimiter, step_pattern=self.step_pattern,
                                            step_tag=self.step_tag)
+        try:
+            SUPERVISIONS[self.supervision].check_fields(
+                self.supervision, outcome_weight=self.outcome_advantage_weight,
+                process_weight=self.process_advantage_weight, score_truncated_step=self.score_truncated_step)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not self.output_dir or "\x00" in self.output_dir:
             raise ConfigError(f"output_dir={self.output_dir!r} is not a usable folder name")
         if os.path.isfile(self.output_dir):

@@ -31,6 +31,7 @@ from groupwise import prm_checkpoint
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
 from groupwise.modeling import disable_dropout, eval_mode
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
+from groupwise.rewards.steps import check_writable
 from groupwise.signals import TrainingInterrupted, stop_on_signals
 from groupwise.text import ensure_pad_token, pad_rows
 
@@ -195,6 +196,8 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     source = resume or cfg.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     ensure_pad_token(tokenizer, f"the tokenizer of {source}")
+    check_writable(tokenizer, cfg.separator, "separator", f"the tokenizer of {source}",
+                   "every step would be judged at its unknown token")
     # float32 weights whatever the saved dtype (transformers 5 keeps it): AdamW's small steps vanish in bf16
     # weights, and load_prm scores in float32 by default, so the held-out numbers are the ones it reproduces
     model, info = AutoModelForTokenClassification.from_pretrained(

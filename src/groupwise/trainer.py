@@ -128,6 +128,8 @@ class GRPOTrainer(TransformersHabits):
         self._logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, self._max_positions = load_tokenizer(model, processing_class, args)
+        if SUPERVISIONS[args.supervision].process:  # a step marker the tokenizer cannot write would end no step
+            StepSplitter.from_config(args).check_tokenizer(self.tokenizer)
         datasets = (self.train_data, *each_dataset(self.eval_data))
         for data in datasets:  # a rollout_func tokenizes its prompts itself (TRL: no check)
             if data is not None and self.rollout_func is None:  # a stream checks each row as it is read

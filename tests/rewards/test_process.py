@@ -103,7 +103,8 @@ def test_a_prm_hub_id_given_as_a_string_is_named_before_anything_loads(tmp_path)
     # "org/name" was resolved as an outcome reward model: AutoModelForSequenceClassification downloaded and loaded
     # it (gigabytes for a 7B PRM), and only then a TypeError said it was a bare model
     with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]='some-org/some-prm' is not a step-reward "
-                                          r"function: give a PRM as \{path: some-org/some-prm, kind: "):
+                                          r"function: give a function as 'module:function' \(or "
+                                          r"'package.module.function'\), or a PRM as \{path: some-org/some-prm, kind: "):
         load_process_reward_sources(["some-org/some-prm"])
     file = tmp_path / "prm.bin"
     file.write_text("")

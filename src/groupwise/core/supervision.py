@@ -35,6 +35,19 @@ class Supervision:
             raise ValueError(f"process_reward_funcs were given but supervision={name!r} does not use them: set "
                              "supervision='process' or 'both' (GRPOConfig) to use them")
 
+    def check_fields(self, name: str, *, outcome_weight: float, process_weight: float,
+                     score_truncated_step: bool) -> None:
+        """Raise ValueError naming a field the variant does not read, set away from its default: the weights w_o,
+        w_p of Â = w_o·Â_outcome + w_p·Â_process are read only where both kinds combine; score_truncated_step only
+        where there are steps."""
+        if not (self.outcome and self.process) and (outcome_weight != 1.0 or process_weight != 1.0):
+            field = "outcome_advantage_weight" if outcome_weight != 1.0 else "process_advantage_weight"
+            raise ValueError(f"{field} weighs the outcome and process advantages of supervision='both'; "
+                             f"supervision={name!r} does not read it: drop it, or set supervision='both'")
+        if not self.process and score_truncated_step:
+            raise ValueError(f"score_truncated_step applies to the steps of process supervision; supervision={name!r} "
+                             "has none: drop it, or set supervision='process' or 'both'")
+
 
 SUPERVISIONS: dict[str, Supervision] = {
     "outcome": Supervision(lambda o, p, w_o, w_p: o, outcome=True, process=False),  # (N,)

@@ -68,7 +68,8 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
                           "token_classification | step_tag | prefix_classification}")
     resolved = resolve_spec(spec, where)
     if isinstance(resolved, str):  # a hub id or a file: read as an outcome reward model, it loaded, then failed
-        raise ConfigError(f"{where}={spec!r} is not a step-reward function: give a PRM as {{path: {spec}, kind: "
+        raise ConfigError(f"{where}={spec!r} is not a step-reward function: give a function as "
+                          f"'module:function' (or 'package.module.function'), or a PRM as {{path: {spec}, kind: "
                           "token_classification | step_tag | prefix_classification}")
     return resolved
 
@@ -81,7 +82,11 @@ def check_prm_options(spec: dict, where: str) -> None:
     from groupwise.rewards.prm import PRM_KINDS, load_prm
 
     kind = spec.get("kind")
-    classes = [PRM_KINDS[kind]] if kind in PRM_KINDS else list(PRM_KINDS.values())  # a bad kind: load_prm names it
+    if kind is not None and kind not in PRM_KINDS:
+        close = difflib.get_close_matches(str(kind), sorted(PRM_KINDS), n=1)
+        raise ConfigError(f"{where}.kind={kind!r} is not a PRM kind"
+                          f"{f' (did you mean {close[0]!r}?)' if close else ''}: one of {sorted(PRM_KINDS)}")
+    classes = [PRM_KINDS[kind]] if kind is not None else list(PRM_KINDS.values())
     known = {"path", "kind", "trust_remote_code", "name"} | set(inspect.signature(load_prm).parameters)
     for cls in classes:
         for klass in cls.__mro__[:-1]:  # the kind's own keywords and the base class's
@@ -92,7 +97,7 @@ def check_prm_options(spec: dict, where: str) -> None:
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             raise ConfigError(f"{where}: the PRM spec key {key!r} is not an option of "
-                              f"{'a ' + kind if kind in PRM_KINDS else 'any'} PRM"
+                              f"{'a ' + kind if kind is not None else 'any'} PRM"
                               f"{f' (did you mean {close[0]!r}?)' if close else ''}; its options: {sorted(known)}")
 
 
@@ -112,9 +117,12 @@ def _validate(name: str, out: Any, steps: list[list[str]]) -> list[list[float]]:
                                   "completions (one list of step rewards per completion expected)")
     rows = []
     for i, (values, row_steps) in enumerate(zip(out, steps)):
-        if not isinstance(values, (list, tuple)) or len(values) != len(row_steps):
-            got = len(values) if isinstance(values, (list, tuple)) else repr(values)
-            raise RewardFunctionError(f"process reward function {name!r} returned {got} rewards for row {i}, "
+        if not isinstance(values, (list, tuple)):
+            raise RewardFunctionError(f"process reward function {name!r} returned {values!r:.60} for completion {i} "
+                                      f"where a list of {len(row_steps)} step rewards is expected: return one list "
+                                      "per completion, one value per step (None for a step it cannot score)")
+        if len(values) != len(row_steps):
+            raise RewardFunctionError(f"process reward function {name!r} returned {len(values)} rewards for row {i}, "
                                       f"which has {len(row_steps)} steps: {row_steps!r:.300}")
         try:
             rows.append([reward_value(v) for v in values])

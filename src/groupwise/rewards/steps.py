@@ -13,6 +13,7 @@ token and is marked `truncated_last`.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,10 +45,20 @@ class SplitMode:
 
     def check(self, **options) -> "re.Pattern[str] | None":
         """The boundary regex from the GRPOConfig fields given as keywords; a ConfigError naming the field when it
-        is missing or invalid. None for the turn mode (no regex)."""
+        is missing or invalid, or when another mode's field is set away from its default (it would be ignored).
+        None for the turn mode (no regex)."""
+        for field, value in options.items():
+            if field != self.reads and value != SPLIT_FIELD_DEFAULTS.get(field):
+                users = [m.name for m in SPLIT_MODES.values() if m.reads == field]
+                raise ConfigError(f"{field}={value!r} is read when step_split={users[0]!r}, but step_split="
+                                  f"{self.name!r}: set step_split={users[0]!r}, or drop {field}")
         if self.turns:
             return None
         value = options.get(self.reads)
+        if self.reads in ("step_delimiter", "step_tag") and _escaped_control(value):
+            warnings.warn(f"{self.reads}={value!r} holds a backslash escape as two characters (a shell passes '\\n' "
+                          "as written), not the character it names: in YAML write it in double quotes (\"\\n\"), "
+                          "in bash $'\\n'; if the backslash is meant, ignore this", UserWarning, stacklevel=3)
         if not value:
             raise ConfigError(f"step_split={self.name!r} needs {self.reads} (a non-empty string)")
         try:
@@ -70,6 +81,12 @@ def _step_regex(pattern: str) -> "re.Pattern[str]":
     return compiled
 
 
+def _escaped_control(value: str | None) -> bool:
+    """A backslash and n / t / r written out, with no newline, tab or carriage return in the text."""
+    return bool(value) and re.search(r"\\[ntr]", value) is not None and not any(c in value for c in "\n\t\r")
+
+
+SPLIT_FIELD_DEFAULTS = {"step_delimiter": "\n", "step_pattern": None, "step_tag": None}  # GRPOConfig's defaults
 SPLIT_MODES: dict[str, SplitMode] = {
     "delimiter": SplitMode("delimiter", "step_delimiter", lambda d: re.compile(re.escape(d))),  # default "\n"
     "regex": SplitMode("regex", "step_pattern", _step_regex),  # each match of step_pattern ends a step
@@ -115,6 +132,16 @@ class StepSplitter:
     @property
     def turns(self) -> bool:
         return SPLIT_MODES[self.mode].turns
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """The step delimiter or tag must be text the policy's tokenizer can write: one it encodes to its unknown
+        token (a tag missing from the vocabulary) never appears in a completion, so no step would ever end (a
+        ConfigError, before any model loads). A regex is not checked."""
+        if self.marker is None:
+            return
+        check_writable(tokenizer, self.marker, "step_tag" if self.mode == "tag" else "step_delimiter",
+                       "the policy's tokenizer", "no completion would ever end a step")
+
 
     def split_turns(self, token_ids: list[int], tool_mask: list[int], turn_ends: list[int], tokenizer, *,
                     truncated: bool) -> Steps:
@@ -180,6 +207,18 @@ class StepSplitter:
         splitter reads (_kept_special: e.g. a step tag "<extra_0>"), which must stay in the text."""
         return frozenset(i for i in (set(ids) & _special_ids(tokenizer)) - self._kept_special(tokenizer)
                          if _dropped(tokenizer, i))
+
+
+def check_writable(tokenizer, text: str, field: str, whose: str, consequence: str) -> None:
+    """A ConfigError naming `field` when `tokenizer` cannot write `text`: it encodes to the unknown token, or does
+    not decode back to it."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if (unk is not None and unk in ids) or text.strip() not in decoded:
+        raise ConfigError(f"{field}={text!r} is not text {whose} can write (it encodes to {ids}, which decodes to "
+                          f"{decoded!r}), so {consequence}: add it to the tokenizer (tokenizer.add_tokens) or choose "
+                          "one in its vocabulary")
 
 
 def _special_ids(tokenizer) -> set[int]:

@@ -1,0 +1,100 @@
+"""Process-supervision settings that trained without steps, or that changed nothing, silently: each is now an error
+naming the field (or, where it may be meant, a warning), before any model loads."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from groupwise import GRPOConfig, GRPOTrainer
+from groupwise.config_base import ConfigError
+from groupwise.rewards.process import load_process_reward_sources
+from groupwise.rewards.sources import RewardFunctionError
+from groupwise.tasks import toy
+from tests.conftest import small_args
+from tests.rewards.test_process import _run
+
+
+def _steps(prompts, completions, steps, **_):
+    return [[1.0] * len(row) for row in steps]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(step_tag="ки"), r"step_tag='ки' is read when step_split='tag', but step_split='delimiter': set "
+                          r"step_split='tag', or drop step_tag"),
+    (dict(step_pattern=r"\.\s"), r"step_pattern='\\\\.\\\\s' is read when step_split='regex', but "
+                                 r"step_split='delimiter'"),
+    (dict(step_split="tag", step_tag="ки", step_delimiter=". "), r"step_delimiter='\. ' is read when "
+                                                                 r"step_split='delimiter', but step_split='tag'"),
+    (dict(step_split="turn", step_tag="ки"), r"step_tag='ки' is read when step_split='tag', but step_split='turn'"),
+    (dict(supervision="process", process_advantage_weight=0.3),
+     r"process_advantage_weight weighs the outcome and process advantages of supervision='both'; "
+     r"supervision='process' does not read it"),
+    (dict(outcome_advantage_weight=2.0), r"outcome_advantage_weight weighs .* supervision='outcome' does not read"),
+    (dict(score_truncated_step=True), r"score_truncated_step applies to the steps of process supervision; "
+                                      r"supervision='outcome' has none"),
+])
+def test_a_process_field_the_run_would_not_read_is_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_the_fields_the_run_reads_are_taken():
+    GRPOConfig(supervision="both", outcome_advantage_weight=2.0, process_advantage_weight=0.5)
+    GRPOConfig(supervision="process", score_truncated_step=True, step_split="tag", step_tag="ки")
+    GRPOConfig(step_split="regex", step_pattern=r"\n")  # a regex's \n is the regex for a newline: no warning
+
+
+def test_a_backslash_escape_written_out_warns():
+    """`--step_delimiter '\\n'` in a shell is a backslash and an n: no completion holds that, so no step ended."""
+    with pytest.warns(UserWarning, match=r"step_delimiter='\\\\n' holds a backslash escape as two characters"):
+        GRPOConfig(step_delimiter="\\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(step_delimiter="\n")
+        GRPOConfig(step_delimiter="\\")  # a lone backslash: nothing escaped
+
+
+def test_a_step_marker_the_tokenizer_cannot_write_is_refused_before_the_model_loads(tmp_path, tokenizer):
+    """The toy tokenizer has no 'ки': each character encodes to its unknown token ('<eos>'), so no completion could
+    end a step (the whole completion was one step, a truncated one none). Checked right after the tokenizer
+    loads."""
+    with pytest.raises(ConfigError, match=r"step_tag='ки' is not text the policy's tokenizer can write \(it encodes "
+                                          r"to \[1, 1\], which decodes to '<eos><eos>'\), so no completion would ever end"):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
+                    args=small_args(tmp_path, supervision="process", step_split="tag", step_tag="ки"),
+                    train_dataset=toy.dataset(8), processing_class=tokenizer)
+    tokenizer.add_tokens(["ки"])  # once the tokenizer has it, the run builds
+    GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
+                args=small_args(tmp_path, supervision="process", step_split="tag", step_tag="ки"),
+                train_dataset=toy.dataset(8), processing_class=tokenizer)
+
+
+def test_a_round_without_any_step_warns(tmp_path, tokenizer):
+    """Completions of 6 tokens without EOS, cut by max_completion_length, and a delimiter they never hold (a token
+    the tokenizer has, three times): each is one truncated step, dropped (score_truncated_step=False), so no
+    completion has a step and the loss is 0."""
+    tokenizer.add_tokens(["§"])
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
+                    args=small_args(tmp_path, supervision="process", step_delimiter="§§§", max_steps=1),
+                    train_dataset=toy.dataset(8), processing_class=tokenizer)
+    with pytest.warns(RuntimeWarning, match=r"no completion of a round has a step to score \(step_delimiter='§§§'"):
+        t.train()
+    assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])[
+        "process/no_step_completions"] == 8
+
+
+def test_step_reward_functions_returning_a_value_per_completion_are_named(tokenizer):
+    with pytest.raises(RewardFunctionError, match=r"returned 1.0 for completion 0 where a list of 2 step rewards is "
+                                                  r"expected: return one list per completion"):
+        _run([lambda steps, **_: [1.0]], [["a", "b"]])
+    with pytest.raises(RewardFunctionError, match=r"returned None for completion 0 where a list of 1 step rewards"):
+        _run([lambda steps, **_: [None]], [["a"]])
+
+
+def test_a_prm_kind_misspelt_is_named_before_anything_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]\.kind='tokenclassification' is not a PRM kind "
+                                          r"\(did you mean 'token_classification'\?\)"):
+        load_process_reward_sources([{"path": str(tmp_path), "kind": "tokenclassification"}])
