@@ -81,11 +81,11 @@ def test_the_schedule_counts_only_updates(tmp_path, model_dir):
 
 
 def test_labels_sit_where_scoring_reads_and_round_trip(tmp_path, model_dir):
-    # a three-token separator " ;\n" (one token per character), and max_length 14 that cuts the last step:
-    # "q:" (tokens 0-1) + the prompt_separator "\n" (2) + "ab ;\n" (3-7) + "xb ;\n" (8-12) + "ca ;\n" (13-17): steps are
+    # a three-token separator " .\n" (one token per character), and max_length 14 that cuts the last step:
+    # "q:" (tokens 0-1) + the prompt_separator "\n" (2) + "ab .\n" (3-7) + "xb .\n" (8-12) + "ca .\n" (13-17): steps are
     # judged at the separator's last token, 7, 12 and 17; 17 ≥ 14, so the third step has neither a label nor a score
     rows = [{"prompt": "q:", "steps": ["ab", "xb", "ca"], "labels": [1, 0, 1]}]
-    cfg = PRMTrainConfig(model_name_or_path=model_dir, train_file="unused", separator=" ;\n", max_length=14)
+    cfg = PRMTrainConfig(model_name_or_path=model_dir, train_file="unused", separator=" .\n", max_length=14)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -96,10 +96,10 @@ def test_labels_sit_where_scoring_reads_and_round_trip(tmp_path, model_dir):
             for a, b, c in (("ab", "xb", "ca"), ("xa", "cb", "ax"), ("bb", "ca", "xc"), ("ac", "bx", "cc"))]
     train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=_write(tmp_path / "t.jsonl", data * 4),
                              eval_file=_write(tmp_path / "e.jsonl", data), output_dir=str(tmp_path / "prm"),
-                             separator=" ;\n", max_length=14, learning_rate=3e-3, num_train_epochs=2))
+                             separator=" .\n", max_length=14, learning_rate=3e-3, num_train_epochs=2))
     metrics = json.loads((tmp_path / "prm" / "eval_metrics.json").read_text())
     prm = load_prm(str(tmp_path / "prm"))
-    assert prm.separator == " ;\n" and prm.max_length == 14 and prm.model.dtype == torch.float32
+    assert prm.separator == " .\n" and prm.max_length == 14 and prm.model.dtype == torch.float32
     assert prm.prompt_separator == "\n"  # recorded by training, so scoring builds the inputs training saw
     with pytest.warns(RuntimeWarning, match="steps past max_length=14 tokens"):
         scores = prm(prompts=[r["prompt"] for r in data], completions=[""] * 4, steps=[r["steps"] for r in data])

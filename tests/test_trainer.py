@@ -260,7 +260,7 @@ def test_advantage_estimators_train(tmp_path, tokenizer, tiny_model, estimator, 
     funcs = [] if supervision == "process" else [length]
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
     t = GRPOTrainer(tiny_model, funcs, args=small_args(tmp_path, advantage_estimator=estimator, supervision=supervision,
-                                                        score_truncated_step=True),
+                                                        score_truncated_step=supervision == "process"),
                     train_dataset=toy.dataset(16), processing_class=tokenizer, process_reward_funcs=process)
     rollout = t._collect()
     rnd, opts = rollout.round, t.args.estimator_options()
