@@ -161,7 +161,12 @@ def test_callback_flow_flags_events_and_list_as_transformers(tmp_path, tokenizer
                       per_device_train_batch_size=4, steps_per_generation=2)
     t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
                     train_dataset=toy.dataset(12), processing_class=tokenizer, callbacks=[Flow])  # a class: built
-    flow = t.callback_handler.callbacks[0]
+    # transformers' list: its DefaultFlowCallback, the user's callbacks, its ProgressCallback (groupwise's stand-ins
+    # are subclasses of those classes)
+    from transformers import DefaultFlowCallback, ProgressCallback
+
+    default_flow, flow, progress = t.callback_handler.callbacks
+    assert isinstance(default_flow, DefaultFlowCallback) and isinstance(progress, ProgressCallback)
     assert isinstance(flow, Flow) and flow.seen == [("on_init_end", 0, 0)]
     t.add_callback(Recorder())
     assert isinstance(t.pop_callback(Recorder), Recorder) and t.pop_callback(Recorder) is None
@@ -174,7 +179,7 @@ def test_callback_flow_flags_events_and_list_as_transformers(tmp_path, tokenizer
     assert names.count("on_pre_optimizer_step") == names.count("on_optimizer_step") == 4
     assert names[-1] == "on_train_end" and t.state.num_train_epochs == 1  # ceil(4 steps / 12 per epoch)
     t.remove_callback(flow)
-    assert t.callback_handler.callbacks == []
+    assert t.callback_handler.callbacks == [default_flow, progress]
 
 
 def test_resumed_history_drops_only_end_of_training_lines(tmp_path):
@@ -527,3 +532,41 @@ def test_training_arguments_properties_as_transformers_reads_them(tmp_path, monk
     assert ours.should_log and not ours.should_save
     ours.log_on_each_node = False
     assert not ours.should_log
+
+
+def test_the_default_callbacks_can_be_removed_or_replaced_as_in_transformers(tmp_path, tokenizer, capsys):
+    """transformers' habits: remove_callback(ProgressCallback) silences the bar and the printed log lines;
+    pop_callback(DefaultFlowCallback) returns the flow and leaves nothing scheduled (no log line, no checkpoint;
+    training still stops at max_steps, and its end line is logged); transformers' own DefaultFlowCallback put in
+    its place schedules by transformers' rules, which do not log the last step when it is not a multiple of
+    logging_steps (groupwise's flow does); disable_tqdm puts PrinterCallback in the list instead."""
+    from transformers import DefaultFlowCallback, PrinterCallback, ProgressCallback
+
+    def run(name, change=None, **kw):
+        args = small_args(tmp_path, output_dir=str(tmp_path / name), max_steps=3, logging_steps=2, save_steps=3,
+                          **kw)
+        t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
+                        train_dataset=toy.dataset(12), processing_class=tokenizer)
+        if change:
+            change(t)
+        capsys.readouterr()
+        t.train()
+        out = capsys.readouterr()
+        steps = [x["step"] for x in t.state.log_history if "loss" in x]
+        return t, out.out + out.err, steps, sorted(p.name for p in (tmp_path / name).glob("checkpoint-*"))
+
+    t, printed, steps, saved = run("default")
+    assert steps == [2, 3] and saved == ["checkpoint-3"] and "'loss':" in printed and "GRPO" in printed
+    t, printed, steps, saved = run("quiet", lambda t: t.remove_callback(ProgressCallback))
+    assert steps == [2, 3] and "'loss':" not in printed and "GRPO" not in printed
+    assert not any(isinstance(c, ProgressCallback) for c in t.callback_handler.callbacks)
+    popped = []
+    t, printed, steps, saved = run("no_flow", lambda t: popped.append(t.pop_callback(DefaultFlowCallback)))
+    assert isinstance(popped[0], DefaultFlowCallback) and t.global_step == 3
+    assert steps == [] and saved == [] and "train_runtime" in t.state.log_history[-1]
+    t, printed, steps, saved = run("transformers_flow", lambda t: (t.remove_callback(DefaultFlowCallback),
+                                                                   t.add_callback(DefaultFlowCallback())))
+    assert type(t.callback_handler.callbacks[-1]) is DefaultFlowCallback and steps == [2] and saved == ["checkpoint-3"]
+    t, printed, steps, saved = run("printer", disable_tqdm=True)
+    assert isinstance(t.callback_handler.callbacks[-1], PrinterCallback) and "'loss':" in printed
+    assert "GRPO" not in printed

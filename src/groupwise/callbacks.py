@@ -1,8 +1,11 @@
 """transformers' callback protocol for GRPOTrainer: the callback list (`add_callback`, `pop_callback`,
 `remove_callback`, `callback_handler.callbacks`), the ExportableState callbacks' states a checkpoint keeps
-(`restore_callback_states_from_checkpoint`), and the default flow that decides, after each optimizer step and at each
-epoch's end, whether to log, evaluate and save (transformers' DefaultFlowCallback): its flags are set on `control`
-before `on_step_end` / `on_epoch_end`, so a callback sees them and may change them."""
+(`restore_callback_states_from_checkpoint`), and the default callbacks the list starts with, as transformers'
+Trainer's: DefaultFlowCallback first, which decides after each optimizer step and at each epoch's end whether to log,
+evaluate and save (its flags are set on `control` in `on_step_end` / `on_epoch_end`, so a later callback sees them and
+may change them), and last ProgressCallback (the bar, log lines written under it) or, with disable_tqdm,
+PrinterCallback. Each is a subclass of transformers' class of that name, so removing transformers' class
+(`trainer.remove_callback(ProgressCallback)`) removes it, and one of transformers' own put in its place runs."""
 
 from __future__ import annotations
 
@@ -10,6 +13,11 @@ import dataclasses
 import logging
 import warnings
 from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import trainer_callback
+
+from groupwise.logging import console_line
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +38,12 @@ class CallbackHandler:
         self.objects = objects  # model, processing_class, optimizer, lr_scheduler, … passed to every event
         for callback in callbacks or []:
             self.add_callback(callback)
+
+    def close_bars(self) -> None:
+        """Every ProgressCallback's bar closed: training stopped without on_train_end (an error, a signal)."""
+        for callback in self.callbacks:
+            if isinstance(callback, trainer_callback.ProgressCallback):
+                close_bar(callback)
 
     def add_callback(self, callback) -> None:
         cb = callback() if isinstance(callback, type) else callback
@@ -104,6 +118,88 @@ class CallbackHandler:
                 for field in dataclasses.fields(control):
                     setattr(control, field.name, getattr(result, field.name))
         return control
+
+
+class DefaultFlowCallback(trainer_callback.DefaultFlowCallback):
+    """groupwise's flow (step_flow, epoch_flow) in transformers' DefaultFlowCallback's place: removed, no log,
+    evaluation or save is scheduled (training still stops at max_steps); transformers' own class put in its place
+    schedules by transformers' rules."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        log, evaluate, save = step_flow(args, state)
+        control.should_log |= log
+        control.should_evaluate |= evaluate
+        control.should_save |= save
+        control.should_training_stop |= state.global_step >= state.max_steps
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        log, evaluate, save = epoch_flow(args, state)
+        control.should_log |= log
+        control.should_evaluate |= evaluate
+        control.should_save |= save
+        return control
+
+
+class ProgressCallback(trainer_callback.ProgressCallback):
+    """The training bar on the main process (a resumed run's starts at its step) and each log line written under it
+    as transformers' ProgressCallback prints it (console_line), with the last training line's reward, step reward,
+    loss and length as the bar's postfix. Evaluation draws its own bar (groupwise.evaluation)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="GRPO",
+                                 disable=not state.is_world_process_zero)
+        self.current_step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            self.training_bar.update(state.global_step - self.current_step)
+            self.current_step = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        bar = self.training_bar
+        if bar is None or bar.disable:
+            return
+        bar.write(str(console_line(logs)))
+        shown = {k.split("/")[-1]: f"{logs[k]:.4g}" for k in
+                 ("reward", "process/step_reward_mean", "loss", "completions/mean_length")
+                 if isinstance(logs.get(k), (int, float))}
+        if "reward" in logs or "loss" in logs:  # a training line (an evaluation's metrics are eval_…)
+            bar.set_postfix(shown)
+
+    def on_prediction_step(self, args, state, control, **kwargs):  # evaluation has its own bar
+        pass
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        pass
+
+    def on_predict(self, args, state, control, **kwargs):
+        pass
+
+    def on_train_end(self, args, state, control, **kwargs):
+        close_bar(self)
+
+
+class PrinterCallback(trainer_callback.PrinterCallback):
+    """With disable_tqdm: each log line printed by each node's main process, as transformers' PrinterCallback."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero:
+            print(console_line(logs))
+
+
+def default_callbacks(args) -> tuple[list, list]:
+    """The callbacks transformers' Trainer puts before and after the user's: [DefaultFlowCallback] and
+    [ProgressCallback] ([PrinterCallback] with disable_tqdm)."""
+    return [DefaultFlowCallback()], [PrinterCallback() if args.disable_tqdm else ProgressCallback()]
+
+
+def close_bar(callback) -> None:
+    """A ProgressCallback's training bar closed (at the end of training, or when it stops on an error)."""
+    bar = getattr(callback, "training_bar", None)
+    if bar is not None:
+        bar.close()
+        callback.training_bar = None
 
 
 def step_flow(args, state) -> tuple[bool, bool, bool]:

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from groupwise.callbacks import epoch_flow
 from groupwise.config_base import ConfigError
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
-from groupwise.logging import (MetricsLogger, completion_rows, console_line, print_rows, speed_metrics,
+from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
                                window_summary)
 from groupwise.loading import refuse_images
 from groupwise.modeling import eval_mode
@@ -198,15 +197,7 @@ class TransformersHabits:
         if getattr(self, "_logger", None) is not None:
             self._logger.log(self.global_step, {**logs, **self._elapsed()})
         self.state.log_history.append({**logs, "step": self.global_step})
-        self._event("on_log", logs=logs)
-        # printed as transformers' default callbacks print it: under the progress bar during training (the main
-        # process), or with disable_tqdm on each node's main process
-        bar = getattr(self, "_bar", None)
-        if self.args.disable_tqdm:
-            if self.dist.is_local_main:
-                print(console_line(logs))
-        elif bar is not None and not bar.disable:
-            bar.write(str(console_line(logs)))
+        self._event("on_log", logs=logs)  # printed by ProgressCallback / PrinterCallback (groupwise.callbacks)
 
     def _log(self, rollout) -> None:
         """A training log line: the window's metrics (groupwise.logging.window_summary), the round's completions
@@ -218,9 +209,6 @@ class TransformersHabits:
         self.log(last)
         rows = self._round_rows(rollout)
         self._logger.log_completions(self.global_step, rows)
-        self._bar.set_postfix({k.split("/")[-1]: f"{last[k]:.4g}" for k in
-                               ("reward", "process/step_reward_mean", "loss", "completions/mean_length")
-                               if last.get(k) is not None})
         if self.args.log_completions and rows and self.dist.is_main:
             print_rows(self.global_step, rows, self.args.num_completions_to_print)
             self._logger.log_table(self.global_step, rows, unique_prompts=self.args.log_unique_prompts)
@@ -421,11 +409,7 @@ class TransformersHabits:
             control.should_epoch_stop = False  # a stream's epoch cannot end early (it warned)
         if not (epoch_end or cut or control.should_training_stop):
             return False, False
-        log, evaluate, save = epoch_flow(self.args, self.state)
-        control.should_log |= log
-        control.should_evaluate |= evaluate
-        control.should_save |= save
-        self._event("on_epoch_end")
+        self._event("on_epoch_end")  # DefaultFlowCallback sets the "epoch" strategies' flags
         self._agree()
         return True, epoch_end or cut
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from groupwise import rollout as R
 from groupwise.adapters import Reference, adapted_tied_embeddings, is_peft_model, peft_config_from_args, wrap
 from groupwise.best import BestModel
-from groupwise.callbacks import CallbackHandler, step_flow
+from groupwise.callbacks import CallbackHandler, default_callbacks
 from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
 from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
@@ -163,7 +163,9 @@ class GRPOTrainer(TransformersHabits):
         # are built, process 0 included, so what is sampled does not depend on what loading drew (LoRA's init)
         set_seed(args.seed + self.dist.rank)
         self.rollout_ctx = self._build_rollout()
-        self.callback_handler = CallbackHandler(callbacks, model=self.unwrapped, processing_class=self.tokenizer,
+        first, last = default_callbacks(args)  # transformers' order: the flow, the user's callbacks, the printing
+        self.callback_handler = CallbackHandler([*first, *(callbacks or []), *last], model=self.unwrapped,
+                                                processing_class=self.tokenizer,
                                                 optimizer=self.optimizer, lr_scheduler=self.scheduler,
                                                 train_dataloader=None, eval_dataloader=None)
         self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler, self._event,
@@ -273,7 +275,7 @@ class GRPOTrainer(TransformersHabits):
                 self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
         self._restored_history = None
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
-        self._bar = self._logger = None
+        self._logger = None
         failed = True
         with stop_on_signals() as self._signals:
             try:
@@ -296,14 +298,11 @@ class GRPOTrainer(TransformersHabits):
                         if self._finished():
                             break
                 summary = self._summary()
-                self._bar.close()
                 result = self._end(summary)  # on_train_end's callbacks may still log to the trackers
                 failed = False
                 return result
             finally:  # also when the run stops on an error or a signal: trackers closed (a failed run marked so)
-                if self._bar is not None:
-                    self._bar.close()
-                    self._bar = None  # later log lines (evaluate()) are not printed under a bar
+                self.callback_handler.close_bars()  # later log lines (evaluate()) are not printed under a bar
                 if self._logger is not None:
                     self._logger.close(failed)
 
@@ -312,8 +311,6 @@ class GRPOTrainer(TransformersHabits):
         """Metrics file, progress bar, clocks; the step-0 evaluation of a fresh run."""
         args = self.args
         self._logger = self._open_trackers()
-        self._bar = tqdm(total=self.max_steps, initial=self.global_step, desc="GRPO",
-                         disable=bool(args.disable_tqdm) or not self.dist.is_main)  # transformers' ProgressCallback
         self._started = self._tick = time.perf_counter()
         self._first_step = self.global_step  # this call's steps, for the end-of-training speed line
         self._last: dict[str, float] = {}
@@ -377,16 +374,11 @@ class GRPOTrainer(TransformersHabits):
         self._maybe_sync_ref()
         if args.torch_empty_cache_steps and self.global_step % args.torch_empty_cache_steps == 0:
             empty_cache(self.dist.device)
-        self._bar.update(1)
         epoch_end = done == self.steps_per_round and int(self.sampler.progress()) > self._epochs_done
         self._epochs_done = max(self._epochs_done, int(self.sampler.progress())) if epoch_end else self._epochs_done
         control = self.control
-        # transformers' DefaultFlowCallback.on_step_end: the "steps" strategies' flags, and the stop at max_steps;
-        # callbacks see them and may change them until each is acted on
-        log, evaluate, save = step_flow(args, self.state)
-        control.should_log |= log
-        control.should_evaluate |= evaluate
-        control.should_save |= save
+        # the loop ends at max_steps whatever the callbacks do; DefaultFlowCallback sets the "steps" strategies' flags
+        # in on_step_end, and later callbacks may change them until each is acted on
         control.should_training_stop |= self.global_step >= self.max_steps
         self._event("on_step_end")
         signalled = self._agree()
