@@ -98,3 +98,35 @@ def test_a_prm_kind_misspelt_is_named_before_anything_loads(tmp_path):
     with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]\.kind='tokenclassification' is not a PRM kind "
                                           r"\(did you mean 'token_classification'\?\)"):
         load_process_reward_sources([{"path": str(tmp_path), "kind": "tokenclassification"}])
+
+
+def test_a_reward_function_without_kwargs_is_named_before_the_model_loads(tmp_path, tokenizer):
+    """TRL passes prompts, completions, completion_ids, trainer_state, log_metric, log_extra and the dataset's
+    columns to every reward function: one without **kwargs failed at every call, and the advice then given
+    (on_reward_error='nan') trained on all-NaN rewards. A signature naming every keyword is fine."""
+    def strict(completions):
+        return [1.0] * len(completions)
+
+    def explicit(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, letter):
+        return [1.0] * len(completions)
+
+    def steps_only(steps):
+        return [[1.0] * len(s) for s in steps]
+
+    def build(funcs=(), process=(), **kw):
+        return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), list(funcs),
+                           process_reward_funcs=list(process), args=small_args(tmp_path, **kw),
+                           train_dataset=toy.dataset(8), processing_class=tokenizer)
+
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\] 'strict' takes no \*\*kwargs, but every call passes "
+                                          r"the keywords \['completion_ids', 'letter', 'log_extra', 'log_metric', "
+                                          r"'prompts', 'trainer_state'\]: add \*\*kwargs"):
+        build([strict])
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\] 'steps_only' takes no \*\*kwargs, but every "
+                                          r"call passes the keywords \['completions', 'letter', 'log_extra', "):
+        build(process=[steps_only], supervision="process")
+    build([explicit])
+    with pytest.raises(ConfigError, match=r"supervision='outcome' needs at least one outcome reward: pass "
+                                          r"reward_funcs, or an environment_factory whose environment defines "
+                                          r"get_reward"):
+        build([])

@@ -57,7 +57,9 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     # sharding and launchers
     "deepspeed": NotSupported(None, "DeepSpeed is not supported: shard with FSDP2 instead (fsdp: full_shard, or "
                                     "accelerate launch --config_file examples/accelerate/fsdp2.yaml)"),
-    "ds3_gather_for_generation": NotSupported(True, "DeepSpeed ZeRO-3 is not supported"),
+    "ds3_gather_for_generation": NotSupported(True, "DeepSpeed ZeRO-3 is not supported: drop the field; to shard "
+                                                    "the weights use FSDP2 (fsdp: full_shard), which gathers them for "
+                                                    "generation"),
     "accelerator_config": NotSupported(None, "configure accelerate with `accelerate launch --config_file …`",
                                        also=lambda value, values: value == ACCELERATOR_CONFIG_DEFAULTS),
     "parallelism_config": NotSupported(None, "context / tensor parallelism is not supported; use data parallelism"),

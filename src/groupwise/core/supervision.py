@@ -28,7 +28,8 @@ class Supervision:
     def check_sources(self, name: str, num_outcome: int, num_process: int) -> None:
         """Raise ValueError naming what is missing or unused (the trainer calls this before any model loads)."""
         if self.outcome and not num_outcome:
-            raise ValueError(f"supervision={name!r} needs at least one outcome reward function (reward_funcs)")
+            raise ValueError(f"supervision={name!r} needs at least one outcome reward: pass reward_funcs, or an "
+                             "environment_factory whose environment defines get_reward")
         if self.process and not num_process:
             raise ValueError(f"supervision={name!r} needs process_reward_funcs (one reward per step)")
         if not self.process and num_process:

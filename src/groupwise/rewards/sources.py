@@ -191,11 +191,20 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
         need = [p.name for p in params if p.default is inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
                 and p.name not in given]
+        name = getattr(fn, "__name__", type(fn).__name__)
         if need:
-            name = getattr(fn, "__name__", type(fn).__name__)
             why = ("remove_unused_columns=True passes only the prompt: set it False" if remove_unused_columns and
                    need[0] in columns else f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})")
             raise ConfigError(f"{field}[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
+        # every call passes the protocol's keywords and the dataset's columns: a signature without **kwargs must
+        # name them all (TRL's functions end with **kwargs), else every call fails with a TypeError
+        params = list(params)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            missing = sorted(((set(keywords) - {"environments", "dropped_last"}) | passed) - {p.name for p in params})
+            if missing:
+                raise ConfigError(f"{field}[{i}] {name!r} takes no **kwargs, but every call passes the keywords "
+                                  f"{missing}: add **kwargs to its signature (as TRL's reward functions, e.g. "
+                                  "def reward(completions, **kwargs))")
 
 
 def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_remote_code=False, device=None,
