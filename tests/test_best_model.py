@@ -219,9 +219,23 @@ def test_eval_datasets_given_by_name_are_checked_when_the_trainer_is_built(tmp_p
                                           r"\{name: dataset\}, so every evaluation metric is eval_<name>_<metric>, "
                                           r"with <name> one of \['a', 'b'\]: name one dataset's, e.g. 'a_reward'"):
         build("reward", a=toy.dataset(2), b=toy.dataset(2))
+    with pytest.raises(ConfigError, match=r"metric_for_best_model='a_loss': groupwise's evaluation reports no loss"):
+        build("a_loss", a=toy.dataset(2), b=toy.dataset(2))
     # the dataset prefix is taken off before the metric is checked against the run's reward functions
     with pytest.raises(ConfigError, match=r"no reward function named 'acuracy'"):
         build("eval_b_rewards/acuracy/mean", a=toy.dataset(2), b=toy.dataset(2))
     build("b_rewards/_peaks_by_dataset/mean", a=toy.dataset(2), b=toy.dataset(2))
     with pytest.raises(ConfigError, match=r"eval_dataset\['b'\].*letter"):
         build(funcs=(toy.letter_reward,), a=toy.dataset(2), b=[{"prompt": "repeat a:"}])
+
+
+def test_a_dict_of_columns_is_not_a_dict_of_datasets():
+    """A dict of columns without a 'prompt' one (an environment's rows may have none) was split into one 'dataset'
+    per column."""
+    from datasets import Dataset
+
+    from groupwise.data import named_datasets
+
+    assert not named_datasets({"question": ["1+1", "2+2"], "answer": ["2", "4"]})
+    assert not named_datasets({"prompt": [{"role": "user"}]})  # a 'prompt' column: columns
+    assert named_datasets({"a": [{"prompt": "x"}], "b": Dataset.from_dict({"prompt": ["y"]})})

@@ -80,7 +80,8 @@ def test_a_round_without_any_step_warns(tmp_path, tokenizer):
     t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
                     args=small_args(tmp_path, supervision="process", step_delimiter="§§§", max_steps=1),
                     train_dataset=toy.dataset(8), processing_class=tokenizer)
-    with pytest.warns(RuntimeWarning, match=r"no completion of a round has a step to score \(step_delimiter='§§§'"):
+    with pytest.warns(RuntimeWarning, match=r"no completion of a round has a step to score, so step rewards give no "
+                                            r"signal: check that completions end steps with the step marker"):
         t.train()
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])[
         "process/no_step_completions"] == 8
@@ -130,3 +131,45 @@ def test_a_reward_function_without_kwargs_is_named_before_the_model_loads(tmp_pa
                                           r"reward_funcs, or an environment_factory whose environment defines "
                                           r"get_reward"):
         build([])
+
+
+def test_the_no_step_warning_reads_the_whole_round():
+    """It read one process's share or one evaluation batch, and warned when other rows had steps."""
+    from groupwise.rollout_metrics import process_metrics
+    from groupwise.types import StepScores
+    import torch
+
+    def scores(rows):  # one group of len(rows) completions
+        return StepScores([rows], [[list(range(len(r))) for r in rows]], [], ("f",), torch.zeros(1))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert process_metrics(scores([[], [1.0]]))["process/no_step_completions"] == 1.0
+    with pytest.warns(RuntimeWarning, match="no completion of a round has a step to score"):
+        process_metrics(scores([[], []]))
+
+
+def test_a_whitespace_marker_is_checked_too():
+    """'\\n'.strip() is '', which every decoded text contains: a tokenizer writing '\\n' as a space passed."""
+    from groupwise.rewards.steps import check_writable
+
+    class SpaceForNewline:  # a T5-like tokenizer: no unknown token, newlines normalised to spaces
+        unk_token_id = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [0] * len(text)}
+
+        def decode(self, ids, **_):
+            return " " * len(ids)
+
+    with pytest.raises(ConfigError, match=r"step_delimiter='\\n' is not text the tokenizer can write"):
+        check_writable(SpaceForNewline(), "\n", "step_delimiter", "the tokenizer", "no step would end")
+    check_writable(SpaceForNewline(), " ", "step_delimiter", "the tokenizer", "no step would end")
+
+
+def test_the_completions_printout_names_an_unscored_step(capsys):
+    from groupwise.logging import print_completions
+
+    print_completions(3, ["q"], ["a\nb"], [1.0], [0.5], None, steps=[[("a", float("nan")), ("b", 1.0)]])
+    out = capsys.readouterr().out
+    assert "step 1: unscored  a" in out and "step 2: +1.000  b" in out

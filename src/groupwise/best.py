@@ -82,6 +82,10 @@ class BestModel:
                                   f"so every evaluation metric is eval_<name>_<metric>, with <name> one of "
                                   f"{list(datasets)}: name one dataset's, e.g. '{datasets[0]}_reward'")
             metric = metric.removeprefix(f"{max(of, key=len)}_")
+            if metric == "loss":
+                raise ConfigError(f"metric_for_best_model={name!r}: groupwise's evaluation reports no loss (it "
+                                  "samples and scores, it computes no loss); name an evaluation metric, e.g. "
+                                  f"'{datasets[0]}_reward'")
         for kind, names, pattern in (("outcome reward functions", outcome, OUTCOME_METRIC),
                                      ("process reward functions", process, PROCESS_METRIC)):
             match = pattern.match(metric)  # a name evaluation gives (a log_metric name may be anything else)

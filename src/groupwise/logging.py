@@ -367,7 +367,8 @@ def print_completions(step: int, prompts: list[Any], completions: list[Any], rew
     for i, (p, c, r, a) in enumerate(list(zip(prompts, completions, rewards, advantages))[:limit]):
         lines.append(f"prompt: {_short(p)}\ncompletion: {_short(c)}\nreward {r:+.3f}   advantage {a:+.3f}")
         for j, (text, sr) in enumerate(steps[i] if steps else []):
-            lines.append(f"    step {j + 1}: {sr:+.3f}  {_short(text, 120)}")
+            shown = "unscored" if sr is None or sr != sr else f"{sr:+.3f}"  # NaN: no step function scored it
+            lines.append(f"    step {j + 1}: {shown}  {_short(text, 120)}")
         lines.append("")
     tqdm.write("\n".join(lines))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import warnings
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -300,13 +299,6 @@ def split_steps(ctx: RolloutContext, comp: Completions) -> tuple[list, list[bool
         if dropped[-1]:
             s = s.drop_last()  # a step cut mid-way is not judged; its tokens get advantage 0
         steps.append(s)
-    if steps and not any(len(s) for s in steps):  # process supervision would have no signal: say so (once)
-        marker = {"delimiter": f"step_delimiter={args.step_delimiter!r}", "tag": f"step_tag={args.step_tag!r}",
-                  "regex": f"step_pattern={args.step_pattern!r}"}.get(args.step_split, "step_split='turn'")
-        warnings.warn(f"no completion of a round has a step to score ({marker}; a step cut by "
-                      f"max_completion_length={args.max_completion_length} is dropped unless score_truncated_step), "
-                      "so step rewards give no signal: check that completions end steps with that marker, or raise "
-                      "max_completion_length", RuntimeWarning, stacklevel=2)
     return steps, dropped
 
 

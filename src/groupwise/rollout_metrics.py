@@ -4,6 +4,7 @@ Values are over every process: each process contributes its own rows."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,11 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
 def process_metrics(s: StepScores, form: str = "suffix_sum",  # GRPOConfig.step_advantage
                     estimator: str = "grpo") -> dict[str, float]:  # GRPOConfig.advantage_estimator
     per_completion = [row for group in s.rewards for row in group]
+    if per_completion and not any(per_completion):  # the whole round (every process's) or evaluation: say so, once
+        warnings.warn("no completion of a round has a step to score, so step rewards give no signal: check that "
+                      "completions end steps with the step marker (step_delimiter, step_pattern or step_tag), or "
+                      "raise max_completion_length (a step it cuts is left out unless score_truncated_step)",
+                      RuntimeWarning, stacklevel=2)
     packed = pack_steps(s.rewards)  # (B, G, K)
     m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
          "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),

@@ -215,7 +215,7 @@ def check_writable(tokenizer, text: str, field: str, whose: str, consequence: st
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     unk = getattr(tokenizer, "unk_token_id", None)
     decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if (unk is not None and unk in ids) or text.strip() not in decoded:
+    if (unk is not None and unk in ids) or (text.strip() or text) not in decoded:
         raise ConfigError(f"{field}={text!r} is not text {whose} can write (it encodes to {ids}, which decodes to "
                           f"{decoded!r}), so {consequence}: add it to the tokenizer (tokenizer.add_tokens) or choose "
                           "one in its vocabulary")
