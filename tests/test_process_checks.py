@@ -80,8 +80,8 @@ def test_a_round_without_any_step_warns(tmp_path, tokenizer):
     t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
                     args=small_args(tmp_path, supervision="process", step_delimiter="§§§", max_steps=1),
                     train_dataset=toy.dataset(8), processing_class=tokenizer)
-    with pytest.warns(RuntimeWarning, match=r"no completion of a round has a step to score, so step rewards give no "
-                                            r"signal: check that completions end steps with the step marker"):
+    with pytest.warns(RuntimeWarning, match=r"no completion of this round or evaluation has a step to score "
+                                            r"\(step_delimiter='§§§'\), so step rewards give no signal"):
         t.train()
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])[
         "process/no_step_completions"] == 8
@@ -127,6 +127,31 @@ def test_a_reward_function_without_kwargs_is_named_before_the_model_loads(tmp_pa
                                           r"call passes the keywords \['completions', 'letter', 'log_extra', "):
         build(process=[steps_only], supervision="process")
     build([explicit])
+    import functools
+
+    def passes_kwargs(fn):  # a decorator whose own signature takes **kwargs (inspect would follow __wrapped__)
+        @functools.wraps(fn)
+        def wrapper(completions, **kwargs):
+            return fn(completions)
+        return wrapper
+
+    build([passes_kwargs(strict)])
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\] 'strict' takes no \*\*kwargs"):  # a partial: named
+        build([functools.partial(strict)])
+    # with environments every call also passes `environments`
+    from groupwise.rewards.sources import check_reward_columns
+
+    def named_all(prompts, completions, completion_ids, trainer_state, log_metric, log_extra):
+        return [1.0] * len(completions)
+
+    check_reward_columns([named_all], ["prompt"], False)
+    with pytest.raises(ConfigError, match=r"every call passes the keywords \['environments'\]"):
+        check_reward_columns([named_all], ["prompt"], False, environments=True)
+    # a dataset given to evaluate() is checked against the functions too (its extra column would reach them)
+    t = build([explicit])
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\] 'explicit' takes no \*\*kwargs, but every call "
+                                          r"passes the keywords \['source'\]"):
+        t.evaluate([{"prompt": "repeat a:", "letter": "a", "source": "x"}])
     with pytest.raises(ConfigError, match=r"supervision='outcome' needs at least one outcome reward: pass "
                                           r"reward_funcs, or an environment_factory whose environment defines "
                                           r"get_reward"):
@@ -145,7 +170,7 @@ def test_the_no_step_warning_reads_the_whole_round():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert process_metrics(scores([[], [1.0]]))["process/no_step_completions"] == 1.0
-    with pytest.warns(RuntimeWarning, match="no completion of a round has a step to score"):
+    with pytest.warns(RuntimeWarning, match="no completion of this round or evaluation has a step to score"):
         process_metrics(scores([[], []]))
 
 

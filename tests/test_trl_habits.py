@@ -557,9 +557,13 @@ def test_the_default_callbacks_can_be_removed_or_replaced_as_in_transformers(tmp
 
     t, printed, steps, saved = run("default")
     assert steps == [2, 3] and saved == ["checkpoint-3"] and "'loss':" in printed and "GRPO" in printed
+    t.evaluate(toy.dataset(2))  # transformers' ProgressCallback owns the prediction bar too
+    assert "evaluation" in capsys.readouterr().err
     t, printed, steps, saved = run("quiet", lambda t: t.remove_callback(ProgressCallback))
     assert steps == [2, 3] and "'loss':" not in printed and "GRPO" not in printed
     assert not any(isinstance(c, ProgressCallback) for c in t.callback_handler.callbacks)
+    t.evaluate(toy.dataset(2))
+    assert "evaluation" not in capsys.readouterr().err
     popped = []
     t, printed, steps, saved = run("no_flow", lambda t: popped.append(t.pop_callback(DefaultFlowCallback)))
     assert isinstance(popped[0], DefaultFlowCallback) and t.global_step == 3

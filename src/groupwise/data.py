@@ -109,7 +109,7 @@ def named_datasets(data: Any) -> bool:
     """An eval_dataset given as {name: dataset} (transformers; a DatasetDict too): a dict whose values are all
     datasets or lists of rows (dicts), not a dict of columns (a 'prompt' one, or lists of values)."""
     def dataset_like(value) -> bool:
-        return hasattr(value, "column_names") or (isinstance(value, (list, tuple)) and bool(value)
+        return hasattr(value, "column_names") or (isinstance(value, (list, tuple))
                                                   and all(isinstance(row, dict) for row in value))
 
     return isinstance(data, dict) and "prompt" not in data and (not data or all(map(dataset_like, data.values())))

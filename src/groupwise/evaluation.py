@@ -16,13 +16,13 @@ from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
 from groupwise.rollout import RolloutContext
-from groupwise.rollout_metrics import nanstd, process_metrics, zero_std_fraction
+from groupwise.rollout_metrics import nanstd, process_metrics, split_description, zero_std_fraction
 from groupwise.types import StepScores
 
 
 @torch.no_grad()
 def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
-             on_batch: Callable[[], None] | None = None) -> dict[str, float]:
+             on_batch: Callable[[], None] | None = None, progress: bool = True) -> dict[str, float]:
     """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
     or k sampled completions per prompt at the training temperature (num_generations_eval = k). Returns TRL's
     names and meanings over the whole eval set, which the trainer prefixes with metric_key_prefix ("eval_"):
@@ -32,8 +32,9 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
     of every process's calls), and, with k samples, rewards/<func>/mean@k and rewards/<func>/pass@k (the mean
     over prompts of the best of k: for 0/1 rewards, the share of prompts solved at least once); with process
     reward functions, training's process/* metrics (steps split and scored as in training, a prompt's k completions
-    being a group). `on_batch` is called after each of this process's batches (callbacks' on_prediction_step); a
-    progress bar counts the main process's batches."""
+    being a group). `on_batch` is called after each of this process's batches (callbacks' on_prediction_step); with
+    `progress` (the trainer has a ProgressCallback, as transformers' owns the prediction bar) a bar counts the main
+    process's batches."""
     dist, args = ctx.dist, ctx.args
     k = args.num_generations_eval or 1
     mine = list(range(dist.rank, len(data), dist.world_size))
@@ -49,7 +50,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
         # together, left before run_together's own collective) a collective generator's calls are matched
         per_func, lengths, truncated, tools, steps = [], [], [], [0.0, 0.0], []
         with independently(ctx.generator, model), tqdm(total=math.ceil(len(mine) / bs), desc="evaluation",
-                                                       leave=False, disable=bool(args.disable_tqdm) or not
+                                                       leave=False, disable=not progress or not
                                                        dist.is_main) as bar:
             for start in range(0, len(mine), bs):
                 score_batch(mine[start:start + bs], per_func, lengths, truncated, tools, steps)
@@ -99,7 +100,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
         groups = [every[i:i + k] for i in range(0, len(every), k)]
         scores = StepScores([[r for r, _ in g] for g in groups], [[e for _, e in g] for g in groups], [],
                             tuple(s.name for s in ctx.process_sources), dist.sum(step_errors.to(dist.device)).cpu())
-        out.update(process_metrics(scores, args.step_advantage, args.advantage_estimator))
+        out.update(process_metrics(scores, args.step_advantage, args.advantage_estimator, split_description(args)))
     if not reward_sources:
         return out
     per_func = torch.tensor(dist.gather_object(per_func), dtype=torch.float).view(-1, len(reward_sources))

@@ -21,6 +21,8 @@ from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, wri
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
                                window_summary)
 from groupwise.loading import refuse_images
+from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS
+from groupwise.rewards.sources import check_reward_columns
 from groupwise.modeling import eval_mode
 from groupwise.rewards.combine import reward_weights as weights_of
 
@@ -296,12 +298,20 @@ class TransformersHabits:
         if given and self.rollout_func is None:  # a rollout_func tokenizes its prompts itself
             refuse_images(data, data.name)
             self._check_lengths(data)
+            environments = self.toolbox is not None and bool(self.toolbox.factories)
+            for sources, kind in ((self.reward_sources, {}), (self.process_sources, {
+                    "keywords": PROCESS_REWARD_KEYWORDS, "field": "process_reward_funcs"})):
+                check_reward_columns([s.fn for s in sources if s.fn is not None], data.columns(),
+                                     self.args.remove_unused_columns, data.name, environments=environments, **kind)
+        from transformers import ProgressCallback
+
         start = time.perf_counter()
         # in eval mode, as transformers' evaluation loop: a rollout_func or reward function reading
         # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it)
         with eval_mode(self.unwrapped), eval_mode(self.sampling_model):
             raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state,
-                           on_batch=lambda: self._event("on_prediction_step"))
+                           on_batch=lambda: self._event("on_prediction_step"),
+                           progress=any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks))
         metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL: None
                    for k, v in raw.items() if k not in (ignore_keys or ())}
         # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process

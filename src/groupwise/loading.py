@@ -302,10 +302,13 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     for rows in data:  # PromptData / StreamData (train_dataset, then each eval dataset), or None
         if rows is not None and not custom_rollout:
             refuse_images(rows, rows.name)
-            check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, rows.name)
+            environments = toolbox is not None and bool(toolbox.factories)  # every call gets `environments`
+            check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
+                                 environments=environments)
             if process_reward_funcs:
                 check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
-                                     keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs")
+                                     keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs",
+                                     environments=environments)
     return reward_funcs, process_reward_funcs
 
 

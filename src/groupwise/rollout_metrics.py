@@ -11,6 +11,7 @@ import torch
 
 from groupwise.core.advantages import masked_mean_std, pack_steps, step_spread
 from groupwise.rewards.combine import reward_weights, weighted_nansum
+from groupwise.rewards.steps import SPLIT_MODES
 from groupwise.types import Completions, Round, Scores, StepScores
 
 if TYPE_CHECKING:
@@ -47,7 +48,8 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
         "completions/max_terminated_length": float(terminated.max()),
     }
     if rnd.step_scores is not None:
-        m.update(process_metrics(rnd.step_scores, ctx.args.step_advantage, ctx.args.advantage_estimator))
+        m.update(process_metrics(rnd.step_scores, ctx.args.step_advantage, ctx.args.advantage_estimator,
+                                 split_description(ctx.args)))
     if ctx.agent is not None and ctx.agent.toolbox.has_tools:
         m.update(tool_metrics(ctx, comp))
     if scores is None:
@@ -64,14 +66,20 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     return m
 
 
+def split_description(args) -> str:
+    """How a step ends in this run, for messages: the step_split option it reads and its value."""
+    field = SPLIT_MODES[args.step_split].reads
+    return f"{field}={getattr(args, field)!r}" if field else "step_split='turn': each assistant turn"
+
+
 def process_metrics(s: StepScores, form: str = "suffix_sum",  # GRPOConfig.step_advantage
-                    estimator: str = "grpo") -> dict[str, float]:  # GRPOConfig.advantage_estimator
+                    estimator: str = "grpo",  # GRPOConfig.advantage_estimator
+                    split: str = "the step marker") -> dict[str, float]:  # how steps end (split_description)
     per_completion = [row for group in s.rewards for row in group]
     if per_completion and not any(per_completion):  # the whole round (every process's) or evaluation: say so, once
-        warnings.warn("no completion of a round has a step to score, so step rewards give no signal: check that "
-                      "completions end steps with the step marker (step_delimiter, step_pattern or step_tag), or "
-                      "raise max_completion_length (a step it cuts is left out unless score_truncated_step)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"no completion of this round or evaluation has a step to score ({split}), so step rewards "
+                      "give no signal: check that completions end their steps so, or raise max_completion_length "
+                      "(a step it cuts is left out unless score_truncated_step)", RuntimeWarning, stacklevel=2)
     packed = pack_steps(s.rewards)  # (B, G, K)
     m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
          "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),

@@ -164,12 +164,12 @@ REWARD_KEYWORDS = {"prompts", "completions", "completion_ids", "trainer_state", 
 
 def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool,
                          dataset: str = "train_dataset", *, keywords: frozenset[str] | set[str] = REWARD_KEYWORDS,
-                         field: str = "reward_funcs") -> None:
+                         field: str = "reward_funcs", environments: bool = False) -> None:
     """Before the model loads: a reward function with a required parameter that no call will fill (not one of
     `keywords`, not a column of `dataset`) would fail at the first scoring; a column named as one of `keywords`
     (but `environments`, which the trainer sets) would collide with it at every call (TRL: "got multiple values for
     keyword argument"; here it would be blamed on the function, or score every row NaN). columns None: not known (a
-    stream)."""
+    stream). `environments`: the run has environments, so every call also passes `environments`."""
     if columns is None:
         return
     passed = set() if remove_unused_columns else {c for c in columns if c not in ("prompt", "completion",
@@ -191,16 +191,17 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
         need = [p.name for p in params if p.default is inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
                 and p.name not in given]
-        name = getattr(fn, "__name__", type(fn).__name__)
+        name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)  # a partial: its function's
         if need:
             why = ("remove_unused_columns=True passes only the prompt: set it False" if remove_unused_columns and
                    need[0] in columns else f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})")
             raise ConfigError(f"{field}[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
         # every call passes the protocol's keywords and the dataset's columns: a signature without **kwargs must
         # name them all (TRL's functions end with **kwargs), else every call fails with a TypeError
-        params = list(params)
+        params = list(inspect.signature(fn, follow_wrapped=False).parameters.values())  # a decorator's own
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            missing = sorted(((set(keywords) - {"environments", "dropped_last"}) | passed) - {p.name for p in params})
+            always = set(keywords) - {"dropped_last"} - (set() if environments else {"environments"})
+            missing = sorted((always | passed) - {p.name for p in params})
             if missing:
                 raise ConfigError(f"{field}[{i}] {name!r} takes no **kwargs, but every call passes the keywords "
                                   f"{missing}: add **kwargs to its signature (as TRL's reward functions, e.g. "
