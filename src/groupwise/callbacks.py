@@ -144,7 +144,8 @@ class DefaultFlowCallback(trainer_callback.DefaultFlowCallback):
 class ProgressCallback(trainer_callback.ProgressCallback):
     """The training bar on the main process (a resumed run's starts at its step) and each log line written under it
     as transformers' ProgressCallback prints it (console_line), with the last training line's reward, step reward,
-    loss and length as the bar's postfix. Evaluation draws its own bar (groupwise.evaluation)."""
+    loss and length as the bar's postfix. The evaluation bar (groupwise.evaluation) is drawn while one is in the
+    list, as transformers' ProgressCallback owns the prediction bar."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="GRPO",

@@ -21,10 +21,10 @@ from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, wri
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
                                window_summary)
 from groupwise.loading import refuse_images
-from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS
-from groupwise.rewards.sources import check_reward_columns
 from groupwise.modeling import eval_mode
 from groupwise.rewards.combine import reward_weights as weights_of
+from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS
+from groupwise.rewards.sources import check_reward_columns
 
 # transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
 # in the logging window is logged as None, as TRL's log() does (and as metrics.jsonl, hence a resumed history, has it)
