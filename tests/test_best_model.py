@@ -225,6 +225,13 @@ def test_eval_datasets_given_by_name_are_checked_when_the_trainer_is_built(tmp_p
     with pytest.raises(ConfigError, match=r"no reward function named 'acuracy'"):
         build("eval_b_rewards/acuracy/mean", a=toy.dataset(2), b=toy.dataset(2))
     build("b_rewards/_peaks_by_dataset/mean", a=toy.dataset(2), b=toy.dataset(2))
+    with pytest.raises(ConfigError, match=r"eval_dataset is an empty dict: pass a dataset, or \{name: dataset, …\}"):
+        build()
+    with pytest.raises(ConfigError, match=r"eval_dataset is a dict of datasets whose key 1 is not a name: its metrics "
+                                          r"are named eval_<key>_…, so use non-empty strings as keys"):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peaks_by_dataset],
+                    args=small_args(tmp_path), train_dataset=toy.dataset(8), eval_dataset={1: toy.dataset(2)},
+                    processing_class=tokenizer)
     with pytest.raises(ConfigError, match=r"eval_dataset\['b'\].*letter"):
         build(funcs=(toy.letter_reward,), a=toy.dataset(2), b=[{"prompt": "repeat a:"}])
 

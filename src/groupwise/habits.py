@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from groupwise.agents import environment_prompts
 from groupwise.config_base import ConfigError
+from groupwise.data import PromptData, is_stream, named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
@@ -276,6 +278,23 @@ class TransformersHabits:
             return {k: v for name, one in data.items()
                     for k, v in self._evaluate_one(one, given, ignore_keys, f"{metric_key_prefix}_{name}").items()}
         return self._evaluate_one(data, given, ignore_keys, metric_key_prefix)
+
+    def _eval_data(self, dataset, name: str = "eval_dataset") -> PromptData | dict[str, PromptData]:
+        """An eval dataset (the constructor's or evaluate()'s), or {name: dataset} as a dict of them; with
+        environments its rows may lack a prompt."""
+        if named_datasets(dataset):
+            if not dataset:
+                raise ConfigError(f"{name} is an empty dict: pass a dataset, or {{name: dataset, …}} with at least "
+                                  "one")
+            bad = [k for k in dataset if not isinstance(k, str) or not k]
+            if bad:
+                raise ConfigError(f"{name} is a dict of datasets whose key {bad[0]!r} is not a name: its metrics are "
+                                  f"named eval_<key>_…, so use non-empty strings as keys")
+            return {key: self._eval_data(data, f"{name}[{key!r}]") for key, data in dataset.items()}
+        if is_stream(dataset):
+            raise ConfigError(f"{name} must be a datasets.Dataset or a list of dicts (evaluation reads every "
+                              "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
+        return PromptData(environment_prompts(dataset, self.toolbox), name)
 
     def _trainers_eval_data(self, name: str | None):
         """The trainer's eval data; `name`: one of its datasets given as {name: dataset} (transformers'

@@ -18,15 +18,14 @@ from groupwise import rollout as R
 from groupwise.adapters import Reference, adapted_tied_embeddings, is_peft_model, peft_config_from_args, wrap
 from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_callbacks
-from groupwise.agents import Toolbox, build_agent, default_train_dataset, environment_prompts
+from groupwise.agents import Toolbox, build_agent, default_train_dataset
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
 from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
 from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
-from groupwise.data import (PromptData, PromptSampler, StreamData, StreamSampler, each_dataset, is_stream,
-                            named_datasets)
+from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, each_dataset, is_stream
 from groupwise.distributed import Distributed, empty_cache
 from groupwise.generation import build_generator
 from groupwise.hub import hub_token
@@ -182,23 +181,6 @@ class GRPOTrainer(TransformersHabits):
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
             self.dist.run_together(lambda: start(self.sampling_model), "starting the generation backend")
-
-    def _eval_data(self, dataset, name: str = "eval_dataset") -> PromptData | dict[str, PromptData]:
-        """An eval dataset (the constructor's or evaluate()'s), or {name: dataset} as a dict of them; with
-        environments its rows may lack a prompt."""
-        if named_datasets(dataset):
-            if not dataset:
-                raise ConfigError(f"{name} is an empty dict: pass a dataset, or {{name: dataset, …}} with at least "
-                                  "one")
-            bad = [k for k in dataset if not isinstance(k, str) or not k]
-            if bad:
-                raise ConfigError(f"{name} is a dict of datasets whose key {bad[0]!r} is not a name: its metrics are "
-                                  f"named eval_<key>_…, so use non-empty strings as keys")
-            return {key: self._eval_data(data, f"{name}[{key!r}]") for key, data in dataset.items()}
-        if is_stream(dataset):
-            raise ConfigError(f"{name} must be a datasets.Dataset or a list of dicts (evaluation reads every "
-                              "row); an IterableDataset can be materialised with Dataset.from_list(list(stream))")
-        return PromptData(environment_prompts(dataset, self.toolbox), name)
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_rollout(self) -> R.RolloutContext:
