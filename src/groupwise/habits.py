@@ -22,11 +22,9 @@ from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
                                window_summary)
-from groupwise.loading import refuse_images
+from groupwise.loading import check_dataset
 from groupwise.modeling import eval_mode
 from groupwise.rewards.combine import reward_weights as weights_of
-from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS
-from groupwise.rewards.sources import check_reward_columns
 
 # transformers' own log keys: their NaN is logged as NaN; every other metric (TRL's `_metrics`) with no finite value
 # in the logging window is logged as None, as TRL's log() does (and as metrics.jsonl, hence a resumed history, has it)
@@ -315,13 +313,9 @@ class TransformersHabits:
         from groupwise.evaluation import evaluate
 
         if given and self.rollout_func is None:  # a rollout_func tokenizes its prompts itself
-            refuse_images(data, data.name)
+            check_dataset(data, [s.fn for s in self.reward_sources if s.fn is not None],
+                          [s.fn for s in self.process_sources if s.fn is not None], self.args, self.toolbox)
             self._check_lengths(data)
-            environments = self.toolbox is not None and bool(self.toolbox.factories)
-            for sources, kind in ((self.reward_sources, {}), (self.process_sources, {
-                    "keywords": PROCESS_REWARD_KEYWORDS, "field": "process_reward_funcs"})):
-                check_reward_columns([s.fn for s in sources if s.fn is not None], data.columns(),
-                                     self.args.remove_unused_columns, data.name, environments=environments, **kind)
         from transformers import ProgressCallback
 
         start = time.perf_counter()

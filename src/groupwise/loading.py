@@ -301,15 +301,20 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                             for i, s in enumerate(process_reward_funcs)]
     for rows in data:  # PromptData / StreamData (train_dataset, then each eval dataset), or None
         if rows is not None and not custom_rollout:
-            refuse_images(rows, rows.name)
-            environments = toolbox is not None and bool(toolbox.factories)  # every call gets `environments`
-            check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
-                                 environments=environments)
-            if process_reward_funcs:
-                check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
-                                     keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs",
-                                     environments=environments)
+            check_dataset(rows, reward_funcs, process_reward_funcs, args, toolbox)
     return reward_funcs, process_reward_funcs
+
+
+def check_dataset(rows, reward_funcs: list, process_reward_funcs: list, args, toolbox=None) -> None:
+    """A dataset's columns against what reads them (the constructor's datasets, or one given to evaluate()): no
+    image column; the reward functions' keywords (with environments every call also gets `environments`)."""
+    refuse_images(rows, rows.name)
+    environments = toolbox is not None and toolbox.has_environments
+    check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
+                         environments=environments)
+    if process_reward_funcs:
+        check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
+                             keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs", environments=environments)
 
 
 def refuse_images(rows, name: str) -> None:

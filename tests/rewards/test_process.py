@@ -117,11 +117,14 @@ def test_a_prm_spec_key_no_prm_takes_is_named_before_the_model_loads(tmp_path):
     from the PRM class after the weights had loaded; the folder here holds no model at all, so only the spec is
     read."""
     (tmp_path / "prm").mkdir()
-    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\]: the PRM spec key 'tokenisation' is not an "
-                                          r"option of a token_classification PRM \(did you mean 'tokenization'\?\)"):
+    with pytest.raises(ConfigError, match=r"process_reward_funcs\[0\] \(a PRM spec of a token_classification PRM, "
+                                          r"whose options are \[.*'tokenization'.*\]\): unknown field "
+                                          r"'tokenisation'; did you mean 'tokenization'\?"):
         load_process_reward_sources([{"path": str(tmp_path / "prm"), "kind": "token_classification",
                                       "tokenisation": "per_step"}])
-    with pytest.raises(ConfigError, match=r"the PRM spec key 'positive_label' is not an option of a step_tag PRM"):
+    with pytest.raises(ConfigError, match=r"\(a PRM spec of a step_tag PRM, whose options are \[.*\]\): unknown "
+                                          r"field 'positive_label'"):
         load_process_reward_sources([{"path": str(tmp_path / "prm"), "kind": "step_tag", "positive_label": 1}])
-    with pytest.raises(ConfigError, match=r"the PRM spec key 'weight' is not an option of any PRM"):
+    with pytest.raises(ConfigError, match=r"\(a PRM spec of any PRM, whose options are \[.*\]\): unknown field "
+                                          r"'weight'"):
         load_process_reward_sources([{"path": str(tmp_path / "prm"), "weight": 2.0}])

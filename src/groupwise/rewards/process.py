@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from groupwise.config_base import ConfigError, check_location
+from groupwise.config_base import ConfigError, check_location, reject_unknown
 from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources,
                                        resolve_spec, reward_value, run_async)
@@ -93,12 +93,8 @@ def check_prm_options(spec: dict, where: str) -> None:
             if "__init__" in vars(klass):
                 known |= set(inspect.signature(klass.__init__).parameters)
     known -= {"self", "model", "tokenizer", "kw", "options"}
-    for key in spec:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            raise ConfigError(f"{where}: the PRM spec key {key!r} is not an option of "
-                              f"{'a ' + kind if kind is not None else 'any'} PRM"
-                              f"{f' (did you mean {close[0]!r}?)' if close else ''}; its options: {sorted(known)}")
+    reject_unknown(spec, known, f"{where} (a PRM spec of {'a ' + kind if kind is not None else 'any'} PRM, whose "
+                                f"options are {sorted(known)})")
 
 
 def _as_list(values: Any) -> Any:
