@@ -55,6 +55,7 @@ def _steps(prompts, completions, steps, **_):
                                                          r"reward functions \['_peak_at_step_2'\]"),
     ("process/step_reward_mean", [_peak_at_step_2], [], "this run has no process reward functions"),
     ("process/nope/errors", [_peak_at_step_2], [_steps], "no reward function named 'nope'"),
+    ("process/nope/mean", [_peak_at_step_2], [_steps], "no reward function named 'nope' among the process"),
     ("rewards/_peak_at_step_2/pass@4", [], [_steps], "this run has no outcome reward functions"),
 ])
 def test_a_metric_the_evaluation_cannot_report_is_refused_at_construction(tmp_path, tokenizer, metric, outcome,
@@ -76,13 +77,14 @@ def test_names_a_reward_function_may_log_are_not_refused(tmp_path, tokenizer, me
                 processing_class=tokenizer)
 
 
-def test_process_metrics_may_pick_the_best_model(tmp_path, tokenizer):
+@pytest.mark.parametrize("metric", ["process/step_reward_mean", "process/_steps/mean"])
+def test_process_metrics_may_pick_the_best_model(tmp_path, tokenizer, metric):
     t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [], process_reward_funcs=[_steps],
-                    args=small_args(tmp_path, metric_for_best_model="process/step_reward_mean", supervision="process",
+                    args=small_args(tmp_path, metric_for_best_model=metric, supervision="process",
                                     max_steps=1, eval_strategy="steps", eval_steps=1, save_steps=1),
                     train_dataset=toy.dataset(8), eval_dataset=toy.dataset(2, seed=1), processing_class=tokenizer)
     t.train()
-    assert t.state.best_metric is not None and t.state.best_global_step == 1
+    assert t.state.best_metric == 1.0 and t.state.best_global_step == 1  # _steps scores every step 1
 
 
 def test_greater_is_better_defaults_from_the_metrics_name():

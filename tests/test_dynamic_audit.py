@@ -170,7 +170,8 @@ def test_both_reads_only_terms_with_a_weight(w_o, w_p, signal):
     args = _args(supervision="both", outcome_advantage_weight=w_o, process_advantage_weight=w_p)
     rewards = torch.tensor([[1.0, 0.0]])
     scores = Scores(rewards.unsqueeze(-1), rewards, ("r",), torch.zeros(1))
-    steps = StepScores([[[1.0, 1.0], [1.0, 1.0]]], [[[1, 3], [1, 3]]], [], ("p",), torch.zeros(1))
+    steps = StepScores([[[1.0, 1.0], [1.0, 1.0]]], [[[1, 3], [1, 3]]], [], ("p",), torch.zeros(1),
+                       torch.zeros(1, 2))
     got = group_signal(SimpleNamespace(args=args), scores, steps).tolist()
     adv = token_advantages("both", outcome_advantages(rewards).flatten(),
                            process_advantages(steps.rewards, steps.ends, 4).flatten(0, 1),
@@ -182,7 +183,8 @@ def test_process_weight_zero_ignores_a_step_spread():
     """Outcome rewards equal (1, 1), step rewards 1 vs 0 (spread): kept with w_p = 1, dropped with w_p = 0."""
     rewards = torch.tensor([[1.0, 1.0]])
     scores = Scores(rewards.unsqueeze(-1), rewards, ("r",), torch.zeros(1))
-    steps = StepScores([[[1.0], [0.0]]], [[[1], [1]]], [], ("p",), torch.zeros(1))
+    steps = StepScores([[[1.0], [0.0]]], [[[1], [1]]], [], ("p",), torch.zeros(1),
+                       torch.zeros(1, 2))
     for w_p, signal in ((1.0, True), (0.0, False)):
         args = _args(supervision="both", process_advantage_weight=w_p)
         assert group_signal(SimpleNamespace(args=args), scores, steps).tolist() == [signal]

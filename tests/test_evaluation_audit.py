@@ -214,6 +214,7 @@ def test_process_reward_functions_are_scored_in_evaluation(tmp_path, tokenizer):
     assert out["eval_process/steps_per_completion"] == 1.5  # 6 steps / 4 completions
     assert out["eval_process/no_step_completions"] == 1.0  # c3
     assert out["eval_process/unscored_steps"] == 0.0 and out["eval_process/step_len/errors"] == 0.0
+    assert out["eval_process/step_len/mean"] == pytest.approx(10 / 6)  # the one function's own mean
     assert out["eval_process/zero_std_groups"] == 0.0  # both groups' step rewards differ
     assert "eval_reward" not in out  # no outcome function
 

@@ -103,7 +103,7 @@ def test_no_signal_is_read_from_the_step_advantage_form(form, signal):
 
     R, E = [[[1.0, 1.0], [1.0, 1.0, 1.0]]], [[[1, 3], [1, 3, 5]]]
     assert bool((process_advantages(R, E, 6, form=form) != 0).any()) == signal
-    scores = StepScores(R, E, [], (), torch.zeros(0))
+    scores = StepScores(R, E, [], (), torch.zeros(0), torch.zeros(0, 2))
     ctx = SimpleNamespace(args=GRPOConfig(supervision="process", step_advantage=form, num_generations=2,
                                           per_device_train_batch_size=2))
     assert group_signal(ctx, None, scores).tolist() == [signal]
@@ -120,8 +120,9 @@ def test_unscored_steps_counts_none_and_nan_step_rewards():
     nan = float("nan")
     R = [[[1.0, None], []], [[nan, nan, 0.5], [0.0]]]
     E = [[[0, 1], []], [[0, 1, 2], [0]]]
-    m = process_metrics(StepScores(R, E, [], (), torch.zeros(0)))
+    m = process_metrics(StepScores(R, E, [], (), torch.zeros(0), torch.zeros(0, 2)))
     assert m["process/unscored_steps"] == 3.0
     assert m["process/steps_per_completion"] == 1.5 and m["process/step_reward_mean"] == 0.5
-    assert process_metrics(StepScores([[[0.5], [1.0]]], [[[0], [0]]], [], (), torch.zeros(0)))[
+    assert process_metrics(StepScores([[[0.5], [1.0]]], [[[0], [0]]], [], (), torch.zeros(0),
+                                      torch.zeros(0, 2)))[
         "process/unscored_steps"] == 0.0

@@ -165,7 +165,8 @@ def test_the_no_step_warning_reads_the_whole_round():
     import torch
 
     def scores(rows):  # one group of len(rows) completions
-        return StepScores([rows], [[list(range(len(r))) for r in rows]], [], ("f",), torch.zeros(1))
+        return StepScores([rows], [[list(range(len(r))) for r in rows]], [], ("f",), torch.zeros(1),
+                          torch.zeros(1, 2))
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -47,6 +47,30 @@ def test_process_advantages_through_the_rollout_by_hand(tokenizer):
     assert metrics["process/step_reward_mean"] == 0.5 and metrics["process/zero_std_groups"] == 0.0
 
 
+def test_each_process_function_reports_its_own_mean_by_hand(tokenizer):
+    """process/<f>/mean: one function's step rewards, unweighted, over the steps it scored. Steps a, b (completion
+    0), c (completion 1). is_a: a → 1, b → 0, c → 0 ⇒ mean 1/3. flat (weight 0.5): 2 on a and c, None on b ⇒ mean
+    (2 + 2) / 2 = 2. Combined per step: a 1 + 0.5·2 = 2, b 0 (flat skipped), c 0 + 1 = 1 ⇒ step_reward_mean 1."""
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=2, max_completion_length=8, supervision="process",
+                      advantage_eps=0.0, process_reward_weights=[1.0, 0.5])
+
+    def is_a(steps, **_):
+        return [[1.0 if s == "a" else 0.0 for s in row] for row in steps]
+
+    def flat(steps, **_):
+        return [[None if s == "b" else 2.0 for s in row] for row in steps]
+
+    ctx = R.RolloutContext(args=args, tokenizer=tokenizer, generator=None, dist=Distributed(),
+                           eos_token_ids=[tokenizer.eos_token_id],
+                           process_sources=load_process_reward_sources([is_a, flat]), splitter=StepSplitter())
+    comp = _completions(tokenizer, ["a\nb", "c"])
+    steps = R.score_steps(ctx, comp)
+    metrics = round_metrics(ctx, Round(comp, R.advantages(ctx, comp, None, steps), torch.full((2,), float("nan")),
+                                       None, None, None, None, steps))
+    assert metrics["process/is_a/mean"] == 1 / 3 and metrics["process/flat/mean"] == 2.0
+    assert metrics["process/step_reward_mean"] == 1.0 and metrics["process/flat/errors"] == 0.0
+
+
 def test_round_metrics_follow_trls_definitions_by_hand():
     """Two groups of G = 2. Completion lengths (EOS included) 3, 4 (truncated: no EOS), 1, 2; prompt tokens 2 each.
     completions/*: mean 10/4 = 2.5, min 1, max 4, clipped 1/4; terminated (3, 1, 2): mean 2, min 1, max 3.

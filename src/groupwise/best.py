@@ -59,7 +59,7 @@ def check_fields(args, *, sharded: bool = False) -> None:
 OUTCOME_METRIC = re.compile(r"^(?:reward|reward_std|frac_reward_zero_std|rewards/(?P<func>.+)/(?:mean|std|mean@\d+|"
                             r"pass@\d+))$")
 PROCESS_METRIC = re.compile(r"^process/(?:step_reward_mean|steps_per_completion|no_step_completions|unscored_steps|"
-                            r"zero_std_groups|(?P<func>.+)/errors)$")
+                            r"zero_std_groups|(?P<func>.+)/(?:mean|errors))$")
 
 
 class BestModel:

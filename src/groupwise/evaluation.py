@@ -45,6 +45,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
 
     process = bool(ctx.process_sources)
     step_errors = torch.zeros(len(ctx.process_sources))
+    step_totals = torch.zeros(len(ctx.process_sources), 2, dtype=torch.float64)
 
     def local():  # this process's share, under run_together. Within independently() (entered by every process
         # together, left before run_together's own collective) a collective generator's calls are matched
@@ -73,9 +74,10 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
             tools[0] += float(comp.tool_calls.sum())
             tools[1] += float(comp.tool_failures.sum())
         if process:  # the step rewards, split and scored as in training (groupwise.rollout.score_steps)
-            split, step_rewards, errors = R.local_step_rewards(ctx, comp, kwargs)
+            split, step_rewards, errors, totals = R.local_step_rewards(ctx, comp, kwargs)
             steps += [(r, list(s.ends)) for r, s in zip(step_rewards, split)]
             step_errors.add_(errors)
+            step_totals.add_(totals)
 
     # sampled evaluation must not move the training's random streams (exact resume)
     with rng_untouched():
@@ -99,7 +101,8 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
         every = dist.gather_object(steps)  # a prompt's k rows stay together (each process evaluates whole prompts)
         groups = [every[i:i + k] for i in range(0, len(every), k)]
         scores = StepScores([[r for r, _ in g] for g in groups], [[e for _, e in g] for g in groups], [],
-                            tuple(s.name for s in ctx.process_sources), dist.sum(step_errors.to(dist.device)).cpu())
+                            tuple(s.name for s in ctx.process_sources), dist.sum(step_errors.to(dist.device)).cpu(),
+                            dist.sum(step_totals.to(dist.device)).cpu())
         out.update(process_metrics(scores, args.step_advantage, args.advantage_estimator, split_description(args)))
     if not reward_sources:
         return out

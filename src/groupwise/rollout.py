@@ -253,26 +253,29 @@ def score(ctx: RolloutContext, comp: Completions) -> Scores:
 def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     """Split this process's completions into steps, score them, gather the round."""
     G = ctx.args.num_generations
-    steps, rewards, errors = ctx.dist.run_together(lambda: local_step_rewards(ctx, comp, ctx.reward_kwargs),
-                                                   "a process reward function")
+    steps, rewards, errors, totals = ctx.dist.run_together(
+        lambda: local_step_rewards(ctx, comp, ctx.reward_kwargs), "a process reward function")
     texts = [list(s.texts) for s in steps]
     gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
+    totals = ctx.dist.sum(totals.to(ctx.dist.device)).cpu()
     B = len(gathered) // G
     all_rewards = [[gathered[b * G + g][0] for g in range(G)] for b in range(B)]
     all_ends = [[gathered[b * G + g][1] for g in range(G)] for b in range(B)]
-    return StepScores(all_rewards, all_ends, texts, tuple(s.name for s in ctx.process_sources), errors)
+    return StepScores(all_rewards, all_ends, texts, tuple(s.name for s in ctx.process_sources), errors, totals)
 
 
-def local_step_rewards(ctx: RolloutContext, comp: Completions, extra: dict) -> tuple[list, list, torch.Tensor]:
+def local_step_rewards(ctx: RolloutContext, comp: Completions,
+                       extra: dict) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """This process's completions split into steps and scored: (steps, (N)[K_i] combined step rewards, (F,)
-    errors); `extra`: the keywords every process reward function gets (trainer_state, log_metric, …)."""
+    errors, (F, 2) each function's sum and count of step rewards); `extra`: the keywords every process reward
+    function gets (trainer_state, log_metric, …)."""
     args = ctx.args
     steps, dropped = split_steps(ctx, comp)
-    rewards, errors = compute_step_rewards(
+    rewards, errors, totals = compute_step_rewards(
         ctx.process_sources, ctx.process_weights, comp.prompts, comp.completions, [list(s.texts) for s in steps],
         comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout, extra=extra, dropped_last=dropped)
-    return steps, rewards, errors
+    return steps, rewards, errors, totals
 
 
 def split_steps(ctx: RolloutContext, comp: Completions) -> tuple[list, list[bool]]:

@@ -88,7 +88,9 @@ def process_metrics(s: StepScores, form: str = "suffix_sum",  # GRPOConfig.step_
          "process/unscored_steps": float(sum(1 for r in per_completion for v in r if v is None or v != v)),
          # a group where what the step_advantage form compares has no spread carries no signal (advantages all 0)
          "process/zero_std_groups": float((~(step_spread(s.rewards, form, estimator) > 1e-6)).sum())}
-    for f, name in enumerate(s.names):
+    for f, name in enumerate(s.names):  # each function's own step rewards (a step it left unscored left out)
+        total, count = s.totals[f].tolist()
+        m[f"process/{name}/mean"] = total / count if count else float("nan")
         m[f"process/{name}/errors"] = float(s.errors[f])
     return m
 

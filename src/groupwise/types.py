@@ -68,6 +68,7 @@ class StepScores:
     texts: list[list[str]]  # (N)[K_i] step texts of this process's rows
     names: tuple[str, ...]  # (F) process reward function names
     errors: torch.Tensor  # (F,)
+    totals: torch.Tensor  # (F, 2) float64: each function's sum and count of the step rewards it gave (NaN left out)
 
 
 @dataclass(frozen=True)

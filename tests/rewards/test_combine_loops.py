@@ -41,8 +41,8 @@ def test_step_rewards_of_several_functions_match_loop():
     tables = [[[None if rng.random() < 0.3 else rng.uniform(-1, 1) for _ in row] for row in steps] for _ in range(3)]
     funcs = [lambda steps, t=t, **_: t for t in tables]
     weights = [0.5, 1.0, -2.0]
-    got, errors = compute_step_rewards(load_process_reward_sources(funcs), torch.tensor(weights), ["p"] * 7,
-                                       ["c"] * 7, steps, {})
+    got, errors, totals = compute_step_rewards(load_process_reward_sources(funcs), torch.tensor(weights), ["p"] * 7,
+                                               ["c"] * 7, steps, {})
     for i, row in enumerate(steps):
         expected = _nansum_loop([[math.nan if t[i][j] is None else t[i][j] for t in tables] for j in range(len(row))],
                                 weights)
@@ -50,6 +50,9 @@ def test_step_rewards_of_several_functions_match_loop():
         for a, b in zip(got[i], expected):
             assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b)
     assert errors.tolist() == [0.0, 0.0, 0.0]
+    for f, table in enumerate(tables):  # each function's own (sum, count) of the steps it scored
+        scored = [v for row in table for v in row if v is not None]
+        assert totals[f].tolist() == pytest.approx([sum(scored), len(scored)])
 
 
 def test_supervision_both_matches_loop():

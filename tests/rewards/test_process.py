@@ -19,9 +19,11 @@ def test_weighted_sum_per_step_with_none():
     # f: [1, None], [2]; g (weight 0.5): [4, 6], [None] → [1 + 2, 0.5·6 = 3], [2] (None terms skipped)
     f = lambda steps, **_: [[1.0, None], [2.0]]  # noqa: E731
     g = lambda steps, **_: [[4.0, 6.0], [None]]  # noqa: E731
-    rewards, errors = _run([f, g], [["s1", "s2"], ["t1"]], weights=[1.0, 0.5])
+    rewards, errors, totals = _run([f, g], [["s1", "s2"], ["t1"]], weights=[1.0, 0.5])
     assert rewards == [[3.0, 3.0], [2.0]] and errors.tolist() == [0.0, 0.0]
-    all_none, _ = _run([lambda steps, **_: [[None]]], [["s"]])
+    # each function's own sum and count of the steps it scored, unweighted: f 1 + 2 over 2, g 4 + 6 over 2
+    assert totals.tolist() == [[3.0, 2.0], [10.0, 2.0]]
+    all_none, _, _ = _run([lambda steps, **_: [[None]]], [["s"]])
     assert math.isnan(all_none[0][0])
 
 
@@ -43,8 +45,9 @@ def test_exceptions_raise_or_count():
 
     with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.* on row 1"):
         _run([fragile], [["ab"], ["c"]])
-    rewards, errors = _run([fragile], [["ab"], ["c"]], on_error="nan")
+    rewards, errors, totals = _run([fragile], [["ab"], ["c"]], on_error="nan")
     assert rewards[0] == [1.0] and math.isnan(rewards[1][0]) and errors.tolist() == [1.0]
+    assert totals.tolist() == [[1.0, 1.0]]  # the failed row's step is left out of process/fragile/mean
 
 
 def test_supervision_both_by_hand():
@@ -91,9 +94,9 @@ def test_step_rewards_given_as_tensors_or_arrays():
     import numpy as np
 
     per_row = lambda steps, **_: [torch.tensor([0.25, 0.5]), np.array([1.0])]  # noqa: E731
-    rewards, _ = _run([per_row], [["s1", "s2"], ["t1"]])
+    rewards, _, _ = _run([per_row], [["s1", "s2"], ["t1"]])
     assert rewards == [[0.25, 0.5], [1.0]]
-    rewards, _ = _run([lambda steps, **_: torch.tensor([[0.25], [0.75]])], [["s"], ["t"]])
+    rewards, _, _ = _run([lambda steps, **_: torch.tensor([[0.25], [0.75]])], [["s"], ["t"]])
     assert rewards == [[0.25], [0.75]]
     with pytest.raises(RewardFunctionError, match=r"returned 1 rewards for row 0, which has 2 steps"):
         _run([lambda steps, **_: [torch.tensor([1.0])]], [["a", "b"]])

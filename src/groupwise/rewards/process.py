@@ -140,10 +140,13 @@ def compute_step_rewards(
     timeout: float | None = None,
     extra: dict[str, Any] | None = None,  # passed to every function, as for outcome rewards
     dropped_last: list[bool] | None = None,  # (N) to the sources that take it (RewardSource.takes_dropped_last)
-) -> tuple[list[list[float]], torch.Tensor]:  # (N)[K_i] combined step rewards (NaN = unscored), (F,) errors
+) -> tuple[list[list[float]], torch.Tensor, torch.Tensor]:
+    """(N)[K_i] the step rewards combined over functions (NaN = unscored), (F,) each function's errors, (F, 2) each
+    function's sum and count of the step rewards it gave (None / NaN left out: process/<f>/mean)."""
     n = len(prompts)
     per_func: list[list[list[float]]] = []
     errors = torch.zeros(len(sources))
+    totals = torch.zeros(len(sources), 2, dtype=torch.float64)
     for f, src in enumerate(sources):
         def call(lo, hi, trainer, src=src):
             dropped = {"dropped_last": (dropped_last or [False] * n)[lo:hi]} if src.takes_dropped_last else {}
@@ -158,8 +161,10 @@ def compute_step_rewards(
             failed_row=lambda i: [math.nan] * len(steps[i]), describe=lambda i: f"completion={completions[i]!r:.200}",
             timeout=timeout, extra=extra)
         per_func.append(rows)
+        scored = [v for row in rows for v in row if v is not None and v == v]
+        totals[f] = torch.tensor([math.fsum(scored), len(scored)], dtype=torch.float64)
     # one weighted NaN-skipping sum per step, as for outcome rewards (groupwise.rewards.combine)
     combined = [weighted_nansum(torch.tensor([[per_func[f][i][j] for f in range(len(sources))]
                                               for j in range(len(steps[i]))], dtype=torch.float64).view(-1, len(sources)),
                                 weights.double()).tolist() for i in range(n)]
-    return combined, errors
+    return combined, errors, totals
