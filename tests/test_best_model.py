@@ -221,6 +221,10 @@ def test_eval_datasets_given_by_name_are_checked_when_the_trainer_is_built(tmp_p
                                           r"\{name: dataset\}, so every evaluation metric is eval_<name>_<metric>, "
                                           r"with <name> one of \['a', 'b'\]: name one dataset's, e.g. 'a_reward'"):
         build("reward", a=toy.dataset(2), b=toy.dataset(2))
+    with pytest.raises(ConfigError, match=r"metric_for_best_model='reward': the eval datasets"):  # before a load
+        GRPOTrainer(str(tmp_path / "no-such-model"), [_peaks_by_dataset],
+                    args=small_args(tmp_path, metric_for_best_model="reward"), train_dataset=toy.dataset(8),
+                    eval_dataset={"a": toy.dataset(2), "b": toy.dataset(2)})
     with pytest.raises(ConfigError, match=r"metric_for_best_model='a_loss': groupwise's evaluation reports no loss"):
         build("a_loss", a=toy.dataset(2), b=toy.dataset(2))
     # the dataset prefix is taken off before the metric is checked against the run's reward functions

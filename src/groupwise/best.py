@@ -63,32 +63,38 @@ PROCESS_METRIC = re.compile(r"^process/(?:step_reward_mean|steps_per_completion|
 
 
 class BestModel:
-    def __init__(self, args, outcome: tuple[str, ...] = (), process: tuple[str, ...] = (),
-                 datasets: tuple[str, ...] | None = None):
-        """`outcome` / `process`: the names of the run's reward functions of each kind, whose metrics evaluation
-        reports (reward, rewards/<name>/…; process/…): a metric_for_best_model of a kind the run lacks, or of a
-        function it does not have, is refused now, not at the first evaluation. `datasets`: the names of eval
-        datasets given as {name: dataset}, whose metrics are eval_<name>_… (transformers): the metric names one."""
+    def __init__(self, args, datasets: tuple[str, ...] | None = None):
+        """`datasets`: the names of eval datasets given as {name: dataset}, whose metrics are eval_<name>_…
+        (transformers): the metric must name one, checked now, before any model loads. The reward functions'
+        names come later (check_reward_names)."""
         self.args = args
         name = args.metric_for_best_model
         self.key = None if name is None else name if name.startswith("eval_") else f"eval_{name}"
         if self.key is None:
             return
-        metric = self.key.removeprefix("eval_")
+        self.metric = self.key.removeprefix("eval_")  # the name evaluation gives, without a dataset's prefix
         if datasets is not None:
-            of = [d for d in datasets if metric.startswith(f"{d}_")]
+            of = [d for d in datasets if self.metric.startswith(f"{d}_")]
             if not of:
                 raise ConfigError(f"metric_for_best_model={name!r}: the eval datasets are given as {{name: dataset}}, "
                                   f"so every evaluation metric is eval_<name>_<metric>, with <name> one of "
                                   f"{list(datasets)}: name one dataset's, e.g. '{datasets[0]}_reward'")
-            metric = metric.removeprefix(f"{max(of, key=len)}_")
-            if metric == "loss":
+            self.metric = self.metric.removeprefix(f"{max(of, key=len)}_")
+            if self.metric == "loss":
                 raise ConfigError(f"metric_for_best_model={name!r}: groupwise's evaluation reports no loss (it "
                                   "samples and scores, it computes no loss); name an evaluation metric, e.g. "
                                   f"'{datasets[0]}_reward'")
+
+    def check_reward_names(self, outcome: tuple[str, ...], process: tuple[str, ...]) -> None:
+        """`outcome` / `process`: the names of the run's reward functions of each kind, whose metrics evaluation
+        reports (reward, rewards/<name>/…; process/…): a metric_for_best_model of a kind the run lacks, or of a
+        function it does not have, is refused now, not at the first evaluation."""
+        if self.key is None:
+            return
+        name = self.args.metric_for_best_model
         for kind, names, pattern in (("outcome reward functions", outcome, OUTCOME_METRIC),
                                      ("process reward functions", process, PROCESS_METRIC)):
-            match = pattern.match(metric)  # a name evaluation gives (a log_metric name may be anything else)
+            match = pattern.match(self.metric)  # a name evaluation gives (a log_metric name may be anything else)
             if match and not names:
                 raise ConfigError(f"metric_for_best_model={name!r}: this run has no {kind}, so evaluation does not "
                                   "report it; name another evaluation metric")

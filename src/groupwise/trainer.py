@@ -82,6 +82,8 @@ class GRPOTrainer(TransformersHabits):
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
             asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
             raise ConfigError(f"{asked} needs an eval_dataset (on the command line: eval_dataset_name), or turn it off")
+        # metric_for_best_model (state.best_metric, the best checkpoint) names one of these datasets' metrics
+        self._best = BestModel(args, tuple(self.eval_data) if isinstance(self.eval_data, dict) else None)
         if args.push_to_hub:  # no credentials: stop now, not after training (only the main process uploads)
             self.dist.run_together(lambda: self.dist.is_main and hub_token(args), "checking the hub token")
         self.optimizers = tuple(optimizers) if optimizers is not None else (None, None)
@@ -174,9 +176,8 @@ class GRPOTrainer(TransformersHabits):
         self._epochs_done = 0  # epochs whose end was seen (save / eval / logging_strategy "epoch")
         self._span = (0.0, 0.0)  # the sampler's progress (epochs) before and after the current round
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
-        self._best = BestModel(args, tuple(s.name for s in self.reward_sources),  # metric_for_best_model:
-                               tuple(s.name for s in self.process_sources),  # state.best_metric, best checkpoint
-                               datasets=tuple(self.eval_data) if isinstance(self.eval_data, dict) else None)
+        self._best.check_reward_names(tuple(s.name for s in self.reward_sources),
+                                      tuple(s.name for s in self.process_sources))
         self._event("on_init_end")
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
