@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,10 @@ from groupwise.tasks import toy
 
 torch.set_num_threads(2)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# trackio reads its store's folder once, when imported: a run with report_to trackio (or 'all') writes here, not to
+# the user's ~/.cache/huggingface/trackio; subprocesses inherit it
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="groupwise-trackio-")
+atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def test_trl_spellings_and_coercion():
     with pytest.raises(ConfigError, match="bf16='maybe' must be of type bool"):
         GRPOConfig(bf16="maybe")
     # report_to: None is no tracker, 'all' every installed one (transformers)
-    from groupwise.logging import installed_trackers
+    from groupwise.trackers import installed_trackers
 
     assert GRPOConfig(report_to=None).report_to == [] and GRPOConfig(report_to="all").report_to == installed_trackers()
 

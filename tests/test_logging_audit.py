@@ -11,7 +11,8 @@ import pytest
 
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config_base import ConfigError
-from groupwise.logging import MetricsLogger, resolve_report_to, tracker_names, wandb_config
+from groupwise.logging import MetricsLogger
+from groupwise.trackers import resolve_report_to, tracker_names, wandb_config
 from groupwise.tasks import toy
 from tests.conftest import small_args, training_lines
 
@@ -177,13 +178,15 @@ def test_report_to_spellings_and_errors(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.delitem(sys.modules, "trackio", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "wandb" else (
-        None if n in ("tensorboard", "tensorboardX") else real(n, *a)))
+        None if n in ("tensorboard", "tensorboardX", "trackio") else real(n, *a)))
     assert resolve_report_to("all") == resolve_report_to(["all"]) == ["wandb"]
     assert resolve_report_to("none") == resolve_report_to(["none"]) == resolve_report_to(None) == []
     assert resolve_report_to("wandb") == ["wandb"] and GRPOConfig(report_to="wandb").report_to == ["wandb"]
-    for name in ("trackio", "mlflow", "comet_ml"):
-        with pytest.raises(ConfigError, match=rf"report_to='{name}': groupwise reports to \['tensorboard', 'wandb'\] "
+    for name in ("mlflow", "comet_ml", "swanlab"):
+        with pytest.raises(ConfigError, match=rf"report_to='{name}': groupwise reports to \['tensorboard', 'wandb', "
+                                              rf"'trackio'\] "
                                               rf"only .* drop '{name}' from report_to"):
             GRPOConfig(report_to=["wandb", name])
     with pytest.raises(ConfigError, match=r"report_to='tensorboard' needs `pip install groupwise\[tensorboard\]` "
@@ -202,3 +205,45 @@ def test_a_tracker_failing_mid_run_stops_the_run_as_transformers_callbacks_do(tm
         t.train()
     assert [m["train/global_step"] for m in runs[0].logged] == [1] and runs[0].finished == 1
     assert [json.loads(x)["step"] for x in training_lines(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_trackio_gets_what_transformers_trackio_callback_logs(tmp_path, tokenizer):
+    """report_to='trackio' (real trackio, its local store, read back): the run `run_name` in `project`, the config
+    with the model's, each log line under tracker_names with train/global_step and without the end-of-training
+    values, TRL's completions table; a resume goes on logging into the same run (trackio's resume='allow')."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"groupwise-test-{tmp_path.name}"
+    t = _trainer(tmp_path, tokenizer, max_steps=2, logging_steps=1, save_steps=1, report_to="trackio",
+                 project=project, run_name="first", log_completions=True, eval_strategy="steps", eval_steps=2)
+    t.train()
+    logs = SQLiteStorage.get_logs(project, "first")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in logs if "train/loss" in x]
+    assert [x["train/global_step"] for x in train] == [1, 2]
+    for logged, line in zip(train, [x for x in lines if "loss" in x]):
+        assert logged["train/reward"] == pytest.approx(line["reward"])
+        assert logged["train/learning_rate"] == pytest.approx(line["learning_rate"])
+    assert any("eval/reward" in x and x["train/global_step"] == 2 for x in logs)
+    assert not any("train/train_runtime" in x or "train/total_flos" in x for x in logs)  # SUMMARY_ONLY
+    tables = [x["completions"] for x in logs if "completions" in x]
+    assert len(tables) == 2 and {row["step"] for row in tables[0]["_value"]} == {1}
+    config = SQLiteStorage.get_run_config(project, "first")
+    assert config["project"] == project and config["learning_rate"] == t.args.learning_rate
+    assert config["hidden_size"] == 32  # the model's config, under the arguments (transformers)
+    resumed = _trainer(tmp_path, tokenizer, max_steps=3, logging_steps=1, save_steps=1, report_to="trackio",
+                       project=project, run_name="first", resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    resumed.train()
+    steps = [x["train/global_step"] for x in SQLiteStorage.get_logs(project, "first") if "train/loss" in x]
+    assert steps == [1, 2, 3]
+
+
+def test_trackios_fields_as_transformers_reads_them():
+    """project, trackio_space_id and trackio_bucket_id are read (transformers' defaults); no static Space is made,
+    so trackio_static_space_id may only say so (None / False)."""
+    assert (GRPOConfig().project, GRPOConfig().trackio_space_id, GRPOConfig().trackio_bucket_id) == \
+        ("huggingface", None, None)
+    assert GRPOConfig(trackio_static_space_id=False).trackio_static_space_id is False
+    with pytest.raises(ConfigError, match=r"trackio_static_space_id='me/static' is not supported by groupwise: "
+                                          r"report_to 'trackio' makes no static Space"):
+        GRPOConfig(trackio_static_space_id="me/static")

@@ -481,7 +481,8 @@ def test_disable_tqdm_none_follows_transformers_verbosity(tmp_path):
 def test_every_tracker_is_closed_even_when_one_fails_to(tmp_path):
     """A tracker failing to close (wandb unreachable at the end) does not leave the next one open; after a failed run
     it is only a warning, so the run's own error is the one raised."""
-    from groupwise.logging import MetricsLogger, Opened
+    from groupwise.logging import MetricsLogger
+    from groupwise.trackers import Opened
 
     closed = []
 

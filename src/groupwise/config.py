@@ -27,13 +27,14 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
 from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
-from groupwise.logging import LOG_LEVELS, TRACKERS, resolve_report_to, transformers_verbosity
+from groupwise.logging import LOG_LEVELS, transformers_verbosity
 from groupwise.modeling import check_compile_backend
 from groupwise.optim import OPTIMIZERS, SCHEDULERS, check_available, check_optim_args, check_schedule
 from groupwise.rewards.combine import MULTI_OBJECTIVE
 from groupwise.rewards.sources import ON_REWARD_ERROR
 from groupwise.rewards.steps import SPLIT_MODES
 from groupwise.sharding import resolve as resolve_sharding
+from groupwise.trackers import TRACKERS, resolve_report_to
 
 __all__ = ["BatchLayout", "ConfigError", "GRPOConfig", "TRL_NOT_SUPPORTED", "load_yaml"]
 
@@ -58,7 +59,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
 
     # ---- output, logging, checkpoints -------------------------------------------------------------------------
     output_dir: str = option("Folder for metrics.jsonl, checkpoint-N/ folders and the final model.", default="outputs/groupwise")
-    run_name: str | None = option("Name of the run in the trackers (the wandb run name), as in TRL / transformers.", default=None)
+    run_name: str | None = option("Name of the run in the trackers (the wandb / trackio run name), as in TRL / transformers.", default=None)
     logging_first_step: bool = option("Also log the first optimizer step (TRL / transformers).", default=False)
     disable_tqdm: bool | None = option("Hide the progress bar and print each log line instead (None: True when transformers' logging is quieter than warnings when the config is built, as in transformers).", default=None)
     logging_strategy: str = option("When to log metrics: 'steps' (every logging_steps), 'epoch' (at the end of each pass over the prompts) or 'no' (only the last step).", default="steps", choices=("steps", "epoch", "no"))
@@ -67,13 +68,16 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     log_level: str = option("transformers / groupwise log level on the main process ('passive': leave it as it is).", default="passive", choices=LOG_LEVELS)
     log_level_replica: str = option("Log level on the other processes.", default="warning", choices=LOG_LEVELS)
     log_on_each_node: bool = option("In multi-node runs, log (progress bar, warnings) on the main process of each node, not only the first (transformers).", default=True)
-    log_unique_prompts: bool = option("The completions table sent to wandb has one row per prompt (its first completion) instead of every completion (TRL).", default=False)
+    log_unique_prompts: bool = option("The completions table sent to wandb / trackio has one row per prompt (its first completion) instead of every completion (TRL).", default=False)
     save_strategy: str = option("When to write checkpoint-N/: 'steps' (every save_steps, and at the end), 'epoch' (at the end of each pass over the prompts, and at the end), 'best' (after each evaluation that gives metric_for_best_model a new best value; transformers) or 'no' (never; save_model() still works).", default="steps", choices=("steps", "epoch", "best", "no"))
     save_steps: float = option("Write checkpoint-N/ every this many optimizer steps (0: only at the end; < 1: that fraction of max_steps, rounded up, as transformers).", default=500, ge=0)
     save_only_model: bool = option("Checkpoints hold the model only: no optimizer, scheduler or RNG state (smaller, but a run cannot resume from them).", default=False)
     save_total_limit: int | None = option("Keep at most this many checkpoint-N/ folders of the run (oldest deleted first), the best one (metric_for_best_model) counted and never deleted; 1 with a best checkpoint older than the last: both kept, the last deleted at the end (transformers); null, 0 or less: no limit (transformers).", default=None)
-    report_to: str = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb', a list, or 'all' (those of the two installed).", default="none", choices=("none", "all", *TRACKERS), accepts="list[str]")
-    log_completions: bool = option("Every logging step: print completions with their rewards, write output_dir/completions/completions_<step>.parquet and wandb's `completions` table (TRL).", default=False)
+    report_to: str = option("Extra trackers besides metrics.jsonl: 'none', 'tensorboard', 'wandb', 'trackio', a list, or 'all' (those installed).", default="none", choices=("none", "all", *TRACKERS), accepts="list[str]")
+    project: str = option("The trackio project the run logs to (report_to 'trackio'; transformers).", default="huggingface")
+    trackio_space_id: str | None = option("The Hugging Face Space ('user/name' or 'name') that report_to 'trackio' logs to, live (None: this machine only; transformers).", default=None)
+    trackio_bucket_id: str | None = option("The Hugging Face Bucket of that Space's logs (None: trackio picks one; transformers).", default=None)
+    log_completions: bool = option("Every logging step: print completions with their rewards, write output_dir/completions/completions_<step>.parquet and wandb's / trackio's `completions` table (TRL).", default=False)
     num_completions_to_print: int | None = option("Completions printed when log_completions is on, drawn at random (None: all).", default=None, ge=0)
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)

@@ -31,8 +31,6 @@ ACCELERATOR_CONFIG_DEFAULTS = {"dispatch_batches": None, "even_batches": True, "
 
 _EVAL_LOOP = ("GRPO evaluation generates and scores completions (trainer.evaluate()); there is no prediction loop or "
               "compute_metrics to configure")
-_NO_TRACKIO = "trackio is not a supported tracker: use report_to 'wandb' or 'tensorboard'"
-
 
 
 TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
@@ -91,10 +89,9 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "enable_jit_checkpoint": NotSupported(False, "groupwise checkpoints on SIGTERM / SIGINT already "
                                                  "(save_on_interrupt, on by default)"),
     "debug": NotSupported("", "transformers' debug modes are not supported", also=lambda value, values: value == []),
-    "project": NotSupported("huggingface", _NO_TRACKIO),
-    "trackio_space_id": NotSupported(None, _NO_TRACKIO),
-    "trackio_bucket_id": NotSupported(None, _NO_TRACKIO),
-    "trackio_static_space_id": NotSupported(None, _NO_TRACKIO),
+    "trackio_static_space_id": NotSupported(None, "report_to 'trackio' makes no static Space after training or on "
+                                                  "push (as False does): freeze the Space with trackio yourself",
+                                            also=lambda value, _: value is False),
     "log_completions_hub_repo": NotSupported(None, "completions are written to output_dir/completions.jsonl; "
                                                    "upload that file yourself"),
 }
@@ -113,8 +110,8 @@ PARSER_TYPES = {
     "length_column_name": "str", "ignore_data_skip": "bool", "include_num_input_tokens_seen": "bool",
     "prediction_loss_only": "bool", "eval_do_concat_batches": "bool", "eval_use_gather_object": "bool",
     "eval_accumulation_steps": "int | None", "include_for_metrics": "list[str]", "batch_eval_metrics": "bool",
-    "enable_jit_checkpoint": "bool", "debug": "str", "project": "str", "trackio_space_id": "str | None",
-    "trackio_bucket_id": "str | None", "trackio_static_space_id": "str | None", "log_completions_hub_repo": "str | None",
+    "enable_jit_checkpoint": "bool", "debug": "str", "trackio_static_space_id": "str | None",
+    "log_completions_hub_repo": "str | None",
 }
 # the other values TRL writes or accepts for some of them (option's `accepts`: read, then checked by NotSupported)
 PARSER_ACCEPTS = {"debug": "list[str]", "include_num_input_tokens_seen": "str", "optim_target_modules": "list[str]",

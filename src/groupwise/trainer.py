@@ -32,7 +32,7 @@ from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
-from groupwise.logging import resolve_report_to, set_log_level
+from groupwise.logging import set_log_level
 from groupwise.signals import TrainingInterrupted, stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
@@ -40,6 +40,7 @@ from groupwise.sharding import full_state_dict, resolve as resolve_sharding
 from groupwise.rewards import load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
+from groupwise.trackers import resolve_report_to
 from groupwise.types import Rollout, TrainBatch
 from groupwise.update import UpdateContext, optimizer_step, windows
 
