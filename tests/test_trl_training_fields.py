@@ -393,3 +393,56 @@ def test_push_to_hub_without_credentials_stops_before_training(tmp_path, tokeniz
 def test_hub_token_never_printed():
     cfg = GRPOConfig(hub_token="hf_SECRET")
     assert "hf_SECRET" not in repr(cfg) and "hf_SECRET" not in str(cfg) and cfg.hub_token == "hf_SECRET"
+
+
+class _FakeDatasetHub:
+    """huggingface_hub.HfApi as log_completions_hub_repo and huggingface_hub's CommitScheduler call it: each commit
+    recorded with the files it adds."""
+    calls: list = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, repo_id, private=None, repo_type=None, exist_ok=False):
+        self.calls.append(("create_repo", repo_id, private, repo_type))
+        return type("Repo", (), {"repo_id": repo_id})()
+
+    def upload_file(self, path_or_fileobj, path_in_repo, repo_id, repo_type=None, commit_message=None):
+        self.calls.append(("upload_file", repo_id, path_in_repo, repo_type, path_or_fileobj.decode()))
+
+    def run_as_future(self, fn, *args, **kwargs):  # the scheduler's commits, run now (its thread's first one too)
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+    def create_commit(self, repo_id, repo_type, operations, commit_message, revision=None):
+        self.calls.append(("commit", repo_id, repo_type, sorted(op.path_in_repo for op in operations)))
+
+
+def test_log_completions_hub_repo_uploads_the_parquet_tables_to_a_dataset(tmp_path, tokenizer, monkeypatch):
+    """TRL's field: a dataset repository (private as hub_private_repo) with a card, that a CommitScheduler fills with
+    the completions_<step>.parquet files; the end of training uploads the last ones. Without log_completions, or
+    without a token, it is refused before training."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", _FakeDatasetHub)
+    _FakeDatasetHub.calls = []
+    t = _trainer(tmp_path, tokenizer, max_steps=2, logging_steps=1, log_completions=True, hub_token="hf_test",
+                 log_completions_hub_repo="me/completions", hub_private_repo=True, hub_model_id="me/tiny-grpo")
+    t.train()
+    calls = _FakeDatasetHub.calls
+    assert calls[0] == ("create_repo", "me/completions", True, "dataset")
+    assert calls[1][:4] == ("upload_file", "me/completions", "README.md", "dataset")
+    assert "https://huggingface.co/me/tiny-grpo" in calls[1][4] and 'load_dataset("me/completions")' in calls[1][4]
+    uploaded = [path for c in calls if c[0] == "commit" for path in c[3]]
+    assert sorted(uploaded) == ["completions_00001.parquet", "completions_00002.parquet"]  # each once
+    with pytest.raises(ConfigError, match=r"log_completions_hub_repo='me/c' has no effect without "
+                                          r"log_completions=True"):
+        GRPOConfig(log_completions_hub_repo="me/c")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(ConfigError, match=r"log_completions_hub_repo needs a hub token: run `huggingface-cli login`"):
+        _trainer(tmp_path, tokenizer, max_steps=1, log_completions=True, log_completions_hub_repo="me/c",
+                 overwrite_output_dir=True)

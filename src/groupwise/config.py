@@ -47,6 +47,7 @@ OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", 
 SWITCHED_FIELDS = {
     "use_adaptive_entropy": (("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"), True),
     "sync_ref_model": (("ref_model_mixup_alpha", "ref_model_sync_steps"), True),
+    "log_completions": (("log_completions_hub_repo",), True),
     "use_peft": (("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
                   "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"), False)}
 
@@ -78,6 +79,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     trackio_space_id: str | None = option("The Hugging Face Space ('user/name' or 'name') that report_to 'trackio' logs to, live (None: this machine only; transformers).", default=None)
     trackio_bucket_id: str | None = option("The Hugging Face Bucket of that Space's logs (None: trackio picks one; transformers).", default=None)
     log_completions: bool = option("Every logging step: print completions with their rewards, write output_dir/completions/completions_<step>.parquet and wandb's / trackio's `completions` table (TRL).", default=False)
+    log_completions_hub_repo: str | None = option("A Hugging Face dataset repository ('user/name' or 'name') that log_completions' parquet files are uploaded to, every 2 minutes and when training ends (TRL; private as hub_private_repo).", default=None)
     num_completions_to_print: int | None = option("Completions printed when log_completions is on, drawn at random (None: all).", default=None, ge=0)
     overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)

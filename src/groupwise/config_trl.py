@@ -92,8 +92,6 @@ TRL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "trackio_static_space_id": NotSupported(None, "report_to 'trackio' makes no static Space after training or on "
                                                   "push (as False does): freeze the Space with trackio yourself",
                                             also=lambda value, _: value is False),
-    "log_completions_hub_repo": NotSupported(None, "completions are written to output_dir/completions.jsonl; "
-                                                   "upload that file yourself"),
 }
 
 # TRL 1.16's annotations of those fields, in a form TRL's parser reads (TrlParser / HfArgumentParser): each is a
@@ -111,7 +109,6 @@ PARSER_TYPES = {
     "prediction_loss_only": "bool", "eval_do_concat_batches": "bool", "eval_use_gather_object": "bool",
     "eval_accumulation_steps": "int | None", "include_for_metrics": "list[str]", "batch_eval_metrics": "bool",
     "enable_jit_checkpoint": "bool", "debug": "str", "trackio_static_space_id": "str | None",
-    "log_completions_hub_repo": "str | None",
 }
 # the other values TRL writes or accepts for some of them (option's `accepts`: read, then checked by NotSupported)
 PARSER_ACCEPTS = {"debug": "list[str]", "include_num_input_tokens_seen": "str", "optim_target_modules": "list[str]",

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from groupwise.agents import environment_prompts
 from groupwise.config_base import ConfigError
 from groupwise.data import PromptData, is_stream, named_datasets
 from groupwise.distributed import exact_dtype
-from groupwise.hub import check_card, push_checkpoint, push_folder, repo_id, write_model_card
+from groupwise.hub import check_card, completions_uploader, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
                                window_summary)
 from groupwise.loading import check_dataset
@@ -398,10 +399,12 @@ class TransformersHabits:
         """metrics.jsonl and the report_to trackers, opened by the main process; a tracker failing there stops every
         process."""
         args = self.args
+        uploads = (partial(completions_uploader, args, str(Path(args.output_dir) / "completions")),) \
+            if args.log_completions_hub_repo else ()
         return self.dist.run_together(lambda: MetricsLogger(
             args.output_dir, args.report_to, enabled=self.dist.is_main, config=args.to_dict(), model=self.unwrapped,
             resume_step=self.global_step, run_id=self.run_id, resumed=self.global_step > 0,
-            logging_steps=self.state.logging_steps), "opening the trackers")
+            logging_steps=self.state.logging_steps, uploads=uploads), "opening the trackers")
 
     # ---- transformers' flow after an optimizer step (GRPOTrainer._after_step) ----------------------------------
     def _event_agreed(self, name: str) -> None:

@@ -1,4 +1,5 @@
-"""push_to_hub: the model folder (output_dir) to a hub repository, through huggingface_hub (tests mock it)."""
+"""push_to_hub: the model folder (output_dir) to a hub repository, and log_completions_hub_repo: the completions
+tables to a dataset repository; through huggingface_hub (tests mock it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from groupwise.config_base import ConfigError
+from groupwise.trackers import Opened
 
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
@@ -18,15 +20,55 @@ PLACEHOLDERS = ("<HUB_TOKEN>", "<hidden>")
 IGNORE = ["checkpoint-*", "checkpoint-*/**", ".tmp-*", ".tmp-*/**", ".old-*", ".old-*/**", ".setting-aside*", "runs/**", "*.jsonl", "checksums.json"]
 
 
-def hub_token(args: GRPOConfig) -> str:
+def hub_token(args: GRPOConfig, needed_by: str = "push_to_hub") -> str:
     """hub_token, else HF_TOKEN or the cached `huggingface-cli login`; a ConfigError saying how to log in if none."""
     from huggingface_hub import get_token
 
     given = args.hub_token if args.hub_token not in PLACEHOLDERS else None
     token = given or os.environ.get("HF_TOKEN") or get_token()
     if not token:
-        raise ConfigError("push_to_hub needs a hub token: run `huggingface-cli login`, set HF_TOKEN, or set hub_token")
+        raise ConfigError(f"{needed_by} needs a hub token: run `huggingface-cli login`, set HF_TOKEN, or set "
+                          "hub_token")
     return token
+
+
+def completions_uploader(args: GRPOConfig, folder: str) -> Opened:
+    """log_completions_hub_repo (TRL): the dataset repository, created with its card, that huggingface_hub's
+    CommitScheduler uploads `folder`'s parquet files to every 2 minutes (what changed since the last upload), as
+    TRL's; closing it uploads what is left, then stops the schedule (TRL leaves that to the interpreter's exit)."""
+    from huggingface_hub import CommitScheduler, HfApi
+
+    api = HfApi(token=hub_token(args, "log_completions_hub_repo"))
+    repo = api.create_repo(args.log_completions_hub_repo, private=args.hub_private_repo, repo_type="dataset",
+                           exist_ok=True).repo_id
+    card = COMPLETIONS_CARD.format(repo=repo, model=f"\nThe model trained: https://huggingface.co/{args.hub_model_id}\n"
+                                   if args.hub_model_id else "")
+    api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id=repo, repo_type="dataset",
+                    commit_message="groupwise: completions dataset card")
+    scheduler = CommitScheduler(repo_id=repo, repo_type="dataset", folder_path=folder, every=2,
+                                allow_patterns=["*.parquet"], hf_api=api)
+
+    def close(failed: bool) -> None:
+        try:
+            scheduler.trigger().result()  # the last steps' files, a failed run's too
+        finally:
+            scheduler.stop()
+
+    return Opened(lambda step, metrics: None, close)
+
+
+COMPLETIONS_CARD = """---
+pretty_name: groupwise completion logs
+tags: [groupwise, grpo, completions]
+---
+
+# groupwise completion logs
+
+The completions sampled while training with groupwise (GRPO, DeepSeekMath §4.1), written by `log_completions`.
+{model}
+Each parquet file holds one logged step: `step`, `prompt`, `completion`, one column per reward function, any
+`log_extra` columns, and `advantage`. Load them with `datasets.load_dataset("{repo}")`.
+"""
 
 
 def repo_id(args: GRPOConfig) -> str:

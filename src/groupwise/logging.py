@@ -9,11 +9,11 @@ import random
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tqdm.auto import tqdm
 
-from groupwise.trackers import TRACKERS
+from groupwise.trackers import TRACKERS, Opened
 
 if TYPE_CHECKING:
     from groupwise.types import Round
@@ -70,7 +70,8 @@ class MetricsLogger:
     dropped (they are replayed exactly) and a torn last line (a crash mid-write) is skipped with a warning."""
 
     def __init__(self, output_dir: str, report_to: list[str], *, enabled: bool, config: dict, resume_step: int = 0,
-                 run_id: str | None = None, resumed: bool = False, model=None, logging_steps: int = 0):
+                 run_id: str | None = None, resumed: bool = False, model=None, logging_steps: int = 0,
+                 uploads: tuple[Callable[[], Opened], ...] = ()):
         self.enabled, self.run_id = enabled, run_id
         self.path = Path(output_dir) / "metrics.jsonl"
         self.completions_path = Path(output_dir) / "completions.jsonl"
@@ -82,10 +83,12 @@ class MetricsLogger:
         if resumed:  # keep what this run logged up to the resumed step (trainer.state); other runs' lines stay
             self.history = trim_jsonl(self.path, resume_step, run_id)
             trim_jsonl(self.completions_path, resume_step, run_id)
-        for name in report_to:
+        # model: its config; logging_steps: the run's log interval in steps (transformers' state's); `uploads`: what
+        # opens and closes as a tracker does (log_completions_hub_repo's schedule)
+        for open_one in [lambda name=name: TRACKERS[name].open(output_dir, config, model, logging_steps)
+                         for name in report_to] + list(uploads):
             try:
-                # model: its config; logging_steps: the run's log interval in steps (transformers' state's)
-                self.trackers.append(TRACKERS[name].open(output_dir, config, model, logging_steps))
+                self.trackers.append(open_one())
             except BaseException:
                 self.close(failed=True)  # the ones already opened
                 raise

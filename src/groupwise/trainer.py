@@ -85,8 +85,9 @@ class GRPOTrainer(TransformersHabits):
             raise ConfigError(f"{asked} needs an eval_dataset (on the command line: eval_dataset_name), or turn it off")
         # metric_for_best_model (state.best_metric, the best checkpoint) names one of these datasets' metrics
         self._best = BestModel(args, tuple(self.eval_data) if isinstance(self.eval_data, dict) else None)
-        if args.push_to_hub:  # no credentials: stop now, not after training (only the main process uploads)
-            self.dist.run_together(lambda: self.dist.is_main and hub_token(args), "checking the hub token")
+        for needed_by in ("push_to_hub", "log_completions_hub_repo"):  # no credentials: stop now, not after training
+            if getattr(args, needed_by):  # (only the main process uploads)
+                self.dist.run_together(lambda: self.dist.is_main and hub_token(args, needed_by), "checking the hub token")
         self.optimizers = tuple(optimizers) if optimizers is not None else (None, None)
         if len(self.optimizers) != 2:
             raise TypeError("optimizers must be a tuple (optimizer, lr_scheduler); either may be None")
