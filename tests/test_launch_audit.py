@@ -82,12 +82,16 @@ def test_fsdp_reshard_after_forward_values(monkeypatch):
     from groupwise.sharding import resolve
 
     _fsdp2_launch(monkeypatch, FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP")
-    for value, reshard in (("true", True), ("false", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", False)):
+    for value, reshard in (("true", True), ("false", False), ("True", True), ("0", False)):
         monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
         assert resolve(None).reshard_after_forward is reshard
-    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "HYBRID_SHARD")  # used to shard as shard_grad_op, silently
-    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward: HYBRID_SHARD: set it to true"):
-        resolve(None)
+    # HYBRID_SHARD used to shard as shard_grad_op, silently; FULL_SHARD (FSDP1's spelling) was taken here, then
+    # accelerate's Accelerator() failed on it with a traceback ("invalid truth value full_shard")
+    for value in ("HYBRID_SHARD", "FULL_SHARD", "shard_grad_op"):
+        monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
+        with pytest.raises(ConfigError, match=rf"fsdp_reshard_after_forward: {value}, which FSDP2 does not read: set "
+                                              r"it to true \(FULL_SHARD\) or false \(SHARD_GRAD_OP\)"):
+            resolve(None)
 
 
 def test_examples_fsdp2_yaml_is_an_accelerate_config_whose_launch_groupwise_takes(monkeypatch):
@@ -178,3 +182,31 @@ def test_models_load_with_the_same_seed_on_every_process_then_each_samples_with_
         GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
                     args=small_args(tmp_path, seed=7), train_dataset=toy.dataset(8), processing_class=tokenizer)
     assert seeds == {"load": 7, "sample": 8}
+
+
+def test_a_launch_accelerate_reads_as_fewer_processes_is_refused(monkeypatch):
+    """torchrun / accelerate launch on CPUs without ACCELERATE_USE_CPU=1: accelerate saw one process each, so two
+    runs trained alone into one output_dir (one failing on the other's checkpoint) and a sharded one waited on the
+    others until ddp_timeout. WORLD_SIZE is what the launcher exports."""
+    from groupwise.distributed import Distributed
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"the launcher started 2 processes \(WORLD_SIZE=2\) but accelerate sees 1; "
+                                          r"on CPUs set ACCELERATE_USE_CPU=1 in the launch's environment"):
+        Distributed()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert Distributed().world_size == 1
+
+
+@pytest.mark.slow
+def test_two_processes_launched_without_accelerate_use_cpu_stop_at_once(tmp_path):
+    """The real launch: each of the 2 processes stops with the line, none trains or waits."""
+    from tests.launcher import torchrun
+
+    script = tmp_path / "build.py"
+    script.write_text("from groupwise.distributed import Distributed\nDistributed()\nprint('built')\n")
+    proc = torchrun(script, env={"ACCELERATE_USE_CPU": "0"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "built" not in out, out[-2000:]
+    assert out.count("the launcher started 2 processes (WORLD_SIZE=2) but accelerate sees 1") == 2, out[-2000:]

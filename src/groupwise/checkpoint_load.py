@@ -174,7 +174,8 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
                      "from a checkpoint-N folder of a groupwise run, or start a new run with its weights as the model")
     if state["world_size"] != world_size:
         raise _error(f"{path} was saved by {state['world_size']} processes; resume with the same number "
-                     f"(now {world_size}) so the data split and RNG streams match")
+                     f"(now {world_size}) so the data split and RNG streams match, or start a new run with its "
+                     f"weights as the model (model_name_or_path: {path})")
     planned = state.get("max_steps")  # a checkpoint from before the exact count has no "epoch_plan"
     if "epoch_plan" not in state and args.max_steps <= 0 and planned not in (None, max_steps) \
             and planned == epoch_steps_before:

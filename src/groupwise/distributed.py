@@ -52,6 +52,19 @@ def check_launch(bf16: bool, fp16: bool = False) -> None:
                           f"(torch_compile_backend: {dynamo.lower()}) in the groupwise config")
 
 
+def check_process_count(accelerator) -> None:
+    """The launcher's process count (WORLD_SIZE: torchrun, accelerate launch) is accelerate's. On a machine without
+    GPUs, accelerate takes a launch without ACCELERATE_USE_CPU=1 for one process each: each would train alone into
+    the same output_dir (and a sharded one would wait forever on the others)."""
+    launched = int(os.environ.get("WORLD_SIZE") or 1)
+    if launched != accelerator.num_processes:
+        hint = ("; on CPUs set ACCELERATE_USE_CPU=1 in the launch's environment (`ACCELERATE_USE_CPU=1 torchrun …` "
+                "or `ACCELERATE_USE_CPU=1 accelerate launch …`: --cpu and use_cpu: true do not give it to the "
+                "processes)") if accelerator.device.type == "cpu" else ""
+        raise ConfigError(f"the launcher started {launched} processes (WORLD_SIZE={launched}) but accelerate sees "
+                          f"{accelerator.num_processes}{hint}")
+
+
 def _under(context, fn):
     """`fn` run inside a fresh `context()` at every call."""
     @functools.wraps(fn)
@@ -114,6 +127,7 @@ class Distributed:
         self.accelerator = Accelerator(mixed_precision="bf16" if self.precision == "bf16" else "no",
                                        kwargs_handlers=handlers,
                                        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
+        check_process_count(self.accelerator)
         self.sharding = sharding  # groupwise.sharding.Sharding: FSDP2, applied by `shard` instead of `prepare`
         if sharding is not None and not (torch_dist.is_available() and torch_dist.is_initialized()):
             if sharding.offload:  # one process: FSDP2 over it alone, to keep the weights and state in host memory

@@ -46,9 +46,10 @@ class Sharding:
     classes_from: str = field(default="fsdp_config's transformer_layer_cls_to_wrap", compare=False)
 
 
-# FSDP_RESHARD_AFTER_FORWARD as `accelerate launch` exports fsdp_reshard_after_forward (a boolean for FSDP2)
-RESHARD_VALUES = {"true": True, "1": True, "yes": True, "full_shard": True,
-                  "false": False, "0": False, "no": False, "shard_grad_op": False}
+# FSDP_RESHARD_AFTER_FORWARD as `accelerate launch` exports fsdp_reshard_after_forward: a boolean for FSDP2, in
+# accelerate's spellings (its str_to_bool; accelerate itself fails on any other value)
+RESHARD_VALUES = {**dict.fromkeys(("y", "yes", "t", "true", "on", "1"), True),
+                  **dict.fromkeys(("n", "no", "f", "false", "off", "0"), False)}
 
 
 # transformers' fsdp_config keys (the "fsdp_" prefix stripped, as TrainingArguments does), by what groupwise does
@@ -165,9 +166,10 @@ def resolve(fsdp: bool | str | list | None, fsdp_config: dict | str | None = Non
                               "does not apply (it shards decoder layer by decoder layer): set fsdp_auto_wrap_policy: "
                               "TRANSFORMER_BASED_WRAP in the accelerate config file")
         reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true")
-        if reshard.lower() not in RESHARD_VALUES:
-            raise ConfigError(f"the accelerate config sets fsdp_reshard_after_forward: {reshard}: set it to true "
-                              "(full_shard) or false (shard_grad_op) in the accelerate config file")
+        if reshard.lower() not in RESHARD_VALUES:  # e.g. FULL_SHARD, FSDP1's sharding strategy
+            raise ConfigError(f"the accelerate config sets fsdp_reshard_after_forward: {reshard}, which FSDP2 does not "
+                              "read: set it to true (FULL_SHARD) or false (SHARD_GRAD_OP) in the accelerate config "
+                              "file")
         classes = tuple(c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip())
         offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in ("1", "true")
         return Sharding(reshard_after_forward=RESHARD_VALUES[reshard.lower()], layer_classes=classes, offload=offload,
