@@ -117,3 +117,24 @@ def test_a_new_run_counts_a_set_aside_checkpoint_as_the_previous_runs(tmp_path):
         claim_output_dir(tmp_path, overwrite=False)
     claim_output_dir(tmp_path, overwrite=True)
     assert not list(tmp_path.iterdir())
+
+
+def test_overwrite_output_dir_deletes_the_previous_runs_final_model_too(tmp_path):
+    """A LoRA run's adapter files left beside a new full run's weights made from_pretrained(output_dir) apply the
+    old adapter to the new model (and a full model left beside a new adapter loaded as neither). A folder that
+    holds no run (no checkpoint, no metrics) is a model or the user's folder: left as it is."""
+    _checkpoint(tmp_path, 2)
+    final = ["adapter_config.json", "adapter_model.safetensors", "model.safetensors", "config.json", "README.md",
+             "model-00001-of-00002.safetensors", "model.safetensors.index.json", "trainer_state.json",
+             "eval_results.json"]
+    kept = ["tokenizer.json", "notes.txt"]  # the new save writes its own tokenizer files over these
+    for name in final + kept + ["metrics.jsonl"]:
+        (tmp_path / name).write_text("{}")
+    claim_output_dir(tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    model_folder = tmp_path / "model"
+    model_folder.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (model_folder / name).write_text("{}")
+    claim_output_dir(model_folder, overwrite=True)
+    assert sorted(p.name for p in model_folder.iterdir()) == ["config.json", "model.safetensors"]

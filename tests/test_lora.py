@@ -261,3 +261,19 @@ def test_lora_fields_without_use_peft_warn_that_they_have_no_effect():
         warnings.simplefilter("error")
         GRPOConfig(use_peft=True, lora_r=64, use_dora=True)
         GRPOConfig()
+
+
+def test_a_full_run_over_a_lora_runs_folder_loads_as_the_new_model(tmp_path, base_dir):
+    """overwrite_output_dir: the LoRA run's adapter files stayed beside the full run's weights, and
+    from_pretrained(output_dir) applied the old adapter to the new model."""
+    lora = _trainer(tmp_path, base_dir, max_steps=1)
+    lora.train()
+    lora.save_model()  # as TRL's script and groupwise train end
+    assert (tmp_path / "run" / "adapter_config.json").exists()
+    full = _trainer(tmp_path, base_dir, peft_config=None, max_steps=1, overwrite_output_dir=True)
+    full.train()
+    full.save_model()
+    assert not (tmp_path / "run" / "adapter_config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run"))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert torch.equal(loaded(ids).logits, full.unwrapped.eval()(ids).logits)

@@ -81,7 +81,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     log_completions: bool = option("Every logging step: print completions with their rewards, write output_dir/completions/completions_<step>.parquet and wandb's / trackio's `completions` table (TRL).", default=False)
     log_completions_hub_repo: str | None = option("A Hugging Face dataset repository ('user/name' or 'name') that log_completions' parquet files are uploaded to, every 2 minutes and when training ends (TRL; private as hub_private_repo).", default=None)
     num_completions_to_print: int | None = option("Completions printed when log_completions is on, drawn at random (None: all).", default=None, ge=0)
-    overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints and metrics another run left in output_dir; without it such a run refuses to start.", default=False)
+    overwrite_output_dir: bool = option("Let a new (not resumed) run delete the checkpoints, metrics and final model (weights or adapter, configs) another run left in output_dir; without it such a run refuses to start.", default=False)
     save_on_interrupt: bool = option("On SIGINT / SIGTERM, write a checkpoint of the step reached before stopping (exit code 130 / 143).", default=True)
     max_consecutive_skipped_steps: int = option("Stop the run (exit ≠ 0, last good checkpoint kept) after this many optimizer steps in a row were skipped for a non-finite loss or gradient.", default=5, ge=1)
     resume_from_checkpoint: str | None = option("A checkpoint-N/ folder to resume from exactly, or true for the newest one in output_dir (transformers' meaning); false or unset: a new run.", default=None, accepts="bool")
