@@ -4,6 +4,8 @@ loads with PeftModel.from_pretrained and `groupwise export --merge` writes a mod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -134,6 +136,13 @@ def test_export_merge_generates_the_same_greedy_tokens(tmp_path, base_dir, capsy
     out = tmp_path / "merged"
     assert main(["export", str(tmp_path / "run" / "checkpoint-2"), "--merge", str(out)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(out)
+    # into the adapter's base, the run's folder, or the same export again: refused, nothing written (the base was
+    # replaced by the merged weights, and the adapter then applied twice on its recorded base)
+    before = {p.name: p.stat().st_mtime_ns for p in Path(base_dir).iterdir()}
+    for target in (base_dir, tmp_path / "run", out):
+        assert main(["export", str(tmp_path / "run" / "checkpoint-2"), "--merge", str(target)]) == 2
+    assert "--merge " + base_dir + " is not an empty folder: give a new one" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in Path(base_dir).iterdir()} == before
     assert not any("lora_" in n for n, _ in merged.named_parameters())
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
                                         str(tmp_path / "run" / "checkpoint-2"))

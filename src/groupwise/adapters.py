@@ -386,7 +386,8 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
 
 def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False) -> str:
     """Base model + the checkpoint's adapter, merged (merge_and_unload), saved to `out` with the tokenizer.
-    `base` defaults to the adapter's base_model_name_or_path. A full fine-tune checkpoint is copied as a model."""
+    `base` defaults to the adapter's base_model_name_or_path. A full fine-tune checkpoint is copied as a model.
+    `out` must be new or empty."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from groupwise.config_base import check_location
@@ -394,6 +395,10 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
     folder = Path(checkpoint)
     if not folder.is_dir():
         raise ConfigError(f"export: {checkpoint!r} is not a checkpoint folder")
+    target = Path(out)
+    if target.is_file() or (target.is_dir() and any(target.iterdir())):  # the base, the run, an earlier export
+        raise ConfigError(f"export: --merge {out} is not an empty folder: give a new one (an export never writes over a "
+                          "model, the adapter's base model or a run's folder)")
     if (folder / ADAPTER_CONFIG).exists():
         peft = _peft()
         config = peft.PeftConfig.from_pretrained(str(folder))
