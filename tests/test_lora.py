@@ -286,3 +286,36 @@ def test_a_full_run_over_a_lora_runs_folder_loads_as_the_new_model(tmp_path, bas
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run"))
     ids = torch.tensor([[3, 4, 5, 6]])
     assert torch.equal(loaded(ids).logits, full.unwrapped.eval()(ids).logits)
+
+
+def test_an_adapter_whose_base_does_not_load_is_one_line_naming_it(tmp_path, base_dir, tokenizer, capsys,
+                                                                    monkeypatch):
+    """A run started with a relative model path records it as the adapter's base; from another folder `export` and
+    `eval` failed with a hub lookup's 90-line traceback. Now one line naming the adapter, the base and the fix.
+    Offline with an empty cache: no hub retries (fast, network-free)."""
+    import json
+
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+
+    from peft import get_peft_model
+
+    from groupwise.adapters import load_adapter_checkpoint
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), _lora()).save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "tiny-base"}))
+    assert main(["export", str(adapter), "--merge", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert f"{adapter}'s adapter names its base model 'tiny-base' (a relative path is read from the current folder, " \
+           "not from the one the run trained in), which does not load (model 'tiny-base': cannot load its config" in err
+    assert err.rstrip().endswith("give it with --base PATH") and "Traceback" not in err
+    assert main(["export", str(adapter), "--merge", str(tmp_path / "merged"), "--base", base_dir]) == 0
+    with pytest.raises(ConfigError, match=r"names its base model 'tiny-base' .* merge it with `groupwise export "):
+        load_adapter_checkpoint(str(adapter), small_args(tmp_path))

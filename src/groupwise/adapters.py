@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
 import weakref
 from pathlib import Path
@@ -379,9 +380,27 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
     if "gguf_file" not in kwargs:  # a base read from a GGUF file, named by the folder that holds it
         base, gguf = gguf_base(base)
         kwargs.update(gguf)
+    check_base(base, folder, {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "gguf_file")},
+               f"merge it with `groupwise export {folder} --merge OUT --base BASE` and evaluate OUT")
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     model = peft.PeftModel.from_pretrained(model, folder, is_trainable=True)  # as trained: the trainer's checks hold
     return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=kwargs["trust_remote_code"])
+
+
+def check_base(base: str, folder: str, kwargs: dict, fix: str) -> None:
+    """The base model an adapter names loads (its config, before any weights), else one line naming the adapter,
+    the base and `fix`: a relative path is read from the current folder, not from where the run trained."""
+    from transformers import AutoConfig
+
+    from groupwise.loading import from_pretrained_or_error
+
+    try:
+        from_pretrained_or_error(AutoConfig, base, "config", **kwargs)
+    except ConfigError as e:
+        where = "" if os.path.isabs(base) else (" (a relative path is read from the current folder, not from the "
+                                                "one the run trained in)")
+        raise ConfigError(f"{folder}'s adapter names its base model {base!r}{where}, which does not load ({e}): "
+                          f"{fix}") from None
 
 
 def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False) -> str:
@@ -408,6 +427,7 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
                               "give it with --base PATH")
         base, gguf = gguf_base(base)  # a GGUF file (or the folder holding one): read dequantized, saved plain
         check_location(base, "--base")
+        check_base(base, checkpoint, {"trust_remote_code": trust_remote_code, **gguf}, "give it with --base PATH")
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf)
         forget_gguf(model)
         quantized = is_quantized(model)

@@ -46,7 +46,7 @@ def policy_init_kwargs(args: GRPOConfig) -> dict:
     return kwargs
 
 
-def _from_pretrained(auto, model: str, what: str, **kwargs):
+def from_pretrained_or_error(auto, model: str, what: str, **kwargs):
     """auto.from_pretrained(model), its failure (no tokenizer files, an unknown architecture, no network) one
     ConfigError naming the model, before the weights load."""
     try:
@@ -87,13 +87,13 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
         # the config and tokenizer of the same revision, and of the same GGUF file (which holds both)
         same = {k: v for k, v in (args.model_init_kwargs or {}).items() if k in ("revision", "gguf_file") and v}
         hub = {"trust_remote_code": args.trust_remote_code, **same}
-        config = _from_pretrained(AutoConfig, model, "config", **hub)
+        config = from_pretrained_or_error(AutoConfig, model, "config", **hub)
         if type(config) not in AutoModelForCausalLM._model_mapping and \
                 "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
             raise ConfigError(f"model {model!r} is a {type(config).__name__}, which AutoModelForCausalLM cannot load: "
                               "groupwise trains causal language models (vision-language models are not supported "
                               "yet); give a causal LM")
-        tokenizer = processing_class or _from_pretrained(AutoTokenizer, model, "tokenizer", **hub)
+        tokenizer = processing_class or from_pretrained_or_error(AutoTokenizer, model, "tokenizer", **hub)
     else:
         config, tokenizer = model.config, processing_class
         if tokenizer is None:
@@ -110,7 +110,7 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
                     name, found = gguf_base(name)
                 except ConfigError:  # several .gguf files: the folder's tokenizer files, if any, or the error below
                     found = {}
-            tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=args.trust_remote_code,
+            tokenizer = from_pretrained_or_error(AutoTokenizer, name, "tokenizer", trust_remote_code=args.trust_remote_code,
                                          **found)
     try:
         ensure_pad_token(tokenizer)
