@@ -319,3 +319,23 @@ def test_an_adapter_whose_base_does_not_load_is_one_line_naming_it(tmp_path, bas
     assert main(["export", str(adapter), "--merge", str(tmp_path / "merged"), "--base", base_dir]) == 0
     with pytest.raises(ConfigError, match=r"names its base model 'tiny-base' .* merge it with `groupwise export "):
         load_adapter_checkpoint(str(adapter), small_args(tmp_path))
+
+
+def test_lora_target_parameters_train_and_peft_refusals_are_one_line(tmp_path, base_dir):
+    """lora_target_parameters with the default lora_dropout (0.05) failed inside PEFT after the model loaded
+    ("ParamWrapper does not work with lora_dropout != 0"), though disable_dropout (on by default) zeroes it anyway:
+    it is passed as 0 then, and refused before loading when disable_dropout is off. PEFT's other refusals of a
+    config are one line too."""
+    t = _trainer(tmp_path, base_dir, peft_config=None, use_peft=True, lora_target_parameters=["mlp.down_proj.weight"],
+                 lora_target_modules=["q_proj"], max_steps=1)
+    assert t.unwrapped.peft_config["default"].lora_dropout == 0.0
+    t.train()
+    assert t.state.global_step == 1
+    with pytest.raises(ConfigError, match=r"lora_target_parameters with lora_dropout=0.05: PEFT adapts parameters "
+                                          r"without dropout; set lora_dropout: 0"):
+        _trainer(tmp_path, base_dir, peft_config=None, use_peft=True, disable_dropout=False,
+                 lora_target_parameters=["mlp.down_proj.weight"])
+    with pytest.raises(ConfigError, match=r"PEFT cannot apply this LoRA config \(peft_config, or use_peft's lora_\* "
+                                          r"fields\): "):
+        _trainer(tmp_path, base_dir, peft_config=LoraConfig(r=2, target_modules=["q_proj"], use_dora=True,
+                                                            target_parameters=["mlp.down_proj.weight"]))

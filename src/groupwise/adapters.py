@@ -62,6 +62,12 @@ def peft_config_from_args(args: GRPOConfig):
         return None
     peft = _peft()
     kwargs = {"target_parameters": args.lora_target_parameters} if args.lora_target_parameters else {}
+    dropout = args.lora_dropout
+    if args.lora_target_parameters and dropout:  # PEFT's ParamWrapper takes no dropout (get_peft_model refuses it)
+        if not args.disable_dropout:
+            raise ConfigError(f"lora_target_parameters with lora_dropout={dropout}: PEFT adapts parameters without "
+                              "dropout; set lora_dropout: 0")
+        dropout = 0.0  # disable_dropout sets every dropout to 0 once the adapters are in, this one too
     targets = args.lora_target_modules
     if isinstance(targets, (list, tuple)) and len(targets) == 1 and not _PLAIN_NAME.fullmatch(str(targets[0])):
         # TRL's ModelConfig reads a list of one as that string: 'all-linear' (peft reads the shortcut from a string
@@ -69,7 +75,7 @@ def peft_config_from_args(args: GRPOConfig):
         # regular expression TRL matches against nothing) stays a name
         targets = targets[0]
     return peft.LoraConfig(task_type=args.lora_task_type, r=args.lora_r, target_modules=targets,
-                           lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
+                           lora_alpha=args.lora_alpha, lora_dropout=dropout, bias="none",
                            use_rslora=args.use_rslora, use_dora=args.use_dora,
                            modules_to_save=args.lora_modules_to_save, **kwargs)
 
@@ -88,8 +94,9 @@ def wrap(model: torch.nn.Module, peft_config, *, gradient_checkpointing: bool) -
     try:
         wrapped = peft.get_peft_model(model, peft_config)
     except ValueError as e:
-        if "not found in the base model" not in str(e):
-            raise
+        if "not found in the base model" not in str(e):  # PEFT's other refusals of the config: one line
+            raise ConfigError(f"PEFT cannot apply this LoRA config (peft_config, or use_peft's lora_* fields): "
+                              f"{' '.join(str(e).split())[:300]}") from None
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError(f"LoRA target modules {getattr(peft_config, 'target_modules', None)!r} match no module of "
                           f"{type(model).__name__}: set lora_target_modules (LoraConfig.target_modules) to a list of "
