@@ -339,3 +339,35 @@ def test_a_set_aside_killed_between_its_renames_is_finished_before_a_resume_look
         put_back_replaced(root)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-1", "checkpoint-2", "checkpoint-3.abandoned",
                                                       "checkpoint-4.abandoned", "checkpoint-5"]
+
+
+def test_a_resume_with_more_steps_follows_the_new_schedule_from_its_first_step(tmp_path, tokenizer):
+    """Linear decay, checkpoint at step 2 of 4, resumed with max_steps=6: step 3 ran at the old schedule's rate
+    (1e-2 · (4 − 2) / 4 = 5e-3) and only step 4 on at the new one's (transformers does the same); now step 3 runs at
+    1e-2 · (6 − 2) / 6. A changed learning_rate has no effect on resume (the optimizer's state holds the base
+    rate), as in transformers: now a warning says so."""
+    from transformers import TrainerCallback
+
+    rates = []
+
+    class Rate(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            rates.append(trainer.optimizer.param_groups[0]["lr"])
+
+    def build(**kw):
+        args = small_args(tmp_path, output_dir=str(tmp_path / "run"), lr_scheduler_type="linear", **kw)
+        return GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                           train_dataset=toy.dataset(12), processing_class=tokenizer, callbacks=[Rate()])
+
+    trainer = build(max_steps=4, save_steps=2)
+    trainer.train()
+    assert rates == pytest.approx([1e-2, 1e-2 * 3 / 4, 1e-2 * 2 / 4, 1e-2 * 1 / 4])
+    rates.clear()
+    trainer = build(max_steps=6)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert rates == pytest.approx([1e-2 * 4 / 6, 1e-2 * 3 / 6, 1e-2 * 2 / 6, 1e-2 * 1 / 6])
+    trainer = build(max_steps=6, learning_rate=0.5, weight_decay=0.1)
+    with pytest.warns(UserWarning, match=r"resume: learning_rate=0.5 \(saved: 0.01\), weight_decay=0.1 \(saved: 0.0\) "
+                                         r"differs from .*checkpoint-2, whose optimizer state and learning-rate "
+                                         r"schedule resume as saved: the new value has no effect"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))

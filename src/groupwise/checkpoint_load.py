@@ -92,6 +92,13 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     else:
         optimizer.load_state_dict(read_optimizer(path))
     scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        # the rate of the next step from this run's schedule, as every later step's is: the optimizer's saved rate
+        # came from the checkpoint's (one step of the old schedule when max_steps or the scheduler changed)
+        rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+        scheduler._last_lr = rates
     if ref_model is not None:
         load_reference(ref_model, path, dist.rank, sharded=sharded_model is not None)
     read_rng(path, dist.rank)
@@ -157,6 +164,10 @@ RESUME_FIELDS = {
     **dict.fromkeys(("optim", "optim_args"), "the saved optimizer state is this optimizer's"),
 }
 
+# GRPOConfig fields the optimizer's saved state holds (its param groups: lr as the schedule's base, weight decay,
+# betas, eps): changed on resume they have no effect, as in transformers, which says nothing; groupwise warns
+SAVED_OPTIMIZER_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
 
 def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None,
                  epoch_steps_before: int | None = None) -> None:
@@ -191,6 +202,12 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
         if getattr(args, name) != saved:
             raise _error(f"resume: {name} is {saved!r} in {path} but {getattr(args, name)!r} now; resume "
                          f"with the same value ({RESUME_FIELDS.get(name, 'the run depends on it')})")
+    changed = [f"{name}={getattr(args, name)!r} (saved: {saved!r})"
+               for name, saved in state.get("optimizer_fields", {}).items() if getattr(args, name) != saved]
+    if changed:
+        warnings.warn(f"resume: {', '.join(changed)} differs from {path}, whose optimizer state and learning-rate "
+                      "schedule resume as saved: the new value has no effect (as in transformers); to train with "
+                      f"it, start a new run with {path}'s weights as the model", UserWarning, stacklevel=3)
     if data is not None and state.get("data") not in (None, data):
         warnings.warn(f"resume: train_dataset is not the one {path} was trained on (its rows differ): the run "
                       "continues its prompt order over these rows; resume with the same dataset to continue exactly",

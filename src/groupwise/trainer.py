@@ -20,7 +20,7 @@ from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_callbacks
 from groupwise.agents import Toolbox, build_agent, default_train_dataset
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
-from groupwise.checkpoint_load import RESUME_FIELDS, check_pending, check_resume, load_checkpoint
+from groupwise.checkpoint_load import RESUME_FIELDS, SAVED_OPTIMIZER_FIELDS, check_pending, check_resume, load_checkpoint
 from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -432,6 +432,7 @@ class GRPOTrainer(TransformersHabits):
         state = {"global_step": self.global_step, "max_steps": self.max_steps, "sampler": self.sampler.state_dict(),
                  "epochs_done": self._epochs_done, "data": self.train_data.fingerprint(), "epoch_plan": "passes",
                  "run_id": self.run_id, "config": {k: getattr(self.args, k) for k in RESUME_FIELDS},
+                 "optimizer_fields": {k: getattr(self.args, k) for k in SAVED_OPTIMIZER_FIELDS},
                  "skipped_steps": self.skipped_steps, "world_size": self.dist.world_size,
                  "consecutive_skipped": self.consecutive_skipped, "window": dict(self._window),
                  "round_step": round_step if pending is not None else 0,
