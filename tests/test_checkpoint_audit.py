@@ -132,6 +132,11 @@ def test_overwrite_output_dir_deletes_the_previous_runs_final_model_too(tmp_path
         (tmp_path / name).write_text("{}")
     claim_output_dir(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    (tmp_path / "metrics.jsonl").write_text("{}")  # a run that saved no checkpoint: nothing to resume
+    with pytest.raises(CheckpointError, match=r"already holds a run \(metrics.jsonl\): choose another output_dir, "
+                                              r"or set overwrite_output_dir=True"):
+        claim_output_dir(tmp_path, overwrite=False)
+    (tmp_path / "metrics.jsonl").unlink()
     model_folder = tmp_path / "model"
     model_folder.mkdir()
     for name in ("model.safetensors", "config.json"):

@@ -324,7 +324,8 @@ def test_a_signal_stops_the_run_with_a_checkpoint(tmp_path, model_dir, signum):
     assert code == 128 + signum, err[-2000:]
     ckpts = list((tmp_path / "run").glob("checkpoint-*"))
     assert len(ckpts) == 1 and f"stopped by {signal.Signals(signum).name} after step" in err
-    assert f"{ckpts[0].name} written: resume it with resume_from_checkpoint=True" in err
+    assert f"{ckpts[0].name} written: resume it with resume_from_checkpoint=True (--resume_from_checkpoint " \
+           "true)" in err
     verify_checkpoint(ckpts[0])  # complete and resumable
     assert main(["train", cfg, "--resume_from_checkpoint", str(ckpts[0]),
                  "--max_steps", str(int(ckpts[0].name.split("-")[1]) + 1)]) == 0

@@ -312,9 +312,10 @@ def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
         return
     if not overwrite:
         names = ", ".join(p.name for p in found[:4]) + (" …" if len(found) > 4 else "")
-        raise CheckpointError(f"output_dir {output_dir} already holds a run ({names}): resume it with "
-                              "resume_from_checkpoint, choose another output_dir, or set overwrite_output_dir=True "
-                              "to delete those outputs")
+        resumable = any(CHECKPOINT_RE.match(p.name) or REPLACED_RE.match(p.name) for p in found)
+        resume = "resume it with resume_from_checkpoint, " if resumable else ""  # (save_strategy 'no': nothing to)
+        raise CheckpointError(f"output_dir {output_dir} already holds a run ({names}): {resume}choose another "
+                              "output_dir, or set overwrite_output_dir=True to delete those outputs")
     found += [p for p in Path(output_dir).iterdir() if p.is_file() and FINAL_RE.match(p.name)]
     for p in found:
         shutil.rmtree(p) if p.is_dir() else p.unlink()

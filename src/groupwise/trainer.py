@@ -385,7 +385,8 @@ class GRPOTrainer(TransformersHabits):
             where = "" if not args.save_on_interrupt else \
                 f"; checkpoint-{self.global_step} written (the model only: save_only_model=True, not resumable)" \
                 if args.save_only_model else \
-                f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True"
+                f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True " \
+                "(--resume_from_checkpoint true)"
             raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
         if new_epoch and not last_step:
