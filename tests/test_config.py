@@ -33,6 +33,9 @@ def test_bad_values_name_the_field(kwargs, match):
 def test_unknown_and_unsupported_fields():
     with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
         GRPOConfig(num_generation=4)
+    # a match of the same family first: 'local_rank' is closer by letters, 'lora_r' is what was meant
+    with pytest.raises(ConfigError, match=r"unknown field 'lora_rank'; did you mean 'lora_r'\?"):
+        GRPOConfig(lora_rank=4)
     with pytest.raises(ConfigError, match=r"TRL field use_liger_kernel=True is not supported.*Liger"):
         GRPOConfig(use_liger_kernel=True)
     assert "use_liger_loss" in TRL_NOT_SUPPORTED

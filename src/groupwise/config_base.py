@@ -438,6 +438,8 @@ def reject_unknown(kwargs: dict[str, Any], known: set[str], owner: str) -> None:
     for key in kwargs:
         if key in known:
             continue
-        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        close = difflib.get_close_matches(str(key), sorted(known), n=3)
+        family = [c for c in close if c.split("_")[0] == str(key).split("_")[0]]  # lora_rank: lora_r, not local_rank
+        close = family or close
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{owner}: unknown field {key!r}{hint}")
