@@ -339,3 +339,15 @@ def test_lora_target_parameters_train_and_peft_refusals_are_one_line(tmp_path, b
                                           r"fields\): "):
         _trainer(tmp_path, base_dir, peft_config=LoraConfig(r=2, target_modules=["q_proj"], use_dora=True,
                                                             target_parameters=["mlp.down_proj.weight"]))
+
+
+def test_a_misspelled_target_among_others_is_warned_about(tmp_path, base_dir):
+    """PEFT adapts the targets that match and passes over the others: [q_proj, vproj] trained q_proj alone."""
+    with pytest.warns(UserWarning, match=r"LoRA target modules \['vproj'\] match no module of LlamaForCausalLM: they "
+                                         r"get no adapter"):
+        _trainer(tmp_path, base_dir, peft_config=None, use_peft=True, lora_target_modules=["q_proj", "vproj"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LoRA target modules")
+        _trainer(tmp_path, base_dir, peft_config=None, use_peft=True, lora_target_modules=["q_proj", "v_proj"])

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import os
 import re
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +103,14 @@ def wrap(model: torch.nn.Module, peft_config, *, gradient_checkpointing: bool) -
                           f"{type(model).__name__}: set lora_target_modules (LoraConfig.target_modules) to a list of "
                           f"its module names, e.g. {names[:8]}, or 'all-linear' (a plain string is a regular "
                           "expression matched against full module names)") from None
+    targets = getattr(peft_config, "target_modules", None)
+    if isinstance(targets, (list, tuple, set)):  # PEFT adapts the names that match and passes over the others
+        names = [n for n, _ in model.named_modules()]
+        unmatched = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in names))
+        if unmatched:
+            warnings.warn(f"LoRA target modules {unmatched} match no module of {type(model).__name__}: they get no "
+                          "adapter (the other targets do); check their spelling in lora_target_modules "
+                          "(LoraConfig.target_modules)", UserWarning, stacklevel=3)
     if gradient_checkpointing:
         wrapped.enable_input_require_grads()
     _CREATED.add(wrapped)
