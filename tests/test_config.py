@@ -30,6 +30,14 @@ def test_bad_values_name_the_field(kwargs, match):
         GRPOConfig(**kwargs)
 
 
+def test_yaml_merge_keys_may_override_and_a_repeated_key_is_refused():
+    from groupwise.config_base import read_yaml
+
+    assert read_yaml("base: &b {a: 1, b: 2}\nx:\n  <<: *b\n  a: 3\n")["x"] == {"a": 3, "b": 2}
+    with pytest.raises(Exception, match=r"the key 'a' is given twice \(lines 2 and 3\): keep one"):
+        read_yaml("x:\n  a: 1\n  a: 2\n")
+
+
 def test_unknown_and_unsupported_fields():
     with pytest.raises(ConfigError, match=r"unknown field 'num_generation'; did you mean 'num_generations'"):
         GRPOConfig(num_generation=4)

@@ -137,6 +137,11 @@ def test_config_file_errors_exit_2(tmp_path, capsys):
     bad.write_text("model_name_or_path: [unclosed\n")
     code, line = _exit_and_first_line(capsys, ["train", str(bad)])
     assert code == 2 and "not valid YAML at line 2" in line
+    # a key given twice: PyYAML kept the last one silently (a run of max_steps 3 where 2 was meant, or the reverse)
+    bad.write_text("model_name_or_path: m\nmax_steps: 2\nlearning_rate: 1e-5\nmax_steps: 3\n")
+    code, line = _exit_and_first_line(capsys, ["train", str(bad)])
+    assert code == 2 and "not valid YAML at line 4, column 1: the key 'max_steps' is given twice (lines 2 and 4): " \
+                         "keep one" in line
     code, line = _exit_and_first_line(capsys, ["train", "--dataset_name", "builtin:toy"])
     assert code == 2 and "dataset_name is set but model_name_or_path is not" in line
 

@@ -308,7 +308,21 @@ class YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader (YAML 1.1), reading unquoted 1e-7 / 5E3 as numbers as YAML 1.2 does (1.1 wants a '.'
     and a sign: it read them as text, which TRL's parser then turns into numbers for its float fields). Such a
     number remembers its text (YamlFloat): a field that takes text gets it as written (a commit id 12345e6, a
-    run_name 3e10). A quoted "1e-7" stays text, and so does an exponent of 3 digits or more (2e45607: inf)."""
+    run_name 3e10). A quoted "1e-7" stays text, and so does an exponent of 3 digits or more (2e45607: inf).
+    A key given twice in one mapping is an error (PyYAML keeps the last one silently); a merge (<<) may override."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (lines {seen[key] + 1} and "
+                                f"{key_node.start_mark.line + 1}): keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 # from_pretrained arguments that are always text: an unquoted `revision: 12345e6` in a YAML mapping is that text
