@@ -126,12 +126,20 @@ def test_overwrite_output_dir_deletes_the_previous_runs_final_model_too(tmp_path
     _checkpoint(tmp_path, 2)
     final = ["adapter_config.json", "adapter_model.safetensors", "model.safetensors", "config.json", "README.md",
              "model-00001-of-00002.safetensors", "model.safetensors.index.json", "trainer_state.json",
-             "eval_results.json"]
-    kept = ["tokenizer.json", "notes.txt"]  # the new save writes its own tokenizer files over these
+             "eval_results.json", "tokenizer.json", "chat_template.jinja", "special_tokens_map.json",
+             "groupwise_prm.json"]  # an old chat template would load with a new tokenizer that has none
+    kept = ["notes.txt", "data.jsonl"]
     for name in final + kept + ["metrics.jsonl"]:
         (tmp_path / name).write_text("{}")
     claim_output_dir(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    # a run folder with no model at its top (say a project folder holding a run's metrics): its README stays
+    for name in ("metrics.jsonl", "README.md", "config.json"):
+        (tmp_path / name).write_text("{}")
+    claim_output_dir(tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["README.md", "config.json"])
+    for name in ("README.md", "config.json"):
+        (tmp_path / name).unlink()
     (tmp_path / "metrics.jsonl").write_text("{}")  # a run that saved no checkpoint: nothing to resume
     with pytest.raises(CheckpointError, match=r"already holds a run \(metrics.jsonl\): choose another output_dir, "
                                               r"or set overwrite_output_dir=True"):

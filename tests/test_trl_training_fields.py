@@ -446,3 +446,22 @@ def test_log_completions_hub_repo_uploads_the_parquet_tables_to_a_dataset(tmp_pa
     with pytest.raises(ConfigError, match=r"log_completions_hub_repo needs a hub token: run `huggingface-cli login`"):
         _trainer(tmp_path, tokenizer, max_steps=1, log_completions=True, log_completions_hub_repo="me/c",
                  overwrite_output_dir=True)
+
+
+def test_a_failed_last_completions_upload_warns_and_the_run_ends(tmp_path, tokenizer, monkeypatch):
+    """The run is over and its tables are on disk: the last upload's failure is a warning naming how to upload them,
+    not an error on the main process alone."""
+    import huggingface_hub
+
+    class Down(_FakeDatasetHub):
+        def create_commit(self, *args, **kwargs):
+            raise ConnectionError("the hub went away")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Down)
+    t = _trainer(tmp_path, tokenizer, max_steps=1, logging_steps=1, log_completions=True, hub_token="hf_test",
+                 log_completions_hub_repo="me/completions")
+    with pytest.warns(RuntimeWarning, match=r"log_completions_hub_repo: the last upload to me/completions failed "
+                                            r"\(ConnectionError: the hub went away\); the tables are in .*completions: "
+                                            r"upload them with `hf upload me/completions"):
+        t.train()
+    assert t.state.global_step == 1

@@ -415,8 +415,7 @@ def check_base(base: str, folder: str, kwargs: dict, fix: str) -> None:
     except ConfigError as e:
         where = "" if os.path.isabs(base) else (" (a relative path is read from the current folder, not from the "
                                                 "one the run trained in)")
-        raise ConfigError(f"{folder}'s adapter names its base model {base!r}{where}, which does not load ({e}): "
-                          f"{fix}") from None
+        raise ConfigError(f"{folder}'s adapter's base model {base!r}{where} does not load ({e}): {fix}") from None
 
 
 def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False) -> str:
@@ -437,13 +436,14 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
     if (folder / ADAPTER_CONFIG).exists():
         peft = _peft()
         config = peft.PeftConfig.from_pretrained(str(folder))
-        base = base or config.base_model_name_or_path
+        given, base = base, base or config.base_model_name_or_path
         if not base:
             raise ConfigError(f"export: {checkpoint} does not name its base model (the policy was built in memory): "
                               "give it with --base PATH")
         base, gguf = gguf_base(base)  # a GGUF file (or the folder holding one): read dequantized, saved plain
         check_location(base, "--base")
-        check_base(base, checkpoint, {"trust_remote_code": trust_remote_code, **gguf}, "give it with --base PATH")
+        check_base(base, checkpoint, {"trust_remote_code": trust_remote_code, **gguf},
+                   "check --base" if given else "give it with --base PATH")
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf)
         forget_gguf(model)
         quantized = is_quantized(model)

@@ -49,13 +49,17 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
 REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see publish, put_back_replaced
 DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
-# the final model a run leaves at output_dir's top (save_model: weights or an adapter, configs, a card) and the state
-# and results it writes there: a run folder's, deleted with its checkpoints by overwrite_output_dir (a full model
-# left beside a new run's adapter, or the reverse, loaded as neither)
+# the final model a run leaves at output_dir's top (save_model: weights or an adapter, and what loads with them:
+# configs, tokenizer files, a card) and the state and results written there: deleted with a run's checkpoints by
+# overwrite_output_dir when weights are there (a full model left beside a new run's adapter, or the reverse, or an
+# old chat template beside a new tokenizer, loaded as neither run's); a folder without weights keeps its files
+WEIGHTS_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|pytorch_model.*\.bin|adapter_model\.(safetensors|bin))$")
 FINAL_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin|"
                       r"pytorch_model\.bin\.index\.json|adapter_config\.json|adapter_model\.(safetensors|bin)|"
                       r"config\.json|generation_config\.json|README\.md|trainer_state\.json|"
-                      r"(train|eval|all)_results\.json)$")
+                      r"(train|eval|all)_results\.json|groupwise_prm\.json|tokenizer(_config)?\.json|"
+                      r"special_tokens_map\.json|added_tokens\.json|chat_template\.(jinja|json)|vocab\.(json|txt)|"
+                      r"merges\.txt|tokenizer\.model)$")
 SETTING_ASIDE = ".setting-aside.json"  # set_aside_later's intent, until its renames are all done
 UNFINISHED_RE = re.compile(r"^\.tmp-checkpoint-(\d+)$")  # a save in progress (save_checkpoint), or a crash's
 MANIFEST = "checksums.json"
@@ -305,8 +309,8 @@ def check_json_state(state: Any, what: str) -> None:
 
 def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
     """Before a new (non-resumed) run: refuse an output_dir holding another run's checkpoints or metrics, unless
-    overwrite (TRL's overwrite_output_dir), which deletes them and that run's final model (FINAL_RE). A folder
-    holding no run is left as it is."""
+    overwrite (TRL's overwrite_output_dir), which deletes them and that run's final model (FINAL_RE, when weights
+    are there). A folder holding no run is left as it is."""
     found = run_outputs(output_dir)
     if not found:
         return
@@ -316,7 +320,9 @@ def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
         resume = "resume it with resume_from_checkpoint, " if resumable else ""  # (save_strategy 'no': nothing to)
         raise CheckpointError(f"output_dir {output_dir} already holds a run ({names}): {resume}choose another "
                               "output_dir, or set overwrite_output_dir=True to delete those outputs")
-    found += [p for p in Path(output_dir).iterdir() if p.is_file() and FINAL_RE.match(p.name)]
+    top = [p for p in Path(output_dir).iterdir() if p.is_file()]
+    if any(WEIGHTS_RE.match(p.name) for p in top):  # the run's final model
+        found += [p for p in top if FINAL_RE.match(p.name)]
     for p in found:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 

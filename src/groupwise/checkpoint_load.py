@@ -164,6 +164,10 @@ RESUME_FIELDS = {
     **dict.fromkeys(("optim", "optim_args"), "the saved optimizer state is this optimizer's"),
 }
 
+# how to start a new run from a checkpoint's weights, full or adapter
+NEW_RUN_FROM = ("model_name_or_path: {path}; for a LoRA checkpoint, its merge: `groupwise export {path} --merge OUT`, "
+                "then model_name_or_path: OUT")
+
 # GRPOConfig fields the optimizer's saved state holds (its param groups: lr as the schedule's base, weight decay,
 # betas, eps): changed on resume they have no effect, as in transformers, which says nothing; groupwise warns
 SAVED_OPTIMIZER_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
@@ -185,8 +189,8 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
                      "from a checkpoint-N folder of a groupwise run, or start a new run with its weights as the model")
     if state["world_size"] != world_size:
         raise _error(f"{path} was saved by {state['world_size']} processes; resume with the same number "
-                     f"(now {world_size}) so the data split and RNG streams match, or start a new run with its "
-                     f"weights as the model (model_name_or_path: {path})")
+                     f"(now {world_size}) so the data split and RNG streams match, or start a new run from its "
+                     f"weights ({NEW_RUN_FROM.format(path=path)})")
     planned = state.get("max_steps")  # a checkpoint from before the exact count has no "epoch_plan"
     if "epoch_plan" not in state and args.max_steps <= 0 and planned not in (None, max_steps) \
             and planned == epoch_steps_before:
@@ -207,7 +211,8 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
     if changed:
         warnings.warn(f"resume: {', '.join(changed)} differs from {path}, whose optimizer state and learning-rate "
                       "schedule resume as saved: the new value has no effect (as in transformers); to train with "
-                      f"it, start a new run with {path}'s weights as the model", UserWarning, stacklevel=3)
+                      f"it, start a new run from its weights ({NEW_RUN_FROM.format(path=path)})", UserWarning,
+                      stacklevel=3)
     if data is not None and state.get("data") not in (None, data):
         warnings.warn(f"resume: train_dataset is not the one {path} was trained on (its rows differ): the run "
                       "continues its prompt order over these rows; resume with the same dataset to continue exactly",

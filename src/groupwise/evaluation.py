@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from groupwise import rollout as R
 from groupwise.checkpoint_files import rng_untouched
+from groupwise.distributed import exact_dtype
 from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
@@ -102,7 +103,7 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
         groups = [every[i:i + k] for i in range(0, len(every), k)]
         scores = StepScores([[r for r, _ in g] for g in groups], [[e for _, e in g] for g in groups], [],
                             tuple(s.name for s in ctx.process_sources), dist.sum(step_errors.to(dist.device)).cpu(),
-                            dist.sum(step_totals.to(dist.device)).cpu())
+                            dist.sum(step_totals.to(dist.device, exact_dtype(dist.device))).cpu().double())
         out.update(process_metrics(scores, args.step_advantage, args.advantage_estimator, split_description(args)))
     if not reward_sources:
         return out

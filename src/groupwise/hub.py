@@ -4,6 +4,7 @@ tables to a dataset repository; through huggingface_hub (tests mock it)."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,8 @@ def hub_token(args: GRPOConfig, needed_by: str = "push_to_hub") -> str:
 def completions_uploader(args: GRPOConfig, folder: str) -> Opened:
     """log_completions_hub_repo (TRL): the dataset repository, created with its card, that huggingface_hub's
     CommitScheduler uploads `folder`'s parquet files to every 2 minutes (what changed since the last upload), as
-    TRL's; closing it uploads what is left, then stops the schedule (TRL leaves that to the interpreter's exit)."""
+    TRL's; closing it uploads what is left (a failure there is a warning: the run is over, its tables on disk), then
+    stops the schedule (TRL leaves that last upload to the interpreter's exit)."""
     from huggingface_hub import CommitScheduler, HfApi
 
     api = HfApi(token=hub_token(args, "log_completions_hub_repo"))
@@ -51,6 +53,10 @@ def completions_uploader(args: GRPOConfig, folder: str) -> Opened:
     def close(failed: bool) -> None:
         try:
             scheduler.trigger().result()  # the last steps' files, a failed run's too
+        except Exception as e:  # noqa: BLE001 — the run is over and its tables are on disk: say so, do not fail it
+            warnings.warn(f"log_completions_hub_repo: the last upload to {repo} failed ({type(e).__name__}: {e}); "
+                          f"the tables are in {folder}: upload them with `hf upload {repo} {folder} --repo-type "
+                          "dataset`", RuntimeWarning, stacklevel=2)
         finally:
             scheduler.stop()
 

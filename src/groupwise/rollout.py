@@ -24,6 +24,7 @@ from groupwise.core.advantages import outcome_advantages, process_advantages
 from groupwise.core.importance import sampling_weights
 from groupwise.core.supervision import token_advantages
 from groupwise.custom_rollout import rollout_completions
+from groupwise.distributed import exact_dtype
 from groupwise.dynamic import group_signal, refill
 from groupwise.generation import independently
 from groupwise.modeling import batched_logps, embedding_rows
@@ -258,7 +259,7 @@ def score_steps(ctx: RolloutContext, comp: Completions) -> StepScores:
     texts = [list(s.texts) for s in steps]
     gathered = ctx.dist.gather_object([(r, list(s.ends)) for r, s in zip(rewards, steps)])  # (B·G) rank order
     errors = ctx.dist.sum(errors.to(ctx.dist.device)).cpu()
-    totals = ctx.dist.sum(totals.to(ctx.dist.device)).cpu()
+    totals = ctx.dist.sum(totals.to(ctx.dist.device, exact_dtype(ctx.dist.device))).cpu().double()  # (MPS: float32)
     B = len(gathered) // G
     all_rewards = [[gathered[b * G + g][0] for g in range(G)] for b in range(B)]
     all_ends = [[gathered[b * G + g][1] for g in range(G)] for b in range(B)]
