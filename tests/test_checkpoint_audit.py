@@ -131,14 +131,24 @@ def test_overwrite_output_dir_deletes_the_previous_runs_final_model_too(tmp_path
     kept = ["notes.txt", "data.jsonl"]
     for name in final + kept + ["metrics.jsonl"]:
         (tmp_path / name).write_text("{}")
+    (tmp_path / "additional_chat_templates").mkdir()  # transformers loads every template there
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
     claim_output_dir(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
-    # a run folder with no model at its top (say a project folder holding a run's metrics): its README stays
-    for name in ("metrics.jsonl", "README.md", "config.json"):
+    # a run folder with no model at its top (say a project folder holding a run's metrics): its README stays; the
+    # run's state and results go (save_metrics would merge the new run's into the old all_results.json)
+    for name in ("metrics.jsonl", "README.md", "config.json", "all_results.json", "trainer_state.json"):
         (tmp_path / name).write_text("{}")
     claim_output_dir(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["README.md", "config.json"])
     for name in ("README.md", "config.json"):
+        (tmp_path / name).unlink()
+    # training in place (output_dir is the folder the policy was loaded from): its model stays
+    for name in ("metrics.jsonl", "model.safetensors", "config.json"):
+        (tmp_path / name).write_text("{}")
+    claim_output_dir(tmp_path, overwrite=True, model_folder=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["config.json", "model.safetensors"])
+    for name in ("model.safetensors", "config.json"):
         (tmp_path / name).unlink()
     (tmp_path / "metrics.jsonl").write_text("{}")  # a run that saved no checkpoint: nothing to resume
     with pytest.raises(CheckpointError, match=r"already holds a run \(metrics.jsonl\): choose another output_dir, "

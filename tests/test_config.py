@@ -34,6 +34,13 @@ def test_yaml_merge_keys_may_override_and_a_repeated_key_is_refused():
     from groupwise.config_base import read_yaml
 
     assert read_yaml("base: &b {a: 1, b: 2}\nx:\n  <<: *b\n  a: 3\n")["x"] == {"a": 3, "b": 2}
+    # a mapping that merges and overrides, itself merged by a shallower one (PyYAML flattens it in place first)
+    # (it was refused as a repeated key; read as PyYAML reads it)
+    import yaml
+
+    text = "a: &a {k: 1}\nb:\n  c: &c {<<: *a, k: 2}\nd: {<<: *c}\n"
+    assert read_yaml(text) == yaml.safe_load(text) and read_yaml(text)["b"]["c"] == {"k": 2}
+    assert read_yaml("x: &x {a: 1}\ny: &y {a: 2, b: 1}\nz: {<<: [*x, *y]}\n")["z"] == {"a": 1, "b": 1}
     with pytest.raises(Exception, match=r"the key 'a' is given twice \(lines 2 and 3\): keep one"):
         read_yaml("x:\n  a: 1\n  a: 2\n")
 

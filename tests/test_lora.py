@@ -313,11 +313,14 @@ def test_an_adapter_whose_base_does_not_load_is_one_line_naming_it(tmp_path, bas
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "tiny-base"}))
     assert main(["export", str(adapter), "--merge", str(tmp_path / "merged")]) == 2
     err = capsys.readouterr().err
-    assert f"{adapter}'s adapter's base model 'tiny-base' (a relative path is read from the current folder, not " \
-           "from the one the run trained in) does not load (model 'tiny-base': cannot load its config" in err
+    assert f"{adapter}'s adapter's base model 'tiny-base' (if it is a folder's relative path, it is read from the " \
+           "current folder, not from the one the run trained in) does not load (model 'tiny-base': cannot load its " \
+           "config" in err
     assert err.rstrip().endswith("give it with --base PATH") and "Traceback" not in err
     assert main(["export", str(adapter), "--merge", str(tmp_path / "merged"), "--base", "nope-base"]) == 2
-    assert capsys.readouterr().err.rstrip().endswith("check --base")  # given, so not "give it with --base"
+    err = capsys.readouterr().err  # the user's --base, named as such
+    assert "configuration error: --base 'nope-base' does not load (model 'nope-base'" in err
+    assert err.rstrip().endswith("check --base") and "adapter's base model" not in err
     assert main(["export", str(adapter), "--merge", str(tmp_path / "merged"), "--base", base_dir]) == 0
     with pytest.raises(ConfigError, match=r"base model 'tiny-base' .* merge it with `groupwise export "):
         load_adapter_checkpoint(str(adapter), small_args(tmp_path))

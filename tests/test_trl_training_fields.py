@@ -386,7 +386,7 @@ def test_push_to_hub_without_credentials_stops_before_training(tmp_path, tokeniz
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    with pytest.raises(ConfigError, match="push_to_hub needs a hub token: run `huggingface-cli login`"):
+    with pytest.raises(ConfigError, match="push_to_hub needs a hub token: run `hf auth login`"):
         _trainer(tmp_path, tokenizer, push_to_hub=True)
 
 
@@ -443,7 +443,7 @@ def test_log_completions_hub_repo_uploads_the_parquet_tables_to_a_dataset(tmp_pa
         GRPOConfig(log_completions_hub_repo="me/c")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    with pytest.raises(ConfigError, match=r"log_completions_hub_repo needs a hub token: run `huggingface-cli login`"):
+    with pytest.raises(ConfigError, match=r"log_completions_hub_repo needs a hub token: run `hf auth login`"):
         _trainer(tmp_path, tokenizer, max_steps=1, log_completions=True, log_completions_hub_repo="me/c",
                  overwrite_output_dir=True)
 

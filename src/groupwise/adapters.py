@@ -403,9 +403,10 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
     return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=kwargs["trust_remote_code"])
 
 
-def check_base(base: str, folder: str, kwargs: dict, fix: str) -> None:
+def check_base(base: str, folder: str, kwargs: dict, fix: str, given: bool = False) -> None:
     """The base model an adapter names loads (its config, before any weights), else one line naming the adapter,
-    the base and `fix`: a relative path is read from the current folder, not from where the run trained."""
+    the base and `fix`: a relative path is read from the current folder, not from where the run trained. `given`:
+    the base is the user's (--base), not the one the adapter names."""
     from transformers import AutoConfig
 
     from groupwise.loading import from_pretrained_or_error
@@ -413,8 +414,10 @@ def check_base(base: str, folder: str, kwargs: dict, fix: str) -> None:
     try:
         from_pretrained_or_error(AutoConfig, base, "config", **kwargs)
     except ConfigError as e:
-        where = "" if os.path.isabs(base) else (" (a relative path is read from the current folder, not from the "
-                                                "one the run trained in)")
+        if given:
+            raise ConfigError(f"--base {base!r} does not load ({e}): {fix}") from None
+        where = "" if os.path.isabs(base) else (" (if it is a folder's relative path, it is read from the current "
+                                                "folder, not from the one the run trained in)")
         raise ConfigError(f"{folder}'s adapter's base model {base!r}{where} does not load ({e}): {fix}") from None
 
 
@@ -443,7 +446,7 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         base, gguf = gguf_base(base)  # a GGUF file (or the folder holding one): read dequantized, saved plain
         check_location(base, "--base")
         check_base(base, checkpoint, {"trust_remote_code": trust_remote_code, **gguf},
-                   "check --base" if given else "give it with --base PATH")
+                   "check --base" if given else "give it with --base PATH", given=given is not None)
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf)
         forget_gguf(model)
         quantized = is_quantized(model)

@@ -49,17 +49,20 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SET_ASIDE_RE = re.compile(r"^checkpoint-(\d+)\.abandoned(-\d+)?$")  # see set_aside_later
 REPLACED_RE = re.compile(r"^\.old-checkpoint-(\d+)$")  # see publish, put_back_replaced
 DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
-# the final model a run leaves at output_dir's top (save_model: weights or an adapter, and what loads with them:
-# configs, tokenizer files, a card) and the state and results written there: deleted with a run's checkpoints by
-# overwrite_output_dir when weights are there (a full model left beside a new run's adapter, or the reverse, or an
-# old chat template beside a new tokenizer, loaded as neither run's); a folder without weights keeps its files
+# what a run leaves at output_dir's top besides its checkpoints, deleted with them by overwrite_output_dir: the state
+# and results it writes there (save_state, save_metrics: all_results.json would merge the new run's into the old's),
+# and, when its weights are there, its final model (save_model: weights or an adapter, and what loads with them:
+# configs, tokenizer files and chat templates, a card), which would load with the new run's model (a full model
+# left beside a new adapter, or the reverse, or an old chat template beside a new tokenizer). Without weights the
+# model files stay (a project folder's README)
+RUN_FILES_RE = re.compile(r"^(trainer_state\.json|(train|eval|all)_results\.json)$")
 WEIGHTS_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|pytorch_model.*\.bin|adapter_model\.(safetensors|bin))$")
 FINAL_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin|"
                       r"pytorch_model\.bin\.index\.json|adapter_config\.json|adapter_model\.(safetensors|bin)|"
-                      r"config\.json|generation_config\.json|README\.md|trainer_state\.json|"
-                      r"(train|eval|all)_results\.json|groupwise_prm\.json|tokenizer(_config)?\.json|"
-                      r"special_tokens_map\.json|added_tokens\.json|chat_template\.(jinja|json)|vocab\.(json|txt)|"
-                      r"merges\.txt|tokenizer\.model)$")
+                      r"config\.json|generation_config\.json|README\.md|groupwise_prm\.json|"
+                      r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|"
+                      r"chat_template\.(jinja|json)|additional_chat_templates|vocab\.(json|txt)|merges\.txt|"
+                      r"tokenizer\.model)$")
 SETTING_ASIDE = ".setting-aside.json"  # set_aside_later's intent, until its renames are all done
 UNFINISHED_RE = re.compile(r"^\.tmp-checkpoint-(\d+)$")  # a save in progress (save_checkpoint), or a crash's
 MANIFEST = "checksums.json"
@@ -307,10 +310,11 @@ def check_json_state(state: Any, what: str) -> None:
                           "save_strategy='no' with save_on_interrupt=False")
 
 
-def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
+def claim_output_dir(output_dir: str | Path, overwrite: bool, model_folder: str | None = None) -> None:
     """Before a new (non-resumed) run: refuse an output_dir holding another run's checkpoints or metrics, unless
-    overwrite (TRL's overwrite_output_dir), which deletes them and that run's final model (FINAL_RE, when weights
-    are there). A folder holding no run is left as it is."""
+    overwrite (TRL's overwrite_output_dir), which deletes them, RUN_FILES_RE and that run's final model (FINAL_RE,
+    when weights are there), unless output_dir is `model_folder`, the folder the policy was loaded from (training
+    in place: those files are the model). A folder holding no run is left as it is."""
     found = run_outputs(output_dir)
     if not found:
         return
@@ -320,8 +324,10 @@ def claim_output_dir(output_dir: str | Path, overwrite: bool) -> None:
         resume = "resume it with resume_from_checkpoint, " if resumable else ""  # (save_strategy 'no': nothing to)
         raise CheckpointError(f"output_dir {output_dir} already holds a run ({names}): {resume}choose another "
                               "output_dir, or set overwrite_output_dir=True to delete those outputs")
-    top = [p for p in Path(output_dir).iterdir() if p.is_file()]
-    if any(WEIGHTS_RE.match(p.name) for p in top):  # the run's final model
+    top = list(Path(output_dir).iterdir())
+    found += [p for p in top if p.is_file() and RUN_FILES_RE.match(p.name)]
+    in_place = model_folder is not None and os.path.isdir(model_folder) and os.path.samefile(model_folder, output_dir)
+    if any(WEIGHTS_RE.match(p.name) for p in top) and not in_place:  # the run's final model
         found += [p for p in top if FINAL_RE.match(p.name)]
     for p in found:
         shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -311,18 +311,22 @@ class YamlLoader(yaml.SafeLoader):
     run_name 3e10). A quoted "1e-7" stays text, and so does an exponent of 3 digits or more (2e45607: inf).
     A key given twice in one mapping is an error (PyYAML keeps the last one silently); a merge (<<) may override."""
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-                continue
-            key = self.construct_object(key_node)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice (lines {seen[key] + 1} and "
-                                f"{key_node.start_mark.line + 1}): keep one", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
+    def flatten_mapping(self, node):
+        # each mapping's own keys, before a merge (<<) puts another's in front of them: PyYAML flattens a merged
+        # mapping in place, before it is built itself when a shallower mapping merges it
+        checked = self.__dict__.setdefault("_checked_mappings", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: dict[str, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key_node.value!r} is given twice (lines {seen[key_node.value] + 1} "
+                                    f"and {key_node.start_mark.line + 1}): keep one", key_node.start_mark)
+                seen[key_node.value] = key_node.start_mark.line
+        super().flatten_mapping(node)
 
 
 # from_pretrained arguments that are always text: an unquoted `revision: 12345e6` in a YAML mapping is that text

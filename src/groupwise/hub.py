@@ -22,13 +22,13 @@ IGNORE = ["checkpoint-*", "checkpoint-*/**", ".tmp-*", ".tmp-*/**", ".old-*", ".
 
 
 def hub_token(args: GRPOConfig, needed_by: str = "push_to_hub") -> str:
-    """hub_token, else HF_TOKEN or the cached `huggingface-cli login`; a ConfigError saying how to log in if none."""
+    """hub_token, else HF_TOKEN or the cached `hf auth login`; a ConfigError saying how to log in if none."""
     from huggingface_hub import get_token
 
     given = args.hub_token if args.hub_token not in PLACEHOLDERS else None
     token = given or os.environ.get("HF_TOKEN") or get_token()
     if not token:
-        raise ConfigError(f"{needed_by} needs a hub token: run `huggingface-cli login`, set HF_TOKEN, or set "
+        raise ConfigError(f"{needed_by} needs a hub token: run `hf auth login`, set HF_TOKEN, or set "
                           "hub_token")
     return token
 

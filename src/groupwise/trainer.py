@@ -256,8 +256,9 @@ class GRPOTrainer(TransformersHabits):
                                else resume_from_checkpoint, self.args.output_dir)
         if not resume:  # a new run never writes over another run's outputs (checked by the main process)
             self._window.clear()
+            loaded_from = getattr(getattr(self.unwrapped, "config", None), "_name_or_path", None)  # in place: kept
             self.dist.run_together(lambda: self.dist.is_main and claim_output_dir(
-                self.args.output_dir, self.args.overwrite_output_dir), "checking output_dir")
+                self.args.output_dir, self.args.overwrite_output_dir, loaded_from), "checking output_dir")
         self._restored_history = None
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         self._logger = None
