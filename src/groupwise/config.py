@@ -24,7 +24,7 @@ from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
 from groupwise.core.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES
 from groupwise.core.supervision import SUPERVISIONS
-from groupwise.generation import BACKENDS, GENERATION_DTYPES, SHAPING_GENERATION_KWARGS
+from groupwise.generation import BACKENDS, GENERATION_DTYPES, check_generation_fields
 from groupwise.generation.vllm_fields import check_sampler_fields
 from groupwise.layout import BatchLayout, fill as fill_layout
 from groupwise.logging import LOG_LEVELS, transformers_verbosity
@@ -402,27 +402,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
         if self.logging_strategy == "steps" and self.logging_steps == 0:  # transformers' rule
             raise ConfigError("logging_strategy='steps' needs logging_steps > 0 (every that many steps, or a fraction "
                               "of max_steps below 1): set logging_steps, or logging_strategy='no'")
-        if self.generation_kwargs and not BACKENDS[self.generation_backend].generation_kwargs:
-            raise ConfigError(f"generation_kwargs {sorted(self.generation_kwargs)} need generation_backend="
-                              "'transformers' (model.generate takes them, as in TRL); the fast sampler reads "
-                              "temperature, top_p, top_k, min_p and repetition_penalty as GRPOConfig fields instead")
-        shaping = sorted(set(self.generation_kwargs or {}) & set(SHAPING_GENERATION_KWARGS))
-        if shaping:
-            raise ConfigError(f"generation_kwargs[{shaping[0]!r}] would change the shape of the completions: set "
-                              f"{SHAPING_GENERATION_KWARGS[shaping[0]]} instead")
-        beams = (self.generation_kwargs or {}).get("num_beams", 1)
-        if beams not in (None, 1):
-            raise ConfigError(f"generation_kwargs['num_beams']={beams!r} would run beam search, whose completions are "
-                              "not samples of the policy (the advantages, the log-probs and the importance correction "
-                              "assume they are): drop num_beams")
-        static_loop = BACKENDS[self.generation_backend].static_loop
-        if self.generation_compile and not static_loop:
-            raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
-                              f"{self.generation_backend!r}: drop generation_compile or use the fast backend")
-        if self.generation_fuse_projections and (not static_loop or self.generation_compile is False):
-            raise ConfigError("generation_fuse_projections applies to the fast backend's static decode loop: use "
-                              "generation_backend='fast' without generation_compile=False, or drop "
-                              "generation_fuse_projections")
+        check_generation_fields(self)  # generation_kwargs and the fast backend's switches
         SPLIT_MODES[self.step_split].check(step_delimiter=self.step_delimiter, step_pattern=self.step_pattern,
                                            step_tag=self.step_tag)
         try:

@@ -36,6 +36,8 @@ from typing import Protocol
 
 import torch
 
+from groupwise.config_base import ConfigError
+
 # GRPOConfig.generation_dtype: sample from a copy of the policy in this dtype
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,6 +105,33 @@ BACKENDS: dict[str, Backend] = {
 SHAPING_GENERATION_KWARGS = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
                              "max_length": "max_completion_length", "num_return_sequences": "num_generations",
                              "n": "num_generations"}
+
+
+def check_generation_fields(args) -> None:
+    """GRPOConfig's rules for what each backend reads (called by GRPOConfig.validate): generation_kwargs only where
+    model.generate-like backends take them, never one that changes the completions' shape or samples by beam
+    search; generation_compile and generation_fuse_projections only with the fast backend's static decode loop."""
+    if args.generation_kwargs and not BACKENDS[args.generation_backend].generation_kwargs:
+        raise ConfigError(f"generation_kwargs {sorted(args.generation_kwargs)} need generation_backend="
+                          "'transformers' (model.generate takes them, as in TRL); the fast sampler reads "
+                          "temperature, top_p, top_k, min_p and repetition_penalty as GRPOConfig fields instead")
+    shaping = sorted(set(args.generation_kwargs or {}) & set(SHAPING_GENERATION_KWARGS))
+    if shaping:
+        raise ConfigError(f"generation_kwargs[{shaping[0]!r}] would change the shape of the completions: set "
+                          f"{SHAPING_GENERATION_KWARGS[shaping[0]]} instead")
+    beams = (args.generation_kwargs or {}).get("num_beams", 1)
+    if beams not in (None, 1):
+        raise ConfigError(f"generation_kwargs['num_beams']={beams!r} would run beam search, whose completions are "
+                          "not samples of the policy (the advantages, the log-probs and the importance correction "
+                          "assume they are): drop num_beams")
+    static_loop = BACKENDS[args.generation_backend].static_loop
+    if args.generation_compile and not static_loop:
+        raise ConfigError(f"generation_compile=True applies to generation_backend='fast', not "
+                          f"{args.generation_backend!r}: drop generation_compile or use the fast backend")
+    if args.generation_fuse_projections and (not static_loop or args.generation_compile is False):
+        raise ConfigError("generation_fuse_projections applies to the fast backend's static decode loop: use "
+                          "generation_backend='fast' without generation_compile=False, or drop "
+                          "generation_fuse_projections")
 
 
 # logits processors a model's generation_config may switch on, which model.generate() applies (it merges the model's
