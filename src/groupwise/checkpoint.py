@@ -56,10 +56,10 @@ DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
 # left beside a new adapter, or the reverse, or an old chat template beside a new tokenizer). Without weights the
 # model files stay (a project folder's README)
 RUN_FILES_RE = re.compile(r"^(trainer_state\.json|(train|eval|all)_results\.json)$")
-WEIGHTS_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|pytorch_model.*\.bin|adapter_model\.(safetensors|bin))$")
-FINAL_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin|"
-                      r"pytorch_model\.bin\.index\.json|adapter_config\.json|adapter_model\.(safetensors|bin)|"
-                      r"config\.json|generation_config\.json|README\.md|groupwise_prm\.json|"
+_WEIGHTS = r"model(-\d+-of-\d+)?\.safetensors|pytorch_model.*\.bin|adapter_model\.(safetensors|bin)"
+WEIGHTS_RE = re.compile(rf"^({_WEIGHTS})$")
+FINAL_RE = re.compile(rf"^({_WEIGHTS}|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json|"
+                      r"adapter_config\.json|config\.json|generation_config\.json|README\.md|groupwise_prm\.json|"
                       r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|"
                       r"chat_template\.(jinja|json)|additional_chat_templates|vocab\.(json|txt)|merges\.txt|"
                       r"tokenizer\.model)$")
