@@ -76,6 +76,26 @@ def test_configuration_errors_exit_2_and_name_the_field(tmp_path, model_dir, cap
     assert "did you mean 'dataset_name'" in capsys.readouterr().err
 
 
+def test_a_file_missing_once_training_began_stops_the_run_and_is_not_a_configuration_error(tmp_path, model_dir,
+                                                                                            capsys, monkeypatch):
+    """Before training, a missing file is the user's input (exit 2); once train() has begun it is the run's (exit 1,
+    'run stopped'), as a checkpoint folder deleted under a running job is."""
+    import groupwise.trainer
+
+    def vanished(self, *a, **k):
+        raise FileNotFoundError(2, "No such file or directory", str(tmp_path / "run" / "checkpoint-1"))
+
+    monkeypatch.setattr(groupwise.trainer.GRPOTrainer, "train", vanished)
+    cfg = _config(tmp_path, model_dir)
+    assert main(["train", cfg, "--max_steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "groupwise: run stopped: [Errno 2] No such file or directory" in err and "during training" in err
+    assert "configuration error" not in err
+    assert main(["train", cfg, "--max_steps", "1", "--dataset_name", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error" in err and "none.jsonl" in err  # named before anything loads
+
+
 def test_python_dash_m_entry_point(tmp_path, model_dir):
     cfg = _config(tmp_path, model_dir, max_steps=1)
     proc = subprocess.run([sys.executable, "-m", "groupwise", "train", cfg], capture_output=True, text=True,

@@ -8,6 +8,7 @@ built-in demo; `groupwise train builtin:<task> [--field value …]` runs that bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -196,10 +197,25 @@ def cmd_train(argv: list[str]) -> int:
 
         return run_demo(values)
     trainer, args = build_trainer(values)
-    trainer.train()
+    with running("training"):
+        trainer.train()
     if not args.push_to_hub:  # with it, train() ended by saving the final model to output_dir and uploading it
         trainer.save_model(args.output_dir)  # the trained model in output_dir, as TRL's grpo script leaves it
     return 0
+
+
+class FileMissingInRun(RuntimeError):
+    """A file went missing while the run ran (its inputs were checked before it began): the run stopped (exit 1),
+    not a configuration error (exit 2)."""
+
+
+@contextlib.contextmanager
+def running(what: str):
+    """Errors raised once `what` has begun are the run's: a FileNotFoundError there is not a configuration error."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise FileMissingInRun(f"{e} (during {what}: a file the run uses went missing)") from e
 
 
 def read_values(argv: list[str]) -> dict[str, Any]:
@@ -298,7 +314,8 @@ def cmd_eval(argv: list[str]) -> int:
         raise ConfigError("groupwise eval needs model_name_or_path: the model to evaluate (a trained output_dir, a "
                           "checkpoint-N folder or a hub id)")
     trainer, args = build_trainer(values, evaluation=True)
-    metrics = trainer.evaluate()
+    with running("evaluation"):
+        metrics = trainer.evaluate()
     trainer.save_metrics("eval", metrics)  # eval_results.json (and all_results.json), as transformers' Trainer
     if trainer.dist.is_main:
         path = os.path.join(args.output_dir, "eval_results.json")
@@ -349,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, TrainingInterrupted) and not debug:
             print(f"groupwise: {e}", file=sys.stderr)
             return 128 + int(e.signum)
-        if debug or not isinstance(e, (RewardFunctionError, TrainingStopped, ProcessFailed)):
+        if debug or not isinstance(e, (RewardFunctionError, TrainingStopped, ProcessFailed, FileMissingInRun)):
             raise
         print(f"groupwise: run stopped: {e}", file=sys.stderr)
         return 1
