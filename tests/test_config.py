@@ -297,3 +297,17 @@ def test_tr_dpo_fields_without_sync_ref_model_and_step_fields_of_other_strategie
         GRPOConfig(save_steps=1.5)
     with pytest.raises(ConfigError, match=r"num_completions_to_print must be ≥ 0"):
         GRPOConfig(num_completions_to_print=-1)
+
+
+def test_config_warnings_point_at_the_users_line():
+    """A warning of GRPOConfig's checks names the line that built the config (this file), not groupwise's code,
+    through the dataclass's generated __init__ and any depth of validation."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GRPOConfig(output_dir="/tmp/unused", loss_type="dr_grpo", importance_sampling_level="sequence")
+        GRPOConfig(output_dir="/tmp/unused", use_vllm=True, vllm_mode="server", vllm_gpu_memory_utilization=0.5)
+        GRPOConfig(output_dir="/tmp/unused", dataloader_num_workers=2)  # an inert field
+    assert len(caught) >= 3
+    assert {w.filename for w in caught} == {__file__}, [(w.filename, str(w.message)[:60]) for w in caught]

@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import warnings
 
 from dataclasses import dataclass
 from typing import Any
 
 from groupwise.best import check_fields as check_best_fields
 from groupwise.config_habits import TrainingArgumentsHabits
-from groupwise.config_base import HUB_ID, ConfigError, load_yaml, option
+from groupwise.config_base import HUB_ID, ConfigError, load_yaml, option, warn_user
 from groupwise.config_trl import TRL_NOT_SUPPORTED, TRLFields
 from groupwise.core.advantages import ESTIMATORS, SCALES, STDS, STEP_ADVANTAGES
 from groupwise.core.importance import IS_MODES
@@ -330,28 +329,26 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
                               "token by token: set vllm_importance_sampling_mode to 'token_truncate' or 'token_mask' "
                               f"(not {self.vllm_importance_sampling_mode!r})")
         if OBJECTIVES[objective].sequence_weight and self.importance_sampling_level != "token":
-            warnings.warn(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
-                          f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
-                          "alike)", UserWarning, stacklevel=3)
+            warn_user(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
+                      f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
+                      "alike)")
         for switch, (fields, refused) in SWITCHED_FIELDS.items():  # TRL ignores them silently
             changed = [] if getattr(self, switch) else [n for n in fields if getattr(self, n) != _default(n)]
             if changed:
                 names = ", ".join(f"{n}={getattr(self, n)!r}" for n in changed)
                 if refused:
                     raise ConfigError(f"{names} has no effect without {switch}=True: remove it, or set {switch}=True")
-                warnings.warn(f"{names}: no effect without {switch}=True (the full model trains, or peft_config's "
-                              f"adapter): set {switch}=True to train LoRA adapters with them, or remove them",
-                              UserWarning, stacklevel=3)
+                warn_user(f"{names}: no effect without {switch}=True (the full model trains, or peft_config's "
+                          f"adapter): set {switch}=True to train LoRA adapters with them, or remove them")
         loss_type = LOSS_TYPES[self.loss_type]  # TRL's two warnings on the importance-sampling level
         if loss_type.paper_level is not None and self.importance_sampling_level != loss_type.paper_level:
-            warnings.warn(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="
-                          f"{loss_type.paper_level!r} in its paper (this run: {self.importance_sampling_level!r}; "
-                          "TRL warns alike)", UserWarning, stacklevel=3)
+            warn_user(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="
+                      f"{loss_type.paper_level!r} in its paper (this run: {self.importance_sampling_level!r}; "
+                      "TRL warns alike)")
         if self.importance_sampling_level == "sequence" and loss_type.length_weighted:
-            warnings.warn(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the loss sums "
-                          "per-token terms, so each sequence weighs by its length instead of the per-sequence "
-                          "objective of GSPO; set loss_type='grpo' for GSPO's setup (TRL warns alike)", UserWarning,
-                          stacklevel=3)
+            warn_user(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the loss sums "
+                      "per-token terms, so each sequence weighs by its length instead of the per-sequence "
+                      "objective of GSPO; set loss_type='grpo' for GSPO's setup (TRL warns alike)")
         if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
             raise ConfigError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
                               f"({self.entropy_coef_max})")

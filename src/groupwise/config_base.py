@@ -37,6 +37,19 @@ class ConfigError(ValueError):
 _MISSING = dataclasses.MISSING
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn at the user's line: the first caller outside groupwise (and outside generated code such as a dataclass's
+    __init__), so `GRPOConfig(...)` in a script is the line shown, not the groupwise line that found the problem."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+
+
 def option(help: str, default: Any = _MISSING, *, choices: Iterable | None = None, ge: float | None = None,
            gt: float | None = None, le: float | None = None, lt: float | None = None, default_factory: Any = _MISSING,
            inert: str | None = None, accepts: str | None = None, parsed: bool = True, json_text: bool = False,
@@ -177,7 +190,7 @@ class StrictConfig(metaclass=_Screened):
             check_rules(f.name, value, rules)
             setattr(self, f.name, value)
             if "inert" in rules and value != _default_of(f):
-                warnings.warn(f"{f.name}={value!r} has no effect in groupwise: {rules['inert']}", stacklevel=5)
+                warn_user(f"{f.name}={value!r} has no effect in groupwise: {rules['inert']}")
         self.validate()
 
     def _refuse_unsupported(self, f: dataclasses.Field, value: Any, given: dict[str, Any]) -> None:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
-from groupwise.config_base import ConfigError, check_location, coerce, reject_unknown
+from groupwise.config_base import ConfigError, check_location, coerce, reject_unknown, warn_user
 from groupwise.loading import MODEL_DTYPES
 
 # name: (annotation, default, help); the annotation is checked as GRPOConfig checks its fields (config_base.coerce)
@@ -81,14 +80,14 @@ def check_run_fields(run: dict[str, Any]) -> dict[str, Any]:
     if out["dtype"] is not None and out["dtype"] not in ("auto", *MODEL_DTYPES):
         raise ConfigError(f"dtype={out['dtype']!r} is not one of {['auto', *MODEL_DTYPES]}")
     if out["ignore_bias_buffers"]:
-        warnings.warn("ignore_bias_buffers=True has no effect (TRL's grpo script does not read it either)", stacklevel=3)
+        warn_user("ignore_bias_buffers=True has no effect (TRL's grpo script does not read it either)")
     size = out["test_split_size"]
     if size is not None and not (0 < size < 1 or (size >= 1 and float(size).is_integer())):
         raise ConfigError(f"test_split_size={size} must be a share in (0, 1) or a whole number of rows")
     if size is not None and out["datasets"] is None:  # TRL applies it in get_dataset, to a mixture only
-        warnings.warn(f"test_split_size={size} has no effect without a datasets: mixture (as in TRL): every row of "
-                      "dataset_name trains; evaluation reads dataset_test_split / eval_split of dataset_name, or "
-                      "eval_dataset_name", stacklevel=3)
+        warn_user(f"test_split_size={size} has no effect without a datasets: mixture (as in TRL): every row of "
+                  "dataset_name trains; evaluation reads dataset_test_split / eval_split of dataset_name, or "
+                  "eval_dataset_name")
     if out["datasets"] is not None:
         for i, entry in enumerate(out["datasets"]):
             if not isinstance(entry, dict) or "path" not in entry:
@@ -295,8 +294,8 @@ def _run_datasets(run: dict[str, Any], args, evaluation: bool) -> tuple[Any, Any
 
     mixture = run["datasets"]
     if mixture and run["dataset_name"]:
-        warnings.warn("both datasets and dataset_name are set: the datasets mixture is used and dataset_name is "
-                      "ignored, as in TRL", stacklevel=2)
+        warn_user("both datasets and dataset_name are set: the datasets mixture is used and dataset_name is "
+                  "ignored, as in TRL")
     if mixture:
         train = load_mixture(mixture, streaming=run["streaming"], seed=args.seed)
     else:

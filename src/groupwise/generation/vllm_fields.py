@@ -6,11 +6,10 @@ GRPOConfig.validate; the vLLM package itself is never imported here."""
 from __future__ import annotations
 
 import urllib.parse
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from groupwise.config_base import ConfigError
+from groupwise.config_base import ConfigError, warn_user
 
 if TYPE_CHECKING:
     from groupwise.config import GRPOConfig
@@ -47,11 +46,11 @@ def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> No
                           "(TRL's switch; a config saved from such a run holds generation_backend='vllm'): set "
                           "use_vllm=True, or generation_backend='fast' to sample without vLLM")
     elif args.vllm_structured_outputs_regex is not None:  # TRL reads it with vLLM only; a dumped config still loads
-        warnings.warn(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} has no effect without "
-                      "use_vllm=True (only vLLM constrains the sampling to it)", UserWarning, stacklevel=3)
+        warn_user(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} has no effect without "
+                  "use_vllm=True (only vLLM constrains the sampling to it)")
     if args.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
-        warnings.warn("vllm_importance_sampling_cap is deprecated (TRL); use vllm_importance_sampling_clip_max",
-                      FutureWarning, stacklevel=3)
+        warn_user("vllm_importance_sampling_cap is deprecated (TRL); use vllm_importance_sampling_clip_max",
+                  FutureWarning)
         args.vllm_importance_sampling_clip_max = args.vllm_importance_sampling_cap
     lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     if lo is not None and hi is not None and lo >= hi:
@@ -76,5 +75,5 @@ def _check_server(args: GRPOConfig, _default: Callable[[str], Any]) -> None:
                                   f"server is (TRL reads vllm_server_base_url and ignores {name}): give one")
     for name, flag in VLLM_COLOCATE_ONLY.items():
         if getattr(args, name) != _default(name):
-            warnings.warn(f"{name}={getattr(args, name)!r} has no effect with vllm_mode='server' (the colocated "
-                          f"engine's setting, as in TRL): {flag}", stacklevel=8)
+            warn_user(f"{name}={getattr(args, name)!r} has no effect with vllm_mode='server' (the colocated "
+                      f"engine's setting, as in TRL): {flag}")
