@@ -301,7 +301,8 @@ def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm,
     generation_kwargs["structured_outputs"] with TRL's warning; without use_vllm it has no effect (a warning)."""
     import regex
 
-    args = small_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex="[ab]+", max_steps=1)
+    args = small_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex="[ab]+", max_steps=1,
+                      vllm_importance_sampling_correction=False)
     seen = []
 
     def record(completions, **_):
@@ -319,12 +320,32 @@ def test_structured_outputs_constrain_every_completion(tmp_path, base_dir, vllm,
     assert isinstance(constraint, StructuredOutputsParams) and constraint.regex == "[ab]+"
     from groupwise.generation.vllm import structured_outputs
 
-    both = small_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex="a+")
+    both = small_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex="a+",
+                      vllm_importance_sampling_correction=False)
     with pytest.warns(UserWarning, match="`structured_outputs_regex` takes precedence"):
         assert structured_outputs(both, {"choice": ["x"]}) == {"regex": "a+"}
     assert structured_outputs(small_args(tmp_path, use_vllm=True), {"choice": ["x"]}) == {"choice": ["x"]}
     with pytest.warns(UserWarning, match="vllm_structured_outputs_regex='a' has no effect without use_vllm=True"):
         small_args(tmp_path, vllm_structured_outputs_regex="a")
+
+
+def test_structured_outputs_with_the_sampler_s_log_probs_are_refused(tmp_path):
+    """vLLM's log-probs under a constraint are the constrained distribution's (its token bitmask is applied before
+    the sampler computes them): with the importance correction each completion's weight π_θold / π_vLLM ≤ 1 would
+    shrink its loss by the probability the constraint removed (the stand-in measured ratios of 0.002), with the
+    off-policy mask it would be masked. TRL 1.16 trains so, silently; groupwise refuses and names the fix."""
+    for constraint in ({"vllm_structured_outputs_regex": "[ab]+"},
+                       {"generation_kwargs": {"structured_outputs": {"choice": ["a", "b"]}}}):
+        name = "vllm_structured_outputs_regex" if "vllm_structured_outputs_regex" in constraint else \
+            r"generation_kwargs\['structured_outputs'\]"
+        with pytest.raises(ConfigError, match=rf"{name} with vllm_importance_sampling_correction=True: vLLM's "
+                                              r"log-probs are those of the constrained distribution.*set "
+                                              r"vllm_importance_sampling_correction: false"):
+            small_args(tmp_path, use_vllm=True, **constraint)  # the correction is on by default, as in TRL
+        with pytest.raises(ConfigError, match=rf"{name} with off_policy_mask_threshold=0.5"):
+            small_args(tmp_path, use_vllm=True, vllm_importance_sampling_correction=False,
+                       off_policy_mask_threshold=0.5, **constraint)
+        small_args(tmp_path, use_vllm=True, vllm_importance_sampling_correction=False, **constraint)  # accepted
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -188,6 +188,34 @@ def test_greedy_completions_from_the_server_equal_the_policy_s(tmp_path, base_di
     assert out.logprobs is None
 
 
+def test_a_seed_in_generation_kwargs_samples_a_group_alike_in_both_modes(tmp_path, base_dir, server, vllm,
+                                                                           tokenizer):
+    """generation_kwargs={"seed": s} (TRL's example of a generation kwarg): server mode sends each group as one
+    request with n = G, whose j-th sample vLLM seeds with s + j. Colocate mode sends one request per row; it seeds
+    row j of each group s + j too, so a group's completions differ (were: G copies of one completion, every group's
+    reward std 0) and equal server mode's, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(base_dir)  # the weights the server and the engine load
+    ids, mask = encode_prompts([f"repeat {c}:" for c in "ab" for _ in range(4)], tokenizer, None)
+    outs = []
+    for mode in ("colocate", "server"):
+        extra = dict(vllm_mode="server", vllm_server_base_url=server.url, vllm_group_port=free_port(),
+                     vllm_server_timeout=5.0) if mode == "server" else {}
+        args = small_args(tmp_path, use_vllm=True, generation_kwargs={"seed": 11}, max_completion_length=6, **extra)
+        gen = _generator(args, tokenizer)
+        try:
+            outs.append(gen(policy, ids, mask).completion_ids)
+        finally:
+            getattr(gen, "close", lambda: None)()  # the server's client holds a connection
+    colocate, served = outs
+    assert torch.equal(colocate, served)
+    for group in colocate.view(2, 4, -1):
+        assert len({tuple(row.tolist()) for row in group}) > 1  # not one completion four times
+    body = [b for _, p, b in server.requests if p == "/v1/completions"][-1]
+    assert body["n"] == 4 and body["seed"] == 11
+
+
 def test_lora_policy_pushes_merged_weights_under_vllm_names(tmp_path, base_dir, server, tokenizer):
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
@@ -291,6 +319,29 @@ def test_transient_failures_of_the_server_are_retried_as_trl_retries_them(tmp_pa
     assert tries == {"/v1/models": 2, "/start_weight_update": 2, "/reset_prefix_cache": 3, "/v1/completions": 3}
     assert server.updates == 1 and _server_holds(server, dict(policy.named_parameters()))
     assert out.completion_ids.shape[0] == 2 and waits == [4.0, 4.0]  # no wait after a first failure, then 4 s
+
+
+def test_a_failed_weight_push_is_not_retried_and_names_the_server_s_error_and_model(tmp_path, tokenizer, vllm):
+    """/update_weights starts a collective: a retry would wait for a broadcast this process already finished (until
+    ddp_timeout, 30 min by default) and hide the cause. A server started on another model fails the push once, with
+    its error (the shapes) and the model it serves."""
+    from groupwise.generation.vllm_server import VLLMServerError
+    from tests.vllm_standin.serve import StandinServer
+
+    other = tmp_path / "other"  # hidden 64 where the policy has 32
+    toy.build_model(tokenizer, seed=1, hidden_size=64).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    policy = toy.build_model(tokenizer, seed=0, hidden_size=32)
+    with StandinServer(str(other)) as server:
+        gen = _generator(_server_args(tmp_path, server.url, ddp_timeout=60), tokenizer)
+        start = time.monotonic()
+        try:
+            with pytest.raises(VLLMServerError, match=r"update_weights failed after 1 try: HTTP 500.*size of tensor.*"
+                                                      rf"the server serves '{other}': it must be the policy's model"):
+                gen.update_weights(policy)
+        finally:
+            gen.close()
+        assert server.paths().count("/update_weights") == 1 and time.monotonic() - start < 30
 
 
 def test_the_stand_in_takes_completion_fields_as_vllm_does(base_dir, server, caplog, monkeypatch):
@@ -399,7 +450,8 @@ def test_structured_outputs_reach_the_server_as_trl_sends_them(tmp_path, base_di
         seen.extend(completions)
         return [float(len(c)) for c in completions]
 
-    args = _server_args(tmp_path, server.url, max_steps=1, vllm_structured_outputs_regex="[ab]+")
+    args = _server_args(tmp_path, server.url, max_steps=1, vllm_structured_outputs_regex="[ab]+",
+                        vllm_importance_sampling_correction=False)
     t = GRPOTrainer(base_dir, [record], args=args, train_dataset=toy.dataset(4))
     try:
         t.train()

@@ -40,7 +40,7 @@ import torch
 
 from groupwise.config_base import ConfigError
 from groupwise.distributed import ProcessFailed
-from groupwise.generation import Generated
+from groupwise.generation import Generated, repeats
 
 
 def _vllm():
@@ -256,7 +256,15 @@ class VLLMColocateGenerator:
         if not parts:
             return []
         prompts = [{"prompt_token_ids": ids} for rows, _ in parts for ids in rows]
-        if all(fields == parts[0][1] for _, fields in parts):
+        if any(fields.get("seed") is not None for _, fields in parts):
+            # generation_kwargs' seed: server mode sends a group as one request with n = G, whose j-th sample vLLM
+            # seeds with seed + j; one request per row with the seed as it is would sample one completion G times
+            n = repeats([p["prompt_token_ids"] for p in prompts], (self.args.num_generations,
+                                                                    self.args.num_generations_eval))
+            rows = [fields for rows, fields in parts for _ in rows]
+            params = [self._params(vllm, fields if fields.get("seed") is None else
+                                   {**fields, "seed": fields["seed"] + i % n}) for i, fields in enumerate(rows)]
+        elif all(fields == parts[0][1] for _, fields in parts):
             params = self._params(vllm, parts[0][1])
         else:
             params = [self._params(vllm, fields) for rows, fields in parts for _ in rows]

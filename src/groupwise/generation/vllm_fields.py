@@ -41,6 +41,17 @@ def check_sampler_fields(args: GRPOConfig, _default: Callable[[str], Any]) -> No
             raise ConfigError(f"generation_kwargs['logprobs']={top!r}: vLLM must return the sampled token's log-prob "
                               "(logprobs=0; k > 0 adds the top k, -1 every token, which groupwise does not read): "
                               "drop it, or give an int ≥ -1")
+        constraint = ("vllm_structured_outputs_regex" if args.vllm_structured_outputs_regex is not None else
+                      "generation_kwargs['structured_outputs']" if "structured_outputs" in (args.generation_kwargs
+                                                                                            or {}) else None)
+        if constraint and args.keeps_sampling_logps:
+            reader = ("vllm_importance_sampling_correction=True" if args.corrects_sampling else
+                      f"off_policy_mask_threshold={args.off_policy_mask_threshold}")
+            raise ConfigError(f"{constraint} with {reader}: vLLM's log-probs are those of the constrained "
+                              "distribution, which the trainer's log-probs are not, so the sampler's log-probs would "
+                              "shrink (or mask) every completion by the probability the constraint removes, not "
+                              "correct a numerics difference; set vllm_importance_sampling_correction: false (and "
+                              "off_policy_mask_threshold: null), or drop the constraint")
     elif args.generation_backend == "vllm":
         raise ConfigError("generation_backend='vllm' with use_vllm=False: vLLM is selected with use_vllm=True "
                           "(TRL's switch; a config saved from such a run holds generation_backend='vllm'): set "

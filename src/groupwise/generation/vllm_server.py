@@ -128,10 +128,12 @@ class VLLMServerClient:
         self.model = self._get("/v1/models")["data"][0]["id"]
 
     # -- HTTP
-    def _request(self, method: str, path: str, payload: dict | None = None, *, timeout: float | None = None) -> dict:
+    def _request(self, method: str, path: str, payload: dict | None = None, *, timeout: float | None = None,
+                 retry: bool = True) -> dict:
         """One request, retried as TRL's session retries it (RETRY_*, above): a connection refused, broken or timed out
         up to 6 tries, HTTP 500/502/503 (413/429 with Retry-After) up to 4, waiting Retry-After or the backoff
-        between tries. Any other answer is final. All the tries together wait at most `timeout` (request_timeout)."""
+        between tries. Any other answer is final. All the tries together wait at most `timeout` (request_timeout).
+        `retry=False`: one try, its failure final (a request that starts a collective: see _post_alongside)."""
         url = self.base_url + path
         data = None if payload is None else json.dumps(payload).encode()
         if method == "POST" and data is None:
@@ -139,7 +141,7 @@ class VLLMServerClient:
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         timeout = timeout if timeout is not None else self.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        total, status, tries = RETRY_TOTAL, RETRY_STATUS, 0
+        total, status, tries = (RETRY_TOTAL, RETRY_STATUS, 0) if retry else (0, 0, 0)
 
         def failed(last: str, stop: str = "") -> str:
             return f"vLLM server: {method} {url} failed after {tries} {'try' if tries == 1 else 'tries'}{stop}: {last}"
@@ -191,12 +193,14 @@ class VLLMServerClient:
     def _post_alongside(self, path: str, payload: dict, work: Callable[[], None]) -> dict:
         """POST while `work()` runs here: the server blocks in the collective the request starts until this process
         joins it (TRL sends the request from a thread the same way). The thread is a daemon: a request the server
-        never answers cannot hold the process at exit."""
+        never answers cannot hold the process at exit. Sent once: a retry would start a second collective that this
+        process, done with `work()`, never joins, and wait out the timeout instead of reporting the server's error
+        (TRL's session retries it, then waits forever)."""
         box: dict[str, Any] = {}
 
         def post():
             try:
-                box["result"] = self._post(path, payload)
+                box["result"] = self._request("POST", path, payload, retry=False)
             except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
                 box["error"] = e
 
@@ -310,8 +314,12 @@ class VLLMServerClient:
         if not self.transfer.packed_in_init:
             update_info["packed"] = True
         self._post("/start_weight_update", {})
-        self._post_alongside("/update_weights", {"update_info": update_info},
-                             lambda: self.transfer.send(self.communicator, named_params))
+        try:
+            self._post_alongside("/update_weights", {"update_info": update_info},
+                                 lambda: self.transfer.send(self.communicator, named_params))
+        except VLLMServerError as e:  # most often a server started on another model than the policy
+            raise VLLMServerError(f"{e} (the server serves {self.model!r}: it must be the policy's model, as "
+                                  "`vllm serve` was started with it)") from None
         self._post("/finish_weight_update", {})
 
     def update_model_params(self, named: list[tuple[str, torch.Tensor]]) -> None:

@@ -280,10 +280,10 @@ class LLM:
                 out.append(RequestOutput(ids, [CompletionOutput(k, list(scripted), None) for k in range(p.n)]))
                 continue
             completions, stop = [], eos | set(p.stop_token_ids or [])
-            # a request's own seed: its own generator (vLLM gives each of n > 1 samples seed + index; groupwise
-            # sends n = 1)
-            generator = self.generator if p.seed is None else torch.Generator().manual_seed(p.seed)
             for k in range(p.n):
+                # a request's own seed: its own generator; vLLM gives the k-th of n > 1 samples seed + k
+                # (ParentRequest's child sampling params)
+                generator = self.generator if p.seed is None else torch.Generator().manual_seed(p.seed + k)
                 seq, lps = list(ids), []
                 for _ in range(p.max_tokens):
                     logits = self.hf(torch.tensor([seq])).logits[0, -1].float()
