@@ -28,13 +28,14 @@ class Scripted:
     the prompt decoded with its special tokens. Records the rows of each call."""
 
     def __init__(self, reply, tokenizer=TOKENIZER):
-        self.reply, self.tok, self.calls, self.prompts = reply, tokenizer, [], []
+        self.reply, self.tok, self.calls, self.prompts, self.limits = reply, tokenizer, [], [], []
 
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False):
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False, max_new_tokens=None):
         texts = [self.tok.decode(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
         self.calls.append(len(texts))
         self.prompts.append(texts)
-        outs = [self.tok(self.reply(t), add_special_tokens=False)["input_ids"] for t in texts]
+        self.limits.append(max_new_tokens)
+        outs = [self.tok(self.reply(t), add_special_tokens=False)["input_ids"][:max_new_tokens] for t in texts]
         ids = torch.full((len(outs), max(map(len, outs))), self.tok.pad_token_id)
         for i, o in enumerate(outs):
             ids[i, :len(o)] = torch.tensor(o)
@@ -116,12 +117,13 @@ class Opening:
         self.real, self.script = real, Scripted(opening, tokenizer)
         self.calls: list[tuple[str, int]] = []
 
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False):
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy=False, logprobs=False, max_new_tokens=None):
         texts = [self.script.tok.decode(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
         first = all("<|im_start|>tool" not in t for t in texts)
         self.calls.append(("script" if first else "model", len(texts)))
         backend = self.script if first else self.real
-        return backend(model, prompt_ids, prompt_mask, greedy=greedy, logprobs=logprobs)
+        return backend(model, prompt_ids, prompt_mask, greedy=greedy, logprobs=logprobs,
+                       max_new_tokens=max_new_tokens)
 
     def update_weights(self, model):
         self.real.update_weights(model)

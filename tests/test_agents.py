@@ -205,12 +205,45 @@ def test_a_post_tool_turn_is_cut_to_what_is_left_of_max_completion_length():
     assert comp.tool_mask[0].tolist() == [1] * n1 + [0] * ns + [1] * 5
     assert comp.completions[0][-1] == {"role": "assistant", "content": "The a"}
     assert comp.turn_ends == [[n1 - 1, n1 + ns + 4]]
-    # cut to nothing: no message is added, and the completion ends inside the tool tokens (truncated)
+    # the later turn asks the sampler for what is left (TRL asks for max_completion_length and cuts the rest)
+    assert gen_limits(ctx) == [None, 5]
+    # cut to nothing: no message is added, and the completion ends inside the tool tokens (truncated); no sampler
+    # call is made for a turn with no budget (TRL makes one and cuts it to nothing)
     ctx, gen = context(reply, max_completion_length=n1 + ns)
     comp = R.generate(ctx, None, [{"prompt": user("go")}])
-    assert gen.calls == [1, 1] and [m["role"] for m in comp.completions[0]] == ["assistant", "tool"]
+    assert gen.calls == [1] and [m["role"] for m in comp.completions[0]] == ["assistant", "tool"]
     assert comp.tool_mask[0].tolist() == [1] * n1 + [0] * ns and comp.truncated.tolist() == [True]
     assert comp.turn_ends == [[n1 - 1]]
+
+
+def gen_limits(ctx) -> list:
+    return ctx.generator.limits
+
+
+def test_no_later_turn_runs_past_the_model_s_positions():
+    """A model with learned position embeddings has none past max_position_embeddings. A later turn starts from the
+    prompt, the earlier turns and the tool tokens, so asking it for the completion's whole budget (TRL) runs past
+    them (an IndexError in the position embedding; a device assert on CUDA). Each row may take min(its budget,
+    its positions left): the row of the longer prompt is sampled alone with its 3 positions left, the other with
+    its own, more; neither is cut below what its positions allow."""
+    from types import SimpleNamespace
+
+    first, reply = _one_call("The answer is twelve, computed with the tool.<|im_end|>")
+    n1, ns, answer = len(ids(first)), len(ids(SUFFIX_12)), len(ids("The answer is twelve, computed with the tool."))
+    rows = [{"prompt": user("go")}, {"prompt": user("go " * 8)}]
+    ctx, _ = context(reply, max_completion_length=400)
+    P = R.generate(ctx, None, rows).prompt_mask.sum(1).tolist()  # each row's prompt tokens
+    assert P[1] - P[0] >= 8
+    positions = P[1] + n1 + ns + 3  # the long row has 3 positions left for its second turn
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=positions))
+    ctx, gen = context(reply, max_completion_length=400)
+    comp = R.generate(ctx, model, rows)
+    room_a = positions - (P[0] + n1 + ns)
+    assert gen.calls == [2, 1, 1] and gen_limits(ctx) == [None, 3, min(room_a, answer + 1)]
+    lengths = comp.completion_mask.sum(1).tolist()
+    assert lengths == [n1 + ns + min(room_a, answer + 1), n1 + ns + 3]  # the long row: cut at its positions
+    assert all(P[i] + lengths[i] <= positions for i in range(2))
+    assert comp.truncated.tolist() == [room_a < answer + 1, True]
 
 
 def test_an_overlong_tool_result_is_rolled_back_and_the_rollout_leaves_the_loop():

@@ -76,6 +76,32 @@ def _args(tmp_path, **kw):
     return GRPOConfig(**{**base, **kw})
 
 
+@pytest.mark.parametrize("backend", ["fast", "transformers"])
+def test_later_tool_turns_stay_within_learned_position_embeddings(tmp_path, backend):
+    """GPT-2 has a position embedding table of n_positions rows, nothing past it. Here prompt +
+    max_completion_length fits (the run's check), but a later turn starts after the first turn and the tool tokens:
+    asked for max_completion_length more tokens (TRL), both backends indexed past the table (IndexError). Each later
+    turn asks for what is left, so the step trains."""
+    from transformers import GPT2Config, GPT2LMHeadModel, utils
+
+    schema = [utils.get_json_schema(multiply)]
+    P = max(len(TOKENIZER.apply_chat_template(user(f"What is 3*4? ({i})"), tools=schema, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)) for i in range(2))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(TOKENIZER), n_positions=P + 120 + 2, n_embd=32, n_layer=1,
+                                       n_head=2, eos_token_id=TOKENIZER.eos_token_id,
+                                       pad_token_id=TOKENIZER.pad_token_id, bos_token_id=TOKENIZER.eos_token_id))
+    trainer = GRPOTrainer(model, lambda completions, **_: [float(len(c)) for c in completions],
+                          args=_args(tmp_path, max_steps=1, per_device_train_batch_size=2, generation_backend=backend),
+                          processing_class=TOKENIZER, tools=[multiply],
+                          train_dataset=[{"prompt": user(f"What is 3*4? ({i})")} for i in range(2)])
+    gen = Opening(trainer.rollout_ctx.generator, lambda p: call("multiply", a=3, b=4) + "<|im_end|>")
+    trainer.rollout_ctx = dataclasses.replace(trainer.rollout_ctx, generator=gen)
+    trainer.train()
+    assert gen.calls == [("script", 2), ("model", 2)]  # the later turn was sampled by the model
+    assert trainer.state.global_step == 1
+
+
 def test_grpo_trainer_trains_with_tools_on_a_real_tiny_model(tmp_path):
     seen = []
 

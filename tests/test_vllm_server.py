@@ -206,6 +206,8 @@ def test_a_seed_in_generation_kwargs_samples_a_group_alike_in_both_modes(tmp_pat
         gen = _generator(args, tokenizer)
         try:
             outs.append(gen(policy, ids, mask).completion_ids)
+            if mode == "server":  # a later tool turn's limit: the request's max_tokens
+                assert gen(policy, ids[:4], mask[:4], max_new_tokens=2).completion_ids.size(1) <= 2
         finally:
             getattr(gen, "close", lambda: None)()  # the server's client holds a connection
     colocate, served = outs
@@ -213,7 +215,7 @@ def test_a_seed_in_generation_kwargs_samples_a_group_alike_in_both_modes(tmp_pat
     for group in colocate.view(2, 4, -1):
         assert len({tuple(row.tolist()) for row in group}) > 1  # not one completion four times
     body = [b for _, p, b in server.requests if p == "/v1/completions"][-1]
-    assert body["n"] == 4 and body["seed"] == 11
+    assert body["n"] == 4 and body["seed"] == 11 and body["max_tokens"] == 2
 
 
 def test_lora_policy_pushes_merged_weights_under_vllm_names(tmp_path, base_dir, server, tokenizer):

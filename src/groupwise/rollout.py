@@ -157,8 +157,9 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
     # the sampler's log-probs, for the importance correction and the off-policy mask
     want = (ctx.correct_sampling or args.keeps_sampling_logps) and not greedy and not evaluation
 
-    def sample(prompt_ids, prompt_mask):  # left-padded prompts → Generated (one turn's, with tools)
-        out = ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want)
+    def sample(prompt_ids, prompt_mask, **limit):  # left-padded prompts → Generated (one turn's, with tools)
+        out = ctx.generator(model, prompt_ids.to(device), prompt_mask.to(device), greedy=greedy, logprobs=want,
+                            **limit)  # a later tool turn's max_new_tokens
         if want and out.logprobs is None:
             needs, off = (("the importance-sampling correction", "vllm_importance_sampling_correction=False")
                           if ctx.correct_sampling else ("the off-policy mask", "off_policy_mask_threshold=None"))

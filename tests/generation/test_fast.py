@@ -479,3 +479,20 @@ def test_the_cache_goes_by_the_keyword_the_model_takes(compile):
             warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
             out = _fast(tok, compile=compile, compile_mode="eager")(policy, ids, mask, greedy=True).completion_ids
         assert torch.equal(out, ref[:, :out.size(1)])
+
+
+@pytest.mark.parametrize("compile,repetition_penalty", [(False, 1.0), (True, 1.3), (True, 1.0)],
+                         ids=["eager", "static", "static-fused"])
+def test_a_call_s_max_new_tokens_equals_generate_with_that_limit(compile, repetition_penalty):
+    """A later tool turn asks for fewer tokens than max_completion_length (what is left of it, or of the positions):
+    every decode loop (eager, static, static with the pick fused into the step) stops there, token for token as
+    generate(max_new_tokens=5), and the buffers of the full length are reused, not rebuilt."""
+    tok = toy.build_tokenizer()
+    model = _eos_biased_model(tok, boost=0.05)
+    ids, mask = encode_prompts(["repeat a:", "b", "xyz 12"], tok, None)
+    gen = _fast(tok, repetition_penalty=repetition_penalty, compile=compile, compile_mode="eager")
+    full = gen(model, ids, mask, greedy=True).completion_ids
+    assert full.size(1) > 5  # the limit cuts
+    out = gen(model, ids, mask, greedy=True, max_new_tokens=5).completion_ids
+    assert torch.equal(out, _generate(model, tok, ids, mask, max_new=5, repetition_penalty=repetition_penalty))
+    assert torch.equal(out, full[:, :5]) and len(gen._static) == (1 if compile else 0)

@@ -174,6 +174,9 @@ def test_transformers_generator_greedy_is_deterministic(tokenizer, tiny_model):
     b = gen(tiny_model.eval(), ids, mask, greedy=True).completion_ids
     assert not tiny_model.training
     assert torch.equal(a, b) and a.size(1) <= 4
+    # a later tool turn's limit: the first tokens of the same greedy completions, their log-probs with them
+    c = gen(tiny_model, ids, mask, greedy=True, logprobs=True, max_new_tokens=2)
+    assert torch.equal(c.completion_ids, a[:, :2]) and c.logprobs.shape == (2, 2)
 
 
 def test_policy_wrapper_equals_full_logits_path(tokenizer):

@@ -13,8 +13,12 @@ For N rows (one rollout each, a group's rows contiguous):
    EOS-trimmed dummy-prefix method) — are appended to the row's tokens as they are (no re-tokenization of the
    history). A row whose completion would then exceed max_completion_length (or the model's positions) drops these
    tool messages and leaves the loop ("overlong rollback"; its calls still count). All remaining rows are generated
-   by ONE generator call (left-padded, each row its own prompt), each new turn is cut to what is left of
-   max_completion_length (possibly to nothing), parsed, and appended.
+   by one generator call (left-padded, each row its own prompt) that asks for at most the largest turn any of them
+   may still take — what is left of max_completion_length, and never past a row's positions (a model with learned
+   position embeddings has no position beyond them: TRL asks every turn for max_completion_length tokens and
+   overruns them); a row whose positions end sooner than other rows' budgets goes in a call of its own with the
+   smaller limit. Each new turn is cut to what is left of max_completion_length (possibly to nothing), parsed, and
+   appended.
 
 The loop ends at a turn without tool calls, at the iteration limit (a tool call in the last turn is left unexecuted),
 or when max_completion_length is used up. Per row it returns: completion_ids = model turn 1 + tool suffix 1 + model
@@ -46,8 +50,8 @@ from groupwise.config_base import ConfigError
 from groupwise.data import PromptData
 from groupwise.text import is_conversational, pad_rows
 
-# generate(prompt_ids (n, P) left-padded, prompt_mask (n, P)) -> groupwise.generation.Generated
-Sample = Callable[[Any, Any], Any]
+# generate(prompt_ids (n, P) left-padded, prompt_mask (n, P), max_new_tokens=None) -> groupwise.generation.Generated
+Sample = Callable[..., Any]
 
 
 @dataclass
@@ -133,12 +137,13 @@ class Agent:
         return full[len(prefix):]
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
-    def _sample(self, sample: Sample, prompts: list[list[int]], eos: set[int]
+    def _sample(self, sample: Sample, prompts: list[list[int]], eos: set[int], limit: int | None = None
                 ) -> tuple[list[list[int]], list[list[float]] | None]:
         """One generator call for these prompts (left-padded): each completion up to and including its first EOS,
-        at most max_completion_length tokens, with its log-probs when the sampler returned them."""
+        at most `limit` (default max_completion_length) tokens, with its log-probs when the sampler returned them."""
         ids, mask = pad_rows(prompts, self.tokenizer.pad_token_id, side="left")
-        out = sample(ids, mask)
+        out = sample(ids, mask) if limit is None else sample(ids, mask, max_new_tokens=limit)
+        limit = self.max_completion_length if limit is None else limit
         rows = out.completion_ids.tolist()
         lps = out.logprobs.float().tolist() if out.logprobs is not None else None
         lengths = out.lengths.tolist() if out.lengths is not None else [len(row) for row in rows]
@@ -146,10 +151,31 @@ class Agent:
         for i, row in enumerate(rows):
             row = row[:lengths[i]]  # a row the backend ended early (a stop string) is padded past its length
             n = next((t + 1 for t, token in enumerate(row) if token in eos), len(row))
-            n = min(n, self.max_completion_length)
+            n = min(n, limit)
             cut_ids.append(row[:n])
             cut_lps.append(lps[i][:n] if lps is not None else None)
         return cut_ids, (cut_lps if lps is not None else None)
+
+    def _next_turns(self, sample: Sample, extended: dict[int, list[int]], prompt_ids: list[list[int]],
+                    positions: int | None, eos: set[int]) -> dict[int, tuple[list[int], list[float] | None]]:
+        """The next turn of each row going on ({row: its ids so far}): row i may take cap_i = min(its budget left of
+        max_completion_length, its positions left) tokens. One call serves every row whose cap fits under the
+        tightest positions left (the usual case: all rows, limited to the largest cap); rows whose caps do not fit
+        go in further calls. No row runs past its positions, none is cut below its cap. {row: (ids, log-probs)};
+        rows without budget are left out (their turn is empty)."""
+        caps, rooms = {}, {}
+        for i, ids in extended.items():
+            budget = self.max_completion_length - (len(ids) - len(prompt_ids[i]))
+            rooms[i] = budget if positions is None else positions - len(ids)
+            caps[i] = min(budget, rooms[i])
+        pending, out = [i for i in extended if caps[i] > 0], {}
+        while pending:
+            floor = min(rooms[i] for i in pending)  # no row of the call may run past its positions
+            group = [i for i in pending if caps[i] <= floor]  # holds the row of the tightest room
+            ids, lps = self._sample(sample, [extended[i] for i in group], eos, max(caps[i] for i in group))
+            out.update({i: (ids[k], None if lps is None else lps[k]) for k, i in enumerate(group)})
+            pending = [i for i in pending if i not in out]
+        return out
 
     def _positions(self, model) -> int | None:
         if self.max_model_len is not None:
@@ -208,16 +234,16 @@ class Agent:
                 extended[i] = ids
             if not extended:
                 break
-            order = list(extended)
-            new_ids, new_lps = self._sample(sample, [extended[i] for i in order], eos)  # all active rows, one call
+            turns = self._next_turns(sample, extended, prompt_ids, positions, eos)
             active = []
-            for k, i in enumerate(order):
+            for i in extended:
                 ids, P = extended[i], len(prompt_ids[i])
-                post = new_ids[k][:max(0, self.max_completion_length - (len(ids) - P))]  # the budget left
+                new, new_lps = turns.get(i, ([], []))
+                post = new[:max(0, self.max_completion_length - (len(ids) - P))]  # the budget left
                 suffix = len(ids) - P - len(completion_ids[i])
                 tool_mask[i] += [0] * suffix + [1] * len(post)
                 if logprobs is not None:
-                    logprobs[i] += [0.0] * suffix + new_lps[k][:len(post)]
+                    logprobs[i] += [0.0] * suffix + new_lps[:len(post)]
                 completion_ids[i] = ids[P:] + post
                 if post:  # a turn cut to nothing adds no message (TRL)
                     message = parse_response(tok, post, ids, schemas[i] or None)

@@ -71,7 +71,9 @@ class Generated:
 
 class Generator(Protocol):
     def __call__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-                 greedy: bool = False, logprobs: bool = False) -> Generated: ...
+                 greedy: bool = False, logprobs: bool = False, max_new_tokens: int | None = None) -> Generated:
+        """Completions of the left-padded prompts, at most `max_new_tokens` tokens each (None: max_completion_length;
+        a later turn of a tool loop asks for less: what is left of the completion's budget, or of the positions)."""
 
     def update_weights(self, model: torch.nn.Module) -> None: ...
 

@@ -207,7 +207,10 @@ class FastGenerator:
         decode graph reads them too)."""
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False,
+                 max_new_tokens: int | None = None) -> Generated:
+        # this call's steps (a later tool turn asks for fewer); the buffers keep max_completion_length columns
+        limit = self.max_new if max_new_tokens is None else max(1, min(self.max_new, max_new_tokens))
         static = self._use_static(model, prompt_ids.device)
         if self.fuse_projections and not static:
             raise ValueError(f"fuse_projections needs the static decode loop, which is off here (generation_compile "
@@ -216,7 +219,7 @@ class FastGenerator:
         with eval_mode(model):
             G, cache, logits = self._prefill(model, prompt_ids, prompt_mask)
             decode = self._decode_static if static else self._decode_eager
-            return decode(model, prompt_ids, prompt_mask, G, cache, logits, greedy, logprobs)
+            return decode(model, prompt_ids, prompt_mask, G, cache, logits, greedy, logprobs, limit)
 
     def _use_static(self, model, device: torch.device) -> bool:
         """compile True: the static loop, or the error saying why this model cannot use it; None (the default): the
@@ -270,7 +273,7 @@ class FastGenerator:
         logps = torch.zeros((N, self.max_new), device=device) if want_logprobs else None
         return tokens, logps
 
-    def _decode_eager(self, model, prompt_ids, prompt_mask, G, cache, logits, greedy, want_logprobs):
+    def _decode_eager(self, model, prompt_ids, prompt_mask, G, cache, logits, greedy, want_logprobs, limit):
         device = prompt_ids.device
         N, P = prompt_ids.shape
         eos = self.eos.to(device)
@@ -281,18 +284,18 @@ class FastGenerator:
         # full ids of the active rows, kept only when a processor reads them (the repetition penalty)
         seq = penalty_ids(prompt_ids, prompt_mask) if len(self.greedy_processors) else prompt_ids[:, :0]
         # attention mask preallocated for every step: each step passes a view, nothing is concatenated
-        mask = torch.cat([prompt_mask, torch.ones(N, self.max_new, dtype=prompt_mask.dtype, device=device)], 1)
+        mask = torch.cat([prompt_mask, torch.ones(N, limit, dtype=prompt_mask.dtype, device=device)], 1)
         rows = torch.arange(N, device=device)  # original row of each active row
         finished = torch.zeros(N, dtype=torch.bool, device=device)  # per active row
         next_pos = position_ids_from_mask(prompt_mask)[:, -1] + 1  # (n,)
         cache_kw = cache_keyword(model)
         steps = 0
-        for t in range(self.max_new):
+        for t in range(limit):
             steps = t + 1
             nxt = self._sample(processors, seq, logits, finished, greedy, logps, rows, t)
             tokens[rows, t] = nxt
             finished = finished | torch.isin(nxt, eos)
-            if bool(finished.all()) or t == self.max_new - 1:
+            if bool(finished.all()) or t == limit - 1:
                 break
             if finished.float().mean() >= self.compact_fraction:  # drop finished rows from the batch
                 keep = (~finished).nonzero().squeeze(1)
@@ -308,7 +311,7 @@ class FastGenerator:
         # as generate(): as many columns as decoding steps (pad may equal EOS)
         return Generated(tokens[:, :steps], None if logps is None else logps[:, :steps])
 
-    def _decode_static(self, model, prompt_ids, prompt_mask, G, prefill, logits, greedy, want_logprobs):
+    def _decode_static(self, model, prompt_ids, prompt_mask, G, prefill, logits, greedy, want_logprobs, limit):
         device = prompt_ids.device
         N, P = prompt_ids.shape
         eos = self.eos.to(device)
@@ -329,19 +332,19 @@ class FastGenerator:
         st.b.pos_ids.copy_(position_ids_from_mask(prompt_mask)[:, -1:] + 1)
         del prefill
         if fused:
-            return self._decode_fused(model, st, logits, greedy, want_logprobs)
+            return self._decode_fused(model, st, logits, greedy, want_logprobs, limit)
         tokens, logps = self._outputs(N, device, want_logprobs)
         seq = penalty_ids(prompt_ids, prompt_mask) if len(self.greedy_processors) else prompt_ids[:, :0]
         rows = torch.arange(N, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         ran = torch.zeros(self.max_new, dtype=torch.bool, device=device)  # did step t have an unfinished row
         with st.active(model):
-            for t in range(self.max_new):
+            for t in range(limit):
                 ran[t] = ~finished.all()
                 nxt = self._sample(processors, seq, logits, finished, greedy, logps, rows, t)
                 tokens[:, t] = nxt
                 finished = finished | torch.isin(nxt, eos)
-                if t == self.max_new - 1 or (t % 8 == 7 and bool(finished.all())):
+                if t == limit - 1 or (t % 8 == 7 and bool(finished.all())):
                     break
                 if seq.size(1):
                     seq = torch.cat([seq, nxt[:, None]], dim=1)
@@ -352,7 +355,7 @@ class FastGenerator:
         steps = int(ran.sum())  # as generate(): as many columns as decoding steps
         return Generated(tokens[:, :steps], None if logps is None else logps[:, :steps])
 
-    def _decode_fused(self, model, st, logits, greedy, want_logprobs):
+    def _decode_fused(self, model, st, logits, greedy, want_logprobs, limit):
         """The static loop when sampling needs no processor beyond the temperature: the whole step (open the slot,
         forward, pick, record the token and its log-prob, update `finished`) runs inside the compiled graph on
         st's buffers, so a step is one graph replay and the host only checks every 8 steps whether all rows have
@@ -368,7 +371,7 @@ class FastGenerator:
         b.t.fill_(1)
         b.ids.copy_(nxt[:, None])
         with st.active(model):
-            for t in range(1, self.max_new):
+            for t in range(1, limit):
                 st.fused_step(model, self.temperature, greedy, self.pad_token_id)
                 if t % 8 == 7 and bool(b.finished.all()):
                     break

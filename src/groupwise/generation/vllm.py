@@ -232,9 +232,13 @@ class VLLMColocateGenerator:
         return vllm.SamplingParams(**{"n": 1, "logprobs": 0, **fields})  # generation_kwargs' logprobs wins (TRL)
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False,
+                 max_new_tokens: int | None = None) -> Generated:
         mine = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        request = (mine, self._fields(greedy))
+        fields = self._fields(greedy)
+        if max_new_tokens is not None:  # a later tool turn's limit
+            fields["max_tokens"] = min(fields["max_tokens"], max_new_tokens)
+        request = (mine, fields)
         if self.group is None:
             outputs = self._round(model, [request])
         else:  # the group's requests in rank order; this process's rows follow those of the lower ranks

@@ -427,7 +427,8 @@ class VLLMServerGenerator:
                           "or set vllm_importance_sampling_correction=False.", stacklevel=2)
 
     @torch.no_grad()
-    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False) -> Generated:
+    def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False,
+                 max_new_tokens: int | None = None) -> Generated:
         args = self.args
         if not self.synced:  # the server loaded the checkpoint; the policy may differ (a resumed run, adapters)
             self.update_weights(model)  # (never inside independently(), which syncs on entry)
@@ -442,6 +443,8 @@ class VLLMServerGenerator:
             extra.setdefault("structured_outputs", {"regex": args.vllm_structured_outputs_regex})
         named = {k: extra.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                            "max_tokens")}
+        if max_new_tokens is not None:  # a later tool turn's limit (its process asks alone: independently())
+            named["max_tokens"] = min(named["max_tokens"], max_new_tokens)
 
         def ask():
             client = self._client()
