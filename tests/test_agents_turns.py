@@ -107,6 +107,36 @@ def test_environment_step_rewards_score_each_turn_and_reach_only_that_turns_toke
     assert (adv[:, e[2] + 1:] == 0).all()  # after the last turn: nothing
 
 
+class AsyncCounter(Counter):
+    """Counter with `async def` reset, start_turn and get_step_rewards (its get_reward may be async, TRL's rule: so
+    may these); start_turn counts the turns the rewards are then checked against."""
+
+    async def reset(self, target: int = 3, **_) -> None:
+        super().reset(target)
+        self.started = 0
+
+    async def start_turn(self) -> None:
+        self.started += 1
+
+    async def get_step_rewards(self) -> list[float]:
+        assert self.started == len(self.turns) + 1  # start_turn ran before every turn (was: never awaited)
+        return super().get_step_rewards()
+
+
+@pytest.mark.parametrize("tool_timeout", [None, 30.0], ids=["here", "on-the-instance-thread"])
+def test_async_environment_methods_are_awaited(tool_timeout):
+    """The same step rewards as the sync Counter's ([1, 1, 1] for target 4, [1, 0, 0] for 3), with the methods
+    `async def`: each is run to completion, on the instance's thread when tool_timeout gives it one."""
+    ctx, _ = context(counting, tools=(), environment_factory=AsyncCounter, supervision="process", step_split="turn",
+                     tool_timeout=tool_timeout)
+    toolbox = ctx.agent.toolbox
+    ctx = dataclasses.replace(ctx, process_sources=toolbox.process_sources, splitter=StepSplitter("turn"))
+    rows = [{"prompt": user("count to 4"), "target": 4}, {"prompt": user("count to 3"), "target": 3}]
+    comp = R.generate(ctx, None, rows)
+    assert [e.started for e in comp.columns["environments"]] == [3, 3]
+    assert R.score_steps(ctx, comp).rewards == [[[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]]
+
+
 def test_an_environment_giving_one_reward_too_many_is_an_error_unless_its_last_turn_was_cut():
     """get_step_rewards counts every assistant turn; only a last turn cut by the length budget and left unscored
     (score_truncated_step=False) is dropped from the steps, and its reward with it. An environment that returns one

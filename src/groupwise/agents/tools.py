@@ -29,11 +29,12 @@ schemas in that order; by name, the last of two tools sharing a name wins).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-from groupwise.agents.execution import ToolThread
+from groupwise.agents.execution import ToolThread, _await
 from groupwise.config_base import ConfigError
 from groupwise.data import EmptyPrompt, EnvironmentPrompts, is_stream
 from groupwise.rewards.sources import RewardSource
@@ -178,11 +179,16 @@ class Toolbox:
         return name
 
     def call_on(self, env: Any, fn: Callable[[], Any]) -> Any:
-        """fn() on the environment instance's thread when the last start() was threaded, else here."""
+        """fn() on the environment instance's thread when the last start() was threaded, else here; an `async def`
+        method (reset, start_turn, get_step_rewards) is run to completion on an event loop of its own there."""
+        def run() -> Any:
+            value = fn()
+            return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
+
         thread = self._threads.get(id(env)) if self.threaded else None
         if thread is None:  # not threaded, or not one of the pool's instances
-            return fn()
-        return thread.call(fn, None, f"{type(env).__name__}.{getattr(fn, '__name__', 'call')}")
+            return run()
+        return thread.call(run, None, f"{type(env).__name__}.{getattr(fn, '__name__', 'call')}")
 
     def _thread_of(self, env: Any) -> ToolThread:
         return self._threads.setdefault(id(env), ToolThread(f"groupwise {type(env).__name__}"))
