@@ -167,8 +167,9 @@ def test_worked_transcript_renders_and_scores():
 def test_per_turn_rewards_through_the_tool_loop_stay_with_their_turns():
     """Scripted turns through groupwise's tool loop (Agent.rollout, which calls start_turn before each turn's calls).
     Row 1, 7 + 5 * 3 = 22: a call of an unknown tool and a call with a wrong argument name never reach the
-    environment (0, 0); 5 * 3 (1); two calls in one turn, 7 + 15 and answer(22), both right (1); the closing turn
-    gets the outcome (1). Row 2, (7 + 5) * 3 = 36, at most 4 tool rounds: 12 * 3 before 12 exists (0), 7 + 5 (1),
+    environment (0, 0); 5 * 3 with a second call of a wrong argument name in the same turn (0: start_turn is told
+    the turn's two calls, one never reached it); two calls in one turn, 7 + 15 and answer(22), both right (1); the
+    closing turn gets the outcome (1). Row 2, (7 + 5) * 3 = 36, at most 4 tool rounds: 12 * 3 before 12 exists (0), 7 + 5 (1),
     12 * 3 (1), 36 - 0 (not an operation of the tree: 0), then an answer call the round limit leaves unexecuted:
     the last turn, none of whose calls reached the environment, gets the outcome (no answer: 0)."""
     from groupwise import rollout as R
@@ -179,13 +180,13 @@ def test_per_turn_rewards_through_the_tool_loop_stay_with_their_turns():
     def calc(expression):
         return call("calculate", expression=expression)
 
-    first = [call("calc", expression="5 * 3"), call("calculate", expr="5 * 3"), calc("5 * 3"),
-             calc("7 + 15") + call("answer", value=22)]
+    first = [call("calc", expression="5 * 3"), call("calculate", expr="5 * 3"),
+             calc("5 * 3") + call("calculate", expr="1 + 1"), calc("7 + 15") + call("answer", value=22)]
     second = [calc("12 * 3"), calc("7 + 5"), calc("12 * 3"), calc("36 - 0"), call("answer", value=36)]
     def reply(prompt):
         k = prompt.count("<|im_start|>tool")  # tool messages so far: one per call
         if "7 + 5 * 3" in prompt:
-            return ({0: first[0], 1: first[1], 2: first[2], 3: first[3]}.get(k, "done")) + "<|im_end|>"
+            return ({0: first[0], 1: first[1], 2: first[2], 4: first[3]}.get(k, "done")) + "<|im_end|>"
         return second[k] + "<|im_end|>"
 
     ctx, _ = context(reply, tools=(), environment_factory=C.CalculatorEnv, supervision="process", step_split="turn",
@@ -196,7 +197,7 @@ def test_per_turn_rewards_through_the_tool_loop_stay_with_their_turns():
             {"prompt": user("What is (7 + 5) * 3?"), "problem": "(7 + 5) * 3"}]
     comp = R.generate(ctx, None, rows)
     assert [len(e) for e in comp.turn_ends] == [5, 5]
-    assert R.score_steps(ctx, comp).rewards == [[[0.0, 0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]]]
+    assert R.score_steps(ctx, comp).rewards == [[[0.0, 0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0]]]
 
 
 # ---- the shipped policy ----------------------------------------------------------------------------------------------

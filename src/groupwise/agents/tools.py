@@ -30,6 +30,7 @@ schemas in that order; by name, the last of two tools sharing a name wins).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +190,18 @@ class Toolbox:
         if thread is None:  # not threaded, or not one of the pool's instances
             return run()
         return thread.call(run, None, f"{type(env).__name__}.{getattr(fn, '__name__', 'call')}")
+
+    def start_turn(self, env: Any, message: dict) -> None:
+        """The environment's optional start_turn() before an assistant turn's calls run (groupwise's addition to TRL's
+        protocol); one that takes an argument gets the turn's tool calls as parsed (the message's `tool_calls`,
+        [] for none), calls that will not reach it included (an unknown tool, bad arguments)."""
+        fn = getattr(env, "start_turn", None)
+        if not callable(fn):
+            return
+        calls = list(message.get("tool_calls") or [])
+        takes = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                    for p in inspect.signature(fn).parameters.values())
+        self.call_on(env, functools.update_wrapper(functools.partial(fn, calls), fn) if takes else fn)
 
     def _thread_of(self, env: Any) -> ToolThread:
         return self._threads.setdefault(id(env), ToolThread(f"groupwise {type(env).__name__}"))

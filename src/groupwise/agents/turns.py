@@ -211,10 +211,9 @@ class Agent:
         completions = [[assistant_message(tok, ids, prompt_ids[i], schemas[i] or None)]
                        for i, ids in enumerate(completion_ids)]
         turn_ends = [[len(ids) - 1] if ids else [] for ids in completion_ids]
-        starts = [getattr(env, "start_turn", None) for env in envs] if envs is not None else [None] * N
         for i, ids in enumerate(completion_ids):
-            if ids and callable(starts[i]):
-                self.toolbox.call_on(envs[i], starts[i])  # the environment's turn 1 (a step: it has a turn end)
+            if ids and envs is not None:  # the environment's turn 1 (a step: it has a turn end)
+                self.toolbox.start_turn(envs[i], completions[i][-1])
         calls, failures, timeouts = [0] * N, [0] * N, [0] * N
         positions = self._positions(model)
         active = [i for i in range(N) if completions[i][-1].get("tool_calls")] if self.toolbox.has_tools else []
@@ -249,8 +248,8 @@ class Agent:
                     message = parse_response(tok, post, ids, schemas[i] or None)
                     completions[i].append(message)
                     turn_ends[i].append(len(completion_ids[i]) - 1)
-                    if callable(starts[i]):
-                        self.toolbox.call_on(envs[i], starts[i])  # before this turn's calls run, in the next round
+                    if envs is not None:  # before this turn's calls run, in the next round
+                        self.toolbox.start_turn(envs[i], message)
                     if message.get("tool_calls"):
                         active.append(i)
             iteration += 1

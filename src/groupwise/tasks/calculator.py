@@ -24,7 +24,8 @@ environment owns the reward ... from its internal state"); its rewards need noth
   operation of the solution tree whose operands are available (numbers of the problem, or results of earlier
   correct calls) and not yet done, operands in order (either order for + and *) — and wrong otherwise (a malformed
   expression, a wrong operation, one whose operand was never computed, a repeat); a call of `answer` is right when
-  it is the first answer and the value is right. A turn gets 1.0 when it made calls and all were right, else 0.0;
+  it is the first answer and the value is right. A turn gets 1.0 when it made calls and all were right — those that
+  never reached the environment count as wrong: start_turn(tool_calls) says how many the turn made —, else 0.0;
   the last turn, when no call of it reached the environment (the closing turn), gets the outcome; an earlier turn
   whose calls never reached it (an unknown tool, bad arguments) gets 0.0.
   Turns are known from groupwise's `start_turn()`, called before each assistant turn's calls run, so every value
@@ -219,6 +220,7 @@ class CalculatorEnv:
         self._nodes: list[tuple[str, Any, Any]] = []
         self._done: list[bool] = []
         self.turns: list[list[float]] = []  # per assistant turn, the verdict of each call that reached us
+        self.made: list[int] = []  # per assistant turn, the calls it made (start_turn's tool_calls), reached or not
         self.told_turns = False  # does the trainer call start_turn (groupwise)? Otherwise a call is a turn
         self.answered: int | None = None  # the first answer given
         self.target: int | None = None
@@ -233,12 +235,14 @@ class CalculatorEnv:
         self._nodes, self._done = [], []
         self._index(self._tree)
         self._done = [False] * len(self._nodes)
-        self.turns, self.told_turns, self.answered = [], False, None
+        self.turns, self.made, self.told_turns, self.answered = [], [], False, None
 
-    def start_turn(self) -> None:
-        """groupwise calls this once per assistant turn, before the turn's tool calls run."""
+    def start_turn(self, tool_calls: list | None = None) -> None:
+        """groupwise calls this once per assistant turn, before the turn's tool calls run, with the calls the turn
+        made: a call that never reaches the environment (an unknown tool, a wrong argument name) is wrong too."""
         self.told_turns = True
         self.turns.append([])
+        self.made.append(len(tool_calls or []))
 
     def _record(self, verdict: float) -> None:
         if not self.told_turns:
@@ -327,7 +331,9 @@ class CalculatorEnv:
     def get_step_rewards(self) -> list[float]:
         """One reward per assistant turn, in order (see the module docstring); groupwise reserves the name, so it is
         not a tool."""
-        rewards = [float(bool(calls) and all(v == 1.0 for v in calls)) for calls in self.turns]
+        made = self.made if len(self.made) == len(self.turns) else [len(calls) for calls in self.turns]
+        rewards = [float(bool(calls) and len(calls) == n and all(v == 1.0 for v in calls))
+                   for calls, n in zip(self.turns, made)]
         if not self.told_turns:
             return [*rewards, self.get_reward()]  # each call was a turn; then the closing turn
         if self.turns and not self.turns[-1]:
