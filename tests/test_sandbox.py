@@ -341,9 +341,12 @@ def test_the_socket_patch_is_refused_unless_allowed(monkeypatch):
 @pytest.mark.skipif(os.geteuid() != 0 or not sandbox._OWN_UID, reason="a uid of the call's own (root) is needed to "
                     "tell the call's files from the trainer's")
 def test_what_the_call_left_in_the_shared_temp_dirs_is_deleted():
-    """/dev/shm (RAM), /tmp and /var/tmp outlived the call: 3 calls of 8 × 15 MiB files held 360 MiB of /dev/shm."""
+    """/dev/shm (RAM), /tmp and /var/tmp outlived the call: 3 calls of 8 × 15 MiB files held 360 MiB of /dev/shm;
+    /run/lock (world-writable, RAM) kept a file a later call of another uid read back."""
     tag = f"groupwise-test-{os.getpid()}"
-    code = (f"import os\nfor top in ('/dev/shm', '/tmp', '/var/tmp'):\n"
+    assert "/run/lock" not in os.path.realpath("/tmp") and (not os.path.isdir("/run/lock")
+                                                             or "/run/lock" in sandbox.SHARED_TEMP_DIRS)
+    code = (f"import os\nfor top in {sandbox.SHARED_TEMP_DIRS!r}:\n"
             f"    open(os.path.join(top, '{tag}'), 'wb').write(b'x' * 1024)\n"
             f"    os.makedirs(os.path.join(top, '{tag}-dir', 'sub'))\n"
             f"    os.symlink('/etc', os.path.join(top, '{tag}-dir', 'sub', 'etc'))\nprint('left')")

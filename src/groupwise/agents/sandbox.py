@@ -45,8 +45,9 @@ reported as missing, never claimed):
     concurrent sandboxes of one user share that headroom. Reported as "nproc-relative".
 * Files (`max_file_mb`, RLIMIT_FSIZE per file written; RLIMIT_CORE=0, RLIMIT_NOFILE=256). The number of files is not
   limited: the code can fill the disk of its temp dir (or /tmp) until the wall clock stops it. As root (a uid of its
-  own), what that uid left at the top of /tmp, /var/tmp and /dev/shm (RAM) is deleted after the call, with the
-  call's processes; deeper, in another user's world-writable directory, it stays. A non-root trainer's code runs
+  own), what that uid left at the top of the standard world-writable directories — /tmp, /var/tmp, /dev/shm (RAM),
+  /run/lock (/var/lock), /var/crash — is deleted after the call, with the call's processes; deeper, in another
+  user's world-writable directory, or in a world-writable directory elsewhere, it stays. A non-root trainer's code runs
   as the trainer's user, whose files cannot be told apart: what it leaves there stays.
 * Leftover processes: when the program's main process ends (or at the deadline) every process it started is killed,
   detached ones (setsid, double fork) included: with a pid namespace its pid 1 (the reaper) exits, and the kernel
@@ -66,7 +67,9 @@ reported as missing, never claimed):
 Not contained: filesystem *reads* (the code can read whatever its uid can: for a non-root trainer, everything the
 trainer's user can; as root, what others may read, outside the hidden directories), writes outside the temp dir to
 places its uid may write (for a non-root trainer: everything the trainer's user can write; as root, only
-world-writable places such as /tmp), information in /proc, and total memory/disk as noted above. Use a container
+world-writable places such as /tmp), information in /proc — the pid namespace's /proc is not remounted, so the
+code still lists the host's processes and reads their command lines (a `--hub_token` given on the trainer's command
+line too; their environments stay closed to another uid) —, and total memory/disk as noted above. Use a container
 or VM for adversarial isolation.
 
 What works on the machine this was written on (Linux 6.18, running as root, Debian 12, Python 3.11): pid and
@@ -116,7 +119,8 @@ class SandboxResult:
     MemoryError / ENOMEM / EFBIG message at the end of stderr), or None. stdout/stderr: at most max_output_chars
     each (the first ones), with *_truncated telling whether more was written. isolation: the mechanisms that were
     actually in force (see the module docstring): always "subprocess", "rlimits", "empty-env", "temp-dir"; then
-    "user-namespace" / "pid-namespace" / "net-namespace" for each namespace obtained; how the process limit is made
+    "user-namespace" / "pid-namespace" / "net-namespace" for each namespace obtained (the pid namespace contains
+    the call's processes; /proc still lists the host's, see above); how the process limit is made
     per-sandbox: "own-uid:<uid>" (root), "nproc-per-namespace" or "nproc-relative"; "hidden:<dir>" or
     "read-all-files" (see above); "subreaper-cleanup" when leftovers are killed by the reaper alone;
     ("not-started",) when the deadline came before the supervisor had set anything up. network: "netns",
@@ -178,7 +182,10 @@ class _Capture:
         return text[:self.max_chars], truncated
 
 
-SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable: where code of any uid can leave files
+# the world-writable directories the filesystem standard places (/var/lock is usually a link to /run/lock, read once):
+# where code of any uid can leave files for a later call (another uid) to read
+SHARED_TEMP_DIRS = tuple(dict.fromkeys(os.path.realpath(d) for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock",
+                                                                    "/var/lock", "/var/crash") if os.path.isdir(d)))
 
 
 def _remove_files_of(uid: int) -> None:
