@@ -370,6 +370,9 @@ def test_inputs_that_cannot_work_are_refused_naming_the_fix():
 
     with pytest.raises(ConfigError, match=r"tools\[0\] \('undocumented'\): cannot be described to the model"):
         Toolbox([undocumented])
+    with pytest.raises(ConfigError, match=r"tools must be a list of functions, got 'multiply' alone: pass "
+                                          r"tools=\[multiply\]"):
+        Toolbox(multiply)  # was: TypeError: 'function' object is not iterable
 
     class NoReset:
         pass

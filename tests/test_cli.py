@@ -74,6 +74,12 @@ def test_configuration_errors_exit_2_and_name_the_field(tmp_path, model_dir, cap
     assert "vllm_server_base_url='gen:8000' must be an http(s) URL" in capsys.readouterr().err
     assert main(["train", cfg, "--datset_name", "x"]) == 2
     assert "did you mean 'dataset_name'" in capsys.readouterr().err
+    # GRPOTrainer's Python arguments are not config fields: named as such, with what to do instead
+    assert main(["train", cfg, "--tools", "[calc]"]) == 2
+    assert "tools is an argument of GRPOTrainer, not a config field: tools are Python functions" in \
+        capsys.readouterr().err
+    assert main(["train", cfg, "--environment_factory", "Env"]) == 2
+    assert "dataset_name: builtin:calculator" in capsys.readouterr().err
 
 
 def test_a_file_missing_once_training_began_stops_the_run_and_is_not_a_configuration_error(tmp_path, model_dir,

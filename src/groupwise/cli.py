@@ -167,10 +167,26 @@ def read_config(argv: list[str], types: dict[str, str] | None = None) -> tuple[d
     return values, overrides
 
 
+# GRPOTrainer's Python arguments a config file cannot give (they are objects), and what to do instead
+_IN_PYTHON = "pass it to GRPOTrainer(...) in a Python script (docs/agents.md)"
+TRAINER_ARGUMENTS = {
+    "tools": f"tools are Python functions: {_IN_PYTHON}, or use a built-in task that brings its own "
+             "(dataset_name: builtin:calculator)",
+    "environment_factory": f"an environment is a Python class: {_IN_PYTHON}, or use a built-in task that brings "
+                           "its own (dataset_name: builtin:calculator)",
+    "rollout_func": "a rollout function is Python code: pass it to GRPOTrainer(rollout_func=...) in a script",
+    "callbacks": "callbacks are Python objects: pass them to GRPOTrainer(callbacks=[...]) in a script",
+    "peft_config": "give LoRA as use_peft: true with lora_r / lora_alpha / lora_target_modules (TRL's fields)",
+}
+
+
 def build_run(values: dict[str, Any]):
     """Split a flat mapping into the run fields (checked, TRL's defaults filled in) and a GRPOConfig (validated before
     anything loads), whose model_init_kwargs gain model_revision / attn_implementation / dtype (TRL's grpo script)."""
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    for name in values:
+        if name in TRAINER_ARGUMENTS:
+            raise ConfigError(f"{name} is an argument of GRPOTrainer, not a config field: {TRAINER_ARGUMENTS[name]}")
     reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED),
                    owner="groupwise train")
     run = check_run_fields({k: values[k] for k in RUN_FIELDS if k in values})

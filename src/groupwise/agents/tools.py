@@ -110,6 +110,10 @@ class Toolbox:
     [None] for a single factory, the dict's keys for several, [] without environments."""
 
     def __init__(self, tools: list[Callable] | None = None, environment_factory=None):
+        if callable(tools) or isinstance(tools, (str, dict)):
+            name = getattr(tools, "__name__", type(tools).__name__)
+            raise ConfigError(f"tools must be a list of functions, got {name!r} alone: pass tools=[{name}]"
+                              if callable(tools) else f"tools must be a list of functions, got a {type(tools).__name__}")
         tools = list(tools or [])
         for i, fn in enumerate(tools):
             if not callable(fn):

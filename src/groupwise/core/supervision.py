@@ -31,7 +31,8 @@ class Supervision:
             raise ValueError(f"supervision={name!r} needs at least one outcome reward: pass reward_funcs, or an "
                              "environment_factory whose environment defines get_reward")
         if self.process and not num_process:
-            raise ValueError(f"supervision={name!r} needs process_reward_funcs (one reward per step)")
+            raise ValueError(f"supervision={name!r} needs process_reward_funcs (one reward per step), or an "
+                             "environment_factory whose environment defines get_step_rewards (step_split='turn')")
         if not self.process and num_process:
             raise ValueError(f"process_reward_funcs were given but supervision={name!r} does not use them: set "
                              "supervision='process' or 'both' (GRPOConfig) to use them")
