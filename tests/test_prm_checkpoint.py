@@ -87,7 +87,8 @@ def test_a_resume_must_repeat_the_run(tmp_path, model_dir, straight, monkeypatch
     with pytest.raises(CheckpointError, match=r"'.*nowhere' does not exist"):
         train_prm(_cfg(model_dir, train, out, resume_from_checkpoint=str(tmp_path / "nowhere")))
     # a new run into a folder holding this run's checkpoints: refused, naming the ways out
-    with pytest.raises(CheckpointError, match=r"already holds a run \(checkpoint-10, checkpoint-5\): resume it with "
+    with pytest.raises(CheckpointError, match=r"already holds a run \(checkpoint-10, checkpoint-5, eval_metrics.json, "
+                                              r"groupwise_prm.json …\): resume it with "
                                               r"resume_from_checkpoint, .* overwrite_output_dir"):
         train_prm(_cfg(model_dir, train, out))
 
@@ -119,3 +120,18 @@ def test_save_steps_0_writes_no_checkpoint(tmp_path, model_dir):
     out = tmp_path / "prm"
     train_prm(_cfg(model_dir, train, out, save_steps=0))
     assert not list(out.glob("checkpoint-*")) and (out / "model.safetensors").exists()
+
+    # a finished PRM without checkpoints (save_steps 500 is longer than most runs) is still a run: a second run
+    # into the same folder is refused, the trained PRM untouched; overwrite_output_dir deletes it, then trains anew
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match=r"already holds a run \(eval_metrics.json, groupwise_prm.json, "
+                                              r"train_log.jsonl\)"):
+        train_prm(_cfg(model_dir, train, out, save_steps=0, learning_rate=1e-6))
+    assert (out / "model.safetensors").read_bytes() == before
+    train_prm(_cfg(model_dir, train, out, save_steps=0, learning_rate=1e-6, overwrite_output_dir=True))
+    assert (out / "model.safetensors").read_bytes() != before
+    # nor does a GRPO run write its policy over a PRM's folder
+    from groupwise.checkpoint import claim_output_dir
+
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        claim_output_dir(out, overwrite=False)

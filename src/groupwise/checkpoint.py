@@ -128,13 +128,15 @@ def verify_checkpoint(folder: str | Path) -> None:
 
 def run_outputs(output_dir: str | Path) -> list[Path]:
     """What a previous run left in output_dir: checkpoint-N folders (set aside ones too, and .old-checkpoint-N: see
-    put_back_replaced), metrics.jsonl, completions.jsonl and the completions/ tables."""
+    put_back_replaced), metrics.jsonl, completions.jsonl and the completions/ tables; a `prm train` run's log,
+    metrics and PRM record (a finished PRM usually has no checkpoint: save_steps is 500)."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if CHECKPOINT_RE.match(p.name) or SET_ASIDE_RE.match(p.name)
                   or REPLACED_RE.match(p.name) or DELETED_RE.match(p.name)
-                  or p.name in ("metrics.jsonl", "completions.jsonl", "completions"))
+                  or p.name in ("metrics.jsonl", "completions.jsonl", "completions", "train_log.jsonl",
+                                "eval_metrics.json", "groupwise_prm.json"))
 
 
 def put_back_replaced(output_dir: str | Path, writing: Path | None = None, ours: bool = True) -> list[Path]:
@@ -329,7 +331,7 @@ def claim_output_dir(output_dir: str | Path, overwrite: bool, model_folder: str 
     in_place = model_folder is not None and os.path.isdir(model_folder) and os.path.samefile(model_folder, output_dir)
     if any(WEIGHTS_RE.match(p.name) for p in top) and not in_place:  # the run's final model
         found += [p for p in top if FINAL_RE.match(p.name)]
-    for p in found:
+    for p in dict.fromkeys(found):  # (a PRM's groupwise_prm.json is both a run output and a final-model file)
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
