@@ -6,7 +6,7 @@ import pytest
 
 from groupwise.cli import main
 from groupwise.config import ConfigError
-from groupwise.prm_train import PRMTrainConfig, read_step_jsonl
+from groupwise.prm_train import PRMTrainConfig, read_step_jsonl, train_prm
 from groupwise.rewards.prm import TokenClassificationPRM, load_prm
 
 
@@ -72,6 +72,30 @@ def test_a_missing_train_file_is_named(tmp_path, model_dir, capsys):
     assert main(["prm", "train", "--model_name_or_path", model_dir, "--train_file", str(tmp_path / "steps.jsonl"),
                  "--output_dir", str(tmp_path / "out")]) == 2
     assert f"train_file='{tmp_path / 'steps.jsonl'}' does not exist" in capsys.readouterr().err
+
+
+def test_a_multi_process_launch_is_refused_before_anything_loads(tmp_path, model_dir, capsys, monkeypatch):
+    """Under torchrun every process would train the whole run into one output_dir (twice the work, two run ids
+    racing over the checkpoints): one line, exit 2, before the data or the model is read."""
+    from groupwise.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["prm", "train", "--model_name_or_path", model_dir, "--train_file", str(tmp_path / "none.jsonl"),
+                 "--output_dir", str(tmp_path / "prm")]) == 2
+    assert "prm train runs in one process, but WORLD_SIZE=2" in capsys.readouterr().err
+    assert not (tmp_path / "prm").exists()
+
+
+def test_steps_containing_the_separator_are_counted_in_a_warning(tmp_path, model_dir):
+    """A step "ab\nc" with separator "\n" is labelled at its end only; GRPO's step_delimiter "\n" would make two
+    steps of it, the first scored at a token the PRM never learned."""
+    rows = _synthetic(16, 0)
+    rows[0]["steps"][0] = "ab\nc"
+    train = _write(tmp_path / "steps.jsonl", rows)
+    with pytest.warns(UserWarning, match=r"1 step\(s\) of .* contain the separator '\\n'.*choose a separator no "
+                                         r"step contains"):
+        train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=train, output_dir=str(tmp_path / "prm"),
+                                 per_device_train_batch_size=8, num_train_epochs=1, max_length=64))
 
 
 def test_a_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):

@@ -62,6 +62,17 @@ def test_a_causal_lm_base_says_it_gets_a_new_head(tmp_path, model_dir, capsys):
     # a trained PRM as the base keeps its head: no such line
     train_prm(PRMTrainConfig(model_name_or_path=str(tmp_path / "prm"), output_dir=str(tmp_path / "prm2"), **cfg))
     assert "new 2-label" not in capsys.readouterr().out
+    # an outcome reward model (a 1-label sequence classifier) as the base: its backbone, a new head (was:
+    # transformers' "ignore_mismatched_sizes" RuntimeError after loading)
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    orm = tmp_path / "orm"
+    LlamaForSequenceClassification(AutoConfig.from_pretrained(model_dir, num_labels=1)).save_pretrained(orm)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(orm)
+    train_prm(PRMTrainConfig(model_name_or_path=str(orm), output_dir=str(tmp_path / "prm3"), **cfg))
+    out = capsys.readouterr().out
+    assert "LlamaForSequenceClassification): a new 2-label token-classification head (score.bias" in out or \
+        "LlamaForSequenceClassification): a new 2-label token-classification head (score.weight" in out
 
 
 def test_the_schedule_counts_only_updates(tmp_path, model_dir):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import warnings
@@ -170,6 +171,9 @@ def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str,
 def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     from transformers import AutoModelForTokenClassification, AutoTokenizer, get_scheduler
 
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # each process would train the whole run into one folder
+        raise ConfigError(f"prm train runs in one process, but WORLD_SIZE={os.environ['WORLD_SIZE']} (a launcher "
+                          "such as torchrun or accelerate launch): run `groupwise prm train` directly")
     if not Path(cfg.train_file).is_file():
         raise ConfigError(f"train_file={cfg.train_file!r} does not exist: give a JSONL of prompt, steps, labels")
     if not cfg.resume_from_checkpoint:  # a resume loads the checkpoint, not the base
@@ -179,6 +183,12 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
         raise ConfigError(f"output_dir {cfg.output_dir!r} is model_name_or_path: the PRM would overwrite the base "
                           "model; give another output_dir")
     rows = read_step_jsonl(cfg.train_file)  # data errors surface before any model loads
+    inside = sum(cfg.separator in step for r in rows for step in r["steps"])
+    if inside:  # labelled at its end only, while GRPO's step_delimiter splits it there: scored where never trained
+        warnings.warn(f"{inside} step(s) of {cfg.train_file} contain the separator {cfg.separator!r}: each is "
+                      "labelled at its end only, but a completion split on that separator (step_delimiter) makes "
+                      "several steps of it, scored at tokens the PRM never learned; choose a separator no step "
+                      "contains (and the same step_delimiter in GRPO)", UserWarning, stacklevel=2)
     resume, state = prm_checkpoint.start(cfg)  # so do a checkpoint of another run, and output_dir's claim
     rng = random.Random(cfg.seed)
     if cfg.eval_file:
@@ -200,13 +210,17 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
                    "every step would be judged at its unknown token")
     # float32 weights whatever the saved dtype (transformers 5 keeps it): AdamW's small steps vanish in bf16
     # weights, and load_prm scores in float32 by default, so the held-out numbers are the ones it reproduces
+    # a base with a classification head of another size (an outcome reward model's 1 label, a 3-label tagger):
+    # its backbone is kept and the head starts anew, as for a causal LM (a resumed PRM's head always fits)
     model, info = AutoModelForTokenClassification.from_pretrained(
         source, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
-        trust_remote_code=cfg.trust_remote_code, dtype=torch.float32, output_loading_info=True)
-    if info["missing_keys"]:  # a causal LM (or any base without this head): the head starts from the seed
+        trust_remote_code=cfg.trust_remote_code, dtype=torch.float32, output_loading_info=True,
+        ignore_mismatched_sizes=resume is None)
+    new_head = sorted(info["missing_keys"]) + sorted(k for k, *_ in info.get("mismatched_keys", []))
+    if new_head:  # a causal LM (or any base without this head): the head starts from the seed
         base = ", ".join(model.config.architectures or []) or "a model without a token-classification head"
         print(f"{cfg.model_name_or_path} ({base}): a new 2-label token-classification head "
-              f"({', '.join(sorted(info['missing_keys']))}) initialised with seed {cfg.seed}; label 1 = good step")
+              f"({', '.join(new_head)}) initialised with seed {cfg.seed}; label 1 = good step")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to("cuda" if torch.cuda.is_available() else "cpu")  # CUDA_VISIBLE_DEVICES='' for the CPU

@@ -131,3 +131,15 @@ def test_a_prm_spec_key_no_prm_takes_is_named_before_the_model_loads(tmp_path):
     with pytest.raises(ConfigError, match=r"\(a PRM spec of any PRM, whose options are \[.*\]\): unknown field "
                                           r"'weight'"):
         load_process_reward_sources([{"path": str(tmp_path / "prm"), "weight": 2.0}])
+    # a `prm train` folder without kind: its recorded kind's options only (was: step_tag accepted as some kind's
+    # option, then a TypeError from the token-classification PRM after the policy had loaded)
+    (tmp_path / "prm" / "groupwise_prm.json").write_text('{"kind": "token_classification", "separator": "\\n"}')
+    with pytest.raises(ConfigError, match=r"\(a PRM spec of a token_classification PRM, as its groupwise_prm.json "
+                                          r"records, whose options are \[.*\]\): unknown field 'step_tag'"):
+        load_process_reward_sources([{"path": str(tmp_path / "prm"), "step_tag": "A"}])
+    # the same folder as an outcome reward model: named before it loads (was: transformers' head-size traceback)
+    from groupwise.rewards.sources import load_reward_sources
+
+    with pytest.raises(ConfigError, match=r"reward_funcs\[0\]=.* is a process reward model \(trained by `groupwise prm "
+                                          r"train`\).*list it under process_reward_funcs"):
+        load_reward_sources([str(tmp_path / "prm")])

@@ -8,8 +8,10 @@ Several functions are combined step by step as a weighted sum (NaN terms skipped
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,9 +81,15 @@ def check_prm_options(spec: dict, where: str) -> None:
     left to the folder's groupwise_prm.json); a key none of them takes is named, with a close match."""
     import difflib
 
-    from groupwise.rewards.prm import PRM_KINDS, load_prm
+    from groupwise.rewards.prm import PRM_CONFIG, PRM_KINDS, load_prm
 
-    kind = spec.get("kind")
+    kind, recorded = spec.get("kind"), ""
+    record = os.path.join(os.path.expanduser(str(spec.get("path", ""))), PRM_CONFIG)
+    if kind is None and os.path.isfile(record):  # a `prm train` folder: its kind's options only
+        try:
+            kind, recorded = json.loads(Path(record).read_text()).get("kind"), f", as its {PRM_CONFIG} records"
+        except (OSError, ValueError, AttributeError):
+            kind = None  # unreadable: load_prm names it
     if kind is not None and kind not in PRM_KINDS:
         close = difflib.get_close_matches(str(kind), sorted(PRM_KINDS), n=1)
         raise ConfigError(f"{where}.kind={kind!r} is not a PRM kind"
@@ -93,8 +101,8 @@ def check_prm_options(spec: dict, where: str) -> None:
             if "__init__" in vars(klass):
                 known |= set(inspect.signature(klass.__init__).parameters)
     known -= {"self", "model", "tokenizer", "kw", "options"}
-    reject_unknown(spec, known, f"{where} (a PRM spec of {'a ' + kind if kind is not None else 'any'} PRM, whose "
-                                f"options are {sorted(known)})")
+    reject_unknown(spec, known, f"{where} (a PRM spec of {'a ' + kind if kind is not None else 'any'} PRM"
+                                f"{recorded}, whose options are {sorted(known)})")
 
 
 def _as_list(values: Any) -> Any:

@@ -153,6 +153,10 @@ def resolve_spec(spec: Any, where: str) -> Any:
         check_location(spec, where)
     except ConfigError as e:
         raise ConfigError(f"{e} (accepted: {SPEC_FORMS})") from None
+    if os.path.isfile(os.path.join(os.path.expanduser(spec), "groupwise_prm.json")):  # rewards.prm.PRM_CONFIG
+        raise ConfigError(f"{where}={spec!r} is a process reward model (trained by `groupwise prm train`), which "
+                          "scores steps, not completions: list it under process_reward_funcs, with supervision "
+                          "process or both")
     return spec
 
 
