@@ -252,3 +252,38 @@ def test_a_dict_of_columns_is_not_a_dict_of_datasets():
     assert not named_datasets({"question": ["1+1", "2+2"], "answer": ["2", "4"]})
     assert not named_datasets({"prompt": [{"role": "user"}]})  # a 'prompt' column: columns
     assert named_datasets({"a": [{"prompt": "x"}], "b": Dataset.from_dict({"prompt": ["y"]})})
+
+
+def test_a_best_evaluation_between_two_saves_is_saved_and_loaded_at_the_end(tmp_path, tokenizer):
+    """eval_steps 1, save_steps 2 (a multiple, as transformers asks): the best evaluation, after step 1 (−(1−1)² = 0
+    with the peak moved to step 1), falls between two saves. It is saved then, so load_best_model_at_end loads it;
+    transformers would keep the last model, with state.best_metric describing another one."""
+    def peak_at_step_1(completions, trainer_state, **_):
+        if trainer_state.global_step and len(completions) == 4:
+            return [-float(trainer_state.global_step - 1) ** 2] * len(completions)
+        return [float(sum(map(ord, c)) % 5) for c in completions]
+
+    args = small_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=2,
+                      metric_for_best_model="reward", load_best_model_at_end=True)
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [peak_at_step_1], args=args,
+                    train_dataset=toy.dataset(12), eval_dataset=toy.dataset(4, seed=1), processing_class=tokenizer)
+    t.train()
+    out = Path(args.output_dir)
+    assert t.state.best_metric == 0.0 and t.state.best_global_step == 1
+    assert t.state.best_model_checkpoint == str(out / "checkpoint-1")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
+    saved = load_file(out / "checkpoint-1" / "model.safetensors")
+    mine = {n: p.detach().cpu() for n, p in t.model.named_parameters() if n in saved}
+    assert len(mine) == len(list(t.model.parameters())) and all(torch.equal(saved[n], p) for n, p in mine.items())
+
+
+def test_a_metric_no_evaluation_reports_stops_the_run_with_one_line(tmp_path, tokenizer):
+    """'rewrd' matches no metric family the checks before loading know (a log_metric name may be anything): the
+    first evaluation names it and the metrics there are, as a ConfigError (the CLI's one line, exit 2), where it was
+    a KeyError traceback."""
+    args = small_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="rewrd")
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peak_at_step_2], args=args,
+                    train_dataset=toy.dataset(12), eval_dataset=toy.dataset(4, seed=1), processing_class=tokenizer)
+    with pytest.raises(ConfigError, match=r"metric_for_best_model='rewrd': 'eval_rewrd' is not among the evaluation "
+                                          r"metrics \[.*'eval_reward'.*\]"):
+        t.train()

@@ -316,6 +316,18 @@ def test_export_names_what_is_wrong(tmp_path, capsys):
 
     assert main(["export", str(tmp_path / "nope"), "--merge", str(tmp_path / "out")]) == 2  # a configuration error
     assert f"export: '{tmp_path / 'nope'}' is not a checkpoint folder" in capsys.readouterr().err
+    # a folder without config.json: one line, exit 2 (was transformers' "Unrecognized model" traceback, exit 1)
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), "--merge", str(tmp_path / "out")]) == 2
+    assert "export CHECKPOINT=" in capsys.readouterr().err
+    # --base with a full model (no adapter): refused, not silently ignored
+    from groupwise.tasks import toy
+
+    full = tmp_path / "full"
+    toy.build_model(toy.build_tokenizer(), seed=0, hidden_size=32).save_pretrained(full)
+    assert main(["export", str(full), "--merge", str(tmp_path / "out"), "--base", str(tmp_path / "nope")]) == 2
+    assert "holds a full model, not an adapter: --base has nothing to merge into; drop --base" in \
+        capsys.readouterr().err
 
 
 def test_a_completions_table_pyarrow_cannot_write_is_written_with_json_text_and_a_warning(tmp_path):

@@ -427,7 +427,7 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
     `out` must be new or empty."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from groupwise.config_base import check_location
+    from groupwise.config_base import check_location, check_model_location
 
     folder = Path(checkpoint)
     if not folder.is_dir():
@@ -465,6 +465,10 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
             model = AutoModelForCausalLM.from_config(model.config, dtype=dtype, trust_remote_code=trust_remote_code)
             model.load_state_dict(state)
     else:
+        if base is not None:
+            raise ConfigError(f"export: {checkpoint} holds a full model, not an adapter: --base has nothing to merge "
+                              "into; drop --base")
+        check_model_location(str(folder), "export CHECKPOINT")  # a folder without config.json: named, one line
         model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code).save_pretrained(out)

@@ -3,7 +3,9 @@
 
 After every evaluation during training, the metric (`eval_<name>`) is compared with `state.best_metric`; a better
 value records `state.best_metric` and `state.best_global_step`, and the checkpoint of that step, once written, becomes
-`state.best_model_checkpoint` (so `save_steps` must be a multiple of `eval_steps`). The rotation of
+`state.best_model_checkpoint`; with `load_best_model_at_end` a new best at a step with no save is saved then, so
+that it can be loaded (transformers requires save_steps to be a multiple of eval_steps, as groupwise does, yet a best
+at an evaluation between two saves has no checkpoint there, and it keeps the last model). The rotation of
 `save_total_limit` never deletes it (and counts it: transformers' rotation), and `load_best_model_at_end` loads its
 weights when training ends. `save_strategy="best"` saves a checkpoint exactly when an evaluation gives a new best.
 EarlyStoppingCallback reads `state.best_metric` the same way.
@@ -107,9 +109,9 @@ class BestModel:
         state.best_global_step (transformers' _determine_best_metric); a None / NaN value is never the best."""
         if self.key is None:
             return False
-        if self.key not in metrics:
-            raise KeyError(f"metric_for_best_model is '{self.key}', which is not among the evaluation metrics "
-                           f"{sorted(metrics)}: set metric_for_best_model to one of them")
+        if self.key not in metrics:  # a name no check could rule out before (a log_metric name may be anything)
+            raise ConfigError(f"metric_for_best_model={self.args.metric_for_best_model!r}: '{self.key}' is not among "
+                              f"the evaluation metrics {sorted(metrics)}: set metric_for_best_model to one of them")
         value = metrics[self.key]
         if value is None or not math.isfinite(value):
             return False

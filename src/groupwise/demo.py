@@ -151,7 +151,9 @@ def run_demo(overrides: dict[str, Any], task: str = "arithmetic") -> int:
           + "  └──────────┴──────────┴──────────┘\n"
           + f"  supervision {trainer.args.supervision}, {trainer.global_step} steps, {took}\n"
           + f"  metrics {out / 'metrics.jsonl'}\n"
-          + f"  model   {out / f'checkpoint-{trainer.global_step}'}\n" + (f"  plot    {plot}\n" if plot else ""))
+          + (f"  model   {ckpt}\n" if (ckpt := out / f"checkpoint-{trainer.global_step}").is_dir() else
+             "  model   not saved (save_strategy / save_steps wrote no checkpoint)\n")
+          + (f"  plot    {plot}\n" if plot else ""))
     return 0
 
 

@@ -456,6 +456,8 @@ class TransformersHabits:
             new_best = self._best.observe(self.state, self.evaluate())
             if args.save_strategy == "best":  # transformers: saved exactly when the evaluation gives a new best
                 control.should_save = new_best
+            elif new_best and args.load_best_model_at_end:  # a best without a checkpoint could not be loaded at
+                control.should_save = True  # the end (eval_steps 2, save_steps 4: transformers keeps the last model)
         control.should_evaluate = False
         if self.dist.any(control.should_save) and "save" not in acted:
             acted.add("save")
