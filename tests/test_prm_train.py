@@ -189,7 +189,8 @@ def test_batches_without_a_labelled_step_are_skipped(tmp_path, model_dir):
     assert metrics["train/steps"] == 6.0 and metrics["train/examples"] == 6.0
     # nothing fits at all: an error naming max_length instead of a run that trains on nothing
     with pytest.raises(ConfigError, match=r"no step of .*t2.jsonl fits in max_length=12 tokens"):
-        train_prm(PRMTrainConfig(train_file=_write(tmp_path / "t2.jsonl", [long_] * 3), **cfg))
+        train_prm(PRMTrainConfig(train_file=_write(tmp_path / "t2.jsonl", [long_] * 3),
+                                 **{**cfg, "output_dir": str(tmp_path / "prm2")}))  # (prm holds the finished run)
 
 
 def test_schedule_warmup_and_clipping(tmp_path, model_dir):

@@ -17,6 +17,7 @@ import torch
 from groupwise import GRPOConfig, GRPOTrainer
 from groupwise.config_base import ConfigError
 from groupwise.tasks import toy
+from groupwise.text import encode_prompts
 from tests.conftest import small_args
 
 STANDIN = str(Path(__file__).with_name("vllm_standin"))
@@ -210,6 +211,25 @@ def test_generation_kwargs_override_the_sampling_fields_as_in_trl(tmp_path, base
     for bad in (None, -2, 1.5, True):
         with pytest.raises(ConfigError, match=r"generation_kwargs\['logprobs'\]=.*the sampled token's log-prob"):
             small_args(tmp_path, use_vllm=True, generation_kwargs={"logprobs": bad})
+
+
+def test_a_seed_counts_a_group_s_rows_across_processes(tmp_path, base_dir, vllm, tokenizer):
+    """G = 4, 6 rows per process: rank 1 holds rows 6-11 of the round, [B, B, C, C, C, C], groups split over the
+    processes. Its rows are rows 2, 3 of B's group and 0-3 of C's: seeds s + [2, 3, 0, 1, 2, 3], as vLLM seeds the
+    samples of the n = 4 requests server mode sends (was: s for every row, so B's and C's rows repeated one
+    completion)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from groupwise.generation.vllm import VLLMColocateGenerator
+
+    args = small_args(tmp_path, use_vllm=True, generation_kwargs={"seed": 11}, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4)  # (the rows below are a 6-row slice)
+    gen = VLLMColocateGenerator(args, pad_token_id=tokenizer.pad_token_id, dist=SimpleNamespace(rank=1))
+    ids, mask = encode_prompts(["repeat b:"] * 2 + ["repeat c:"] * 4, tokenizer, None)
+    gen(AutoModelForCausalLM.from_pretrained(base_dir), ids, mask)
+    assert [p.seed for p in vllm.ENGINES[-1].last_params_per_prompt] == [13, 14, 11, 12, 13, 14]
 
 
 def test_a_completion_vllm_ends_without_eos_is_masked_to_its_length(tmp_path, base_dir, vllm):

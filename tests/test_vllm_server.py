@@ -218,6 +218,22 @@ def test_a_seed_in_generation_kwargs_samples_a_group_alike_in_both_modes(tmp_pat
     assert body["n"] == 4 and body["seed"] == 11 and body["max_tokens"] == 2
 
 
+def test_a_seed_shared_by_rows_of_one_prompt_sent_alone_is_warned_about(tmp_path, base_dir, server, tokenizer):
+    """A request carries one seed: rows of one prompt that are not a whole group (a group split over processes, sent
+    by each on its own) go with n = 1 and sample one completion: warned, once."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(base_dir)
+    ids, mask = encode_prompts(["repeat b:"] * 2 + ["repeat c:"] * 4, tokenizer, None)
+    gen = _generator(_server_args(tmp_path, server.url, generation_kwargs={"seed": 11}), tokenizer)
+    try:
+        with pytest.warns(UserWarning, match="generation_kwargs seed=11: rows of one prompt that are not whole groups"):
+            gen(policy, ids, mask)
+        gen(policy, ids, mask)  # once
+    finally:
+        gen.close()
+
+
 def test_lora_policy_pushes_merged_weights_under_vllm_names(tmp_path, base_dir, server, tokenizer):
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model

@@ -262,12 +262,21 @@ class VLLMColocateGenerator:
         prompts = [{"prompt_token_ids": ids} for rows, _ in parts for ids in rows]
         if any(fields.get("seed") is not None for _, fields in parts):
             # generation_kwargs' seed: server mode sends a group as one request with n = G, whose j-th sample vLLM
-            # seeds with seed + j; one request per row with the seed as it is would sample one completion G times
-            n = repeats([p["prompt_token_ids"] for p in prompts], (self.args.num_generations,
-                                                                    self.args.num_generations_eval))
+            # seeds with seed + j; one request per row with the seed as it is would sample one completion G times.
+            # Row j of each group gets seed + j: counted in this call when its rows are whole groups, else (a group
+            # split over processes) from the round's first row, the training rows being equal contiguous slices
+            G = self.args.num_generations
+            n = repeats([p["prompt_token_ids"] for p in prompts], (G, self.args.num_generations_eval))
+            offset = 0
+            if n not in (G, self.args.num_generations_eval):  # not whole groups
+                n = G
+                if self.dist is not None:
+                    tp = self.args.vllm_tensor_parallel_size if self.group is not None else 1
+                    offset = (self.dist.rank - self.dist.rank % tp) * len(parts[0][0])
             rows = [fields for rows, fields in parts for _ in rows]
             params = [self._params(vllm, fields if fields.get("seed") is None else
-                                   {**fields, "seed": fields["seed"] + i % n}) for i, fields in enumerate(rows)]
+                                   {**fields, "seed": fields["seed"] + (offset + i) % n})
+                      for i, fields in enumerate(rows)]
         elif all(fields == parts[0][1] for _, fields in parts):
             params = self._params(vllm, parts[0][1])
         else:

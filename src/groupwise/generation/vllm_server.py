@@ -364,6 +364,7 @@ class VLLMServerGenerator:
         self.args, self.client, self.pad_token_id, self.dist = args, client, pad_token_id, dist
         self.synced = False  # the server holds the policy's current weights
         self.logprobs_checked = False  # the server's logprobs mode was read (on the first call asking for log-probs)
+        self.seed_warned = False  # the warning on a seed shared by rows of one prompt (__call__) was given
         self.alone = False  # within independently(): each process sends its own rows (evaluation)
         self.own: VLLMServerClient | None = None  # a non-main process's client, opened for independently()
 
@@ -445,6 +446,15 @@ class VLLMServerGenerator:
                                            "max_tokens")}
         if max_new_tokens is not None:  # a later tool turn's limit (its process asks alone: independently())
             named["max_tokens"] = min(named["max_tokens"], max_new_tokens)
+        sent = prompts[::n]
+        if extra.get("seed") is not None and len({tuple(p) for p in sent}) < len(sent) \
+                and not self.seed_warned:  # one seed per request: a prompt sent twice samples the same n rows twice
+            self.seed_warned = True
+            warnings.warn(f"generation_kwargs seed={extra['seed']}: rows of one prompt that are not whole groups "
+                          "here (a group split over processes, sent by each on its own in a tool loop or an "
+                          "evaluation) share the seed, so they sample the same completion; drop the seed, or keep "
+                          "groups whole per process (per_device_train_batch_size a multiple of num_generations)",
+                          UserWarning, stacklevel=2)
 
         def ask():
             client = self._client()

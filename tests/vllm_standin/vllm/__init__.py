@@ -272,6 +272,7 @@ class LLM:
         self.calls += 1
         self.sizes.append(len(prompts))
         self.last_params = params[0] if params else None
+        self.last_params_per_prompt = list(params)
         out = []
         for prompt, p in zip(prompts, params):
             ids = list(prompt["prompt_token_ids"])
