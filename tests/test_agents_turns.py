@@ -255,3 +255,31 @@ def test_a_text_step_split_with_tools_is_refused_naming_step_split_turn(monkeypa
     turn = dataclasses.replace(ctx, args=dataclasses.replace(ctx.args, step_split="turn"), process_sources=sources,
                                splitter=StepSplitter("turn"))  # the fix named by the error works
     assert len(R.score_steps(turn, comp).texts[0]) == 3
+
+
+def test_start_turn_gets_a_copy_of_the_turn_s_calls_in_any_signature():
+    """start_turn(self, tool_calls), start_turn(self, *, tool_calls) and start_turn(self) are each called as they
+    can take it; an environment editing the calls leaves the parsed message (what reward functions read) as it
+    was."""
+    message = {"role": "assistant", "tool_calls": [{"type": "function",
+                                                    "function": {"name": "add", "arguments": {"a": 1}}}]}
+    seen = []
+
+    class Positional:
+        def start_turn(self, calls):
+            seen.append(("positional", len(calls)))
+            calls[0]["function"]["arguments"]["a"] = 99
+
+    class KeywordOnly:
+        def start_turn(self, *, tool_calls):
+            seen.append(("keyword", len(tool_calls)))
+
+    class Bare:
+        def start_turn(self):
+            seen.append(("bare", None))
+
+    toolbox = Toolbox()
+    for env in (Positional(), KeywordOnly(), Bare()):
+        toolbox.start_turn(env, message)
+    assert seen == [("positional", 1), ("keyword", 1), ("bare", None)]
+    assert message["tool_calls"][0]["function"]["arguments"] == {"a": 1}

@@ -195,9 +195,12 @@ def test_generation_kwargs_override_the_sampling_fields_as_in_trl(tmp_path, base
     assert sampling_fields(args, greedy=True)["temperature"] == 0.0 and sampling_fields(args, True)["top_k"] == 0
     t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(4))
     t.rollout_ctx.generator(t.unwrapped, torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long))  # no TypeError
-    # a later tool turn's limit becomes the request's max_tokens
+    # a later tool turn's limit becomes the request's max_tokens, and a min_tokens above it comes down to it (vLLM
+    # refuses min_tokens > max_tokens)
+    args = small_args(tmp_path, use_vllm=True, generation_kwargs={"min_tokens": 3})
+    t = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(4))
     t.rollout_ctx.generator(t.unwrapped, torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.long), max_new_tokens=2)
-    assert vllm.ENGINES[-1].last_params.max_tokens == 2
+    assert vllm.ENGINES[-1].last_params.max_tokens == 2 and vllm.ENGINES[-1].last_params.min_tokens == 2
     with pytest.raises(ConfigError, match=r"generation_kwargs\['max_tokens'\] would change the shape of the "
                                           r"completions: set max_completion_length instead"):
         small_args(tmp_path, use_vllm=True, generation_kwargs={"max_tokens": 4})

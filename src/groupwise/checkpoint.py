@@ -486,6 +486,6 @@ def read_state(folder: str | Path) -> dict:
     """trainer_state.json of a verified checkpoint (cheap to call before any weights load)."""
     path = Path(folder)
     if not (path / "trainer_state.json").exists():
-        raise FileNotFoundError(f"{folder} is not a groupwise checkpoint (no trainer_state.json)")
+        raise CheckpointError(f"{folder} is not a groupwise checkpoint (no trainer_state.json)")
     verify_checkpoint(path)
     return json.loads((path / "trainer_state.json").read_text())

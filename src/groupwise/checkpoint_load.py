@@ -28,7 +28,7 @@ def _model_weights(folder: Path) -> dict[str, torch.Tensor]:
     for path in sorted(p for p in folder.glob("model*.safetensors") if not p.name.startswith("model_shard_")):
         weights.update(load_file(str(path)))
     if not weights:
-        raise FileNotFoundError(f"{folder}: no model*.safetensors weights")
+        raise _error(f"{folder}: no model*.safetensors weights")
     return weights
 
 
@@ -81,8 +81,8 @@ def load_checkpoint(folder: str, *, dist, model, optimizer, scheduler, ref_model
     the files); returns the pending rollout tensors, or None."""
     path = Path(folder)
     if not rng_file(path, dist.rank).exists():
-        raise FileNotFoundError(f"{folder} has no RNG state for process {dist.rank}: was it saved with "
-                                f"{dist.world_size} processes?")
+        raise _error(f"{folder} has no RNG state for process {dist.rank}: was it saved with {dist.world_size} "
+                     "processes?")
 
     load_model_from(folder, dist=dist, model=model, sharded_model=sharded_model)
     if sharded_model is not None:  # FSDP2: this process's shards of the optimizer state

@@ -37,15 +37,12 @@ class ConfigError(ValueError):
 _MISSING = dataclasses.MISSING
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn at the user's line: the first caller outside groupwise (and outside generated code such as a dataclass's
-    __init__), so `GRPOConfig(...)` in a script is the line shown, not the groupwise line that found the problem."""
+    """Warn at the user's line: the first caller outside groupwise's modules (a dataclass's generated __init__ runs
+    in its class's module, so it is passed too), so `GRPOConfig(...)` in a script, a notebook cell or `python -c` is
+    the line shown, not the groupwise line that found the problem."""
     frame, level = sys._getframe(1), 2
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                 or frame.f_code.co_filename.startswith("<")):
+    while frame is not None and (frame.f_globals.get("__name__") or "").split(".")[0] == "groupwise":
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 

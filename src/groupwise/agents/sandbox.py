@@ -185,7 +185,8 @@ class _Capture:
 # the world-writable directories the filesystem standard places (/var/lock is usually a link to /run/lock, read once):
 # where code of any uid can leave files for a later call (another uid) to read
 SHARED_TEMP_DIRS = tuple(dict.fromkeys(os.path.realpath(d) for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock",
-                                                                    "/var/lock", "/var/crash") if os.path.isdir(d)))
+                                                                    "/var/lock", "/var/crash")
+                                        if os.path.isdir(d) and os.stat(d).st_mode & 0o002))  # world-writable
 
 
 def _remove_files_of(uid: int) -> None:

@@ -30,6 +30,7 @@ schemas in that order; by name, the last of two tools sharing a name wins).
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -202,10 +203,16 @@ class Toolbox:
         fn = getattr(env, "start_turn", None)
         if not callable(fn):
             return
-        calls = list(message.get("tool_calls") or [])
-        takes = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-                    for p in inspect.signature(fn).parameters.values())
-        self.call_on(env, functools.update_wrapper(functools.partial(fn, calls), fn) if takes else fn)
+        calls = copy.deepcopy(list(message.get("tool_calls") or []))  # the completions' own stay as parsed
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # a callable without a signature: called without arguments
+            params = []
+        if any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params):
+            fn = functools.update_wrapper(functools.partial(fn, calls), fn)
+        elif any(p.name == "tool_calls" or p.kind is p.VAR_KEYWORD for p in params):  # start_turn(self, *, tool_calls)
+            fn = functools.update_wrapper(functools.partial(fn, tool_calls=calls), fn)
+        self.call_on(env, fn)
 
     def _thread_of(self, env: Any) -> ToolThread:
         return self._threads.setdefault(id(env), ToolThread(f"groupwise {type(env).__name__}"))

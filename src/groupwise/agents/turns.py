@@ -25,7 +25,8 @@ or when max_completion_length is used up. Per row it returns: completion_ids = m
 turn 2 + …; tool_mask = 1 on model tokens, 0 on suffix tokens; the sampler's log-probs (0.0 on suffix tokens); the
 messages (TRL's completions: assistant, tool…, assistant, …); turn_ends (the index of each model turn's last token);
 and the tool-call, failure and timeout counts. An environment's optional `start_turn()` is called once per model turn
-that has a turn end, in order, before that turn's calls run.
+that has a turn end, in order, before that turn's calls run (with a copy of the turn's parsed tool calls when it takes
+an argument: Toolbox.start_turn).
 
 Multi-process: each process runs the loop on its own rows, inside generation.independently() (rollout.generate).
 The generator backends run locally (fast / transformers sample from an unsharded module — with fsdp its full

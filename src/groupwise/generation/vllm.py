@@ -236,8 +236,10 @@ class VLLMColocateGenerator:
                  max_new_tokens: int | None = None) -> Generated:
         mine = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         fields = self._fields(greedy)
-        if max_new_tokens is not None:  # a later tool turn's limit
+        if max_new_tokens is not None:  # a later tool turn's limit (vLLM refuses min_tokens above it)
             fields["max_tokens"] = min(fields["max_tokens"], max_new_tokens)
+            if fields.get("min_tokens"):
+                fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
         request = (mine, fields)
         if self.group is None:
             outputs = self._round(model, [request])

@@ -446,6 +446,8 @@ class VLLMServerGenerator:
                                            "max_tokens")}
         if max_new_tokens is not None:  # a later tool turn's limit (its process asks alone: independently())
             named["max_tokens"] = min(named["max_tokens"], max_new_tokens)
+            if extra.get("min_tokens"):  # vLLM refuses min_tokens above max_tokens
+                extra["min_tokens"] = min(extra["min_tokens"], named["max_tokens"])
         sent = prompts[::n]
         if extra.get("seed") is not None and len({tuple(p) for p in sent}) < len(sent) \
                 and not self.seed_warned:  # one seed per request: a prompt sent twice samples the same n rows twice

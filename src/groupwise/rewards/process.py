@@ -77,8 +77,9 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
 
 
 def check_prm_options(spec: dict, where: str) -> None:
-    """A PRM spec's keys, before the model loads: load_prm's and the kind's options (every kind's when the kind is
-    left to the folder's groupwise_prm.json); a key none of them takes is named, with a close match."""
+    """A PRM spec's keys, before the model loads: load_prm's and the kind's options (without `kind`: the kind the
+    folder's groupwise_prm.json records, else every kind's); a key none of them takes is named, with a close
+    match."""
     import difflib
 
     from groupwise.rewards.prm import PRM_CONFIG, PRM_KINDS, load_prm

@@ -66,6 +66,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # generation also ends after these (kept in the output, as vLLM does)
     structured_outputs: object = None  # vllm.sampling_params.StructuredOutputsParams (regex only here)
+    min_tokens: int = 0  # accepted and checked as vLLM checks it, not applied
 
     def __post_init__(self):  # vLLM's SamplingParams._verify_args, for the fields above
         checks = [(self.n >= 1, "n must be at least 1"), (self.temperature >= 0, "temperature must be non-negative"),
@@ -73,7 +74,10 @@ class SamplingParams:
                   "or at least 1"), (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
                   (self.repetition_penalty > 0, "repetition_penalty must be greater than zero"),
                   (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
-                  (self.logprobs is None or self.logprobs >= -1, "logprobs must be non-negative or -1")]
+                  (self.logprobs is None or self.logprobs >= -1, "logprobs must be non-negative or -1"),
+                  (self.min_tokens >= 0, "min_tokens must be greater than or equal to 0"),
+                  (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                   "min_tokens must be less than or equal to max_tokens")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message}, got {self}")
