@@ -59,7 +59,7 @@ RUN_FILES_RE = re.compile(r"^(trainer_state\.json|(train|eval|all)_results\.json
 _WEIGHTS = r"model(-\d+-of-\d+)?\.safetensors|pytorch_model.*\.bin|adapter_model\.(safetensors|bin)"
 WEIGHTS_RE = re.compile(rf"^({_WEIGHTS})$")
 FINAL_RE = re.compile(rf"^({_WEIGHTS}|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json|"
-                      r"adapter_config\.json|config\.json|generation_config\.json|README\.md|groupwise_prm\.json|"
+                      r"adapter_config\.json|config\.json|generation_config\.json|README\.md|"
                       r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|"
                       r"chat_template\.(jinja|json)|additional_chat_templates|vocab\.(json|txt)|merges\.txt|"
                       r"tokenizer\.model)$")
@@ -331,7 +331,7 @@ def claim_output_dir(output_dir: str | Path, overwrite: bool, model_folder: str 
     in_place = model_folder is not None and os.path.isdir(model_folder) and os.path.samefile(model_folder, output_dir)
     if any(WEIGHTS_RE.match(p.name) for p in top) and not in_place:  # the run's final model
         found += [p for p in top if FINAL_RE.match(p.name)]
-    for p in dict.fromkeys(found):  # (a PRM's groupwise_prm.json is both a run output and a final-model file)
+    for p in found:  # (a PRM's groupwise_prm.json is among run_outputs)
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 

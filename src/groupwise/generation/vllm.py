@@ -110,15 +110,20 @@ def launcher_environment() -> int:
     return rank
 
 
-def sampling_fields(args, greedy: bool) -> dict:
+def sampling_fields(args, greedy: bool, max_new_tokens: int | None = None) -> dict:
     """The sampling fields sent to vLLM (SamplingParams, or the server's request) for a GRPOConfig, as TRL sends
-    them; generation_kwargs override them (TRL), and a greedy call (evaluation) stays greedy whatever they say."""
+    them; generation_kwargs override them (TRL), and a greedy call (evaluation) stays greedy whatever they say.
+    `max_new_tokens`: a later tool turn's limit on max_tokens (and on a min_tokens, which vLLM refuses above it)."""
     fields = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   min_p=0.0 if args.min_p is None else args.min_p, repetition_penalty=args.repetition_penalty,
                   max_tokens=args.max_completion_length)
     fields.update(args.generation_kwargs or {})
     if greedy:
         fields.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    if max_new_tokens is not None:
+        fields["max_tokens"] = min(fields["max_tokens"], max_new_tokens)
+        if fields.get("min_tokens"):
+            fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
     return fields
 
 
@@ -214,9 +219,9 @@ class VLLMColocateGenerator:
         self.llm.reset_prefix_cache()
         self.current = True
 
-    def _fields(self, greedy: bool) -> dict:
+    def _fields(self, greedy: bool, max_new_tokens: int | None = None) -> dict:
         """This call's SamplingParams fields: TRL's, with the structured-outputs constraint resolved."""
-        fields = sampling_fields(self.args, greedy)
+        fields = sampling_fields(self.args, greedy, max_new_tokens)
         constraint = structured_outputs(self.args, fields.get("structured_outputs"))
         if constraint is not None:
             fields["structured_outputs"] = constraint
@@ -235,12 +240,7 @@ class VLLMColocateGenerator:
     def __call__(self, model, prompt_ids, prompt_mask, *, greedy: bool = False, logprobs: bool = False,
                  max_new_tokens: int | None = None) -> Generated:
         mine = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        fields = self._fields(greedy)
-        if max_new_tokens is not None:  # a later tool turn's limit (vLLM refuses min_tokens above it)
-            fields["max_tokens"] = min(fields["max_tokens"], max_new_tokens)
-            if fields.get("min_tokens"):
-                fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
-        request = (mine, fields)
+        request = (mine, self._fields(greedy, max_new_tokens))
         if self.group is None:
             outputs = self._round(model, [request])
         else:  # the group's requests in rank order; this process's rows follow those of the lower ranks

@@ -439,15 +439,11 @@ class VLLMServerGenerator:
         parts = self.dist.gather_object([mine]) if several else [mine]
         prompts = [p for part in parts for p in part]
         n = 1 if greedy else repeats(prompts, (args.num_generations, args.num_generations_eval))
-        extra = sampling_fields(args, greedy)
+        extra = sampling_fields(args, greedy, max_new_tokens)  # a later tool turn's limit: its process asks alone
         if args.vllm_structured_outputs_regex is not None:  # TRL's client: generation_kwargs override it
             extra.setdefault("structured_outputs", {"regex": args.vllm_structured_outputs_regex})
         named = {k: extra.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                            "max_tokens")}
-        if max_new_tokens is not None:  # a later tool turn's limit (its process asks alone: independently())
-            named["max_tokens"] = min(named["max_tokens"], max_new_tokens)
-            if extra.get("min_tokens"):  # vLLM refuses min_tokens above max_tokens
-                extra["min_tokens"] = min(extra["min_tokens"], named["max_tokens"])
         sent = prompts[::n]
         if extra.get("seed") is not None and len({tuple(p) for p in sent}) < len(sent) \
                 and not self.seed_warned:  # one seed per request: a prompt sent twice samples the same n rows twice

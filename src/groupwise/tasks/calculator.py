@@ -331,7 +331,7 @@ class CalculatorEnv:
     def get_step_rewards(self) -> list[float]:
         """One reward per assistant turn, in order (see the module docstring); groupwise reserves the name, so it is
         not a tool."""
-        made = self.made if len(self.made) == len(self.turns) else [len(calls) for calls in self.turns]
+        made = self.made if self.told_turns else [len(calls) for calls in self.turns]  # without: a call, a turn
         rewards = [float(bool(calls) and len(calls) == n and all(v == 1.0 for v in calls))
                    for calls, n in zip(self.turns, made)]
         if not self.told_turns:
