@@ -7,8 +7,9 @@ start_turn) run too, and one for the standalone tools; so what reset() makes for
 the caller's thread, the main thread (as in TRL). Tools are trusted user code; model-generated code is never executed
 here (a tool that runs code must hand it to `sandbox.run_python`).
 
-As in TRL: the sync calls run in call order, then the `async def` ones of the turn run concurrently (each on its own
-event loop, in a thread of its own) and their results follow the sync ones (an async call whose arguments do not
+As in TRL: the sync calls run in call order, then the `async def` ones of the turn run concurrently (on the one
+event loop of async user code, kept in a daemon thread, as TRL's async loop; each within the timeout, after which it
+is cancelled) and their results follow the sync ones (an async call whose arguments do not
 bind is an error in call order, as in TRL, which makes each coroutine there); a call is `fn(**arguments)` (arguments
 that are not a mapping are Python's TypeError, as in TRL); a result becomes the message `{"role": "tool", "name":
 name, "content": str(result)}`; an unknown tool, an unsupported call type or an exception becomes
@@ -22,7 +23,6 @@ starts a fresh thread).
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import queue
@@ -30,12 +30,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.parsing import encodable
-from groupwise.rewards.sources import RewardTimeout, is_async
+from groupwise.rewards.sources import RewardTimeout, UserExit, is_async, run_async, run_concurrently
 from groupwise.rewards.sources import call_with_timeout as timed_call
 
 
@@ -151,7 +150,7 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
     returns it)."""
     def run():
         value = fn(**arguments)  # a non-mapping is TRL's TypeError ("argument after ** must be a mapping")
-        return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
+        return run_async(value, timeout, f"tool {name!r}") if inspect.isawaitable(value) else value
 
     try:
         if timeout is None:
@@ -160,13 +159,22 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
             value = thread.call(run, timeout, f"tool {name!r}")
         else:
             value = timed_call(run, timeout, f"tool {name!r}")
-    except RewardTimeout:
-        return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 — TRL: str(e); reported to the model, never raised (SystemExit,
-        return str({"error": _error_text(name, e)}), "exception"  # asyncio's CancelledError: TRL's gather keeps them)
+        return awaited_content(name, e, timeout)  # asyncio's CancelledError: TRL's gather keeps them)
     return tool_content(name, value)
+
+
+def awaited_content(name: str, outcome: Any, timeout: float | None) -> tuple[str | list, str | None]:
+    """A call's value or error (an async call's outcome from run_concurrently) as (content, None | "exception" |
+    "timeout")."""
+    if isinstance(outcome, RewardTimeout):
+        return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"
+    if isinstance(outcome, BaseException):
+        return str({"error": _error_text(name, outcome.error if isinstance(outcome, UserExit) else outcome)}), \
+            "exception"
+    return tool_content(name, outcome)
 
 
 def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], timeout: float | None,
@@ -174,7 +182,7 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
     """Execute one assistant message's tool calls (see the module docstring); a sync tool runs on threads[name]
     when given (with a timeout), otherwise on a thread of its own."""
     done: list[tuple[str, Any]] = []  # (name, content): sync calls and errors, in call order
-    pending: list[tuple[str, Callable, Any]] = []  # async calls, run together afterwards
+    pending: list[tuple[str, Any]] = []  # (name, coroutine): async calls, run together afterwards
     failures = timeouts = 0
     for call in calls:
         if call.get("type", "function") != "function":  # a flat {"name", "arguments"} call has no type
@@ -197,16 +205,17 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
                 failures += 1
                 done.append((name, str({"error": _error_text(name, e)})))
             else:
-                pending.append((name, lambda coroutine=coroutine: coroutine, {}))
+                pending.append((name, coroutine))
         else:
             content, error = call_tool(fn, name, arguments, timeout, (threads or {}).get(name))
             failures += error is not None
             timeouts += error == "timeout"
             done.append((name, content))
-    if pending:
-        with ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="groupwise async tools") as pool:
-            outcomes = list(pool.map(lambda job: call_tool(job[1], job[0], job[2], timeout), pending))
-        for (name, _, _), (content, error) in zip(pending, outcomes):
+    if pending:  # on the shared event loop, as TRL's gather on its async loop: clients bound to it live on
+        outcomes = run_concurrently([lambda c=coroutine: c for _, coroutine in pending], timeout,
+                                    [f"tool {name!r}" for name, _ in pending], "tool_timeout")
+        for (name, _), outcome in zip(pending, outcomes):
+            content, error = awaited_content(name, outcome, timeout)
             failures += error is not None
             timeouts += error == "timeout"
             done.append((name, content))
@@ -244,7 +253,8 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
                       timeout_s: float | None = 30.0) -> ToolOutcome:
     """Call a *trusted* tool `fn(**kwargs)` in this process, in a worker thread, waiting at most `timeout_s` seconds
     (None: no limit) — the thread-with-timeout of reward functions (groupwise.rewards.sources.call_with_timeout). An
-    `async def` tool (or one returning an awaitable) is run to completion on its own event loop in that thread.
+    `async def` tool (or one returning an awaitable) is run to completion on the shared event loop of async user code
+    (groupwise.rewards.sources.event_loop).
 
     Timeout: returns ToolOutcome(ok=False, error="timeout") after ~timeout_s. The call itself cannot be stopped: the
     thread is abandoned (a daemon thread, so it does not keep the process alive) and runs on in the background, with
@@ -256,7 +266,7 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
 
     def call() -> Any:
         value = fn(**(kwargs or {}))
-        return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
+        return run_async(value, timeout_s, f"tool {name!r}") if inspect.isawaitable(value) else value
 
     t0 = time.monotonic()
     try:
@@ -266,9 +276,7 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 — reported to the model as the tool's message, never raised
+        e = e.error if isinstance(e, UserExit) else e
         return ToolOutcome(False, f"{type(e).__name__}: {e}", "exception", time.monotonic() - t0)
     return ToolOutcome(True, _as_text(value), None, time.monotonic() - t0)
 
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable

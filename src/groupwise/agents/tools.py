@@ -29,17 +29,16 @@ schemas in that order; by name, the last of two tools sharing a name wins).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-from groupwise.agents.execution import ToolThread, _await
+from groupwise.agents.execution import ToolThread
 from groupwise.config_base import ConfigError
 from groupwise.data import EmptyPrompt, EnvironmentPrompts, is_stream
-from groupwise.rewards.sources import RewardSource
+from groupwise.rewards.sources import RewardSource, run_async
 
 RESERVED = ("reset", "get_reward", "get_step_rewards", "start_turn")
 
@@ -186,10 +185,11 @@ class Toolbox:
 
     def call_on(self, env: Any, fn: Callable[[], Any]) -> Any:
         """fn() on the environment instance's thread when the last start() was threaded, else here; an `async def`
-        method (reset, start_turn, get_step_rewards) is run to completion on an event loop of its own there."""
+        method (reset, start_turn, get_step_rewards) is run to completion on the shared event loop of async user code
+        (as async tools and reward functions: a client the instance made there in one call works in the next)."""
         def run() -> Any:
             value = fn()
-            return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
+            return run_async(value, None, type(env).__name__) if inspect.isawaitable(value) else value
 
         thread = self._threads.get(id(env)) if self.threaded else None
         if thread is None:  # not threaded, or not one of the pool's instances

@@ -48,6 +48,8 @@ class RewardTimeout(TimeoutError):
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_THREAD: threading.Thread | None = None
+_LOOP_LOCK = threading.Lock()
 
 
 def is_async(fn: Any) -> bool:
@@ -58,14 +60,40 @@ def is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop of async user code (reward functions, tools, environment methods), as TRL's
+    GRPOTrainer-AsyncLoop: started on first use in a daemon thread, so clients bound to it (HTTP sessions) live
+    across steps and calls; a fresh one when the last one's thread has ended."""
+    global _LOOP, _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP_THREAD is None or not _LOOP_THREAD.is_alive():
+            _LOOP = asyncio.new_event_loop()
+            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, daemon=True, name="groupwise async loop")
+            _LOOP_THREAD.start()
+        return _LOOP
+
+
+class UserExit(Exception):
+    """SystemExit or KeyboardInterrupt raised by async user code, carried to the caller as an ordinary error:
+    raised in a task, asyncio lets them out of the event loop itself, which would stop the shared loop and leave
+    every later call waiting."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+async def guarded(awaitable) -> Any:
+    """Await user code on the shared loop (see UserExit)."""
+    try:
+        return await awaitable
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise UserExit(e) from e
+
+
 def run_async(awaitable, timeout: float | None = None, what: str = "async reward functions") -> Any:
-    """Run a coroutine on the one event loop of async reward functions (started on first use in a daemon thread,
-    so clients bound to it — HTTP sessions — live across steps); wait at most `timeout` seconds."""
-    global _LOOP
-    if _LOOP is None:
-        _LOOP = asyncio.new_event_loop()
-        threading.Thread(target=_LOOP.run_forever, daemon=True, name="groupwise async rewards").start()
-    future = asyncio.run_coroutine_threadsafe(awaitable, _LOOP)
+    """Run a coroutine on the shared event loop (event_loop()); wait at most `timeout` seconds."""
+    future = asyncio.run_coroutine_threadsafe(guarded(awaitable), event_loop())
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError:
@@ -73,6 +101,30 @@ def run_async(awaitable, timeout: float | None = None, what: str = "async reward
             raise
         future.cancel()
         raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s") from None
+
+
+def run_concurrently(starts: list[Callable[[], Any]], timeout: float | None, what: list[str],
+                     setting: str = "reward_timeout") -> list[Any]:
+    """Await `start()` for each of `starts` concurrently on the shared loop, each within `timeout` seconds: the results
+    in order, an exception in place of a failed one (a RewardTimeout, naming what[i] and `setting`, for an overrun;
+    a TimeoutError the awaitable raises itself is its own error). `start` is called on the loop, so an error in
+    making the awaitable (arguments that do not bind) is that one's error too. The outer limit only fires when one
+    blocks the event loop itself (all of them then stall)."""
+    async def limited(start, name):
+        task = asyncio.ensure_future(guarded(start()))
+        finished, _ = await asyncio.wait({task}, timeout=timeout)
+        if not finished:
+            task.cancel()
+            raise RewardTimeout(f"{name} did not return within {setting}={timeout} s")
+        return task.result()
+
+    async def gather():
+        return await asyncio.gather(*(limited(s, w) for s, w in zip(starts, what)), return_exceptions=True)
+
+    try:
+        return run_async(gather(), None if timeout is None else timeout + 5, " and ".join(what))
+    except RewardTimeout as e:
+        return [e] * len(starts)
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
@@ -439,22 +491,9 @@ def compute_rewards(
     first_calls: dict[int, Any] = {}
     first_logs = {f: CallLogs(extra) for f in concurrent_}
     if concurrent_:
-        async def limited(f):  # each its own reward_timeout: one that hangs leaves the others' scores
-            task = asyncio.ensure_future(sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())))
-            finished, _ = await asyncio.wait({task}, timeout=timeout)
-            if not finished:  # (a TimeoutError the function raises itself is its own error, not an overrun)
-                task.cancel()
-                raise RewardTimeout(f"reward function {sources[f].name!r} did not return within "
-                                    f"reward_timeout={timeout} s")
-            return task.result()
-
-        async def gather():
-            return await asyncio.gather(*(limited(f) for f in concurrent_), return_exceptions=True)
-
-        try:  # the outer limit only fires when a function blocks the event loop itself (all of them then stall)
-            first_calls = dict(zip(concurrent_, run_async(gather(), None if timeout is None else timeout + 5)))
-        except RewardTimeout as e:
-            first_calls = {f: e for f in concurrent_}
+        first_calls = dict(zip(concurrent_, run_concurrently(
+            [lambda f=f: sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())) for f in concurrent_], timeout,
+            [f"reward function {sources[f].name!r}" for f in concurrent_])))
     rewards = torch.full((n, len(sources)), math.nan, dtype=torch.float64)  # 1e30 must not overflow downstream
     errors = torch.zeros(len(sources))
     for f, src in enumerate(sources):

@@ -1,0 +1,163 @@
+"""The one event loop of async user code (groupwise.rewards.sources.event_loop): async tools, environment methods
+and reward functions all run on it, as on TRL's GRPOTrainer-AsyncLoop, so a client bound to the loop in one call
+(an aiohttp session) works in the next. Each test here failed when every async call ran on an event loop of its own
+(asyncio.run per call): the client's loop was closed by the second call."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from groupwise.agents import Toolbox
+from groupwise.agents.execution import call_with_timeout, run_tool_calls
+from groupwise.rewards.sources import RewardSource, compute_rewards, event_loop, run_async
+
+
+class LoopClient:
+    """Stands in for an aiohttp.ClientSession: bound to the loop it was made on, unusable from another one (aiohttp
+    raises 'Event loop is closed' / 'attached to a different loop' there)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.calls = 0
+
+    async def get(self, value):
+        if asyncio.get_running_loop() is not self.loop or self.loop.is_closed():
+            raise RuntimeError("Event loop is closed")
+        await asyncio.sleep(0)
+        self.calls += 1
+        return value
+
+
+CLIENT: dict[str, LoopClient] = {}
+
+
+async def fetch(value: str) -> str:
+    """
+    Fetches a value with a client kept across calls.
+
+    Args:
+        value: The value.
+    """
+    if "client" not in CLIENT:
+        CLIENT["client"] = LoopClient()
+    return await CLIENT["client"].get(value)
+
+
+def call(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_an_async_tool_keeps_its_client_across_turns(timeout):
+    CLIENT.clear()
+    first = run_tool_calls([call("fetch", value="a"), call("fetch", value="b")], {"fetch": fetch}, timeout)
+    second = run_tool_calls([call("fetch", value="c")], {"fetch": fetch}, timeout)
+    assert [m["content"] for m in first.messages + second.messages] == ["a", "b", "c"]
+    assert (first.failures, second.failures) == (0, 0) and CLIENT["client"].calls == 3
+    assert call_with_timeout(fetch, {"value": "d"}, 5.0).content == "d"  # the public one-call helper too
+
+
+class Shop:
+    """An environment with async reset, an async tool method and async step rewards, all on one client made by
+    reset (TRL calls a tool method of an environment made by environment_factory; reset may be async here)."""
+
+    async def reset(self, **row) -> None:
+        self.client = LoopClient()
+        self.bought: list[str] = []
+
+    async def buy(self, item: str) -> str:
+        """
+        Buys an item.
+
+        Args:
+            item: The item.
+        """
+        self.bought.append(await self.client.get(item))
+        return f"bought {item}"
+
+    async def get_step_rewards(self) -> list[float]:
+        return [float(await self.client.get(len(self.bought)))]
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["here", "on-the-instance-thread"])
+def test_an_async_environment_uses_the_client_its_reset_made(threaded):
+    toolbox = Toolbox(environment_factory=Shop)
+    envs, _, _ = toolbox.start([{"prompt": "hi"}], threaded=threaded)
+    tools = toolbox.tools_of(envs[0])
+    out = run_tool_calls([call("buy", item="milk"), call("buy", item="eggs")], tools, 30.0 if threaded else None,
+                         toolbox.threads_of(envs[0]))
+    assert [m["content"] for m in out.messages] == ["bought milk", "bought eggs"] and out.failures == 0
+    assert toolbox.call_on(envs[0], envs[0].get_step_rewards) == [2.0]
+
+
+def test_an_async_tool_over_the_timeout_is_cancelled_and_the_others_return():
+    cancelled = []
+
+    async def slow(x: int) -> str:
+        """
+        Sleeps.
+
+        Args:
+            x: A number.
+        """
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(x)
+            raise
+        return "late"
+
+    start = time.monotonic()
+    out = run_tool_calls([call("slow", x=1), call("fetch", value="quick")], {"slow": slow, "fetch": fetch}, 0.5)
+    assert [m["content"] for m in out.messages] == [str({"error": "tool 'slow' timed out after 0.5 s"}), "quick"]
+    assert (out.failures, out.timeouts) == (1, 1) and time.monotonic() - start < 10
+    deadline = time.monotonic() + 5
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled == [1]  # stopped, not left running (a thread cannot be stopped: an event-loop task can)
+
+
+def test_system_exit_in_async_user_code_is_its_error_and_the_loop_lives_on():
+    """Raised in a task, SystemExit leaves asyncio's run_forever: the shared loop would stop and every later async
+    call would wait forever. It comes back as the call's error instead."""
+    async def quit_tool(code: int) -> str:
+        """
+        Exits.
+
+        Args:
+            code: The code.
+        """
+        raise SystemExit(code)
+
+    loop = event_loop()
+    out = run_tool_calls([call("quit_tool", code=3)], {"quit_tool": quit_tool}, 5.0)
+    assert out.messages[0]["content"] == str({"error": "3"}) and out.failures == 1  # str(SystemExit(3)), as TRL
+    assert call_with_timeout(quit_tool, {"code": 4}, 5.0).content == "SystemExit: 4"
+
+    async def quitting_reward(completions, **_):
+        raise SystemExit("bye")
+
+    async def length(completions, **_):
+        return [float(len(c)) for c in completions]
+
+    sources = [RewardSource("quitting_reward", quitting_reward), RewardSource("length", length)]
+    rewards, errors = compute_rewards(sources, ["p", "q"], ["ab", "c"], [[1], [2]], {}, on_error="nan", timeout=5.0)
+    assert torch.isnan(rewards[:, 0]).all() and rewards[:, 1].tolist() == [2.0, 1.0]
+    assert errors.tolist() == [2.0, 0.0]
+    assert event_loop() is loop and loop.is_running()  # the same loop, still serving
+    assert run_async(asyncio.sleep(0, result="alive"), 5.0) == "alive"
+
+
+def test_a_loop_whose_thread_ended_is_replaced():
+    loop = event_loop()
+    loop.call_soon_threadsafe(loop.stop)
+    deadline = time.monotonic() + 5
+    while loop.is_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # run_forever has returned; its thread ends right after
+    assert run_async(asyncio.sleep(0, result="fresh"), 5.0) == "fresh"  # was: queued on the stopped loop forever
+    assert event_loop() is not loop
