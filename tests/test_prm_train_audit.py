@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from groupwise.config import ConfigError
-from groupwise.prm_train import PRMTrainConfig, _encode, evaluate_prm, read_step_jsonl, train_prm
+from groupwise.prm_train import PRMTrainConfig, _encode, evaluate_prm, read_step_jsonl, split_by_prompt, train_prm
 from groupwise.rewards.prm import load_prm
 
 
@@ -162,15 +162,49 @@ def test_metrics_by_hand():
 
 
 def test_the_held_out_split_is_seeded_and_disjoint(tmp_path, model_dir):
-    # 5 rows, eval_fraction 0.1: round(0.5) = 0, at least 1 held out → 1 eval row (2 steps), 4 train rows;
-    # 3 rows with eval_fraction 0.9 would hold out round(2.7) = 3 = all of them: an error naming the file
-    rows = _rows(5)
+    # 5 rows, one prompt each, eval_fraction 0.1: round(0.5) = 0, at least 1 held out → 1 eval row (2 steps), 4
+    # train rows; 3 rows with eval_fraction 0.9 would hold out round(2.7) = 3 = all of them: 2, one stays to train
+    rows = [dict(r, prompt=f"q{i}:") for i, r in enumerate(_rows(5))]
     metrics = train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=_write(tmp_path / "t.jsonl", rows),
                                        output_dir=str(tmp_path / "prm"), per_device_train_batch_size=4))
     assert metrics["train/examples"] == 4.0 and metrics["eval/steps"] == 2.0 and metrics["train/steps"] == 1.0
-    with pytest.raises(ConfigError, match=r"t3.jsonl has 3 examples: too few to hold out 3"):
-        train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=_write(tmp_path / "t3.jsonl", rows[:3]),
-                                 output_dir=str(tmp_path / "x"), eval_fraction=0.9))
+    train, held = split_by_prompt(rows[:3], 0.9, 42, "t3.jsonl")
+    assert (len(train), len(held)) == (1, 2)
+
+
+def test_the_held_out_split_keeps_a_problems_solutions_together():
+    """Math-Shepherd / PRM800K have several solutions per problem: a split by example held out solutions of problems
+    the PRM trained on (its held-out accuracy then measured memorised problems). Prompts A×3 B×2 C D×2 E F G H I:
+    14 rows, eval_fraction 0.3 → round(4.2) = 4 rows held out, whole prompts taken in the seeded order until 4."""
+    prompts = ["A"] * 3 + ["B"] * 2 + ["C"] + ["D"] * 2 + list("EFGHI") + [[{"role": "user", "content": "A"}]]
+    rows = [{"prompt": p, "steps": [f"s{i}"], "labels": [1]} for i, p in enumerate(prompts)]
+    for seed in range(20):
+        train, held = split_by_prompt(rows, 0.3, seed, "t.jsonl")
+        assert sorted(r["steps"][0] for r in train + held) == sorted(r["steps"][0] for r in rows)  # a partition
+        key = lambda r: json.dumps(r["prompt"])  # noqa: E731
+        assert not {key(r) for r in train} & {key(r) for r in held}  # no prompt on both sides
+        sizes = {}
+        for r in held:
+            sizes[key(r)] = sizes.get(key(r), 0) + 1
+        # at least 4 held out, and no more prompts than needed: the last one taken brought it to 4 or more
+        assert len(held) >= 4 and any(len(held) - n < 4 for n in sizes.values())
+        assert split_by_prompt(rows, 0.3, seed, "t.jsonl") == (train, held)  # seeded
+    assert len({json.dumps(split_by_prompt(rows, 0.3, s, "t.jsonl")[1]) for s in range(20)}) > 1
+
+
+def test_one_prompt_for_all_examples_is_split_by_example_with_a_warning(tmp_path):
+    rows = _rows(10)  # all "q:"
+    with pytest.warns(UserWarning, match=r"t.jsonl: all 10 examples have one prompt.*give an eval_file"):
+        train, held = split_by_prompt(rows, 0.2, 42, "t.jsonl")
+    assert (len(train), len(held)) == (8, 2)
+
+
+def test_an_eval_file_sharing_prompts_with_train_file_is_a_warning(tmp_path, model_dir):
+    train = _write(tmp_path / "t.jsonl", [dict(r, prompt=f"q{i}:") for i, r in enumerate(_rows(4))])
+    held = _write(tmp_path / "e.jsonl", [dict(r, prompt=f"q{i}:") for i, r in enumerate(_rows(2))])
+    with pytest.warns(UserWarning, match=r"2 prompt\(s\) of eval_file .*e.jsonl are also in train_file"):
+        train_prm(PRMTrainConfig(model_name_or_path=model_dir, train_file=train, eval_file=held,
+                                 output_dir=str(tmp_path / "prm"), per_device_train_batch_size=4))
 
 
 def test_bad_prompts_and_bytes_name_the_line(tmp_path):

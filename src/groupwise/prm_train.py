@@ -42,7 +42,7 @@ class PRMTrainConfig(StrictConfig):
     model_name_or_path: str = option("Base model folder or hub id (a causal LM gets a new 2-label token-classification head).", default="")
     train_file: str = option("Step-labelled JSONL: prompt, steps (or TRL's completions), labels.", default="")
     eval_file: str | None = option("Held-out JSONL (default: eval_fraction of train_file, seeded).", default=None)
-    eval_fraction: float = option("Share of train_file held out when eval_file is not given.", default=0.1, gt=0, lt=1)
+    eval_fraction: float = option("Share of train_file's examples held out when eval_file is not given: whole prompts, all of a problem's solutions on one side.", default=0.1, gt=0, lt=1)
     output_dir: str = option("Where the trained PRM (safetensors), its tokenizer and eval_metrics.json go.", default="outputs/prm")
     separator: str = option("Text after each step; the step is judged at its last token.", default="\n")
     prompt_separator: str = option("Text between the prompt and the first step (recorded for scoring).", default="\n")
@@ -119,6 +119,35 @@ def read_step_jsonl(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _prompt_key(row: dict) -> str:
+    return json.dumps(row["prompt"], sort_keys=True)
+
+
+def split_by_prompt(rows: list[dict], fraction: float, seed: int, where: str) -> tuple[list[dict], list[dict]]:
+    """(train, held out): whole prompts held out, in a seeded order, until `fraction` of the examples (at least one)
+    are. Step-labelled data has many solutions per problem (Math-Shepherd, PRM800K): a split by example would
+    score solutions of problems the PRM trained on, and overstate its held-out accuracy. With one prompt in all, the
+    examples are held out one by one, with a warning."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(_prompt_key(r), []).append(i)
+    if len(groups) < 2:
+        warnings.warn(f"{where}: all {len(rows)} examples have one prompt, so the held-out examples are solutions of "
+                      "the prompt the PRM trains on; give an eval_file of other problems to measure how it "
+                      "generalises", UserWarning, stacklevel=3)
+        groups = {str(i): [i] for i in range(len(rows))}
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    target = max(1, round(fraction * len(rows)))
+    held: list[int] = []
+    for key in keys[:-1]:  # at least one prompt stays for training
+        if len(held) >= target:
+            break
+        held += groups[key]
+    held_set = set(held)
+    return [r for i, r in enumerate(rows) if i not in held_set], [rows[i] for i in sorted(held)]
+
+
 def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None, desc: str | None = None):
     out = []
     for r in tqdm(rows, desc=desc, disable=desc is None or len(rows) < 1000):
@@ -190,18 +219,16 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
                       "several steps of it, scored at tokens the PRM never learned; choose a separator no step "
                       "contains (and the same step_delimiter in GRPO)", UserWarning, stacklevel=2)
     resume, state = prm_checkpoint.start(cfg)  # so do a checkpoint of another run, and output_dir's claim
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.seed)  # the batch order
     if cfg.eval_file:
         train_rows, eval_rows = rows, read_step_jsonl(cfg.eval_file)
+        shared = {_prompt_key(r) for r in train_rows} & {_prompt_key(r) for r in eval_rows}
+        if shared:
+            warnings.warn(f"{len(shared)} prompt(s) of eval_file {cfg.eval_file} are also in train_file: their "
+                          "held-out metrics measure solutions of problems the PRM trained on", UserWarning,
+                          stacklevel=2)
     else:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        n_eval = max(1, int(round(cfg.eval_fraction * len(rows))))
-        if n_eval >= len(rows):
-            raise ConfigError(f"{cfg.train_file} has {len(rows)} examples: too few to hold out {n_eval} for "
-                              "evaluation (give more, or an eval_file)")
-        eval_rows = [rows[i] for i in order[:n_eval]]
-        train_rows = [rows[i] for i in order[n_eval:]]
+        train_rows, eval_rows = split_by_prompt(rows, cfg.eval_fraction, cfg.seed, cfg.train_file)
     torch.manual_seed(cfg.seed)
     source = resume or cfg.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
