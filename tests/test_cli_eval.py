@@ -125,6 +125,12 @@ def test_eval_takes_the_rewards_of_the_training_task_and_a_mixtures_held_out_sha
     assert main(["eval", "--model_name_or_path", str(POLICY_DIR), "--dataset_name", str(only_test),
                  "--reward_funcs", "groupwise.tasks.arithmetic:accuracy", "--output_dir", str(tmp_path / "ev3")]) == 0
     assert len(made[-1].kwargs["eval_dataset"]) == 5
+    # a training config whose dataset_name file is not on this machine: unread with eval_dataset_name, not asked for
+    # (was: "dataset_name: no such file"); without eval_dataset_name it is the rows evaluated, and named
+    gone = ["--model_name_or_path", str(POLICY_DIR), "--dataset_name", str(tmp_path / "gone.jsonl"),
+            "--reward_funcs", "groupwise.tasks.arithmetic:accuracy", "--output_dir", str(tmp_path / "ev4")]
+    assert main(["eval", *gone, "--eval_dataset_name", held]) == 0 and len(made[-1].kwargs["eval_dataset"]) == 3
+    assert main(["eval", *gone]) == 2 and "gone.jsonl" in capsys.readouterr().err
 
 
 def test_eval_names_an_adapter_without_its_base_and_a_run_without_evaluation_rows(tmp_path, tokenizer, capsys):

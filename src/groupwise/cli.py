@@ -25,7 +25,7 @@ from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.quantization import QUANTIZATION, QUANTIZATION_FIELDS, from_script_fields
 from groupwise.script_args import (ALIASES, RUN_FIELDS, builtin_task, check_run_fields, load_dataset_spec,
-                                   load_run_datasets, model_init_kwargs, reward_specs)
+                                   eval_rows_named, load_run_datasets, model_init_kwargs, reward_specs)
 
 __all__ = ["RUN_FIELDS", "build_run", "builtin_task", "load_dataset_spec", "main", "parse_overrides"]
 
@@ -256,8 +256,9 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
     if not dataset_name and not run["datasets"] and not (evaluation and run["eval_dataset_name"]):
         raise ConfigError("dataset_name is required (a prompt file, a dataset folder, builtin:<task> or a hub name), "
                           "or TRL's datasets: mixture")
+    unread = {"dataset_name"} if run["datasets"] or evaluation and eval_rows_named(run) else set()
     for field in ("dataset_name", "eval_dataset_name"):  # a mixture wins: dataset_name is ignored (TRL warns)
-        if run[field] and not (field == "dataset_name" and run["datasets"]) and builtin_task(run[field]) is None:
+        if run[field] and field not in unread and builtin_task(run[field]) is None:
             check_location(run[field], field)
     if os.getcwd() not in sys.path:  # reward modules of the working directory import, as in TRL (and `python -m`)
         sys.path.insert(0, os.getcwd())

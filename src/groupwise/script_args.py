@@ -264,11 +264,17 @@ def load_mixture(entries: list[dict], *, streaming: bool, seed: int = 0):
                           f"e.g. with columns: [prompt, …]): {' '.join(str(e).split())[:300]}") from None
 
 
+def eval_rows_named(run: dict[str, Any]) -> bool:
+    """Does `groupwise eval` read its rows from eval_dataset_name alone (dataset_name then unread)? Not when a
+    mixture is split by test_split_size: that split gives them."""
+    return bool(run["eval_dataset_name"]) and not (run["datasets"] and run["test_split_size"] is not None)
+
+
 def load_run_datasets(run: dict[str, Any], args, *, evaluation: bool = False) -> tuple[Any, Any]:
     """The training rows and the evaluation rows (or None) of a run, as TRL's grpo script chooses them.
     `evaluation` (groupwise eval): the evaluation rows are wanted whatever eval_strategy says, and are the training
     rows too (the trainer is built to evaluate only), so dataset_name may be left out given eval_dataset_name."""
-    if evaluation and run["eval_dataset_name"] and not (run["datasets"] and run["test_split_size"] is not None):
+    if evaluation and eval_rows_named(run):
         held = load_dataset_spec(run["eval_dataset_name"], run["eval_split"], default="test", field="eval_dataset_name",
                                  seed=args.seed)
         return held, held
