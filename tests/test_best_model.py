@@ -3,6 +3,7 @@
 end), and transformers' EarlyStoppingCallback, which reads state.best_metric."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,13 +69,30 @@ def test_a_metric_the_evaluation_cannot_report_is_refused_at_construction(tmp_pa
                     train_dataset=toy.dataset(8), processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("metric", ["rewards/judge/agreement", "process/judge_latency", "my_metric"])
-def test_names_a_reward_function_may_log_are_not_refused(tmp_path, tokenizer, metric):
+@pytest.mark.parametrize("metric, hint", [("rewards/judge/agreement", None), ("process/judge_latency", None),
+                                          ("my_metric", None), ("rewrd", "reward"),
+                                          ("completions/mean_lenght", "completions/mean_length")])
+def test_names_a_reward_function_may_log_are_a_warning_not_an_error(tmp_path, tokenizer, metric, hint):
     """log_metric names are reported by evaluation too, and may be anything: only evaluation's own names are
-    checked (a first version refused every rewards/… and process/… name)."""
-    GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peak_at_step_2],
-                args=small_args(tmp_path, metric_for_best_model=metric), train_dataset=toy.dataset(8),
-                processing_class=tokenizer)
+    refused (a first version refused every rewards/… and process/… name). Any other name is a warning now, with the
+    close match a misspelling has (it was found only at the first evaluation, after training steps)."""
+    with pytest.warns(UserWarning, match=rf"metric_for_best_model='{metric}': evaluation reports no '{metric}' by "
+                                         "itself; unless a reward function logs it with log_metric") as caught:
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peak_at_step_2],
+                    args=small_args(tmp_path, metric_for_best_model=metric), train_dataset=toy.dataset(8),
+                    processing_class=tokenizer)
+    said = next(str(w.message) for w in caught if "metric_for_best_model" in str(w.message))
+    assert said.endswith(f"(did you mean '{hint}'?)" if hint else "stops the run")
+
+
+@pytest.mark.parametrize("metric", ["reward", "rewards/_peak_at_step_2/pass@4", "completions/clipped_ratio",
+                                    "num_tokens", "eval_runtime"])
+def test_names_evaluation_reports_are_not_warned_about(tmp_path, tokenizer, metric):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="metric_for_best_model")
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_peak_at_step_2],
+                    args=small_args(tmp_path, metric_for_best_model=metric), train_dataset=toy.dataset(8),
+                    processing_class=tokenizer)
 
 
 @pytest.mark.parametrize("metric", ["process/step_reward_mean", "process/_steps/mean"])

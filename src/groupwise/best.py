@@ -13,11 +13,12 @@ EarlyStoppingCallback reads `state.best_metric` the same way.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from pathlib import Path
 
-from groupwise.config_base import ConfigError
+from groupwise.config_base import ConfigError, warn_user
 
 
 def check_fields(args, *, sharded: bool = False) -> None:
@@ -60,6 +61,10 @@ def check_fields(args, *, sharded: bool = False) -> None:
 # the metrics evaluation reports per kind of reward function (groupwise.evaluation)
 OUTCOME_METRIC = re.compile(r"^(?:reward|reward_std|frac_reward_zero_std|rewards/(?P<func>.+)/(?:mean|std|mean@\d+|"
                             r"pass@\d+))$")
+OTHER_METRICS = ("num_tokens", "completions/mean_length", "completions/min_length", "completions/max_length",
+                 "completions/clipped_ratio", "completions/mean_terminated_length",
+                 "completions/min_terminated_length", "completions/max_terminated_length", "tools/call_frequency",
+                 "tools/failure_frequency", "runtime", "samples_per_second", "steps_per_second")
 PROCESS_METRIC = re.compile(r"^process/(?:step_reward_mean|steps_per_completion|no_step_completions|unscored_steps|"
                             r"zero_std_groups|(?P<func>.+)/(?:mean|errors))$")
 
@@ -103,6 +108,14 @@ class BestModel:
             if match and match["func"] is not None and match["func"] not in names:
                 raise ConfigError(f"metric_for_best_model={name!r}: no reward function named {match['func']!r} "
                                   f"among the {kind} {list(names)}")
+        if OUTCOME_METRIC.match(self.metric) or PROCESS_METRIC.match(self.metric) or self.metric in OTHER_METRICS:
+            return
+        known = [*OTHER_METRICS, *(["reward", "reward_std"] if outcome else []),
+                 *(f"rewards/{f}/mean" for f in outcome), *(f"process/{f}/mean" for f in process)]
+        close = difflib.get_close_matches(self.metric, known, n=1, cutoff=0.6)
+        warn_user(f"metric_for_best_model={name!r}: evaluation reports no {self.metric!r} by itself; unless a reward "
+                  "function logs it with log_metric, the first evaluation stops the run"
+                  + (f" (did you mean {close[0]!r}?)" if close else ""))
 
     def observe(self, state, metrics: dict) -> bool:
         """After an evaluation during training: is `metrics` the best so far? Updates state.best_metric and
