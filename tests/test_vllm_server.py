@@ -402,7 +402,7 @@ def test_a_server_that_cannot_take_weights_says_how_to_start_it(tmp_path, base_d
         assert "/v1/completions" not in server.paths()
 
 
-def test_server_mode_config_is_checked_before_anything_loads():
+def test_server_mode_config_is_checked_before_anything_loads(monkeypatch):
     cfg = GRPOConfig(use_vllm=True, vllm_mode="server")
     assert cfg.generation_backend == "vllm"
     assert (cfg.vllm_server_base_url, cfg.vllm_server_host, cfg.vllm_server_port, cfg.vllm_server_timeout,
@@ -424,6 +424,17 @@ def test_server_mode_config_is_checked_before_anything_loads():
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_group_port=0)
     with pytest.raises(ConfigError, match="vllm_server_timeout"):
         GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_timeout=-1.0)
+    # with several processes the others wait for the main one's connection in a collective: ddp_timeout must outlast
+    # vllm_server_timeout, or they fail first without naming the server (one process: no collective, any value)
+    GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_timeout=3600.0)
+    with monkeypatch.context() as env:
+        env.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match=r"^vllm_server_timeout=3600 s ≥ ddp_timeout=1800 s: .*raise ddp_timeout "
+                                              r"above vllm_server_timeout$"):
+            GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_timeout=3600.0, per_device_train_batch_size=8,
+                       num_generations=8)
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_timeout=3600.0, ddp_timeout=7200.0,
+                   per_device_train_batch_size=8, num_generations=8)
     # the colocated engine's settings have no effect on a server (TRL ignores them): a warning saying where they go
     with pytest.warns(UserWarning, match=r"vllm_gpu_memory_utilization=0.5 has no effect with vllm_mode='server'"
                                          r".*--gpu-memory-utilization"):

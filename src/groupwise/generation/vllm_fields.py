@@ -84,6 +84,11 @@ def _check_server(args: GRPOConfig, _default: Callable[[str], Any]) -> None:
             if getattr(args, name) != _default(name):
                 raise ConfigError(f"vllm_server_base_url and {name}={getattr(args, name)!r} both say where the "
                                   f"server is (TRL reads vllm_server_base_url and ignores {name}): give one")
+    if args.world_size > 1 and args.vllm_server_timeout >= args.ddp_timeout:
+        raise ConfigError(f"vllm_server_timeout={args.vllm_server_timeout:g} s ≥ ddp_timeout={args.ddp_timeout:g} s: "
+                          "while the main process waits for the vLLM server, the others wait in a collective that "
+                          "ddp_timeout ends first, with an error that does not name the server; raise ddp_timeout "
+                          "above vllm_server_timeout")
     for name, flag in VLLM_COLOCATE_ONLY.items():
         if getattr(args, name) != _default(name):
             warn_user(f"{name}={getattr(args, name)!r} has no effect with vllm_mode='server' (the colocated "
