@@ -248,14 +248,25 @@ def test_the_example_s_step_file_is_read_by_prm_train(tmp_path):
         assert row["labels"] == [int(s == t) for s, t in zip(row["steps"], truth)]
     labels = [x for row in rows for x in row["labels"]]
     assert 0 < labels.count(0) < labels.count(1)  # both kinds, mostly good steps
+    # a held-out file of the test split, scored by the task's own judge through `groupwise prm eval` (as its
+    # docstring says): the labels' source, so every metric is 1
+    held = tmp_path / "held.jsonl"
+    make["main"](str(held), 30, "test")
+    test_prompts = {json.loads(line)["prompt"] for line in held.read_text().splitlines()}
+    assert not test_prompts & {row["prompt"] for row in rows}
+    out = tmp_path / "judge.json"
+    assert main(["prm", "eval", "--process_reward_func", "groupwise.tasks.arithmetic:step_correct", "--eval_file",
+                 str(held), "--output_file", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    assert all(metrics[f"eval/{k}"] == 1 for k in ("accuracy", "auroc", "bad_f1", "good_f1", "first_error_accuracy"))
 
 
 def test_prm_help_and_a_bare_prm_say_the_usage(capsys):
     assert main(["prm", "--help"]) == 0  # was an argparse error (exit 2)
-    assert "usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml]" in capsys.readouterr().out
+    assert "usage: groupwise prm train|eval [CONFIG.yaml | --config CONFIG.yaml]" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["prm"])
-    assert e.value.code == 2 and "usage: groupwise prm train [CONFIG.yaml" in capsys.readouterr().err
+    assert e.value.code == 2 and "usage: groupwise prm train|eval [CONFIG.yaml" in capsys.readouterr().err
 
 
 def test_a_signal_stops_prm_training_with_the_prm_so_far_saved(tmp_path, model_dir):

@@ -341,17 +341,26 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
-def cmd_prm_train(argv: list[str]) -> int:
+def cmd_prm(sub: str, argv: list[str]) -> int:
+    """groupwise prm train | eval: a config of PRMTrainConfig's / PRMEvalConfig's fields."""
+    from groupwise.prm_eval import PRMEvalConfig, evaluate_scorer
     from groupwise.prm_train import PRMTrainConfig, train_prm
 
+    config = PRMTrainConfig if sub == "train" else PRMEvalConfig
     if any(a in ("-h", "--help") for a in argv):  # the fields, as `groupwise fields` lists GRPOConfig's
-        return print_lines(["usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml] [--field value …]; the "
-                            "config's env: mapping sets environment variables first (as in groupwise train); fields "
-                            "(PRMTrainConfig):"] + [f"{name:32s} {help_text} (default {default!r})"
-                                                    for name, help_text, default, _ in PRMTrainConfig.describe()])
-    values, overrides = read_config(argv, PRMTrainConfig.field_types())
-    train_prm(PRMTrainConfig(**{**values, **overrides}))
-    return 0
+        return print_lines([f"usage: groupwise prm {sub} [CONFIG.yaml | --config CONFIG.yaml] [--field value …]; "
+                            "the config's env: mapping sets environment variables first (as in groupwise train); "
+                            f"fields ({config.__name__}):"] + [f"{name:32s} {help_text} (default {default!r})"
+                                                               for name, help_text, default, _ in config.describe()])
+    values, overrides = read_config(argv, config.field_types())
+    cfg = config(**{**values, **overrides})
+    if sub == "train":
+        train_prm(cfg)
+        return 0
+    with running("PRM evaluation"):
+        metrics = evaluate_scorer(cfg)
+    return print_lines([f"{k:32s} {v:.6g}" for k, v in sorted(metrics.items())]
+                       + ([f"groupwise: wrote {cfg.output_file}"] if cfg.output_file else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,7 +432,7 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
     parser.add_argument("command", choices=["train", "eval", "prm", "export", "fields"],
                         help="train: run GRPO; eval: evaluate a model as training's evaluation does (groupwise eval "
-                             "--help); prm train: train a process reward model; export CHECKPOINT --merge OUT: "
+                             "--help); prm train / prm eval: train a process reward model, or score one against step labels; export CHECKPOINT --merge OUT: "
                              "a checkpoint as a standalone model (LoRA merged into its base); fields: list config fields")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -435,14 +444,15 @@ def _main(argv: list[str]) -> int:
     if command == "train":
         return cmd_train(rest)
     if command == "prm":
-        usage = ("usage: groupwise prm train [CONFIG.yaml | --config CONFIG.yaml] [--field value …] "
-                 "(groupwise prm train --help: the fields)")
+        usage = ("usage: groupwise prm train|eval [CONFIG.yaml | --config CONFIG.yaml] [--field value …] (train: a "
+                 "process reward model; eval: a PRM or step-reward function against step labels; groupwise prm "
+                 "train --help / prm eval --help: the fields)")
         if rest and rest[0] in ("-h", "--help"):
             print(usage)
             return 0
-        if not rest or rest[0] != "train":
+        if not rest or rest[0] not in ("train", "eval"):
             parser.error(usage)
-        return cmd_prm_train(rest[1:])
+        return cmd_prm(rest[0], rest[1:])
     if command == "eval":
         return cmd_eval(rest)
     if command == "export":

@@ -1,9 +1,10 @@
 """`groupwise prm train CONFIG.yaml` — train a token-classification process reward model from step-labelled JSONL
 (one object per line: `prompt`, `steps` (list of strings), `labels` (one 0/1 or bool per step, 1 = good step):
 the Math-Shepherd / PRM800K shape; TRL's stepwise-supervision datasets, whose steps are in `completions`, are read
-as they are), evaluate step-level accuracy and F1 on a held-out split, and save a folder that
-`groupwise.rewards.prm.load_prm` (and `process_reward_funcs: [{path: …}]`) loads directly; groupwise_prm.json
-there records the kind, separator, prompt_separator, positive label and max_length, which scoring uses by default.
+as they are), evaluate it on a held-out split (groupwise.prm_eval.step_metrics: step accuracy, F1, AUROC,
+first-error accuracy), and save a folder that `groupwise.rewards.prm.load_prm` (and `process_reward_funcs:
+[{path: …}]`) loads directly; groupwise_prm.json there records the kind, separator, prompt_separator, positive
+label and max_length, which scoring uses by default.
 
 Inputs are built exactly as TokenClassificationPRM reads them (`build_prm_input`: the whole text tokenized at once):
 the loss is the cross-entropy of the step label at the last token of each step's separator; every other position is
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 from groupwise import prm_checkpoint
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
 from groupwise.modeling import disable_dropout, eval_mode
+from groupwise.prm_eval import step_metrics
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
 from groupwise.rewards.steps import check_writable
 from groupwise.signals import TrainingInterrupted, stop_on_signals
@@ -72,7 +74,7 @@ class PRMTrainConfig(StrictConfig):
             raise ConfigError("separator must be a non-empty string")
 
 
-def read_step_jsonl(path: str) -> list[dict[str, Any]]:
+def read_step_jsonl(path: str, keep_columns: bool = False) -> list[dict[str, Any]]:
     """Rows {prompt, steps, labels} of a step-labelled JSONL; the steps may be given as `steps` or, as in TRL's
     stepwise-supervision datasets, `completions`. A bad line is a ConfigError naming the file, line and field."""
     rows = []
@@ -114,6 +116,8 @@ def read_step_jsonl(path: str) -> list[dict[str, Any]]:
             if not all(lbl in (0, 1) for lbl in labels):  # True / False are 1 / 0
                 raise ConfigError(f"{where}: labels must be 0/1 or true/false, got {labels}")
             rows.append({"prompt": prompt, "steps": steps, "labels": [int(x) for x in labels]})
+            if keep_columns:  # the other keys: a step-reward function's dataset columns (groupwise prm eval)
+                rows[-1]["columns"] = {k: v for k, v in row.items() if k not in ("prompt", step_key, "labels")}
     if not rows:
         raise ConfigError(f"{path}: no examples (need JSONL lines of prompt, steps, labels)")
     return rows
@@ -174,27 +178,19 @@ def _batches(encoded, size: int, pad_id: int):
 
 
 @torch.no_grad()
-def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16) -> dict[str, float]:
-    """Step-level accuracy, and precision / recall / F1 for both the good (1) and the bad (0) class."""
-    preds, golds = [], []
+def evaluate_prm(model, encoded, pad_id: int, batch_size: int = 16,
+                 labels: list[list[int]] | None = None) -> dict[str, float]:
+    """groupwise.prm_eval.step_metrics of P(good) at each labelled token (> 0.5: the argmax of the two labels).
+    `labels`: each example's labels, every step's: those past max_length (no label in `encoded`) count unscored."""
+    scores = []
     with eval_mode(model):
-        for ids, mask, labels in tqdm(_batches(encoded, batch_size, pad_id), desc="PRM eval", leave=False,
-                                      total=math.ceil(len(encoded) / batch_size), disable=len(encoded) <= batch_size):
-            pred = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.argmax(-1).cpu()
-            keep = labels != -100
-            preds += pred[keep].tolist()
-            golds += labels[keep].tolist()
-    n = max(len(golds), 1)
-    out = {"eval/steps": float(len(golds)), "eval/accuracy": sum(p == g for p, g in zip(preds, golds)) / n}
-    for cls, name in ((1, "good"), (0, "bad")):
-        tp = sum(p == cls and g == cls for p, g in zip(preds, golds))
-        fp = sum(p == cls and g != cls for p, g in zip(preds, golds))
-        fn = sum(p != cls and g == cls for p, g in zip(preds, golds))
-        prec = tp / (tp + fp) if tp + fp else 0.0
-        rec = tp / (tp + fn) if tp + fn else 0.0
-        out[f"eval/{name}_precision"], out[f"eval/{name}_recall"] = prec, rec
-        out[f"eval/{name}_f1"] = 2 * prec * rec / (prec + rec) if prec + rec else 0.0
-    return out
+        for ids, mask, marks in tqdm(_batches(encoded, batch_size, pad_id), desc="PRM eval", leave=False,
+                                     total=math.ceil(len(encoded) / batch_size), disable=len(encoded) <= batch_size):
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits
+            good = torch.softmax(logits.float(), -1)[..., 1].cpu()
+            scores += [good[i][marks[i] != -100].tolist() for i in range(len(ids))]
+    labels = labels or [[y for y in marks if y != -100] for _, marks in encoded]
+    return step_metrics([row + [None] * (len(gold) - len(row)) for row, gold in zip(scores, labels)], labels)
 
 
 def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
@@ -256,6 +252,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     # what load_prm passes to TokenClassificationPRM: scoring sees inputs cut as in training
     record = {"kind": "token_classification", "separator": cfg.separator, "prompt_separator": cfg.prompt_separator,
               "positive_label": 1, "max_length": max_length}
+    eval_labels = [r["labels"] for r in eval_rows]  # every step's: those past max_length are counted unscored
     train_enc, eval_enc = (_encode(r, tokenizer, cfg, max_length, desc) for r, desc in
                            ((train_rows, "PRM tokenize (train)"), (eval_rows, "PRM tokenize (eval)")))
     # an example whose steps are all past max_length adds no loss: left out, so that every batch is an update and
@@ -275,7 +272,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     if resume:  # the held-out metrics before training are the first run's
         prm_checkpoint.restore(resume, optimizer=optimizer, scheduler=schedule)
     else:
-        state["eval_before"] = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+        state["eval_before"] = evaluate_prm(model, eval_enc, tokenizer.pad_token_id, labels=eval_labels)
     before, step = state["eval_before"], state["step"]
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -307,7 +304,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
                 break
     bar.close()
     log.close()
-    after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id)
+    after = evaluate_prm(model, eval_enc, tokenizer.pad_token_id, labels=eval_labels)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / PRM_CONFIG).write_text(json.dumps(record, indent=2))
