@@ -362,6 +362,26 @@ def test_a_failed_weight_push_is_not_retried_and_names_the_server_s_error_and_mo
         assert server.paths().count("/update_weights") == 1 and time.monotonic() - start < 30
 
 
+def test_a_weight_group_the_server_refuses_at_once_is_its_error_not_a_rendezvous_timeout(tmp_path, tokenizer, vllm,
+                                                                                         base_dir, server):
+    """/init_weight_transfer_engine answered with an error at once (a 422 for the fields of another vLLM version, a
+    500): the trainer used to open its end of the group anyway and wait at the rendezvous for a server that never
+    comes (vLLM's store timeout, 300 s; the stand-in's 30 s) before reporting it. Now the server's error is raised
+    within the 2 s grace, and no group is left open."""
+    from groupwise.generation.vllm_server import VLLMServerError
+
+    server.faults["/init_weight_transfer_engine"] = [422]
+    gen = _generator(_server_args(tmp_path, server.url), tokenizer)
+    start = time.monotonic()
+    try:
+        with pytest.raises(VLLMServerError, match=r"init_weight_transfer_engine failed after 1 try: HTTP 422"):
+            gen.update_weights(toy.build_model(tokenizer, seed=0, hidden_size=32))
+    finally:
+        gen.close()
+    assert time.monotonic() - start < 10 and gen.client.communicator is None
+    assert server.paths().count("/init_weight_transfer_engine") == 1
+
+
 def test_the_stand_in_takes_completion_fields_as_vllm_does(base_dir, server, caplog, monkeypatch):
     """vLLM's CompletionRequest allows extra fields (OpenAIBaseModel, extra="allow"): one it does not know is logged
     and ignored, not refused. A value vLLM refuses is a 400, final for the client (TRL retries only 500/502/503);

@@ -190,12 +190,14 @@ class VLLMServerClient:
     def _post(self, path: str, payload: dict | None = None, **kw) -> dict:
         return self._request("POST", path, payload, **kw)
 
-    def _post_alongside(self, path: str, payload: dict, work: Callable[[], None]) -> dict:
+    def _post_alongside(self, path: str, payload: dict, work: Callable[[], None], grace: float = 0.0) -> dict:
         """POST while `work()` runs here: the server blocks in the collective the request starts until this process
         joins it (TRL sends the request from a thread the same way). The thread is a daemon: a request the server
         never answers cannot hold the process at exit. Sent once: a retry would start a second collective that this
         process, done with `work()`, never joins, and wait out the timeout instead of reporting the server's error
-        (TRL's session retries it, then waits forever)."""
+        (TRL's session retries it, then waits forever). `grace`: seconds to wait for an error answer before joining:
+        a request the server refuses at once (a 404, a 422 for fields of another vLLM version) is then its error,
+        where `work()` would wait for a peer that never comes (at the group's rendezvous: its store timeout)."""
         box: dict[str, Any] = {}
 
         def post():
@@ -206,6 +208,9 @@ class VLLMServerClient:
 
         thread = threading.Thread(target=post, name=f"groupwise-vllm-server{path}", daemon=True)
         thread.start()
+        thread.join(grace)
+        if "error" in box:
+            raise box["error"]
         work()
         thread.join(self.request_timeout)
         if "error" in box:
@@ -301,8 +306,8 @@ class VLLMServerClient:
                               f"needs a CUDA device; this process trains on {device}. Train on a GPU, or use "
                               "vllm_mode='colocate' / generation_backend 'fast'.")
         box: dict[str, Any] = {}
-        self._post_alongside("/init_weight_transfer_engine", {"init_info": init_info},
-                             lambda: box.setdefault("communicator", transfer.open(init_info)))
+        self._post_alongside("/init_weight_transfer_engine", {"init_info": init_info},  # once: 2 s to refuse
+                             lambda: box.setdefault("communicator", transfer.open(init_info)), grace=2.0)
         self.communicator, self.transfer = box["communicator"], transfer
         atexit.register(self.close_communicator)
 
