@@ -364,7 +364,15 @@ def test_fsdp2_bf16_trains_finite(tmp_path):
     finds shards on both sides (it crashed: "mixed torch.Tensor and DTensor")."""
     common = dict(max_steps=2, save_steps=0, bf16=True, beta=0.04)
     runs(dict(out=tmp_path / "bf16", fsdp="shard_grad_op", sync_ref_model=True, ref_model_sync_steps=1, **common),
-         dict(out=tmp_path / "loaded16", fsdp="full_shard", model_dtype="bfloat16", **common))
+         dict(out=tmp_path / "loaded16", fsdp="full_shard", model_dtype="bfloat16", **common),
+         # LoRA: the first forward is the reference pass, inside PEFT's disable_adapter(), which freezes the adapters;
+         # FSDP2, initialised there, recorded no trainable parameter and the first backward failed ("a gradient with
+         # dtype BFloat16 to a tensor with grad_dtype Float")
+         dict(out=tmp_path / "lora16", fsdp="full_shard", use_peft=True, lora_target_modules=["q_proj", "v_proj"],
+              learning_rate=0.05, reward="length", **common))
+    lora = [json.loads(x) for x in training_lines(tmp_path / "lora16" / "metrics.jsonl")]
+    assert len(lora) == 2 and lora[0]["kl"] == 0.0 and lora[1]["kl"] > 0 and all(x["grad_norm"] > 0 for x in lora), [
+        (x["loss"], x["kl"], x["grad_norm"]) for x in lora]
     for run in ("bf16", "loaded16"):
         lines = [json.loads(x) for x in training_lines(tmp_path / run / "metrics.jsonl")]
         assert all(x["loss"] == x["loss"] and abs(x["grad_norm"]) < float("inf") for x in lines)

@@ -272,7 +272,12 @@ class Reference:
         layers hold at that moment. Sharded (FSDP2), every unit is resharded on entry and before the exit, so both
         see the sharded parameters: a unit left gathered by the no-grad reference pass (shard_grad_op keeps them
         until a backward) would have its gathered copies turned back on and its shards left frozen, and the adapters
-        would silently stop training."""
+        would silently stop training. Sharded, FSDP2 is initialised first, with the adapters trainable (see
+        sharding.initialize)."""
+        if self.root is not None:
+            from groupwise.sharding import initialize
+
+            initialize(self.root)
         self._reshard()
         with self.model.disable_adapter():
             try:

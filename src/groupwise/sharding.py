@@ -242,6 +242,14 @@ def upcast_trainable(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def initialize(root: torch.nn.Module) -> None:
+    """FSDP2's lazy initialisation of a sharded model now, as its first forward would do it (once; later calls do
+    nothing). It records the reduce dtype of the parameters that require grad at that moment: a first forward with
+    the trainable ones frozen (PEFT's disable_adapter() for the reference pass, β > 0) records none, and with a
+    bf16 param dtype the first backward then fails (bf16 gradients assigned to float32 shards)."""
+    root._get_fsdp_state()._lazy_init()
+
+
 def reshard(root: torch.nn.Module) -> None:
     """Free every gathered unit of a sharded model: its parameters are this process's shards again (a later
     forward gathers them anew)."""
