@@ -204,7 +204,20 @@ def test_dataset_forms_and_splits(tmp_path, model_dir, capsys, fake):
     assert "evaluates on split 'test' of dataset_name" in capsys.readouterr().err
     datasets.Dataset.from_list(_rows(8)).save_to_disk(str(tmp_path / "one"))  # never its training rows again
     assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(tmp_path / "one"), eval_strategy="steps")]) == 2
-    assert "is one saved Dataset, one split: it has no split 'test'" in capsys.readouterr().err
+    assert "is one saved Dataset, one split ('train'): it has no split 'test'" in capsys.readouterr().err
+    # a slice of a saved folder's split, in datasets' syntax, is those rows (it was ignored: every row trained);
+    # a split a one-Dataset folder does not have is named (it trained on every row)
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(tmp_path / "one"),
+                               dataset_train_split="train[:2]")]) == 0
+    assert [r["prompt"] for r in fake[-1].kwargs["train_dataset"]] == [r["prompt"] for r in _rows(8)[:2]]
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(saved), eval_strategy="steps",
+                               dataset_test_split="validation[-1:]", dataset_train_split="train[50%:]")]) == 0
+    assert len(fake[-1].kwargs["train_dataset"]) == 4 and len(fake[-1].kwargs["eval_dataset"]) == 1
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(tmp_path / "one"),
+                               dataset_train_split="validation")]) == 2
+    assert "one split ('train'): it has no split 'validation'" in capsys.readouterr().err
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(saved), dataset_train_split="train[:x]")]) == 2
+    assert "has no split 'train[:x]' (splits: ['train', 'validation']" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, text, message", [

@@ -160,8 +160,9 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
                       config: str | None = None, data_dir: str | None = None, data_files: Any = None,
                       streaming: bool = False, file_is_split: bool = True, seed: int = 0):
     """The rows of `split` (None: `default`) of a dataset as a run names it: builtin:<task>, a data file (one split,
-    'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved Dataset's rows
-    are every split's when `file_is_split`), a folder of data files or a hub dataset (load_dataset's name / data_dir /
+    'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved DatasetDict's splits; a
+    saved Dataset is one split, 'train', as a data file, read whole when named alone (`split` None) and
+    `file_is_split`; slices of either in datasets' syntax), a folder of data files or a hub dataset (load_dataset's name / data_dir /
     data_files). Anything that fails is one ConfigError naming `field`. `seed` draws a built-in task's training
     problems, wherever they are read (its 'test' split is fixed: the same held-out problems whatever the seed)."""
     task = builtin_task(name)
@@ -188,12 +189,11 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
     try:
         if path.is_dir() and any((path / f).exists() for f in SAVED_DATASET):
             data = datasets.load_from_disk(str(path))
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise ConfigError(f"{field}={name!r} has no split {split!r} (splits: {sorted(data)})")
-                data = data[split]
-            elif not file_is_split and split != "train":
-                raise ConfigError(f"{field}={name!r} is one saved Dataset, one split: it has no split {split!r}")
+            one = not isinstance(data, datasets.DatasetDict)  # one saved Dataset: one split, 'train', as a file;
+            if one and given is None and file_is_split:  # an evaluation folder named on its own is read whole
+                return data.to_iterable_dataset() if streaming else data
+            data = _saved_split(datasets.DatasetDict(train=data) if one else data, split,
+                                f"{field}={name!r}" + (" is one saved Dataset, one split ('train'): it" if one else ""))
             return data.to_iterable_dataset() if streaming else data
         if path.is_file():
             kind = _file_builder(path, field)
@@ -217,6 +217,20 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
         cause = f"{type(e).__name__}: {text[:300]}" + (f"; {type(e.__cause__).__name__}: {e.__cause__}"[:200]
                                                         if e.__cause__ is not None else "")
         raise ConfigError(f"{field}={name!r} (split {split!r}) cannot be loaded: {cause}") from e
+
+
+def _saved_split(data, split: str, where: str):
+    """`split` of a save_to_disk folder's splits, in datasets' split syntax ('test', 'train[:100]', 'train[10%:]',
+    'train+test'), as load_dataset reads it; a split the folder does not have is named with those it has."""
+    import datasets
+
+    try:
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in data.items()})
+    except (ValueError, AssertionError):
+        raise ConfigError(f"{where} has no split {split!r} (splits: {sorted(data)}): give one of them, or a slice of "
+                          f"one in datasets' syntax, e.g. '{next(iter(data))}[:100]'") from None
+    rows = [data[p.splitname].select(range(p.from_, p.to)) for p in parts]
+    return rows[0] if len(rows) == 1 else datasets.concatenate_datasets(rows)
 
 
 def _as_dataset(data):
