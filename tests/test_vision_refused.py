@@ -42,3 +42,32 @@ def test_a_vision_language_model_path_a_processor_and_image_columns_are_refused_
                           processing_class=tokenizer)
     with pytest.raises(ConfigError, match="eval_dataset has an 'image' column"):  # evaluate()'s own dataset too
         trainer.evaluate(eval_dataset=rows)
+
+
+def test_image_content_blocks_and_a_stream_s_image_column_are_refused_not_dropped(tmp_path, tokenizer, tiny_model):
+    """Two ways images reached a text model unrefused: a content block {"type": "image"} in a conversational prompt
+    (the chat template rendered the text blocks alone; reward functions still got the image), and an `images` key in
+    the rows of a stream that declares no columns (read only as rows arrive). Both trained on the text silently."""
+    import datasets
+
+    chat = toy.build_tool_tokenizer()
+    model = toy.build_model(chat, seed=0, hidden_size=32)
+    block = [{"role": "user", "content": [{"type": "image", "image": None}, {"type": "text", "text": "what?"}]}]
+    with pytest.raises(ConfigError, match=r"train_dataset row 0 has message 0 with a content block of type 'image': "
+                                          r"groupwise trains text-only"):
+        GRPOTrainer(model, [toy.letter_reward], args=small_args(tmp_path), processing_class=chat,
+                    train_dataset=[{"prompt": block, "letter": "a"}] * 8)
+    text = [{"role": "user", "content": [{"type": "text", "text": "what?"}]}]  # text blocks: accepted
+    GRPOTrainer(model, [toy.letter_reward], args=small_args(tmp_path), processing_class=chat,
+                train_dataset=[{"prompt": text, "letter": "a"}] * 8)
+
+    def rows():
+        for _ in range(8):
+            yield {"prompt": "describe it", "letter": "a", "images": [[0]]}
+
+    stream = datasets.IterableDataset.from_generator(rows)
+    assert stream.column_names is None  # nothing to check before the rows are read
+    trainer = GRPOTrainer(tiny_model, [toy.letter_reward], args=small_args(tmp_path, max_steps=1),
+                          processing_class=tokenizer, train_dataset=stream)
+    with pytest.raises(ConfigError, match=r"train_dataset row 0 has an 'images' column: groupwise trains text-only"):
+        trainer.train()

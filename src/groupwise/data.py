@@ -33,6 +33,11 @@ def prompt_problem(prompt: Any) -> str | None:
                     and (isinstance(content, str) or blocks or (content is None and m.get("role") == "assistant"))):
                 return (f"message {j} that is not a {{'role': str, 'content': str | content blocks}} dict (content "
                         f"None only for an assistant turn): {m!r:.80}")
+            other = next((b["type"] for b in content if b["type"] != "text"), None) if blocks else None
+            if other is not None:  # the chat template would render the text alone: refused, not ignored
+                return (f"message {j} with a content block of type {other!r}: groupwise trains text-only causal "
+                        "models (images and other non-text inputs are not supported yet, and would be ignored); "
+                        "give text blocks only")
         return None
     if prompt is None:
         return "no prompt (None)"
@@ -405,6 +410,10 @@ class StreamData:
         if why is not None:
             raise ConfigError(f"{self.name} row {self._next} has {why} (each prompt must be a non-empty string or a "
                               "list of {'role', 'content'} messages)")
+        if images := sorted({"image", "images"} & set(row)):  # a stream that declares no columns: read per row
+            raise ConfigError(f"{self.name} row {self._next} has an {images[0]!r} column: groupwise trains "
+                              "text-only causal language models (image inputs are not supported yet), so the images "
+                              "would be ignored; drop the column to train on the text alone")
         if self._text is None:
             self._text = isinstance(row["prompt"], str)
         elif isinstance(row["prompt"], str) != self._text:
