@@ -89,6 +89,24 @@ def test_a_reward_keyword_no_column_fills_is_found_before_training(tmp_path, tok
     GRPOTrainer(model, [needs_letter, optional], args=small_args(tmp_path), train_dataset=rows,
                 processing_class=tokenizer)  # filled by the column
 
+    def needs_prompt(prompt, completions, **_):  # TRL's keyword is `prompts`; the column `prompt` is never passed
+        return [0.0] * len(completions)
+
+    def needs_completion(completions, completion, **_):  # a reference column named `completion`: never passed
+        return [0.0] * len(completions)
+
+    # the errors sent the user around in a circle: "has no column 'prompt' (columns: ['prompt', …])" with
+    # remove_unused_columns=False, "set it False" with True
+    for remove in (False, True):
+        with pytest.raises(ConfigError, match=r"'needs_prompt' needs the keyword 'prompt': the 'prompt' column is "
+                                              r"never passed to reward functions \(as in TRL\); read 'prompts'"):
+            GRPOTrainer(model, [needs_prompt], args=small_args(tmp_path, remove_unused_columns=remove),
+                        train_dataset=rows, processing_class=tokenizer)
+    with pytest.raises(ConfigError, match=r"'needs_completion' needs the keyword 'completion': the 'completion' "
+                                          r"column is never passed .*; read 'completions'.*or rename the column"):
+        GRPOTrainer(model, [needs_completion], args=small_args(tmp_path), processing_class=tokenizer,
+                    train_dataset=[{"prompt": "repeat a:", "completion": "a"}] * 4)
+
 
 def test_a_column_named_as_a_reward_keyword_and_a_step_functions_missing_column_are_named(tmp_path, tokenizer):
     """A dataset column `prompts` (or `steps`, common in PRM data) would collide with the keyword of that name at

@@ -31,7 +31,7 @@ from groupwise.modeling import batched_logps, embedding_rows
 from groupwise.rewards import RewardSource, combine_rewards, compute_rewards
 from groupwise.rewards.combine import reward_weights
 from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, compute_step_rewards
-from groupwise.rewards.sources import REWARD_KEYWORDS
+from groupwise.rewards.sources import NEVER_PASSED, REWARD_KEYWORDS
 from groupwise.rewards.steps import TOOL_TEXT_STEPS, StepSplitter
 from groupwise.rollout_metrics import round_metrics, sampling_metrics, trl_reward
 from groupwise.text import (completion_masks, encode_prompts, is_conversational, pad_rows, pad_to_multiple,
@@ -214,8 +214,7 @@ def generate(ctx: RolloutContext, model, rows: list[dict[str, Any]], *, greedy: 
         if getattr(comp, name) is not None:
             widen[name] = pad_to_multiple(getattr(comp, name), comp.completion_mask, multiple, 0, side="right")[0]
     # dataset columns reach reward functions as keywords, unless remove_unused_columns (TRL: the prompt only)
-    columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0]
-                                                      if k not in ("prompt", "completion", "completion_ids")}  # TRL
+    columns = {} if args.remove_unused_columns else {k: [r[k] for r in rows] for k in rows[0] if k not in NEVER_PASSED}
     columns.update(comp.columns)  # `environments` (TRL: also with remove_unused_columns)
     return dataclasses.replace(comp, prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                                completion_mask=mask, columns=columns, **widen)

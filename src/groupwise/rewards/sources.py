@@ -218,6 +218,9 @@ REWARD_KEYWORDS = {"prompts", "completions", "completion_ids", "trainer_state", 
                    "environments"}
 
 
+NEVER_PASSED = ("prompt", "completion", "completion_ids")  # dataset columns no reward function gets (TRL)
+
+
 def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool,
                          dataset: str = "train_dataset", *, keywords: frozenset[str] | set[str] = REWARD_KEYWORDS,
                          field: str = "reward_funcs", environments: bool = False) -> None:
@@ -228,8 +231,7 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
     stream). `environments`: the run has environments, so every call also passes `environments`."""
     if columns is None:
         return
-    passed = set() if remove_unused_columns else {c for c in columns if c not in ("prompt", "completion",
-                                                                                   "completion_ids")}  # rollout.py
+    passed = set() if remove_unused_columns else {c for c in columns if c not in NEVER_PASSED}  # rollout.py
     called = [fn for fn in reward_funcs if callable(fn) and not isinstance(fn, (str, torch.nn.Module))]
     if called and (clash := sorted(passed & (set(keywords) - {"environments"}))):  # models take no columns
         raise ConfigError(f"{dataset} has a column {clash[0]!r}, which is also a keyword every {field} function "
@@ -249,8 +251,15 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
                 and p.name not in given]
         name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)  # a partial: its function's
         if need:
-            why = ("remove_unused_columns=True passes only the prompt: set it False" if remove_unused_columns and
-                   need[0] in columns else f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})")
+            if need[0] in NEVER_PASSED:  # TRL passes these columns to no reward function either
+                plural = {"prompt": "prompts", "completion": "completions"}.get(need[0])
+                why = (f"the {need[0]!r} column is never passed to reward functions (as in TRL)"
+                       + (f"; read {plural!r}, the keyword every call gets, or rename the column"
+                          if plural else "; rename the column"))
+            elif remove_unused_columns and need[0] in columns:
+                why = "remove_unused_columns=True passes only the prompt: set it False"
+            else:
+                why = f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})"
             raise ConfigError(f"{field}[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
         # every call passes the protocol's keywords and the dataset's columns: a signature without **kwargs must
         # name them all (TRL's functions end with **kwargs), else every call fails with a TypeError
