@@ -356,3 +356,26 @@ def test_a_misspelled_target_among_others_is_warned_about(tmp_path, base_dir):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LoRA target modules")
         _trainer(tmp_path, base_dir, peft_config=None, use_peft=True, lora_target_modules=["q_proj", "v_proj"])
+
+
+def test_a_sharded_lora_checkpoint_resumed_without_fsdp_says_so(tmp_path, tokenizer):
+    """An fsdp LoRA run's checkpoint (per-process shards of the adapter and its optimizer state) resumed without
+    fsdp: the adapter file loaded, then the unsharded optimizer state was missing: "run stopped: no such file
+    optimizer.json (a file the run uses went missing)". It is the full model's one line now."""
+    from peft import get_peft_model
+    from safetensors.torch import save_file
+
+    from groupwise.checkpoint import CheckpointError
+    from groupwise.checkpoint_load import load_model_from
+    from groupwise.tasks import toy
+
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    for rank in (0, 1):
+        save_file({"x": torch.zeros(1)}, str(folder / f"model_shard_{rank}.safetensors"))
+    model = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
+                           LoraConfig(r=2, target_modules=["q_proj"]))
+    dist = type("Dist", (), {"rank": 0, "world_size": 1})()
+    with pytest.raises(CheckpointError, match=r"was saved by a sharded run \(fsdp\): resume it with fsdp and 2 "
+                                              "processes"):
+        load_model_from(str(folder), dist=dist, model=model)

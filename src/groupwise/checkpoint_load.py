@@ -63,12 +63,13 @@ def load_model_from(folder: str, *, dist, model, sharded_model: torch.nn.Module 
             raise _error(f"{folder} holds no shards for process {dist.rank}: it was not saved by a sharded "
                          f"run of {dist.world_size} processes (fsdp); resume it the way it was saved")
         load_local(sharded_model, load_file(str(shard_file)), folder)
-    elif is_peft_model(model):
+        return
+    if (path / "model_shard_0.safetensors").exists():  # its optimizer state is in shards too (LoRA's as well)
+        raise _error(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
+                     f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
+    if is_peft_model(model):
         load_adapter(model, path, folder)
     else:
-        if (path / "model_shard_0.safetensors").exists():
-            raise _error(f"{folder} was saved by a sharded run (fsdp): resume it with fsdp and "
-                         f"{len(list(path.glob('model_shard_*.safetensors')))} processes")
         if (path / ADAPTER_WEIGHTS).exists():
             raise _error(f"{folder} holds a LoRA adapter ({ADAPTER_WEIGHTS}), not the model: resume it "
                          "with the run's peft_config / use_peft")
