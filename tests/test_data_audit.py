@@ -176,3 +176,19 @@ def test_signal_handlers_installed_outside_python_are_not_put_back_as_none(monke
     finally:
         for s, h in before.items():
             real(s, h)
+
+
+@pytest.mark.parametrize("fmt", ["pandas", "numpy", "arrow", "torch"])
+def test_a_dataset_in_another_format_or_with_a_transform_is_named_before_training(fmt):
+    """with_format("pandas") passed the column checks (which read column slices) and failed at the first rollout
+    (a prompt of type Series); with_transform building 'prompt' on the fly was refused for lacking a 'prompt' column
+    that ds[0] has. Both are one line naming the fix now."""
+    rows = datasets.Dataset.from_list([{"prompt": "repeat a:", "letter": "a"}] * 4)
+    with pytest.raises(ConfigError, match=rf"train_dataset has the format '{fmt}' .*with_format\(None\)"):
+        PromptData(rows.with_format(fmt), "train_dataset")
+    assert PromptData(rows.with_format(fmt).with_format(None), "train_dataset")[0]["prompt"] == "repeat a:"
+    questions = datasets.Dataset.from_list([{"question": "a", "letter": "a"}] * 4)
+    built = questions.with_transform(lambda batch: {"prompt": [f"repeat {q}:" for q in batch["question"]], **batch})
+    assert built[0]["prompt"] == "repeat a:"
+    with pytest.raises(ConfigError, match=r"train_dataset has a transform .*dataset.map\(transform, batched=True\)"):
+        PromptData(built, "train_dataset")
