@@ -202,8 +202,12 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
         raise ConfigError(f"{sharding.classes_from} names {missing}, which {type(model).__name__} does not contain: "
                           f"name its decoder layer class ({declared}) there, or leave the key out")
     if not layers:
-        raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules): "
-                          "it cannot be sharded layer by layer")
+        repeated = sorted({type(m).__name__ for name, m in model.named_modules()
+                           if name.rsplit(".", 1)[-1].isdigit()})  # the children of a ModuleList: its layers
+        hint = f" (its repeated blocks: {repeated})" if repeated else ""
+        raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules), so "
+                          "it cannot be sharded layer by layer by default: name its decoder layer class in "
+                          f"fsdp_config: {{transformer_layer_cls_to_wrap: [...]}}{hint}")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     if bf16 and not frozen and not any(type(p).__name__ in QUANTIZED_PARAMETERS for p in model.parameters()):
