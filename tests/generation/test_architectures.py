@@ -98,6 +98,20 @@ def test_a_model_keeping_its_recurrent_state_outside_the_cache_is_refused():
         _fast(tok)(model, ids, mask, greedy=True)
 
 
+def test_a_model_that_ignores_the_cache_is_refused():
+    """openai-gpt takes no cache (its forward swallows the keyword): each decode step saw its one new token alone,
+    a RuntimeError about tensor sizes deep in the decode loop (or, where the shapes allowed, wrong tokens)."""
+    tok = toy.build_tokenizer()
+    ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(transformers.OpenAIGPTConfig(n_embd=32, n_layer=2, n_head=4,
+                                                                          n_positions=64, **ids)).eval()
+    ids_, mask = encode_prompts(["ab", "ab"], tok, None)
+    with pytest.raises(ValueError, match="OpenAIGPTLMHeadModel keeps no KV cache .*use generation_backend="
+                                         "'transformers'"):
+        _fast(tok)(model, ids_, mask, greedy=True)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_static_loop_on_a_model_that_branches_on_its_attention_name(attn):
     """Falcon picks sdpa itself (`_attn_implementation == "sdpa"`) instead of calling AttentionInterface: under the

@@ -253,6 +253,11 @@ class FastGenerator:
             # (RecurrentGemma): the rows' states live in the model's modules, out of reach of sharing and dropping rows
             raise ValueError(f"{type(model).__name__} keeps its recurrent state outside the cache, which the fast "
                              "sampler cannot share or reorder: use generation_backend='transformers' for this model")
+        if not any(getattr(layer, "is_initialized", True) for layer in cache.layers):
+            # (openai-gpt): the cache was ignored, so a decode step would see its one new token alone
+            raise ValueError(f"{type(model).__name__} keeps no KV cache (its forward ignores "
+                             f"{cache_keyword(model)}=), which the fast sampler decodes with: use "
+                             "generation_backend='transformers' for this model")
         logits = out.logits[:, -1, :].float()  # (B, V)
         return G, cache, logits.repeat_interleave(G, dim=0) if G > 1 else logits
 
