@@ -153,11 +153,74 @@ def test_system_exit_in_async_user_code_is_its_error_and_the_loop_lives_on():
 
 
 def test_a_loop_whose_thread_ended_is_replaced():
+    from groupwise.rewards import sources
+
     loop = event_loop()
     loop.call_soon_threadsafe(loop.stop)
-    deadline = time.monotonic() + 5
-    while loop.is_running() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)  # run_forever has returned; its thread ends right after
+    sources._LOOP_THREAD.join(5)  # run_forever returned: the loop's thread has ended
+    assert not sources._LOOP_THREAD.is_alive()
     assert run_async(asyncio.sleep(0, result="fresh"), 5.0) == "fresh"  # was: queued on the stopped loop forever
     assert event_loop() is not loop
+
+
+def test_waiting_for_async_code_from_the_loop_s_own_thread_is_an_error_not_a_deadlock():
+    """An async tool calling the blocking helper (call_with_timeout) on an async tool: the helper waited on the loop
+    its caller was blocking (a timeout; with no limit, forever)."""
+    async def inner(x: int) -> str:
+        """
+        Inner.
+
+        Args:
+            x: A number.
+        """
+        return str(x)
+
+    async def outer(x: int) -> str:
+        """
+        Calls the blocking helper from async code.
+
+        Args:
+            x: A number.
+        """
+        return call_with_timeout(inner, {"x": x}, timeout).content
+
+    for timeout in (None, 3.0):
+        start = time.monotonic()
+        out = run_tool_calls([call("outer", x=1)], {"outer": outer}, 5.0)
+        assert "called from async code on the shared event loop" in out.messages[0]["content"], out.messages
+        assert time.monotonic() - start < 2
+
+
+def test_the_outer_limit_cancels_every_call_of_a_blocked_loop():
+    """One async tool blocks the loop (time.sleep): the turn's outer limit (timeout + 5 s) reports every call as a
+    timeout naming tool_timeout, and cancels the ones that were waiting (they ran on to their end)."""
+    finished = []
+
+    async def blocking(x: int) -> str:
+        """
+        Blocks the loop.
+
+        Args:
+            x: A number.
+        """
+        time.sleep(6)
+        finished.append("blocking")
+        return "late"
+
+    async def waiting(x: int) -> str:
+        """
+        Waits politely.
+
+        Args:
+            x: A number.
+        """
+        await asyncio.sleep(8)
+        finished.append("waiting")
+        return "late"
+
+    out = run_tool_calls([call("blocking", x=1), call("waiting", x=2)], {"blocking": blocking, "waiting": waiting}, 0.5)
+    assert [m["content"] for m in out.messages] == [str({"error": "tool 'blocking' timed out after 0.5 s"}),
+                                                    str({"error": "tool 'waiting' timed out after 0.5 s"})]
+    assert out.timeouts == 2
+    time.sleep(3.5)  # past the blocking call's end and the waiting one's 8 s: a cancelled task never finishes
+    assert finished == ["blocking"]

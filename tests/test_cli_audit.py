@@ -218,6 +218,10 @@ def test_dataset_forms_and_splits(tmp_path, model_dir, capsys, fake):
     assert "one split ('train'): it has no split 'validation'" in capsys.readouterr().err
     assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(saved), dataset_train_split="train[:x]")]) == 2
     assert "has no split 'train[:x]' (splits: ['train', 'validation']" in capsys.readouterr().err
+    odd = tmp_path / "odd"  # a split name the split syntax cannot spell, read by its name as before
+    datasets.DatasetDict({"my-split": datasets.Dataset.from_list(_rows(3))}).save_to_disk(str(odd))
+    assert main(["train", _cfg(tmp_path, model_dir, dataset_name=str(odd), dataset_train_split="my-split")]) == 0
+    assert len(fake[-1].kwargs["train_dataset"]) == 3
 
 
 @pytest.mark.parametrize("name, text, message", [

@@ -179,16 +179,20 @@ def test_signal_handlers_installed_outside_python_are_not_put_back_as_none(monke
 
 
 @pytest.mark.parametrize("fmt", ["pandas", "numpy", "arrow", "torch"])
-def test_a_dataset_in_another_format_or_with_a_transform_is_named_before_training(fmt):
+def test_a_dataset_in_another_format_is_read_as_python_values_and_a_transform_making_the_prompt_is_named(fmt):
     """with_format("pandas") passed the column checks (which read column slices) and failed at the first rollout
-    (a prompt of type Series); with_transform building 'prompt' on the fly was refused for lacking a 'prompt' column
-    that ds[0] has. Both are one line naming the fix now."""
+    (a prompt of type Series): any format is read as Python values now (a view; the caller's dataset keeps its
+    format). with_transform building 'prompt' on the fly was refused for lacking a 'prompt' column that ds[0] has:
+    it is named as a transform now; one over a stored prompt column trains, as before."""
     rows = datasets.Dataset.from_list([{"prompt": "repeat a:", "letter": "a"}] * 4)
-    with pytest.raises(ConfigError, match=rf"train_dataset has the format '{fmt}' .*with_format\(None\)"):
-        PromptData(rows.with_format(fmt), "train_dataset")
-    assert PromptData(rows.with_format(fmt).with_format(None), "train_dataset")[0]["prompt"] == "repeat a:"
+    formatted = rows.with_format(fmt)
+    data = PromptData(formatted, "train_dataset")
+    assert data[0]["prompt"] == "repeat a:" and data[0]["letter"] == "a" and formatted.format["type"] == fmt
     questions = datasets.Dataset.from_list([{"question": "a", "letter": "a"}] * 4)
     built = questions.with_transform(lambda batch: {"prompt": [f"repeat {q}:" for q in batch["question"]], **batch})
     assert built[0]["prompt"] == "repeat a:"
-    with pytest.raises(ConfigError, match=r"train_dataset has a transform .*dataset.map\(transform, batched=True\)"):
+    with pytest.raises(ConfigError, match=r"train_dataset has a transform .* no stored 'prompt' column.*"
+                                          r"dataset.map\(transform, batched=True\)"):
         PromptData(built, "train_dataset")
+    kept = rows.with_transform(lambda batch: {**batch, "letter": [x.upper() for x in batch["letter"]]})
+    assert PromptData(kept, "train_dataset")[0]["letter"] == "A"

@@ -114,3 +114,14 @@ def test_inputs_are_named_before_anything_loads(tmp_path, model_dir, capsys):
     with pytest.raises(SystemExit):  # argparse's usage error
         main(["prm", "evaluate"])
     assert "usage: groupwise prm train|eval" in capsys.readouterr().err
+
+
+def test_a_step_reward_module_of_the_working_directory_imports(tmp_path, monkeypatch, capsys):
+    """As in groupwise train: `mysteps:fn` next to the user was 'No module named mysteps'."""
+    (tmp_path / "mysteps_gw.py").write_text("def fn(steps, **_):\n    return [[1.0] * len(s) for s in steps]\n")
+    held = _write(tmp_path / "e.jsonl", DATA)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    assert main(["prm", "eval", "--process_reward_func", "mysteps_gw:fn", "--eval_file", held]) == 0
+    lines = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    assert float(lines["eval/good_recall"]) == 1 and float(lines["eval/bad_recall"]) == 0

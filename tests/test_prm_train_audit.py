@@ -2,6 +2,7 @@
 errors, output_dir. Tiny in-process Llama + the character-level toy tokenizer (one token per character)."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -270,3 +271,20 @@ def test_an_eval_split_without_steps_warns(tmp_path, model_dir):
                                      train_file=_write(tmp_path / "t.jsonl", [short] * 2),
                                      eval_file=_write(tmp_path / "e.jsonl", [long_])))
     assert m["eval/steps"] == 0
+
+
+def test_a_split_that_would_hold_out_nothing_or_too_much_is_said():
+    # one example: nothing can be held out (it trained with an empty evaluation, accuracy 0); 99 solutions of one
+    # problem + 1 of another, eval_fraction 0.1 (10 rows): whichever prompt is held out, the share is far off
+    with pytest.raises(ConfigError, match=r"t.jsonl has 1 example\(s\): too few to hold out any"):
+        split_by_prompt([{"prompt": "a", "steps": ["s"], "labels": [1]}], 0.1, 42, "t.jsonl")
+    rows = [{"prompt": "big", "steps": [f"s{i}"], "labels": [1]} for i in range(99)]
+    rows.append({"prompt": "small", "steps": ["t"], "labels": [1]})
+    seeds = {}
+    for seed in range(6):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train, held = split_by_prompt(rows, 0.1, seed, "t.jsonl")
+        seeds[len(held)] = [str(w.message) for w in caught]
+    assert set(seeds) == {1, 99}  # seeds 0 and 5 take the big prompt first, 1-4 the small one
+    assert any("99 of 100 examples are held out (eval_fraction asks for 10)" in m for m in seeds[99])

@@ -354,6 +354,8 @@ def cmd_prm(sub: str, argv: list[str]) -> int:
                                                                for name, help_text, default, _ in config.describe()])
     values, overrides = read_config(argv, config.field_types())
     cfg = config(**{**values, **overrides})
+    if os.getcwd() not in sys.path:  # a step-reward module of the working directory imports, as in groupwise train
+        sys.path.insert(0, os.getcwd())
     if sub == "train":
         train_prm(cfg)
         return 0

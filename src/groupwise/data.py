@@ -188,13 +188,12 @@ class PromptData:
             data = _rows_of_columns(data, name)
         columns = getattr(data, "column_names", None)
         kind = (getattr(data, "format", None) or {}).get("type") if hasattr(data, "with_format") else None
-        if kind == "custom":  # with_transform / set_transform: its columns are known only row by row
-            raise ConfigError(f"{name} has a transform (with_transform / set_transform), whose columns groupwise "
-                              "cannot check before training: apply it with dataset.map(transform, batched=True) "
-                              "instead")
-        if kind not in (None, "python"):  # its rows would be DataFrames, arrays or arrow scalars, not dicts of values
-            raise ConfigError(f"{name} has the format {kind!r} (with_format / set_format): groupwise reads rows as "
-                              f"Python values; pass {name}.with_format(None) (or call reset_format())")
+        if kind == "custom" and "prompt" not in (columns or []):  # a transform that makes the prompt column
+            raise ConfigError(f"{name} has a transform (with_transform / set_transform) and no stored 'prompt' "
+                              "column; groupwise checks the columns before training: apply the transform with "
+                              "dataset.map(transform, batched=True) instead")
+        if kind not in (None, "python", "custom"):  # rows as DataFrames, arrays or arrow scalars: read as Python
+            data = data.with_format(None)  # values instead (a view; the caller's dataset keeps its format)
         if columns is None:
             if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
                 fix = "datasets.Dataset.from_pandas(frame)" if hasattr(data, "to_dict") and hasattr(data, "iloc") \

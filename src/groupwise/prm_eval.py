@@ -5,8 +5,8 @@ The scorer is one `process_reward_funcs` entry, loaded and called as GRPO calls 
 rewards): a PRM folder written by `groupwise prm train`, a PRM spec `{path, kind, …options}`, or a step-reward
 function `'package.module:function'` (the line's other keys are its dataset columns; its completion is the steps
 joined by `step_delimiter`). A step is judged good when its score is above `threshold`. The metrics (step_metrics)
-are those `prm train` reports on its held-out split, so a trained PRM evaluated on that split gives its
-`eval_metrics.json` numbers again.
+are those `prm train` reports on its held-out rows, so a PRM trained with an `eval_file` and evaluated on that
+file gives its `eval_metrics.json` numbers again.
 """
 
 from __future__ import annotations

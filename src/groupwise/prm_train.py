@@ -148,6 +148,13 @@ def split_by_prompt(rows: list[dict], fraction: float, seed: int, where: str) ->
         if len(held) >= target:
             break
         held += groups[key]
+    if not held:
+        raise ConfigError(f"{where} has {len(rows)} example(s): too few to hold out any for evaluation (give more, "
+                          "or an eval_file)")
+    if len(held) > 2 * target:  # one prompt with many solutions took the held-out share past eval_fraction
+        warnings.warn(f"{where}: {len(held)} of {len(rows)} examples are held out (eval_fraction asks for {target}): "
+                      "whole prompts are held out and one has many examples; give an eval_file to choose",
+                      UserWarning, stacklevel=3)
     held_set = set(held)
     return [r for i, r in enumerate(rows) if i not in held_set], [rows[i] for i in sorted(held)]
 

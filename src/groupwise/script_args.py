@@ -224,6 +224,8 @@ def _saved_split(data, split: str, where: str):
     'train+test'), as load_dataset reads it; a split the folder does not have is named with those it has."""
     import datasets
 
+    if split in data:  # any name save_to_disk kept ('my-split' too, which the split syntax cannot spell)
+        return data[split]
     try:
         parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in data.items()})
     except (ValueError, AssertionError):

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.parsing import encodable
-from groupwise.rewards.sources import RewardTimeout, UserExit, is_async, run_async, run_concurrently
+from groupwise.rewards.sources import (RewardTimeout, UserExit, is_async, on_event_loop, run_async,
+                                       run_concurrently)
 from groupwise.rewards.sources import call_with_timeout as timed_call
 
 
@@ -263,6 +264,9 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
     ok=False, error="exception", content "TypeName: message".
     """
     name = getattr(fn, "__name__", type(fn).__name__)
+    if is_async(fn) and on_event_loop():  # its worker would wait on the loop this caller blocks
+        return ToolOutcome(False, f"RuntimeError: tool {name!r}: called from async code on the shared event loop, "
+                                  "where waiting for it would block the loop; await it instead", "exception")
 
     def call() -> Any:
         value = fn(**(kwargs or {}))

@@ -91,8 +91,18 @@ async def guarded(awaitable) -> Any:
         raise UserExit(e) from e
 
 
+def on_event_loop() -> bool:
+    """Is this code running on the shared event loop's thread (async user code calling back)?"""
+    return threading.current_thread() is _LOOP_THREAD
+
+
 def run_async(awaitable, timeout: float | None = None, what: str = "async reward functions") -> Any:
     """Run a coroutine on the shared event loop (event_loop()); wait at most `timeout` seconds."""
+    if on_event_loop():  # waiting here would block the loop the coroutine needs
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+        raise RuntimeError(f"{what}: called from async code on the shared event loop, where waiting for it would "
+                           "block the loop; await it instead")
     future = asyncio.run_coroutine_threadsafe(guarded(awaitable), event_loop())
     try:
         return future.result(timeout)
@@ -112,7 +122,11 @@ def run_concurrently(starts: list[Callable[[], Any]], timeout: float | None, wha
     blocks the event loop itself (all of them then stall)."""
     async def limited(start, name):
         task = asyncio.ensure_future(guarded(start()))
-        finished, _ = await asyncio.wait({task}, timeout=timeout)
+        try:
+            finished, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:  # the outer limit fired (the loop was blocked): stop this one too
+            task.cancel()
+            raise
         if not finished:
             task.cancel()
             raise RewardTimeout(f"{name} did not return within {setting}={timeout} s")
@@ -123,8 +137,9 @@ def run_concurrently(starts: list[Callable[[], Any]], timeout: float | None, wha
 
     try:
         return run_async(gather(), None if timeout is None else timeout + 5, " and ".join(what))
-    except RewardTimeout as e:
-        return [e] * len(starts)
+    except RewardTimeout:  # a call blocked the event loop itself: every call of the batch stalled with it
+        return [RewardTimeout(f"{w} did not return within {setting}={timeout} s (the event loop was blocked)")
+                for w in what]
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
