@@ -301,3 +301,32 @@ def test_a_path_object_as_the_model_is_named_with_the_fix(tmp_path, base_dir):
 
     with pytest.raises(TypeError, match=r"got PosixPath: pass str\(PosixPath\(.*\)\), as TRL takes a path"):
         GRPOTrainer(Path(base_dir), [toy.letter_reward], args=small_args(tmp_path), train_dataset=toy.dataset(16))
+
+
+def test_ctrl_c_is_a_keyboard_interrupt_and_a_second_train_call_is_refused(tmp_path, tokenizer):
+    """A TRL script's `except KeyboardInterrupt: trainer.save_model()` missed groupwise's stop after Ctrl-C (a
+    RuntimeError); a second train() on a trainer that had trained ran no step and returned the first call's
+    results (TRL retrains from step 0)."""
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    from groupwise import ConfigError
+    from groupwise.signals import TrainingInterrupted
+
+    class CtrlC(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward], callbacks=[CtrlC()],
+                    args=small_args(tmp_path, max_steps=4, save_steps=0), train_dataset=toy.dataset(8),
+                    processing_class=tokenizer)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        t.train()
+    assert isinstance(stopped.value, TrainingInterrupted) and stopped.value.signum == signal.SIGINT
+    assert t.state.global_step == 1 and "stopped by SIGINT after step 1" in str(stopped.value)
+    with pytest.raises(ConfigError, match=r"train\(\) was already called on this trainer, which is at step 1: "
+                                          "build a new GRPOTrainer"):
+        t.train()

@@ -35,7 +35,7 @@ from groupwise.modeling import disable_dropout, eval_mode
 from groupwise.prm_eval import step_metrics
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
 from groupwise.rewards.steps import check_writable
-from groupwise.signals import TrainingInterrupted, stop_on_signals
+from groupwise.signals import interrupted, stop_on_signals
 from groupwise.text import ensure_pad_token, pad_rows
 
 
@@ -322,7 +322,7 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     print(f"PRM step accuracy {before['eval/accuracy']:.3f} → {after['eval/accuracy']:.3f}, "
           f"bad-step F1 {after['eval/bad_f1']:.3f}, good-step F1 {after['eval/good_f1']:.3f}; saved to {out}")
     if received and step < steps:
-        raise TrainingInterrupted(received[0], f"stopped by {signal.Signals(received[0]).name} after step {step} of "
+        raise interrupted(received[0], f"stopped by {signal.Signals(received[0]).name} after step {step} of "
                                                f"{steps}; the PRM trained so far is saved in {out} (evaluated above) "
                                                f"and in {out / f'checkpoint-{step}'}: resume it with "
                                                "--resume_from_checkpoint true")

@@ -15,11 +15,21 @@ from tqdm.auto import tqdm
 
 class TrainingInterrupted(RuntimeError):
     """SIGINT / SIGTERM stopped the run after an optimizer step (GRPO: a checkpoint written when save_on_interrupt;
-    prm train: the PRM trained so far saved). The CLI exits with 128 + signum."""
+    prm train: the PRM trained so far saved). The CLI exits with 128 + signum. Raise it with `interrupted()`: a
+    SIGINT's is a KeyboardInterrupt too, so a script's `except KeyboardInterrupt:` (Ctrl-C, as transformers
+    raises it) still runs."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class KeyboardTrainingInterrupted(TrainingInterrupted, KeyboardInterrupt):
+    """TrainingInterrupted by SIGINT (Ctrl-C)."""
+
+
+def interrupted(signum: int, message: str) -> TrainingInterrupted:
+    return (KeyboardTrainingInterrupted if signum == signal.SIGINT else TrainingInterrupted)(signum, message)
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from groupwise.loading import (as_list, check_combinations, check_inputs, eos_to
                                router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import set_log_level
-from groupwise.signals import TrainingInterrupted, stop_on_signals
+from groupwise.signals import interrupted, stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
 from groupwise.sharding import full_state_dict, resolve as resolve_sharding
@@ -254,6 +254,9 @@ class GRPOTrainer(TransformersHabits):
         output_dir (transformers' meaning)."""
         resume = resume_folder(self.args.resume_from_checkpoint if resume_from_checkpoint is None
                                else resume_from_checkpoint, self.args.output_dir)
+        if not resume and self.global_step:  # it would run no step and report the first call's results
+            raise ConfigError(f"train() was already called on this trainer, which is at step {self.global_step}: "
+                              "build a new GRPOTrainer to train again (TRL's second call retrains from step 0)")
         if not resume:  # a new run never writes over another run's outputs (checked by the main process)
             self._window.clear()
             loaded_from = getattr(getattr(self.unwrapped, "config", None), "_name_or_path", None)  # in place: kept
@@ -388,7 +391,7 @@ class GRPOTrainer(TransformersHabits):
                 if args.save_only_model else \
                 f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True " \
                 "(--resume_from_checkpoint true)"
-            raise TrainingInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
+            raise interrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                               f"{self.global_step}{where}")
         if new_epoch and not last_step:
             self._event_agreed("on_epoch_begin")
