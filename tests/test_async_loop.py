@@ -1,4 +1,4 @@
-"""The one event loop of async user code (groupwise.rewards.sources.event_loop): async tools, environment methods
+"""The one event loop of async user code (groupwise.rewards.calls.event_loop): async tools, environment methods
 and reward functions all run on it, as on TRL's GRPOTrainer-AsyncLoop, so a client bound to the loop in one call
 (an aiohttp session) works in the next. Each test here failed when every async call ran on an event loop of its own
 (asyncio.run per call): the client's loop was closed by the second call."""
@@ -13,7 +13,8 @@ import torch
 
 from groupwise.agents import Toolbox
 from groupwise.agents.execution import call_with_timeout, run_tool_calls
-from groupwise.rewards.sources import RewardSource, compute_rewards, event_loop, run_async
+from groupwise.rewards.calls import event_loop, run_async
+from groupwise.rewards.sources import RewardSource, compute_rewards
 
 
 class LoopClient:
@@ -153,12 +154,12 @@ def test_system_exit_in_async_user_code_is_its_error_and_the_loop_lives_on():
 
 
 def test_a_loop_whose_thread_ended_is_replaced():
-    from groupwise.rewards import sources
+    from groupwise.rewards import calls
 
     loop = event_loop()
     loop.call_soon_threadsafe(loop.stop)
-    sources._LOOP_THREAD.join(5)  # run_forever returned: the loop's thread has ended
-    assert not sources._LOOP_THREAD.is_alive()
+    calls._LOOP_THREAD.join(5)  # run_forever returned: the loop's thread has ended
+    assert not calls._LOOP_THREAD.is_alive()
     assert run_async(asyncio.sleep(0, result="fresh"), 5.0) == "fresh"  # was: queued on the stopped loop forever
     assert event_loop() is not loop
 

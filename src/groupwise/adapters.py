@@ -439,8 +439,8 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         raise ConfigError(f"export: {checkpoint!r} is not a checkpoint folder")
     target = Path(out)
     if target.is_file() or (target.is_dir() and any(target.iterdir())):  # the base, the run, an earlier export
-        raise ConfigError(f"export: --merge {out} is not an empty folder: give a new one (an export never writes over a "
-                          "model, the adapter's base model or a run's folder)")
+        raise ConfigError(f"export: --merge {out} is not an empty folder: give a new one (an export never writes "
+                          "over a model, the adapter's base model or a run's folder)")
     if (folder / ADAPTER_CONFIG).exists():
         peft = _peft()
         config = peft.PeftConfig.from_pretrained(str(folder))

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from groupwise.config_base import ConfigError, warn_user
+from groupwise.rollout_metrics import LENGTH_METRICS
 
 
 def check_fields(args, *, sharded: bool = False) -> None:
@@ -61,10 +62,8 @@ def check_fields(args, *, sharded: bool = False) -> None:
 # the metrics evaluation reports per kind of reward function (groupwise.evaluation)
 OUTCOME_METRIC = re.compile(r"^(?:reward|reward_std|frac_reward_zero_std|rewards/(?P<func>.+)/(?:mean|std|mean@\d+|"
                             r"pass@\d+))$")
-OTHER_METRICS = ("num_tokens", "completions/mean_length", "completions/min_length", "completions/max_length",
-                 "completions/clipped_ratio", "completions/mean_terminated_length",
-                 "completions/min_terminated_length", "completions/max_terminated_length", "tools/call_frequency",
-                 "tools/failure_frequency", "runtime", "samples_per_second", "steps_per_second")
+OTHER_METRICS = ("num_tokens", *LENGTH_METRICS, "tools/call_frequency", "tools/failure_frequency", "runtime",
+                 "samples_per_second", "steps_per_second")
 PROCESS_METRIC = re.compile(r"^process/(?:step_reward_mean|steps_per_completion|no_step_completions|unscored_steps|"
                             r"zero_std_groups|(?P<func>.+)/(?:mean|errors))$")
 

@@ -243,6 +243,12 @@ def read_values(argv: list[str]) -> dict[str, Any]:
     return {**values, **overrides}
 
 
+def importable_here() -> None:
+    """Reward and step-reward modules of the working directory import ('mymodule:fn'), as in TRL (and `python -m`)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
     """The GRPOTrainer a run's fields describe, everything they name checked before anything loads: its model,
     datasets (TRL's grpo script's choice of train and evaluation rows), reward and step-reward functions. With
@@ -260,8 +266,7 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
     for field in ("dataset_name", "eval_dataset_name"):  # a mixture wins: dataset_name is ignored (TRL warns)
         if run[field] and field not in unread and builtin_task(run[field]) is None:
             check_location(run[field], field)
-    if os.getcwd() not in sys.path:  # reward modules of the working directory import, as in TRL (and `python -m`)
-        sys.path.insert(0, os.getcwd())
+    importable_here()
     specs = reward_specs(run)
     shift = 1 if run["reward_model_name_or_path"] else 0  # the reward model comes first among the specs
     for i, spec in enumerate(specs):
@@ -354,8 +359,7 @@ def cmd_prm(sub: str, argv: list[str]) -> int:
                                                                for name, help_text, default, _ in config.describe()])
     values, overrides = read_config(argv, config.field_types())
     cfg = config(**{**values, **overrides})
-    if os.getcwd() not in sys.path:  # a step-reward module of the working directory imports, as in groupwise train
-        sys.path.insert(0, os.getcwd())
+    importable_here()
     if sub == "train":
         train_prm(cfg)
         return 0
@@ -434,8 +438,9 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="groupwise", description="GRPO with outcome and process supervision")
     parser.add_argument("command", choices=["train", "eval", "prm", "export", "fields"],
                         help="train: run GRPO; eval: evaluate a model as training's evaluation does (groupwise eval "
-                             "--help); prm train / prm eval: train a process reward model, or score one against step labels; export CHECKPOINT --merge OUT: "
-                             "a checkpoint as a standalone model (LoRA merged into its base); fields: list config fields")
+                             "--help); prm train / prm eval: train a process reward model, or score one against step "
+                             "labels; export CHECKPOINT --merge OUT: a checkpoint as a standalone model (LoRA merged "
+                             "into its base); fields: list config fields")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2

@@ -44,6 +44,16 @@ def prompt_problem(prompt: Any) -> str | None:
     return f"a prompt of type {type(prompt).__name__}, not a string or a list of chat messages"
 
 
+def refuse_images(columns, where: str) -> None:
+    """An `image` / `images` column (TRL feeds it to a vision-language model's processor): refused, not ignored."""
+    images = sorted({"image", "images"} & set(columns))
+    if images:
+        raise ConfigError(f"{where} has an {images[0]!r} column: groupwise trains text-only causal language models "
+                          "(vision-language models and image inputs are not supported yet), so the images would be "
+                          f"ignored; drop the column (dataset.remove_columns({images[0]!r})) to train on the text "
+                          "alone")
+
+
 def own_copy(row: dict[str, Any]) -> dict[str, Any]:
     """A row whose values are copies of their own (deep), so that a reward function editing them in place changes
     neither the dataset nor the group's other rows; a value that cannot be copied (a lock, a client object) is
@@ -417,10 +427,7 @@ class StreamData:
         if why is not None:
             raise ConfigError(f"{self.name} row {self._next} has {why} (each prompt must be a non-empty string or a "
                               "list of {'role', 'content'} messages)")
-        if images := sorted({"image", "images"} & set(row)):  # a stream that declares no columns: read per row
-            raise ConfigError(f"{self.name} row {self._next} has an {images[0]!r} column: groupwise trains "
-                              "text-only causal language models (image inputs are not supported yet), so the images "
-                              "would be ignored; drop the column to train on the text alone")
+        refuse_images(row, f"{self.name} row {self._next}")  # a stream that declares no columns: read per row
         if self._text is None:
             self._text = isinstance(row["prompt"], str)
         elif isinstance(row["prompt"], str) != self._text:

@@ -17,7 +17,7 @@ from groupwise.generation import independently
 from groupwise.rewards import compute_rewards
 from groupwise.rewards.combine import combine_rewards, weighted_nansum
 from groupwise.rollout import RolloutContext
-from groupwise.rollout_metrics import nanstd, process_metrics, split_description, zero_std_fraction
+from groupwise.rollout_metrics import length_metrics, nanstd, process_metrics, split_description, zero_std_fraction
 from groupwise.types import StepScores
 
 
@@ -85,13 +85,8 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
         per_func, lengths, truncated, tools, steps, calls = dist.run_together(local, "evaluation")
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
     truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)
-    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
     out = {"num_tokens": float(state.num_input_tokens_seen),  # TRL: the training's running total
-           "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-           "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
-           "completions/mean_terminated_length": float(terminated.mean()),
-           "completions/min_terminated_length": float(terminated.min()),
-           "completions/max_terminated_length": float(terminated.max())}
+           **length_metrics(lengths, truncated)}
     if ctx.agent is not None and ctx.agent.toolbox.has_tools:  # TRL's tools/*, over every process's rollouts
         called, failed = dist.sum(torch.tensor(tools)).tolist()
         out.update({"tools/call_frequency": called / len(lengths),

@@ -13,6 +13,7 @@ from groupwise.config import GRPOConfig
 from groupwise.adapters import check_passed_model, is_peft_model
 from groupwise.config_base import ConfigError, check_model_location
 from groupwise.core.supervision import SUPERVISIONS
+from groupwise.data import refuse_images
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.quantization import check_quantization, forget_gguf, gguf_base, gguf_quantizer
@@ -110,8 +111,8 @@ def load_tokenizer(model, processing_class, args: GRPOConfig):
                     name, found = gguf_base(name)
                 except ConfigError:  # several .gguf files: the folder's tokenizer files, if any, or the error below
                     found = {}
-            tokenizer = from_pretrained_or_error(AutoTokenizer, name, "tokenizer", trust_remote_code=args.trust_remote_code,
-                                         **found)
+            tokenizer = from_pretrained_or_error(AutoTokenizer, name, "tokenizer",
+                                                 trust_remote_code=args.trust_remote_code, **found)
     try:
         ensure_pad_token(tokenizer)
     except ValueError as e:  # neither a pad nor an EOS token: the run cannot batch prompts
@@ -308,23 +309,13 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
 def check_dataset(rows, reward_funcs: list, process_reward_funcs: list, args, toolbox=None) -> None:
     """A dataset's columns against what reads them (the constructor's datasets, or one given to evaluate()): no
     image column; the reward functions' keywords (with environments every call also gets `environments`)."""
-    refuse_images(rows, rows.name)
+    refuse_images(rows.columns() or [], rows.name)
     environments = toolbox is not None and toolbox.has_environments
     check_reward_columns(reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
                          environments=environments)
     if process_reward_funcs:
         check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
                              keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs", environments=environments)
-
-
-def refuse_images(rows, name: str) -> None:
-    """An `image` / `images` column (TRL feeds it to a vision-language model's processor): refused, not ignored."""
-    images = sorted({"image", "images"} & set(rows.columns() or []))
-    if images:
-        raise ConfigError(f"{name} has an {images[0]!r} column: groupwise trains text-only causal language models "
-                          "(vision-language models and image inputs are not supported yet), so the images would be "
-                          f"ignored; drop the column (dataset.remove_columns({images[0]!r})) to train on the text "
-                          "alone")
 
 
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,

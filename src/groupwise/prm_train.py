@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise import prm_checkpoint
-from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option
+from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option, warn_user
 from groupwise.modeling import disable_dropout, eval_mode
 from groupwise.prm_eval import step_metrics
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
@@ -136,9 +136,8 @@ def split_by_prompt(rows: list[dict], fraction: float, seed: int, where: str) ->
     for i, r in enumerate(rows):
         groups.setdefault(_prompt_key(r), []).append(i)
     if len(groups) < 2:
-        warnings.warn(f"{where}: all {len(rows)} examples have one prompt, so the held-out examples are solutions of "
-                      "the prompt the PRM trains on; give an eval_file of other problems to measure how it "
-                      "generalises", UserWarning, stacklevel=3)
+        warn_user(f"{where}: all {len(rows)} examples have one prompt, so the held-out examples are solutions of the "
+                  "prompt the PRM trains on; give an eval_file of other problems to measure how it generalises")
         groups = {str(i): [i] for i in range(len(rows))}
     keys = list(groups)
     random.Random(seed).shuffle(keys)
@@ -152,9 +151,8 @@ def split_by_prompt(rows: list[dict], fraction: float, seed: int, where: str) ->
         raise ConfigError(f"{where} has {len(rows)} example(s): too few to hold out any for evaluation (give more, "
                           "or an eval_file)")
     if len(held) > 2 * target:  # one prompt with many solutions took the held-out share past eval_fraction
-        warnings.warn(f"{where}: {len(held)} of {len(rows)} examples are held out (eval_fraction asks for {target}): "
-                      "whole prompts are held out and one has many examples; give an eval_file to choose",
-                      UserWarning, stacklevel=3)
+        warn_user(f"{where}: {len(held)} of {len(rows)} examples are held out (eval_fraction asks for {target}): "
+                  "whole prompts are held out and one has many examples; give an eval_file to choose")
     held_set = set(held)
     return [r for i, r in enumerate(rows) if i not in held_set], [rows[i] for i in sorted(held)]
 
@@ -323,9 +321,9 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
           f"bad-step F1 {after['eval/bad_f1']:.3f}, good-step F1 {after['eval/good_f1']:.3f}; saved to {out}")
     if received and step < steps:
         raise interrupted(received[0], f"stopped by {signal.Signals(received[0]).name} after step {step} of "
-                                               f"{steps}; the PRM trained so far is saved in {out} (evaluated above) "
-                                               f"and in {out / f'checkpoint-{step}'}: resume it with "
-                                               "--resume_from_checkpoint true")
+                                       f"{steps}; the PRM trained so far is saved in {out} (evaluated above) "
+                                       f"and in {out / f'checkpoint-{step}'}: resume it with "
+                                       "--resume_from_checkpoint true")
     return metrics
 
 

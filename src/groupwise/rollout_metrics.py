@@ -25,6 +25,22 @@ def trl_reward(ctx: RolloutContext, scores: Scores) -> torch.Tensor:  # (B, G)
     return weighted_nansum(per_func, reward_weights(ctx.args.reward_weights, per_func.size(-1)).to(per_func.dtype))
 
 
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/* of (N,) completion lengths in generated tokens and (N,) bool truncated (cut at
+    max_completion_length): the terminated ones end with EOS (their statistics 0 when none does)."""
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()),
+            "completions/min_terminated_length": float(terminated.min()),
+            "completions/max_terminated_length": float(terminated.max())}
+
+
+# their names (what evaluation reports besides the reward metrics: groupwise.best)
+LENGTH_METRICS = tuple(length_metrics(torch.ones(1), torch.zeros(1, dtype=torch.bool)))
+
+
 # ---- a round --------------------------------------------------------------------------------------------------------
 def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     """TRL's names and meanings: completions/* (lengths in generated tokens, over all processes; the terminated
@@ -36,17 +52,9 @@ def round_metrics(ctx: RolloutContext, rnd: Round) -> dict[str, float]:
     dist, comp, scores = ctx.dist, rnd.completions, rnd.scores
     lengths = dist.gather(comp.lengths.float().to(dist.device)).cpu()
     truncated = dist.gather(comp.truncated.float().to(dist.device)).cpu().bool()
-    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
     m: dict[str, float] = {
         "num_tokens": float(dist.sum((comp.prompt_mask.sum() + comp.lengths.sum()).float().to(dist.device))),
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()),
-        "completions/mean_terminated_length": float(terminated.mean()),
-        "completions/min_terminated_length": float(terminated.min()),
-        "completions/max_terminated_length": float(terminated.max()),
-    }
+        **length_metrics(lengths, truncated)}
     if rnd.step_scores is not None:
         m.update(process_metrics(rnd.step_scores, ctx.args.step_advantage, ctx.args.advantage_estimator,
                                  split_description(ctx.args)))

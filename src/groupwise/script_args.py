@@ -160,10 +160,10 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
                       config: str | None = None, data_dir: str | None = None, data_files: Any = None,
                       streaming: bool = False, file_is_split: bool = True, seed: int = 0):
     """The rows of `split` (None: `default`) of a dataset as a run names it: builtin:<task>, a data file (one split,
-    'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved DatasetDict's splits; a
-    saved Dataset is one split, 'train', as a data file, read whole when named alone (`split` None) and
-    `file_is_split`; slices of either in datasets' syntax), a folder of data files or a hub dataset (load_dataset's name / data_dir /
-    data_files). Anything that fails is one ConfigError naming `field`. `seed` draws a built-in task's training
+    'train', as datasets reads it; a slice such as 'train[:100]' too), a save_to_disk folder (a saved DatasetDict's
+    splits; a saved Dataset is one split, 'train', as a data file, read whole when named alone (`split` None) and
+    `file_is_split`; slices of either in datasets' syntax), a folder of data files or a hub dataset (load_dataset's
+    name / data_dir / data_files). Anything that fails is one ConfigError naming `field`. `seed` draws a built-in task's training
     problems, wherever they are read (its 'test' split is fixed: the same held-out problems whatever the seed)."""
     task = builtin_task(name)
     if task is not None:  # arithmetic and calculator have train/test splits (by a hash of the problem); toy has none

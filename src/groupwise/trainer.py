@@ -20,7 +20,8 @@ from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_callbacks
 from groupwise.agents import Toolbox, build_agent, default_train_dataset
 from groupwise.checkpoint import claim_output_dir, read_state, resume_folder, save_checkpoint, set_aside_later
-from groupwise.checkpoint_load import RESUME_FIELDS, SAVED_OPTIMIZER_FIELDS, check_pending, check_resume, load_checkpoint
+from groupwise.checkpoint_load import (RESUME_FIELDS, SAVED_OPTIMIZER_FIELDS, check_pending, check_resume,
+                                       load_checkpoint)
 from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -392,7 +393,7 @@ class GRPOTrainer(TransformersHabits):
                 f"; checkpoint-{self.global_step} written: resume it with resume_from_checkpoint=True " \
                 "(--resume_from_checkpoint true)"
             raise interrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
-                                              f"{self.global_step}{where}")
+                                      f"{self.global_step}{where}")
         if new_epoch and not last_step:
             self._event_agreed("on_epoch_begin")
 

@@ -12,7 +12,7 @@ import torch
 
 from groupwise.rewards import compute_rewards, load_reward_sources
 from groupwise.rewards.combine import weighted_nansum
-from groupwise.rewards.sources import is_async
+from groupwise.rewards.calls import is_async
 from groupwise.tasks import toy
 
 trl = pytest.importorskip("trl")

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.parsing import encodable
-from groupwise.rewards.sources import (RewardTimeout, UserExit, is_async, on_event_loop, run_async,
-                                       run_concurrently)
-from groupwise.rewards.sources import call_with_timeout as timed_call
+from groupwise.rewards.calls import (RewardTimeout, UserExit, is_async, on_event_loop, run_async,
+                                     run_concurrently)
+from groupwise.rewards.calls import call_with_timeout as timed_call
 
 
 @dataclass(frozen=True)
@@ -253,9 +253,9 @@ def _as_text(value: Any) -> str:
 def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None = None,
                       timeout_s: float | None = 30.0) -> ToolOutcome:
     """Call a *trusted* tool `fn(**kwargs)` in this process, in a worker thread, waiting at most `timeout_s` seconds
-    (None: no limit) — the thread-with-timeout of reward functions (groupwise.rewards.sources.call_with_timeout). An
+    (None: no limit) — the thread-with-timeout of reward functions (groupwise.rewards.calls.call_with_timeout). An
     `async def` tool (or one returning an awaitable) is run to completion on the shared event loop of async user code
-    (groupwise.rewards.sources.event_loop).
+    (groupwise.rewards.calls.event_loop).
 
     Timeout: returns ToolOutcome(ok=False, error="timeout") after ~timeout_s. The call itself cannot be stopped: the
     thread is abandoned (a daemon thread, so it does not keep the process alive) and runs on in the background, with

@@ -38,7 +38,8 @@ from typing import Any
 from groupwise.agents.execution import ToolThread
 from groupwise.config_base import ConfigError
 from groupwise.data import EmptyPrompt, EnvironmentPrompts, is_stream
-from groupwise.rewards.sources import RewardSource, run_async
+from groupwise.rewards.calls import run_async
+from groupwise.rewards.sources import RewardSource
 
 RESERVED = ("reset", "get_reward", "get_step_rewards", "start_turn")
 
@@ -113,7 +114,8 @@ class Toolbox:
         if callable(tools) or isinstance(tools, (str, dict)):
             name = getattr(tools, "__name__", type(tools).__name__)
             raise ConfigError(f"tools must be a list of functions, got {name!r} alone: pass tools=[{name}]"
-                              if callable(tools) else f"tools must be a list of functions, got a {type(tools).__name__}")
+                              if callable(tools) else
+                              f"tools must be a list of functions, got a {type(tools).__name__}")
         tools = list(tools or [])
         for i, fn in enumerate(tools):
             if not callable(fn):

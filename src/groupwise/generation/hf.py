@@ -45,8 +45,8 @@ class TransformersGenerator:
         steps = _StepLogprobs(self.temperature) if logprobs else None
         limit = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}  # a later tool turn's
         with eval_mode(model), (steps.watching(model) if steps else contextlib.nullcontext()):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.configs[greedy],
-                                 **limit)
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                 generation_config=self.configs[greedy], **limit)
         ids = out.sequences[:, prompt_ids.size(1):]  # (N, T)
         return Generated(ids, steps.values(ids) if steps else None)
 

@@ -18,8 +18,9 @@ import torch
 
 from groupwise.config_base import ConfigError, check_location, reject_unknown
 from groupwise.rewards.combine import weighted_nansum
+from groupwise.rewards.calls import run_async
 from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources,
-                                       resolve_spec, reward_value, run_async)
+                                       resolve_spec, reward_value)
 
 
 # what every process reward function may receive besides the dataset's columns (compute_step_rewards): TRL's

@@ -1,0 +1,135 @@
+"""User code called with limits: the one event loop of async reward functions, tools and environment methods (as
+TRL's GRPOTrainer-AsyncLoop), and calls bounded by a timeout (reward_timeout, tool_timeout). A call that overruns
+raises RewardTimeout; a sync one is left behind in a daemon thread (it cannot keep the process alive), an async one
+is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import threading
+from typing import Any, Callable
+
+
+class RewardTimeout(TimeoutError):
+    """A reward call overran reward_timeout; its rows are scored NaN and counted, the run goes on."""
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_THREAD: threading.Thread | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def is_async(fn: Any) -> bool:
+    """TRL's is_async_callable: calling `fn` gives a coroutine — an `async def` function, an instance whose
+    `__call__` is one, or a functools.partial (nested too) of either."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop of async user code (reward functions, tools, environment methods), as TRL's
+    GRPOTrainer-AsyncLoop: started on first use in a daemon thread, so clients bound to it (HTTP sessions) live
+    across steps and calls; a fresh one when the last one's thread has ended."""
+    global _LOOP, _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP_THREAD is None or not _LOOP_THREAD.is_alive():
+            _LOOP = asyncio.new_event_loop()
+            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, daemon=True, name="groupwise async loop")
+            _LOOP_THREAD.start()
+        return _LOOP
+
+
+class UserExit(Exception):
+    """SystemExit or KeyboardInterrupt raised by async user code, carried to the caller as an ordinary error:
+    raised in a task, asyncio lets them out of the event loop itself, which would stop the shared loop and leave
+    every later call waiting."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+async def guarded(awaitable) -> Any:
+    """Await user code on the shared loop (see UserExit)."""
+    try:
+        return await awaitable
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise UserExit(e) from e
+
+
+def on_event_loop() -> bool:
+    """Is this code running on the shared event loop's thread (async user code calling back)?"""
+    return threading.current_thread() is _LOOP_THREAD
+
+
+def run_async(awaitable, timeout: float | None = None, what: str = "async reward functions") -> Any:
+    """Run a coroutine on the shared event loop (event_loop()); wait at most `timeout` seconds."""
+    if on_event_loop():  # waiting here would block the loop the coroutine needs
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+        raise RuntimeError(f"{what}: called from async code on the shared event loop, where waiting for it would "
+                           "block the loop; await it instead")
+    future = asyncio.run_coroutine_threadsafe(guarded(awaitable), event_loop())
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        if future.done():  # the coroutine's own TimeoutError (an HTTP call of its own timed out): its error
+            raise
+        future.cancel()
+        raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s") from None
+
+
+def run_concurrently(starts: list[Callable[[], Any]], timeout: float | None, what: list[str],
+                     setting: str = "reward_timeout") -> list[Any]:
+    """Await `start()` for each of `starts` concurrently on the shared loop, each within `timeout` seconds: the results
+    in order, an exception in place of a failed one (a RewardTimeout, naming what[i] and `setting`, for an overrun;
+    a TimeoutError the awaitable raises itself is its own error). `start` is called on the loop, so an error in
+    making the awaitable (arguments that do not bind) is that one's error too. The outer limit only fires when one
+    blocks the event loop itself (all of them then stall)."""
+    async def limited(start, name):
+        task = asyncio.ensure_future(guarded(start()))
+        try:
+            finished, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:  # the outer limit fired (the loop was blocked): stop this one too
+            task.cancel()
+            raise
+        if not finished:
+            task.cancel()
+            raise RewardTimeout(f"{name} did not return within {setting}={timeout} s")
+        return task.result()
+
+    async def gather():
+        return await asyncio.gather(*(limited(s, w) for s, w in zip(starts, what)), return_exceptions=True)
+
+    try:
+        return run_async(gather(), None if timeout is None else timeout + 5, " and ".join(what))
+    except RewardTimeout:  # a call blocked the event loop itself: every call of the batch stalled with it
+        return [RewardTimeout(f"{w} did not return within {setting}={timeout} s (the event loop was blocked)")
+                for w in what]
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout: float | None, what: str) -> Any:
+    """fn() in a daemon thread, waiting at most `timeout` seconds (None: call it here, no limit). An overrun raises
+    RewardTimeout; the thread is abandoned (daemon threads never keep the process from exiting)."""
+    if timeout is None:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 — re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name=f"groupwise {what}")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
