@@ -93,23 +93,59 @@ def test_a_callback_cancels_the_evaluation_in_on_log_and_the_save_in_on_evaluate
     assert not list((tmp_path / "b" / "out").glob("checkpoint-*"))
 
 
-def test_should_epoch_stop_ends_the_epoch(tmp_path, tokenizer):
-    """transformers ends the epoch when a callback sets should_epoch_stop (it was ignored): 16 prompts, 2 per round,
-    an epoch of 8 steps; stopped after every step, each step is the first of a new epoch (state.epoch 0.125, 1.125,
-    2.125), with on_epoch_end / on_epoch_begin between them."""
-    epochs = []
-
+def _end_every_epoch(epochs):
     def end_epoch(name, state, control, **_):
         if name == "on_step_end":
             epochs.append(state.epoch)
             control.should_epoch_stop = True
+    return end_epoch
 
-    _, rec = _train(tmp_path, tokenizer, end_epoch, eval_rows=None, max_steps=3)
+
+def test_should_epoch_stop_ends_the_epoch_and_the_epochs_end_training(tmp_path, tokenizer):
+    """transformers ends the epoch when a callback sets should_epoch_stop (it was ignored): 16 prompts, 2 per round,
+    an epoch of 8 steps; stopped after every step, each step is the first of a new epoch (state.epoch 0.125, 1.125,
+    2.125), with on_epoch_end / on_epoch_begin between them. num_train_epochs=3 plans 24 steps; transformers' loop
+    runs 3 epochs, so training ends after step 3 (groupwise ran on to step 24)."""
+    epochs = []
+    trainer, rec = _train(tmp_path, tokenizer, _end_every_epoch(epochs), eval_rows=None, max_steps=-1,
+                          num_train_epochs=3)
+    assert trainer.state.max_steps == 24 and trainer.state.global_step == 3
     assert epochs == pytest.approx([0.125, 1.125, 2.125])
-    steps = [(n, s) for n, s in rec.events if n in ("on_step_end", "on_epoch_end", "on_epoch_begin")]
+    steps = [(n, s) for n, s in rec.events if n in ("on_step_end", "on_epoch_end", "on_epoch_begin", "on_train_end")]
     assert steps == [("on_epoch_begin", 0), ("on_step_end", 1), ("on_epoch_end", 1), ("on_epoch_begin", 1),
                      ("on_step_end", 2), ("on_epoch_end", 2), ("on_epoch_begin", 2), ("on_step_end", 3),
-                     ("on_epoch_end", 3)]
+                     ("on_epoch_end", 3), ("on_train_end", 3)]
+
+
+def test_with_max_steps_the_epochs_transformers_derives_from_it_bound_training_too(tmp_path, tokenizer):
+    """max_steps=3 with 8-step epochs: transformers' num_train_epochs is 3 // 8 + 1 = 1, so an epoch a callback
+    ends at step 1 ends training (state.num_train_epochs says so)."""
+    epochs = []
+    trainer, _ = _train(tmp_path, tokenizer, _end_every_epoch(epochs), eval_rows=None, max_steps=3)
+    assert trainer.state.num_train_epochs == 1 and trainer.state.global_step == 1 and len(epochs) == 1
+
+
+@pytest.mark.parametrize("event", ["on_train_begin", "on_epoch_begin"])
+def test_should_training_stop_before_the_first_step_still_runs_one(tmp_path, tokenizer, event):
+    """transformers reads should_training_stop after each step: set in on_train_begin or on_epoch_begin, one step
+    runs, then the epoch ends (on_epoch_end) and training does. groupwise ran no step and fired no on_epoch_end."""
+    def stop(name, state, control, **_):
+        if name == event:
+            control.should_training_stop = True
+
+    trainer, rec = _train(tmp_path, tokenizer, stop, eval_rows=None, max_steps=4)
+    assert trainer.state.global_step == 1
+    assert [n for n in rec.names() if n not in ("on_pre_optimizer_step", "on_optimizer_step", "on_log")] == [
+        "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end",
+        "on_train_end"]
+
+
+def test_eval_on_start_runs_before_the_first_epoch_begins(tmp_path, tokenizer):
+    """transformers' _inner_training_loop: on_train_begin, the eval_on_start evaluation, then on_epoch_begin
+    (groupwise evaluated after on_epoch_begin)."""
+    _, rec = _train(tmp_path, tokenizer, max_steps=1, eval_on_start=True)
+    names = [n for n in rec.names() if n not in ("on_prediction_step", "on_log")]
+    assert names[:5] == ["on_init_end", "on_train_begin", "on_evaluate", "on_epoch_begin", "on_step_begin"]
 
 
 def test_on_step_begin_comes_before_the_steps_generation(tmp_path, tokenizer):
@@ -150,3 +186,16 @@ def test_a_signal_at_an_epochs_end_still_logs_evaluates_and_saves_the_epoch(tmp_
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [x.get("step") for x in lines if "loss" in x] == [2] and any("eval_reward" in x for x in lines)
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_on_evaluate_sees_the_model_in_eval_mode_and_training_gets_it_back(tmp_path, tokenizer):
+    """transformers' evaluation loop leaves the model in eval mode through on_log / on_evaluate (training_step sets
+    train mode again): groupwise gave train mode back before them."""
+    modes = []
+
+    def record(name, state, control, model=None, **_):
+        if name in ("on_evaluate", "on_step_end"):
+            modes.append((name, model.training))
+
+    _train(tmp_path, tokenizer, record, max_steps=2, eval_strategy="steps", eval_steps=1)
+    assert modes == [("on_step_end", True), ("on_evaluate", False), ("on_step_end", True), ("on_evaluate", False)]

@@ -240,7 +240,8 @@ def test_save_eval_and_logging_strategies(tmp_path, tokenizer):
     t.train()
     assert sorted(p.name for p in (tmp_path / "e").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert _metric_steps(tmp_path / "e", "eval_reward") == [2, 4]
-    assert _metric_steps(tmp_path / "e", "loss") == [4]  # logging 'no': the last step only
+    assert _metric_steps(tmp_path / "e", "loss") == []  # logging 'no': no step (transformers: the summary only)
+    assert "train_loss" in t.state.log_history[-1]
     t = _trainer(tmp_path, tokenizer, eval_data=toy.dataset(2), max_steps=4, save_strategy="no", eval_strategy="steps",
                  eval_steps=1, eval_delay=2, eval_on_start=True, output_dir=str(tmp_path / "s"))
     t.train()

@@ -208,16 +208,15 @@ def step_flow(args, state) -> tuple[bool, bool, bool]:
     sets them: logging_strategy / eval_strategy / save_strategy "steps" (every state.*_steps: the fields, fractions
     of max_steps resolved), with eval_delay and logging_first_step (transformers' meanings); save_strategy "best"
     saves after an evaluation that gives a new best metric (the trainer decides it then, as transformers). At the
-    last step groupwise always logs, and evaluates and saves unless the strategy is "no" or "epoch" (then the epoch's
-    end does; "best": unless no new best; transformers saves there only under "steps"): a run's end is never
-    unrecorded."""
+    last step groupwise logs and evaluates unless the strategy is "no" or "epoch" (then the epoch's end does), and
+    saves under "steps" (as transformers; "best": when a new best): a run's end is never unrecorded unless asked."""
     step, last_step = state.global_step, state.global_step >= state.max_steps
 
     def due(strategy: str, every: int) -> bool:
         return strategy == "steps" and bool(every) and step % every == 0
 
-    log = due(args.logging_strategy, max(state.logging_steps, 1)) or (last_step and args.logging_strategy != "epoch") \
-        or (args.logging_first_step and step == 1)
+    log = due(args.logging_strategy, max(state.logging_steps, 1)) or (args.logging_first_step and step == 1) \
+        or (last_step and args.logging_strategy == "steps")
     evaluate = step >= args.eval_delay and (due(args.eval_strategy, state.eval_steps) or (
         last_step and args.eval_strategy not in ("no", "epoch")))
     save = due(args.save_strategy, state.save_steps) or (last_step and args.save_strategy == "steps")

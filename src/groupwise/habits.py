@@ -321,19 +321,20 @@ class TransformersHabits:
 
         start = time.perf_counter()
         # in eval mode, as transformers' evaluation loop: a rollout_func or reward function reading
-        # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it)
+        # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it); on_log and
+        # on_evaluate see the model in eval mode too (transformers sets train mode again at the next step)
         with eval_mode(self.unwrapped), eval_mode(self.sampling_model):
             raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state,
                            on_batch=lambda: self._event("on_prediction_step"),
                            progress=any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks))
-        metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL: None
-                   for k, v in raw.items() if k not in (ignore_keys or ())}
-        # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process
-        per_step = self.args.per_device_eval_batch_size * self.dist.world_size
-        metrics.update(speed_metrics(time.perf_counter() - start, math.ceil(len(data) / per_step), len(data),
-                                     metric_key_prefix))
-        self.log(metrics)  # with the epoch, as transformers' evaluate() returns it
-        self._event("on_evaluate", metrics=metrics)
+            metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL
+                       for k, v in raw.items() if k not in (ignore_keys or ())}
+            # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process
+            per_step = self.args.per_device_eval_batch_size * self.dist.world_size
+            metrics.update(speed_metrics(time.perf_counter() - start, math.ceil(len(data) / per_step), len(data),
+                                         metric_key_prefix))
+            self.log(metrics)  # with the epoch, as transformers' evaluate() returns it
+            self._event("on_evaluate", metrics=metrics)
         return metrics
 
     def _check_lengths(self, data):

@@ -29,6 +29,7 @@ from groupwise.custom_rollout import check_rollout_func
 from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, each_dataset, is_stream
 from groupwise.distributed import Distributed, empty_cache
 from groupwise.generation import build_generator
+from groupwise.guards import args_fingerprint, check_args_unchanged, check_overrides
 from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
                                router_aux_loss_coef)
@@ -56,6 +57,7 @@ class GRPOTrainer(TransformersHabits):
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
                  process_reward_funcs=None):
         # everything that can be checked without a model comes first
+        check_overrides(type(self), GRPOTrainer)  # a TRL method a subclass overrides that groupwise never calls
         self.args = args = GRPOConfig() if args is None else args
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
@@ -181,6 +183,7 @@ class GRPOTrainer(TransformersHabits):
         self.run_id = uuid.uuid4().hex[:12]  # kept across resumes: checkpoints and metrics lines carry it
         self._best.check_reward_names(tuple(s.name for s in self.reward_sources),
                                       tuple(s.name for s in self.process_sources))
+        self._built_args = args_fingerprint(args)  # what the trainer was built from (train() refuses changes)
         self._event("on_init_end")
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
@@ -253,6 +256,7 @@ class GRPOTrainer(TransformersHabits):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
         """Train to max_steps. `resume_from_checkpoint`: a checkpoint-N/ folder, or True for the newest one in
         output_dir (transformers' meaning)."""
+        check_args_unchanged(self.args, self._built_args)
         resume = resume_folder(self.args.resume_from_checkpoint if resume_from_checkpoint is None
                                else resume_from_checkpoint, self.args.output_dir)
         if not resume and self.global_step:  # it would run no step and report the first call's results
@@ -270,7 +274,7 @@ class GRPOTrainer(TransformersHabits):
         with stop_on_signals() as self._signals:
             try:
                 self._begin()
-                while not self._finished():
+                while not self._finished(stepped=self.global_step > self._first_step):
                     clock = time.perf_counter()  # TRL's step_time: the step's generation (if any) and update
                     begun = pending is None  # on_step_begin comes before the step's generation, as TRL generates
                     if begun:  # inside transformers' training_step
@@ -308,13 +312,13 @@ class GRPOTrainer(TransformersHabits):
         # none: then the main process's metrics.jsonl lines up to the resumed step)
         restored = getattr(self, "_restored_history", None)
         self.state.log_history = list(self._logger.history) if restored is None else restored
-        self._event("on_train_begin")
-        self._event_agreed("on_epoch_begin")  # a stop asked for on one process is every process's
+        self._event_agreed("on_train_begin")  # a stop asked for on one process is every process's
         # resumed, or a replica (generation_dtype, fsdp) copied before DDP synced the processes' weights: refresh
         if self.global_step or self._replica is not None:
             self._weights_changed()
-        if args.eval_on_start and self.global_step == 0:
+        if args.eval_on_start and self.global_step == 0:  # transformers: before the first epoch begins
             self.evaluate()
+        self._event_agreed("on_epoch_begin")
 
     def _collect(self) -> Rollout:
         """A fresh generation batch (groupwise.rollout.collect), timed."""
@@ -408,8 +412,13 @@ class GRPOTrainer(TransformersHabits):
         if self.args.push_to_hub and self.args.hub_strategy != "end":
             self._push_save(path)  # the model; with 'checkpoint' / 'all_checkpoints' the checkpoint too
 
-    def _finished(self) -> bool:
-        return self.global_step >= self.max_steps or self.control.should_training_stop
+    def _finished(self, stepped: bool = True) -> bool:
+        """max_steps reached, the epochs done (transformers' epoch loop: with should_epoch_stop they can end before
+        max_steps), or a callback's should_training_stop — which, as transformers reads it after each step, stops
+        nothing before this train() call's first step (`stepped`): set in on_train_begin / on_epoch_begin, one
+        step runs."""
+        return self.global_step >= self.max_steps or self._epochs_done >= self.state.num_train_epochs or (
+            stepped and self.control.should_training_stop)
 
     def _event(self, name: str, **kwargs) -> None:
         """Call `name` (transformers' events) on every callback; a returned TrainerControl replaces ours."""
