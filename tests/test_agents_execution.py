@@ -219,6 +219,33 @@ def test_only_content_blocks_pass_as_a_list_other_lists_become_text():
     assert "result one" in TOKENIZER.decode(comp.completion_ids[0].tolist())  # the model sees the result
 
 
+def test_a_non_text_content_block_from_a_tool_or_reset_is_refused_naming_it():
+    """A tool returning {"type": "image"} blocks, sync or async, or an environment's reset() observation with one,
+    reached the chat template, which rendered the text alone: the image was dropped silently."""
+    from groupwise.agents.tools import with_observation
+
+    image = [{"type": "image", "image": None}, {"type": "text", "text": "a cat"}]
+    with pytest.raises(ConfigError, match=r"^tool 't' returned a content block of type 'image': groupwise trains "
+                                          r"text-only .*return text"):
+        run_one(tool(image))
+
+    async def a(x: int):
+        """
+        An async tool.
+
+        Args:
+            x: a number
+        """
+        return image
+
+    with pytest.raises(ConfigError, match=r"^tool 'a' returned a content block of type 'image'"):
+        run_one(a)
+    with pytest.raises(ConfigError, match=r"^an environment's reset\(\) returned a content block of type 'image'"):
+        with_observation([{"role": "user", "content": "look:"}], image)
+    assert with_observation([{"role": "user", "content": "look:"}], [{"type": "text", "text": " here"}]) == [
+        {"role": "user", "content": [{"type": "text", "text": "look:"}, {"type": "text", "text": " here"}]}]
+
+
 class Unprintable:
     def __str__(self):
         raise RuntimeError("no str")

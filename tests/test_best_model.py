@@ -71,7 +71,8 @@ def test_a_metric_the_evaluation_cannot_report_is_refused_at_construction(tmp_pa
 
 @pytest.mark.parametrize("metric, hint", [("rewards/judge/agreement", None), ("process/judge_latency", None),
                                           ("my_metric", None), ("rewrd", "reward"),
-                                          ("completions/mean_lenght", "completions/mean_length")])
+                                          ("completions/mean_lenght", "completions/mean_length"),
+                                          ("rewards/_peak_at_step_2/sdt", "rewards/_peak_at_step_2/std")])
 def test_names_a_reward_function_may_log_are_a_warning_not_an_error(tmp_path, tokenizer, metric, hint):
     """log_metric names are reported by evaluation too, and may be anything: only evaluation's own names are
     refused (a first version refused every rewards/… and process/… name). Any other name is a warning now, with the

@@ -125,3 +125,25 @@ def test_a_step_reward_module_of_the_working_directory_imports(tmp_path, monkeyp
     assert main(["prm", "eval", "--process_reward_func", "mysteps_gw:fn", "--eval_file", held]) == 0
     lines = dict(line.split() for line in capsys.readouterr().out.splitlines())
     assert float(lines["eval/good_recall"]) == 1 and float(lines["eval/bad_recall"]) == 0
+
+
+def fails_on_q1(steps, prompts, **_):
+    if "q1:" in prompts:
+        raise ValueError("cannot judge q1")
+    return [[1.0] * len(s) for s in steps]
+
+
+def test_a_keyword_named_key_is_refused_and_on_reward_error_nan_leaves_a_failing_row_unscored(tmp_path, capsys):
+    """A line holding both `steps` and TRL's `completions` passed `completions` twice (an opaque TypeError inside
+    the call); the error named on_reward_error, which prm eval did not have. Now the key is refused before loading,
+    and on_reward_error='nan' leaves the failing rows' steps unscored."""
+    both = _write(tmp_path / "both.jsonl", [dict(r, completions=r["steps"]) for r in DATA])
+    assert main(["prm", "eval", "--process_reward_func", "tests.test_prm_eval:no_x", "--eval_file", both]) == 2
+    assert "the key 'completions' is one a step-reward function gets from groupwise itself" in capsys.readouterr().err
+    held = _write(tmp_path / "e.jsonl", DATA)
+    assert main(["prm", "eval", "--process_reward_func", "tests.test_prm_eval:fails_on_q1", "--eval_file", held]) == 1
+    assert "set on_reward_error='nan'" in capsys.readouterr().err
+    assert main(["prm", "eval", "--process_reward_func", "tests.test_prm_eval:fails_on_q1", "--eval_file", held,
+                 "--on_reward_error", "nan"]) == 0
+    lines = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    assert float(lines["eval/unscored"]) == 3 and float(lines["eval/steps"]) == 9  # q1's 3 steps of 12

@@ -109,8 +109,10 @@ class BestModel:
                                   f"among the {kind} {list(names)}")
         if OUTCOME_METRIC.match(self.metric) or PROCESS_METRIC.match(self.metric) or self.metric in OTHER_METRICS:
             return
-        known = [*OTHER_METRICS, *(["reward", "reward_std"] if outcome else []),
-                 *(f"rewards/{f}/mean" for f in outcome), *(f"process/{f}/mean" for f in process)]
+        known = [*OTHER_METRICS, *(["reward", "reward_std", "frac_reward_zero_std"] if outcome else []),
+                 *(f"rewards/{f}/{s}" for f in outcome for s in ("mean", "std")),
+                 *([f"process/{m}" for m in ("step_reward_mean", "steps_per_completion", "unscored_steps")]
+                   if process else []), *(f"process/{f}/mean" for f in process)]
         close = difflib.get_close_matches(self.metric, known, n=1, cutoff=0.6)
         warn_user(f"metric_for_best_model={name!r}: evaluation reports no {self.metric!r} by itself; unless a reward "
                   "function logs it with log_metric, the first evaluation stops the run"

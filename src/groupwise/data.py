@@ -17,6 +17,18 @@ from groupwise.config_base import ConfigError
 from groupwise.text import is_conversational, prompt_token_ids
 
 
+NON_TEXT = ("a content block of type {!r}: groupwise trains text-only causal models (images and other non-text "
+            "inputs are not supported yet, and the chat template would render the text alone)")
+
+
+def non_text_block(content: Any) -> str | None:
+    """The type of the first content block that is not text ({"type": "image", …}) in a message's content, or
+    None (a string, or text blocks only)."""
+    if not isinstance(content, list):
+        return None
+    return next((b.get("type") for b in content if isinstance(b, dict) and b.get("type") != "text"), None)
+
+
 def prompt_problem(prompt: Any) -> str | None:
     """Why a prompt is unusable, or None: it must be a non-empty string or a non-empty list of chat messages, each
     a dict with a string 'role' and a 'content' the chat template renders: a string, a list of content blocks
@@ -33,11 +45,9 @@ def prompt_problem(prompt: Any) -> str | None:
                     and (isinstance(content, str) or blocks or (content is None and m.get("role") == "assistant"))):
                 return (f"message {j} that is not a {{'role': str, 'content': str | content blocks}} dict (content "
                         f"None only for an assistant turn): {m!r:.80}")
-            other = next((b["type"] for b in content if b["type"] != "text"), None) if blocks else None
+            other = non_text_block(content) if blocks else None
             if other is not None:  # the chat template would render the text alone: refused, not ignored
-                return (f"message {j} with a content block of type {other!r}: groupwise trains text-only causal "
-                        "models (images and other non-text inputs are not supported yet, and would be ignored); "
-                        "give text blocks only")
+                return f"message {j} with {NON_TEXT.format(other)}; give text blocks only"
         return None
     if prompt is None:
         return "no prompt (None)"

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from groupwise.config_base import ConfigError, StrictConfig, check_location, option
+from groupwise.rewards.sources import ON_REWARD_ERROR
 
 
 @dataclass
@@ -30,6 +31,7 @@ class PRMEvalConfig(StrictConfig):
     step_delimiter: str = option("Joins a line's steps into the completion a step-reward function receives (GRPO's step_delimiter).", default="\n")
     output_file: str | None = option("Also write the metrics as JSON to this file.", default=None)
     trust_remote_code: bool = option("Allow the PRM's repository to run its own code (a spec's own trust_remote_code wins).", default=False)
+    on_reward_error: str = option("An exception in a step-reward function: 'raise' (stop, naming the row) or 'nan' (its steps unscored, counted in eval/unscored).", default="raise", choices=ON_REWARD_ERROR)
 
     def validate(self) -> None:
         if isinstance(self.process_reward_func, str) and self.process_reward_func.lstrip().startswith("{"):
@@ -102,14 +104,20 @@ def step_metrics(scores: list[list[float | None]], labels: list[list[int]], thre
 
 def evaluate_scorer(cfg: PRMEvalConfig) -> dict[str, float]:
     from groupwise.prm_train import read_step_jsonl
-    from groupwise.rewards.process import compute_step_rewards, load_process_reward_sources, resolve_process_spec
+    from groupwise.rewards.process import (PROCESS_REWARD_KEYWORDS, compute_step_rewards, load_process_reward_sources,
+                                           resolve_process_spec)
 
     rows = read_step_jsonl(cfg.eval_file, keep_columns=True)
+    columns = {k: [r["columns"].get(k) for r in rows] for k in sorted({k for r in rows for k in r["columns"]})}
+    taken = sorted(PROCESS_REWARD_KEYWORDS & set(columns))  # a line holding both `steps` and `completions`, …
+    if taken:
+        raise ConfigError(f"{cfg.eval_file}: the key {taken[0]!r} is one a step-reward function gets from groupwise "
+                          f"itself ({', '.join(sorted(PROCESS_REWARD_KEYWORDS))}), so it cannot be a column too: "
+                          "rename it (a line gives its steps as `steps` or as `completions`, not both)")
     resolve_process_spec(cfg.process_reward_func, "process_reward_func")  # named before anything loads
     device = "cuda" if torch.cuda.is_available() else "cpu"
     [source] = load_process_reward_sources([cfg.process_reward_func], trust_remote_code=cfg.trust_remote_code,
                                            device=device)
-    columns = {k: [r["columns"].get(k) for r in rows] for k in sorted({k for r in rows for k in r["columns"]})}
     scores: list[list[float]] = []
     chunk = 64
     for lo in tqdm(range(0, len(rows), chunk), desc="scoring steps", disable=len(rows) <= chunk):
@@ -117,7 +125,7 @@ def evaluate_scorer(cfg: PRMEvalConfig) -> dict[str, float]:
         steps = [r["steps"] for r in part]
         scores += compute_step_rewards(
             [source], torch.ones(1), [r["prompt"] for r in part], [cfg.step_delimiter.join(s) for s in steps], steps,
-            {k: v[lo:lo + chunk] for k, v in columns.items()})[0]
+            {k: v[lo:lo + chunk] for k, v in columns.items()}, on_error=cfg.on_reward_error)[0]
     metrics = step_metrics(scores, [r["labels"] for r in rows], cfg.threshold)
     metrics["eval/examples"] = float(len(rows))
     if cfg.output_file:

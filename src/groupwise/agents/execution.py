@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.parsing import encodable
+from groupwise.config_base import ConfigError
+from groupwise.data import NON_TEXT, non_text_block
 from groupwise.rewards.calls import (RewardTimeout, UserExit, is_async, on_event_loop, run_async,
                                      run_concurrently)
 from groupwise.rewards.calls import call_with_timeout as timed_call
@@ -135,6 +137,9 @@ def tool_content(name: str, value: Any) -> tuple[str | list, str | None]:
     tokenizer could not encode it). (content, None), or (an error message naming the tool, "exception") when str()
     fails."""
     if isinstance(value, list) and value and all(isinstance(b, dict) and "type" in b for b in value):
+        if (other := non_text_block(value)) is not None:  # refused, not dropped by the chat template
+            raise ConfigError(f"tool {name!r} returned {NON_TEXT.format(other)}: return text (a string, or text "
+                              "blocks)")
         return value, None
     text = _text(value)
     if text is None:

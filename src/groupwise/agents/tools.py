@@ -37,7 +37,7 @@ from typing import Any
 
 from groupwise.agents.execution import ToolThread
 from groupwise.config_base import ConfigError
-from groupwise.data import EmptyPrompt, EnvironmentPrompts, is_stream
+from groupwise.data import NON_TEXT, EmptyPrompt, EnvironmentPrompts, is_stream, non_text_block
 from groupwise.rewards.calls import run_async
 from groupwise.rewards.sources import RewardSource
 
@@ -287,6 +287,9 @@ def with_observation(prompt: list[dict], observation: Any) -> list[dict]:
     """TRL: a string (or list of content blocks) from reset() is appended to the last message's content, as is."""
     if observation is None:
         return prompt
+    if (other := non_text_block(observation)) is not None:  # refused, not dropped by the chat template
+        raise ConfigError(f"an environment's reset() returned {NON_TEXT.format(other)}: return text (a string, "
+                          "or text blocks)")
     last = prompt[-1]
     content = last["content"]
     if isinstance(content, list) and isinstance(observation, str):
