@@ -91,6 +91,15 @@ def test_a_resume_must_repeat_the_run(tmp_path, model_dir, straight, monkeypatch
                                               r"groupwise_prm.json …\): resume it with "
                                               r"resume_from_checkpoint, .* overwrite_output_dir"):
         train_prm(_cfg(model_dir, train, out))
+    # the same base folder spelled another way (relative, with a trailing slash) passes the check: the model loads
+    # (last: the resume sets checkpoint-10 aside before loading)
+    monkeypatch.chdir(tmp_path)
+    relative = str(__import__("os").path.relpath(model_dir, tmp_path)) + "/"
+    with pytest.raises(AssertionError, match="the model loaded"):
+        train_prm(_cfg(relative, train, out, resume_from_checkpoint=ckpt))
+    with pytest.raises(CheckpointError, match=r"was trained with model_name_or_path='.*', this config has "
+                                              r"model_name_or_path='other-base'"):
+        train_prm(_cfg("other-base", train, out, resume_from_checkpoint=ckpt))
 
 
 def test_checkpoints_of_the_other_command_are_refused(tmp_path, straight):

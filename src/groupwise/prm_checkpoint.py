@@ -20,6 +20,7 @@ skips the batches already trained on.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,13 @@ RUN_FIELDS = ("model_name_or_path", "eval_file", "eval_fraction", "separator", "
               "per_device_train_batch_size", "max_length", "seed", "disable_dropout")
 # what a checkpoint written before a field existed was trained with
 RUN_FIELD_BEFORE = {"disable_dropout": False}
+# run fields that name a file or folder: the same one under another spelling (./base, an absolute path) is the same
+PATH_FIELDS = ("model_name_or_path", "eval_file")
+
+
+def _location(value: Any) -> Any:
+    """A local file or folder's real path (a hub id, or nothing: the value itself)."""
+    return os.path.realpath(value) if isinstance(value, str) and value and os.path.exists(value) else value
 
 
 def start(cfg) -> tuple[str | None, dict[str, Any]]:
@@ -48,10 +56,14 @@ def start(cfg) -> tuple[str | None, dict[str, Any]]:
         claim_output_dir(cfg.output_dir, cfg.overwrite_output_dir)
         return None, {"command": COMMAND, "run_id": uuid.uuid4().hex, "step": 0,
                       "config": {k: getattr(cfg, k) for k in RUN_FIELDS},
+                      "locations": {k: _location(getattr(cfg, k)) for k in PATH_FIELDS},
                       "train_file_sha256": sha256_of(cfg.train_file)}
     state = read_state(folder)  # verifies every file against checksums.json
     for name in RUN_FIELDS:
         was, now = state["config"].get(name, RUN_FIELD_BEFORE.get(name)), getattr(cfg, name)
+        if name in PATH_FIELDS and was != now:  # (a checkpoint without locations: read from this directory)
+            if state.get("locations", {}).get(name, _location(was)) == _location(now):
+                continue
         if was != now:
             raise CheckpointError(f"resume_from_checkpoint={folder!r} was trained with {name}={was!r}, this config "
                                   f"has {name}={now!r}: resume with {name}: {json.dumps(was)}, or start a new run "
