@@ -151,6 +151,35 @@ def test_fsdp_transformer_layer_cls_to_wrap_is_honoured_or_refused_by_name(monke
               resolve("full_shard", {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}), torch.device("cpu"))
 
 
+def test_fsdp_layer_classes_are_refused_before_the_weights_load(monkeypatch, tmp_path, tokenizer, model_dir,
+                                                               one_process_group):
+    """A wrong transformer_layer_cls_to_wrap, or a model without _no_split_modules, was refused only once every
+    process had loaded the weights (minutes for an 8B model): the model is now built from its config on the meta
+    device first."""
+    import transformers
+
+    from groupwise import GRPOTrainer
+    from groupwise.sharding import Sharding, check_layers_before_loading
+    from groupwise.tasks import toy
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights loaded before the error")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    args = small_args(tmp_path, fsdp="full_shard", fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    with pytest.raises(ConfigError, match=r"^fsdp_config's transformer_layer_cls_to_wrap names \['GPT2Block'\], "
+                                          r"which LlamaForCausalLM does not contain"):
+        GRPOTrainer(model_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(8))
+    gpt = tmp_path / "gpt"  # openai-gpt declares no _no_split_modules
+    transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(n_layer=2, n_embd=16, n_head=2,
+                                                                   vocab_size=64)).save_pretrained(gpt)
+    with pytest.raises(ConfigError, match=r"OpenAIGPTLMHeadModel declares no decoder layer classes .*"
+                                          r"\(its repeated blocks: \['Block'\]\)"):
+        check_layers_before_loading(str(gpt), Sharding(True), {})
+    check_layers_before_loading(model_dir, Sharding(True), {"dtype": torch.bfloat16})  # the model's own: fine
+    check_layers_before_loading(str(tmp_path / "not-a-model"), Sharding(True), {})  # left to the load's own error
+
+
 # ---- seeding ------------------------------------------------------------------------------------------------------
 def test_models_load_with_the_same_seed_on_every_process_then_each_samples_with_seed_plus_rank(monkeypatch, tmp_path,
                                                                                               tokenizer):

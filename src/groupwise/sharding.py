@@ -194,20 +194,7 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-    declared = list(getattr(model, "_no_split_modules", None) or [])
-    layer_names = set(sharding.layer_classes or declared)
-    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
-    missing = sorted(layer_names - {type(m).__name__ for m in layers}) if sharding.layer_classes else []
-    if missing:  # as accelerate: every class named must be in the model
-        raise ConfigError(f"{sharding.classes_from} names {missing}, which {type(model).__name__} does not contain: "
-                          f"name its decoder layer class ({declared}) there, or leave the key out")
-    if not layers:
-        repeated = sorted({type(m).__name__ for name, m in model.named_modules()
-                           if name.rsplit(".", 1)[-1].isdigit()})  # the children of a ModuleList: its layers
-        hint = f" (its repeated blocks: {repeated})" if repeated else ""
-        raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules), so "
-                          "it cannot be sharded layer by layer by default: name its decoder layer class in "
-                          f"fsdp_config: {{transformer_layer_cls_to_wrap: [...]}}{hint}")
+    layers = decoder_layers(model, sharding)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     if bf16 and not frozen and not any(type(p).__name__ in QUANTIZED_PARAMETERS for p in model.parameters()):
@@ -229,6 +216,49 @@ def shard(root: torch.nn.Module, model: torch.nn.Module, sharding: Sharding, dev
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
                 ignored_params=ignored)
     return root
+
+
+def decoder_layers(model: torch.nn.Module, sharding: Sharding) -> list[torch.nn.Module]:
+    """The modules fully_shard makes units of: those of the classes sharding.layer_classes names, else of the
+    model's `_no_split_modules` classes. A class named that the model lacks, or no class at all, is a ConfigError
+    naming the fix."""
+    declared = list(getattr(model, "_no_split_modules", None) or [])
+    layer_names = set(sharding.layer_classes or declared)
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    missing = sorted(layer_names - {type(m).__name__ for m in layers}) if sharding.layer_classes else []
+    if missing:  # as accelerate: every class named must be in the model
+        raise ConfigError(f"{sharding.classes_from} names {missing}, which {type(model).__name__} does not contain: "
+                          f"name its decoder layer class ({declared}) there, or leave the key out")
+    if not layers:
+        repeated = sorted({type(m).__name__ for name, m in model.named_modules()
+                           if name.rsplit(".", 1)[-1].isdigit()})  # the children of a ModuleList: its layers
+        hint = f" (its repeated blocks: {repeated})" if repeated else ""
+        raise ConfigError(f"fsdp: {type(model).__name__} declares no decoder layer classes (_no_split_modules), so "
+                          "it cannot be sharded layer by layer by default: name its decoder layer class in "
+                          f"fsdp_config: {{transformer_layer_cls_to_wrap: [...]}}{hint}")
+    return layers
+
+
+# from_pretrained keywords that say which config to read (the others, dtype and the like, do not change the modules)
+_CONFIG_KWARGS = ("revision", "subfolder", "trust_remote_code", "gguf_file", "token", "cache_dir", "local_files_only")
+
+
+def check_layers_before_loading(model: str, sharding: Sharding, init_kwargs: dict) -> None:
+    """decoder_layers on the model `model` (a path or hub id) would load, built from its config on the meta device
+    (no weights read): a wrong transformer_layer_cls_to_wrap, or a model without _no_split_modules, is refused
+    before every process loads the weights. A config that cannot be built so (custom code not allowed, a format
+    from_config does not take) is left to the check after loading."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: init_kwargs[k] for k in _CONFIG_KWARGS if k in init_kwargs}
+    try:
+        config = AutoConfig.from_pretrained(model, **kwargs)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=kwargs.get("trust_remote_code",
+                                                                                              False))
+    except Exception:  # noqa: BLE001 — the same check runs on the loaded model (shard)
+        return
+    decoder_layers(skeleton, sharding)
 
 
 def upcast_trainable(model: torch.nn.Module) -> list[str]:

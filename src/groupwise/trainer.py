@@ -32,13 +32,13 @@ from groupwise.generation import build_generator
 from groupwise.guards import args_fingerprint, check_args_unchanged, check_overrides
 from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
-                               router_aux_loss_coef)
+                               policy_init_kwargs, router_aux_loss_coef)
 from groupwise.habits import TrainResult, TransformersHabits
 from groupwise.logging import set_log_level
 from groupwise.signals import interrupted, stop_on_signals
 from groupwise.modeling import disable_dropout
 from groupwise.optim import build_training
-from groupwise.sharding import full_state_dict, resolve as resolve_sharding
+from groupwise.sharding import check_layers_before_loading, full_state_dict, resolve as resolve_sharding
 from groupwise.rewards import load_reward_sources
 from groupwise.rewards.process import load_process_reward_sources
 from groupwise.rewards.steps import StepSplitter
@@ -141,6 +141,8 @@ class GRPOTrainer(TransformersHabits):
             if data is not None and self.rollout_func is None:  # a stream checks each row as it is read
                 self._check_lengths(data)
         self.agent = build_agent(self.toolbox, self.tokenizer, args, datasets)  # tools
+        if self.dist.sharding is not None and isinstance(model, str):  # fsdp's layer classes, before the weights load
+            check_layers_before_loading(model, self.dist.sharding, policy_init_kwargs(args))
         policy = load_policy(model, args, quantization_config, self.dist.device)
         if self.peft_config is not None:
             policy = wrap(policy, self.peft_config, gradient_checkpointing=args.gradient_checkpointing)
