@@ -242,6 +242,8 @@ def test_a_non_text_content_block_from_a_tool_or_reset_is_refused_naming_it():
         run_one(a)
     with pytest.raises(ConfigError, match=r"^an environment's reset\(\) returned a content block of type 'image'"):
         with_observation([{"role": "user", "content": "look:"}], image)
+    with pytest.raises(ConfigError, match=r"returned a content block of type '\(none\)'"):  # an untyped item first
+        with_observation([{"role": "user", "content": "look:"}], [{"text": "caption"}, image[0]])
     assert with_observation([{"role": "user", "content": "look:"}], [{"type": "text", "text": " here"}]) == [
         {"role": "user", "content": [{"type": "text", "text": "look:"}, {"type": "text", "text": " here"}]}]
 

@@ -31,11 +31,11 @@ class Recorder(TrainerCallback):
         return [name for name, _ in self.events]
 
 
-def _train(tmp_path, tokenizer, act=None, eval_rows=4, rewards=None, **fields):
+def _train(tmp_path, tokenizer, act=None, eval_rows=4, rewards=None, rows=16, **fields):
     recorder = Recorder(act)
     model = toy.build_model(tokenizer, seed=0, hidden_size=32)
     trainer = GRPOTrainer(model, rewards or toy.REWARD_FUNCS, args=small_args(tmp_path, **fields),
-                          train_dataset=toy.dataset(16), processing_class=tokenizer,
+                          train_dataset=toy.dataset(rows), processing_class=tokenizer,
                           eval_dataset=toy.dataset(eval_rows, seed=1) if eval_rows else None, callbacks=[recorder])
     trainer.train()
     return trainer, recorder
@@ -125,10 +125,24 @@ def test_with_max_steps_the_epochs_transformers_derives_from_it_bound_training_t
     assert trainer.state.num_train_epochs == 1 and trainer.state.global_step == 1 and len(epochs) == 1
 
 
+@pytest.mark.parametrize("rows, max_steps, steps_per_generation", [(5, 6, 1), (5, 8, 2), (3, 5, 1)])
+def test_max_steps_are_all_run_when_rounds_run_on_across_epochs(tmp_path, tokenizer, rows, max_steps,
+                                                                  steps_per_generation):
+    """5 prompts, 2 per round: rounds run on across epoch boundaries, so max_steps' rounds make more passes than
+    max_steps ÷ rounds per epoch (ceil(5/2) = 3). Counting epochs that way ended a 6-step run at step 5 (and an
+    8-step one with 2 steps per round at step 6, its end neither logged nor saved)."""
+    trainer, rec = _train(tmp_path, tokenizer, eval_rows=None, rows=rows, max_steps=max_steps,
+                          steps_per_generation=steps_per_generation)  # 2 prompts a step: 2 or 4 a round
+    assert trainer.state.global_step == max_steps
+    assert trainer.state.log_history[-2]["step"] == max_steps and "loss" in trainer.state.log_history[-2]
+
+
 @pytest.mark.parametrize("event", ["on_train_begin", "on_epoch_begin"])
 def test_should_training_stop_before_the_first_step_still_runs_one(tmp_path, tokenizer, event):
     """transformers reads should_training_stop after each step: set in on_train_begin or on_epoch_begin, one step
-    runs, then the epoch ends (on_epoch_end) and training does. groupwise ran no step and fired no on_epoch_end."""
+    runs, then the epoch ends (on_epoch_end) and training does. groupwise ran no step and fired no on_epoch_end.
+    (With gradient_accumulation_steps > 1 transformers stops after one micro-batch, with no optimizer step:
+    groupwise still runs one step, docs/trl_compat.md.)"""
     def stop(name, state, control, **_):
         if name == event:
             control.should_training_stop = True
@@ -138,6 +152,20 @@ def test_should_training_stop_before_the_first_step_still_runs_one(tmp_path, tok
     assert [n for n in rec.names() if n not in ("on_pre_optimizer_step", "on_optimizer_step", "on_log")] == [
         "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end",
         "on_train_end"]
+
+
+def test_should_training_stop_in_a_later_epoch_s_begin_runs_one_step_of_it(tmp_path, tokenizer):
+    """Set in the second epoch's on_epoch_begin (after step 8 of 8-step epochs), transformers runs that epoch's
+    first step and fires its on_epoch_end; groupwise stopped at once, leaving the epoch without an end."""
+    def stop(name, state, control, **_):
+        if name == "on_epoch_begin" and state.global_step > 0:
+            control.should_training_stop = True
+
+    trainer, rec = _train(tmp_path, tokenizer, stop, eval_rows=None, max_steps=-1, num_train_epochs=3)
+    assert trainer.state.global_step == 9
+    epochs = [(n, s) for n, s in rec.events if n in ("on_epoch_begin", "on_epoch_end", "on_train_end")]
+    assert epochs == [("on_epoch_begin", 0), ("on_epoch_end", 8), ("on_epoch_begin", 8), ("on_epoch_end", 9),
+                      ("on_train_end", 9)]
 
 
 def test_eval_on_start_runs_before_the_first_epoch_begins(tmp_path, tokenizer):

@@ -91,8 +91,9 @@ def test_subgroups_are_consecutive_processes(tmp_path):
 @pytest.mark.slow
 def test_a_stop_asked_on_one_process_at_an_epoch_begin_and_a_main_only_save_model_end_together(tmp_path):
     """4 prompts, 2 per round: an epoch is 2 steps. The main process's callback asks to stop at the second epoch's
-    on_epoch_begin: both stop after step 2 (process 1 went on to step 3's collectives and waited there until
-    ddp_timeout). save_model() on the main process alone returns (it waited in a barrier until ddp_timeout)."""
+    on_epoch_begin: both run that epoch's first step, as transformers, and stop after step 3 (process 1 went on to
+    step 4's collectives and waited there until ddp_timeout). save_model() on the main process alone returns (it
+    waited in a barrier until ddp_timeout)."""
     _launch(2, "one_rank", tmp_path)
-    assert [json.loads((tmp_path / f"result_{r}.json").read_text())["step"] for r in (0, 1)] == [2, 2]
+    assert [json.loads((tmp_path / f"result_{r}.json").read_text())["step"] for r in (0, 1)] == [3, 3]
     assert (tmp_path / "final" / "model.safetensors").exists()

@@ -38,20 +38,47 @@ def test_a_subclass_overriding_trl_methods_groupwise_never_calls_is_refused_befo
     assert "loss_type" in message and "optimizers=(optimizer, lr_scheduler)" in message
 
 
-def test_the_check_walks_the_subclass_chain_and_gives_a_general_hint_for_other_trainer_methods(tmp_path, tokenizer):
-    """An override inherited from an intermediate class counts; a transformers Trainer method the table has no hint
-    for (get_decay_parameter_names) gets the general one."""
+def test_the_check_walks_the_subclass_chain_and_mixins_and_gives_a_general_hint_for_other_hooks(tmp_path, tokenizer):
+    """An override inherited from an intermediate class counts, and so does a mixin listed after GRPOTrainer (it
+    was missed: only the classes before GRPOTrainer in the MRO were read); a `_` hook of transformers' Trainer the
+    table has no hint for (_wrap_model) gets the general one."""
     class Base(GRPOTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             pass
 
     class Child(Base):
-        def get_decay_parameter_names(self, model):
-            return []
+        def _wrap_model(self, model, training=True, dataloader=None):
+            return model
 
-    with pytest.raises(TypeError, match=r"^Child overrides get_decay_parameter_names\(\), training_step\(\) .*"
+    with pytest.raises(TypeError, match=r"^Child overrides _wrap_model\(\), training_step\(\) .*"
                                         r"use a callback \(transformers' events\).*loss_type"):
         _build(Child, tmp_path, tokenizer)
+
+    class LossMixin:
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            pass
+
+    class Mixed(GRPOTrainer, LossMixin):
+        pass
+
+    with pytest.raises(TypeError, match=r"^Mixed overrides compute_loss\(\)"):
+        _build(Mixed, tmp_path, tokenizer)
+
+
+def test_public_trainer_methods_groupwise_lacks_are_the_subclass_s_own_and_save_model_is_warned(tmp_path, tokenizer):
+    """predict() is not called by any loop: a subclass's predict is its own method, called by its user (it was
+    refused). save_model is overridden with a warning: transformers calls it for each checkpoint, groupwise not."""
+    class WithPredict(GRPOTrainer):
+        def predict(self, rows):
+            return len(rows)
+
+        def save_model(self, output_dir=None, _internal_call=False):
+            super().save_model(output_dir, _internal_call)
+
+    with pytest.warns(UserWarning, match=r"^WithPredict overrides save_model\(\): transformers also calls it to "
+                                         r"write each checkpoint's model; .*on_save"):
+        trainer = _build(WithPredict, tmp_path, tokenizer)
+    assert trainer.predict([1, 2]) == 2
 
 
 def test_a_subclass_overriding_what_groupwise_calls_and_adding_helpers_trains(tmp_path, tokenizer):
@@ -85,9 +112,22 @@ def test_args_changed_after_the_trainer_is_built_are_refused_by_name(tmp_path, t
         trainer.train()
     trainer.args.max_steps, trainer.args.logging_steps = 2, 1
     trainer.args.reward_weights[0] = 2.0
-    with pytest.raises(ConfigError, match=r"\(reward_weights: \[1.0\] → \[2.0\]\)"):
+    trainer.args.hub_model_id, trainer.args.hub_token = "me/model", "hf_SECRET"  # a token may change (not shown)
+    with pytest.raises(ConfigError, match=r"\(hub_model_id: None → 'me/model'; reward_weights: \[1.0\] → \[2.0\]\)"):
         trainer.train()
     assert not (tmp_path / "out").exists()
+
+
+def test_fields_read_where_they_are_used_may_change_after_building(tmp_path, tokenizer):
+    """num_generations_eval is read by evaluate() when it runs (an evaluation after changing it samples 2 per
+    prompt): changing it before train() was refused."""
+    trainer = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length],
+                          args=small_args(tmp_path, max_steps=1), train_dataset=toy.dataset(8),
+                          eval_dataset=toy.dataset(2, seed=1), processing_class=tokenizer)
+    trainer.args.num_generations_eval = 2
+    assert "eval_rewards/_length/mean@2" in trainer.evaluate()
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_resume_from_checkpoint_set_on_args_after_building_is_read_by_train(tmp_path, tokenizer):

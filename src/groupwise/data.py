@@ -22,11 +22,12 @@ NON_TEXT = ("a content block of type {!r}: groupwise trains text-only causal mod
 
 
 def non_text_block(content: Any) -> str | None:
-    """The type of the first content block that is not text ({"type": "image", …}) in a message's content, or
-    None (a string, or text blocks only)."""
+    """The type of the first content block that is not text ({"type": "image", …}; "(none)" for an item without a
+    type) in a message's content, or None (a string, or text blocks only)."""
     if not isinstance(content, list):
         return None
-    return next((b.get("type") for b in content if isinstance(b, dict) and b.get("type") != "text"), None)
+    return next((str(b.get("type")) if isinstance(b, dict) and "type" in b else "(none)"
+                 for b in content if not (isinstance(b, dict) and b.get("type") == "text")), None)
 
 
 def prompt_problem(prompt: Any) -> str | None:

@@ -2,8 +2,8 @@
 
 - a subclass overriding a method of TRL's GRPOTrainer or transformers' Trainer that groupwise's loop never calls
   (groupwise's GRPOTrainer is not a transformers Trainer: its loop, loss, optimizer and checkpoints are its own),
-  with what to use instead. Methods groupwise's GRPOTrainer has (`log`, `evaluate`, `save_model`, `push_to_hub`, …)
-  are called where TRL calls them, and a subclass may override them;
+  with what to use instead. Methods groupwise's GRPOTrainer has (`log`, `evaluate`, `push_to_hub`, …) are called
+  where TRL calls them, and a subclass may override them (`save_model` with a warning: not at checkpoints);
 - `trainer.args` changed between building the trainer and `train()`: the layout, the schedule, the optimizer, the
   state's logging / eval / save steps and the rollout are built from args when the trainer is built (TRL's Trainer
   reads many fields again in `train()`)."""
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from groupwise.config_base import ConfigError
+from groupwise.config_base import ConfigError, warn_user
 
 _LOSS = ("the loss is groupwise's: loss_type picks one of groupwise.core.losses.LOSS_TYPES (TRL's), with its "
          "GRPOConfig fields (epsilon, beta, importance_sampling_level, …); reward shaping belongs in reward_funcs")
@@ -27,15 +27,18 @@ _DATA = "prompts are read by index, not by a DataLoader: train_dataset, shuffle_
 _EVALUATION = "override evaluate() itself, or compute metrics in a callback's on_evaluate"
 _FLOW = ("use a callback: in on_step_end it may set control.should_log / should_evaluate / should_save / "
          "should_training_stop")
+_OTHER = "use a callback (transformers' events) or the GRPOConfig fields"
 _VLLM = "weights reach vLLM through groupwise's generation backend (use_vllm) after every optimizer step"
 
-# TRL 1.16's GRPOTrainer methods groupwise's has no counterpart of (its Trainer methods are read from transformers)
+# methods TRL 1.16's GRPOTrainer or transformers' Trainer call from their loops and groupwise's trainer lacks (the
+# other `_`-prefixed Trainer methods are read from transformers)
 INSTEAD: dict[str, str] = {
     "compute_loss": _LOSS, "_compute_loss": _LOSS, "training_step": _LOSS, "compute_liger_loss": _LOSS,
     "_get_per_token_logps_and_entropies": _LOSS, "get_high_entropy_mask": _LOSS, "get_off_policy_mask": _LOSS,
     "get_gamma_weights": _LOSS, "compute_loss_context_manager": _LOSS,
     "create_optimizer": _OPTIMIZER, "create_scheduler": _OPTIMIZER, "create_optimizer_and_scheduler": _OPTIMIZER,
     "get_optimizer_cls_and_kwargs": _OPTIMIZER, "_load_optimizer_and_scheduler": _OPTIMIZER,
+    "get_decay_parameter_names": _OPTIMIZER, "floating_point_ops": _OTHER, "get_batch_samples": _DATA,
     "_save_checkpoint": _CHECKPOINT, "_save": _CHECKPOINT, "_load_from_checkpoint": _CHECKPOINT,
     "_load_rng_state": _CHECKPOINT, "_load_best_model": _CHECKPOINT,
     "_generate_and_score_completions": _ROLLOUT, "_generate": _ROLLOUT, "_generate_single_turn": _ROLLOUT,
@@ -47,22 +50,33 @@ INSTEAD: dict[str, str] = {
     "_maybe_log_save_evaluate": _FLOW, "_inner_training_loop": _FLOW,
     "_move_model_to_vllm": _VLLM, "_sync_fsdp_params_to_vllm": _VLLM,
 }
-_OTHER = "use a callback (transformers' events) or the GRPOConfig fields"
+
+
+# methods groupwise's trainer has but calls in fewer places than transformers: an override is warned about
+PARTLY_CALLED = {
+    "save_model": "transformers also calls it to write each checkpoint's model; groupwise writes its checkpoints "
+                  "itself, so the override runs when save_model() is called (by you, the CLI at the end of "
+                  "training, push_to_hub()), not at checkpoints: add files to checkpoints in a callback's on_save",
+}
 
 
 def check_overrides(cls: type, base: type) -> None:
-    """Refuse a subclass `cls` of `base` (groupwise's GRPOTrainer) that defines a method TRL's GRPOTrainer or
-    transformers' Trainer has and `base` has not: groupwise would never call it. One error naming each such method
-    and what to use instead."""
+    """Refuse a subclass `cls` of `base` (groupwise's GRPOTrainer) that defines a method transformers' Trainer or
+    TRL's GRPOTrainer calls from its own loop (INSTEAD, and transformers' `_`-prefixed hooks) and `base` has not:
+    groupwise would never call it. One error naming each such method and what to use instead. A public method of
+    transformers' Trainer that groupwise lacks (`predict`, …) is the subclass's own: it runs when called. An
+    override of a PARTLY_CALLED method is a warning."""
     if cls is base:
         return
-    own = {name for klass in cls.__mro__[:cls.__mro__.index(base)] for name in vars(klass)}
+    own = {name for klass in cls.__mro__ if klass not in base.__mro__ for name in vars(klass)}  # mixins too
+    for name in sorted(own & set(PARTLY_CALLED)):
+        warn_user(f"{cls.__name__} overrides {name}(): {PARTLY_CALLED[name]}")
     new = {name for name in own - set(dir(base)) if not name.startswith("__")}
     if not new:
         return
     from transformers import Trainer  # only for a subclass with methods of its own (an import of ~1 s)
 
-    ignored = sorted(name for name in new if name in INSTEAD or hasattr(Trainer, name))
+    ignored = sorted(name for name in new if name in INSTEAD or (name.startswith("_") and hasattr(Trainer, name)))
     if ignored:
         hints = dict.fromkeys(INSTEAD.get(name, _OTHER) for name in ignored)  # each hint once, in order
         names = ", ".join(f"{name}()" for name in ignored)
@@ -71,8 +85,10 @@ def check_overrides(cls: type, base: type) -> None:
                         f"effect: {'; '.join(hints)} (docs/trl_compat.md)")
 
 
-# read by train() itself (TRL's meaning): changing it after the trainer is built takes effect
-READ_BY_TRAIN = frozenset({"resume_from_checkpoint"})
+# read where they are used, never when the trainer is built: changing them after building takes effect
+# (resume_from_checkpoint by train(), TRL's meaning; the evaluation's by evaluate(); the token at each upload)
+READ_WHEN_USED = frozenset({"resume_from_checkpoint", "num_generations_eval", "per_device_eval_batch_size",
+                            "hub_token"})
 
 
 def args_fingerprint(args) -> dict[str, str]:
@@ -82,12 +98,13 @@ def args_fingerprint(args) -> dict[str, str]:
 
 def check_args_unchanged(args, built: dict[str, str]) -> None:
     """Refuse args whose fields differ from `built` (args_fingerprint when the trainer was built), naming each change
-    as `field: before → now`."""
+    as `field: before → now` (READ_WHEN_USED fields may change: the token among them is never shown)."""
     now = args_fingerprint(args)
-    changed = [name for name, value in now.items() if name not in READ_BY_TRAIN and built.get(name) != value]
+    changed = [name for name, value in now.items() if name not in READ_WHEN_USED and built.get(name) != value]
     if changed:
         listed = "; ".join(f"{name}: {built.get(name)} → {now[name]}" for name in changed)
         raise ConfigError(f"trainer.args changed after the GRPOTrainer was built ({listed}): groupwise builds the "
-                          "batch layout, schedule, optimizer and rollout from args when the trainer is built, so the "
-                          "change would be ignored. Set these fields in the GRPOConfig before building the trainer "
-                          "(TRL's Trainer reads some of them again in train())")
+                          "batch layout, schedule, optimizer, generation backend and rollout from args when the "
+                          "trainer is built and does not support changing them afterwards (some changes would be "
+                          "ignored). Set these fields in the GRPOConfig before building the trainer (TRL's Trainer "
+                          "reads some of them again in train())")

@@ -119,7 +119,8 @@ class GRPOTrainer(TransformersHabits):
 
         # transformers' own records, as TRL users read them: state.global_step, state.log_history, …
         epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else sys.maxsize if stream else \
-            math.ceil(self.max_steps / (self.sampler.rounds_per_epoch() * self.steps_per_round))  # as transformers
+            math.ceil(math.ceil(self.max_steps / self.steps_per_round) * self.layout.prompts_per_generation
+                      / len(self.train_data))  # the passes max_steps' rounds make (rounds run on across epochs)
         self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=epochs,
                                   logging_steps=args.every("logging_steps", self.max_steps),
                                   eval_steps=args.every("eval_steps", self.max_steps),
@@ -258,7 +259,7 @@ class GRPOTrainer(TransformersHabits):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
         """Train to max_steps. `resume_from_checkpoint`: a checkpoint-N/ folder, or True for the newest one in
         output_dir (transformers' meaning)."""
-        check_args_unchanged(self.args, self._built_args)
+        self.dist.run_together(lambda: check_args_unchanged(self.args, self._built_args), "checking trainer.args")
         resume = resume_folder(self.args.resume_from_checkpoint if resume_from_checkpoint is None
                                else resume_from_checkpoint, self.args.output_dir)
         if not resume and self.global_step:  # it would run no step and report the first call's results
@@ -276,7 +277,7 @@ class GRPOTrainer(TransformersHabits):
         with stop_on_signals() as self._signals:
             try:
                 self._begin()
-                while not self._finished(stepped=self.global_step > self._first_step):
+                while not self._finished():
                     clock = time.perf_counter()  # TRL's step_time: the step's generation (if any) and update
                     begun = pending is None  # on_step_begin comes before the step's generation, as TRL generates
                     if begun:  # inside transformers' training_step
@@ -320,7 +321,7 @@ class GRPOTrainer(TransformersHabits):
             self._weights_changed()
         if args.eval_on_start and self.global_step == 0:  # transformers: before the first epoch begins
             self.evaluate()
-        self._event_agreed("on_epoch_begin")
+        self._begin_epoch()
 
     def _collect(self) -> Rollout:
         """A fresh generation batch (groupwise.rollout.collect), timed."""
@@ -401,7 +402,7 @@ class GRPOTrainer(TransformersHabits):
             raise interrupted(signum, f"stopped by {signal.Signals(signum).name} after step "
                                       f"{self.global_step}{where}")
         if new_epoch and not last_step:
-            self._event_agreed("on_epoch_begin")
+            self._begin_epoch()
 
     def _save_round(self, rollout: Rollout, done: int) -> None:
         """A checkpoint at this step; a round not finished yet is saved with it, so resume replays it exactly."""
@@ -414,13 +415,17 @@ class GRPOTrainer(TransformersHabits):
         if self.args.push_to_hub and self.args.hub_strategy != "end":
             self._push_save(path)  # the model; with 'checkpoint' / 'all_checkpoints' the checkpoint too
 
-    def _finished(self, stepped: bool = True) -> bool:
+    def _finished(self) -> bool:
         """max_steps reached, the epochs done (transformers' epoch loop: with should_epoch_stop they can end before
         max_steps), or a callback's should_training_stop — which, as transformers reads it after each step, stops
-        nothing before this train() call's first step (`stepped`): set in on_train_begin / on_epoch_begin, one
-        step runs."""
+        nothing before the epoch's first step: set in on_train_begin / on_epoch_begin, one step runs."""
+        stepped = self.global_step > self._epoch_first_step
         return self.global_step >= self.max_steps or self._epochs_done >= self.state.num_train_epochs or (
             stepped and self.control.should_training_stop)
+
+    def _begin_epoch(self) -> None:
+        self._epoch_first_step = self.global_step
+        self._event_agreed("on_epoch_begin")  # a stop asked for on one process is every process's
 
     def _event(self, name: str, **kwargs) -> None:
         """Call `name` (transformers' events) on every callback; a returned TrainerControl replaces ours."""
