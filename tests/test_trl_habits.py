@@ -44,6 +44,29 @@ def test_async_reward_functions_run_concurrently():
     assert elapsed < 1.1, f"the two 0.6 s functions ran one after the other ({elapsed:.2f} s)"
 
 
+def test_sync_functions_run_in_list_order_before_the_async_ones_as_in_trl():
+    """TRL 1.16 calls the sync functions (and reward models) in list order, then awaits the async ones together: an
+    async judge may read what an earlier sync function computed. groupwise ran the async ones first, so such a judge
+    scored from an empty cache (0 where TRL gives 1), silently."""
+    events, parsed = [], {}
+
+    def parse(completions, **_):
+        events.append("sync")
+        parsed.update({c: len(c) for c in completions})
+        return [0.0] * len(completions)
+
+    async def judge(completions, **_):
+        events.append("async")
+        return [float(c in parsed) for c in completions]
+
+    def last(completions, **_):
+        events.append("sync 2")
+        return [0.0] * len(completions)
+
+    rewards, _ = compute_rewards(load_reward_sources([judge, parse, last]), ["p"] * 2, ["a", "bb"], [[1], [2]], {})
+    assert events == ["sync", "sync 2", "async"] and rewards[:, 0].tolist() == [1.0, 1.0]
+
+
 def test_async_reward_errors_are_isolated_by_row_like_sync_ones():
     async def fragile(completions, **_):
         return [1.0 / (len(c) - 2) for c in completions]  # "bb" divides by zero

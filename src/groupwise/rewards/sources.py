@@ -386,25 +386,22 @@ def compute_rewards(
         return dict(prompts=prompts[lo:hi], completions=completions[lo:hi], completion_ids=completion_ids[lo:hi],
                     **{k: v[lo:hi] for k, v in columns.items()}, **trainer)
 
-    # the whole-batch calls of the async functions run concurrently; a failed one is retried row by row below
+    rewards = torch.full((n, len(sources)), math.nan, dtype=torch.float64)  # 1e30 must not overflow downstream
+    errors = torch.zeros(len(sources))
     concurrent_ = [f for f, src in enumerate(sources) if src.fn is not None and is_async(src.fn)]
     first_calls: dict[int, Any] = {}
     first_logs = {f: CallLogs(extra) for f in concurrent_}
-    if concurrent_:
-        first_calls = dict(zip(concurrent_, run_concurrently(
-            [lambda f=f: sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())) for f in concurrent_], timeout,
-            [f"reward function {sources[f].name!r}" for f in concurrent_])))
-    rewards = torch.full((n, len(sources)), math.nan, dtype=torch.float64)  # 1e30 must not overflow downstream
-    errors = torch.zeros(len(sources))
-    for f, src in enumerate(sources):
+
+    def score(f: int) -> None:
+        src = sources[f]
         if src.model is not None:
             scores = _score_with_model(src, prompts, completions)
             errors[f] = drop_infinite(scores, src.name, "reward model")
             rewards[:, f] = torch.tensor(scores, dtype=torch.float64)
-            continue
+            return
 
-        def call(lo, hi, trainer, src=src, f=f):
-            if (lo, hi) == (0, n) and f in first_calls:  # made above, with first_logs[f]
+        def call(lo, hi, trainer):
+            if (lo, hi) == (0, n) and f in first_calls:  # made concurrently, with first_logs[f]
                 out = first_calls.pop(f)
                 if isinstance(out, BaseException):
                     raise out
@@ -419,6 +416,18 @@ def compute_rewards(
             describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}", timeout=timeout,
             extra=extra, batch_logs=first_logs.get(f))
         rewards[:, f] = torch.tensor(values, dtype=torch.float64)
+
+    # as TRL: the sync functions and reward models in list order, then the async functions' whole-batch calls
+    # concurrently (an async judge may read what a sync function computed); a failed one is retried row by row
+    for f in range(len(sources)):
+        if f not in first_logs:
+            score(f)
+    if concurrent_:
+        first_calls = dict(zip(concurrent_, run_concurrently(
+            [lambda f=f: sources[f].fn(**kwargs(0, n, first_logs[f].kwargs())) for f in concurrent_], timeout,
+            [f"reward function {sources[f].name!r}" for f in concurrent_])))
+    for f in concurrent_:
+        score(f)
     all_none = torch.isnan(rewards).all(-1)
     if all_none.any():
         i = int(all_none.nonzero()[0])
