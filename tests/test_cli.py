@@ -80,6 +80,11 @@ def test_configuration_errors_exit_2_and_name_the_field(tmp_path, model_dir, cap
         capsys.readouterr().err
     assert main(["train", cfg, "--environment_factory", "Env"]) == 2
     assert "dataset_name: builtin:calculator" in capsys.readouterr().err
+    # the trl command's launcher keys (TRL's CLI docs put them in the config): named, with accelerate launch
+    for key, value in (("accelerate_config", "zero2"), ("num_processes", "4")):
+        assert main(["train", cfg, f"--{key}", value]) == 2
+        assert f"{key} is a key of the trl command's launcher, not a config field: launch with accelerate" in \
+            capsys.readouterr().err
 
 
 def test_a_file_missing_once_training_began_stops_the_run_and_is_not_a_configuration_error(tmp_path, model_dir,

@@ -107,6 +107,13 @@ def test_a_reward_keyword_no_column_fills_is_found_before_training(tmp_path, tok
         GRPOTrainer(model, [needs_completion], args=small_args(tmp_path), processing_class=tokenizer,
                     train_dataset=[{"prompt": "repeat a:", "completion": "a"}] * 4)
 
+    def doc_spelling(completions_ids, **_):  # TRL's docs spell the keyword so (TRL 1.16 fails on it too)
+        return [0.0] * len(completions_ids)
+
+    with pytest.raises(ConfigError, match=r"needs the keyword 'completions_ids': .*has no column 'completions_ids' "
+                                          r".*; did you mean the keyword 'completion_ids', which every call gets\?"):
+        GRPOTrainer(model, [doc_spelling], args=small_args(tmp_path), train_dataset=rows, processing_class=tokenizer)
+
 
 def test_a_column_named_as_a_reward_keyword_and_a_step_functions_missing_column_are_named(tmp_path, tokenizer):
     """A dataset column `prompts` (or `steps`, common in PRM data) would collide with the keyword of that name at

@@ -88,7 +88,7 @@ def test_a_subclass_overriding_what_groupwise_calls_and_adding_helpers_trains(tm
         lines: list = []
 
         def log(self, logs, start_time=None):
-            self.lines.append(self.tag(dict(logs)))
+            self.lines.append(self.tag({**logs, "start_time": start_time}))
             super().log(logs, start_time)
 
         def tag(self, logs):
@@ -98,6 +98,8 @@ def test_a_subclass_overriding_what_groupwise_calls_and_adding_helpers_trains(tm
     trainer.train()
     assert [line["tagged"] for line in Custom.lines] == [True, True, True]  # steps 1, 2 and the end-of-run line
     assert "loss" in Custom.lines[0] and "train_runtime" in Custom.lines[-1]
+    # transformers passes train()'s start time with training lines (an override doing arithmetic on it crashed)
+    assert [type(line["start_time"]) for line in Custom.lines] == [float, float, type(None)]
 
 
 def test_args_changed_after_the_trainer_is_built_are_refused_by_name(tmp_path, tokenizer):

@@ -541,7 +541,8 @@ def test_training_arguments_properties_as_transformers_reads_them(tmp_path, monk
     theirs = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, warmup_steps=0.1,
                                use_cpu=True)
     for name in ("world_size", "process_index", "local_process_index", "should_log", "should_save", "n_gpu",
-                 "device", "train_batch_size", "eval_batch_size"):
+                 "device", "train_batch_size", "eval_batch_size", "parallel_mode", "ddp_timeout_delta",
+                 "place_model_on_device"):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.get_warmup_steps(95) == theirs.get_warmup_steps(95) == 10  # ⌈0.1 × 95⌉
     assert json.loads(ours.to_json_string())["per_device_train_batch_size"] == 8
@@ -552,6 +553,7 @@ def test_training_arguments_properties_as_transformers_reads_them(tmp_path, monk
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert (ours.world_size, ours.process_index, ours.should_save, ours.should_log) == (2, 1, False, False)
+    assert ours.parallel_mode.value == "distributed"  # a callback reading args.parallel_mode crashed
     monkeypatch.setenv("LOCAL_RANK", "0")  # the second machine's first process: logs there (log_on_each_node)
     assert ours.should_log and not ours.should_save
     ours.log_on_each_node = False

@@ -178,6 +178,11 @@ TRAINER_ARGUMENTS = {
     "callbacks": "callbacks are Python objects: pass them to GRPOTrainer(callbacks=[...]) in a script",
     "peft_config": "give LoRA as use_peft: true with lora_r / lora_alpha / lora_target_modules (TRL's fields)",
 }
+# keys of the `trl` command's launcher (TRL's CLI turns them into an accelerate launch); groupwise train runs in the
+# process it is started in
+_LAUNCH = ("launch with accelerate: accelerate launch --num_processes N [--config_file accelerate.yaml] -m groupwise "
+           "train config.yaml (README, Multi-process)")
+LAUNCH_KEYS = {"accelerate_config": _LAUNCH, "num_processes": _LAUNCH}
 
 
 def build_run(values: dict[str, Any]):
@@ -187,6 +192,9 @@ def build_run(values: dict[str, Any]):
     for name in values:
         if name in TRAINER_ARGUMENTS:
             raise ConfigError(f"{name} is an argument of GRPOTrainer, not a config field: {TRAINER_ARGUMENTS[name]}")
+        if name in LAUNCH_KEYS:
+            raise ConfigError(f"{name} is a key of the trl command's launcher, not a config field: "
+                              f"{LAUNCH_KEYS[name]}")
     reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED),
                    owner="groupwise train")
     run = check_run_fields({k: values[k] for k in RUN_FIELDS if k in values})

@@ -63,6 +63,26 @@ class TrainingArgumentsHabits:
         return torch.device("cuda", self.local_process_index) if self.n_gpu else torch.device("cpu")
 
     @property
+    def parallel_mode(self):
+        """transformers' ParallelMode: DISTRIBUTED with several processes, else NOT_PARALLEL (one device per
+        process: never NOT_DISTRIBUTED's several GPUs in one process)."""
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
+    def ddp_timeout_delta(self):
+        """ddp_timeout as a datetime.timedelta (transformers)."""
+        import datetime
+
+        return datetime.timedelta(seconds=self.ddp_timeout)
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """transformers 5: None (no integration decides it)."""
+        return None
+
+    @property
     def train_batch_size(self) -> int:
         """transformers: per_device_train_batch_size × max(1, n_gpu)."""
         return self.per_device_train_batch_size * max(1, self.n_gpu)

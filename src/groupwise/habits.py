@@ -209,7 +209,7 @@ class TransformersHabits:
         self._last = last = {k: None if k not in TRANSFORMERS_KEYS and isinstance(v, float) and math.isnan(v) else v
                              for k, v in last.items()}
         self._window.clear()
-        self.log(last)
+        self.log(last, start_time=self._start_time)  # transformers passes train()'s start (time.time())
         rows = self._round_rows(rollout)
         self._logger.log_completions(self.global_step, rows)
         if self.args.log_completions and rows and self.dist.is_main:

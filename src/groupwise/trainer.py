@@ -309,6 +309,7 @@ class GRPOTrainer(TransformersHabits):
         args = self.args
         self._logger = self._open_trackers()
         self._started = self._tick = time.perf_counter()
+        self._start_time = time.time()  # as transformers' train() passes it to log()
         self._first_step = self.global_step  # this call's steps, for the end-of-training speed line
         self._last: dict[str, float] = {}
         # a resumed run keeps what it logged before, on every process (its checkpoint's; an older checkpoint has

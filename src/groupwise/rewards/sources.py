@@ -13,6 +13,7 @@ on_reward_error="nan", scores the failing rows NaN and counts them.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -151,6 +152,9 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
                 why = "remove_unused_columns=True passes only the prompt: set it False"
             else:
                 why = f"{dataset} has no column {need[0]!r} (columns: {sorted(columns)})"
+                close = difflib.get_close_matches(need[0], sorted(keywords), n=1, cutoff=0.8)
+                if close:  # TRL's docs spell one `completions_ids`
+                    why += f"; did you mean the keyword {close[0]!r}, which every call gets?"
             raise ConfigError(f"{field}[{i}] {name!r} needs the keyword {need[0]!r}: {why}")
         # every call passes the protocol's keywords and the dataset's columns: a signature without **kwargs must
         # name them all (TRL's functions end with **kwargs), else every call fails with a TypeError
