@@ -408,6 +408,18 @@ class TransformersHabits:
             logging_steps=self.state.logging_steps, uploads=uploads), "opening the trackers")
 
     # ---- transformers' flow after an optimizer step (GRPOTrainer._after_step) ----------------------------------
+    def _finished(self) -> bool:
+        """max_steps reached, the epochs done (transformers' epoch loop: with should_epoch_stop they can end before
+        max_steps), or a callback's should_training_stop — which, as transformers reads it after each step, stops
+        nothing before the epoch's first step: set in on_train_begin / on_epoch_begin, one step runs."""
+        stepped = self.global_step > self._epoch_first_step
+        return self.global_step >= self.max_steps or self._epochs_done >= self.state.num_train_epochs or (
+            stepped and self.control.should_training_stop)
+
+    def _begin_epoch(self) -> None:
+        self._epoch_first_step = self.global_step
+        self._event_agreed("on_epoch_begin")  # a stop asked for on one process is every process's
+
     def _event_agreed(self, name: str) -> None:
         """An event after which the loop reads the stop flags: every process takes any process's callbacks' flags."""
         self._event(name)

@@ -416,18 +416,6 @@ class GRPOTrainer(TransformersHabits):
         if self.args.push_to_hub and self.args.hub_strategy != "end":
             self._push_save(path)  # the model; with 'checkpoint' / 'all_checkpoints' the checkpoint too
 
-    def _finished(self) -> bool:
-        """max_steps reached, the epochs done (transformers' epoch loop: with should_epoch_stop they can end before
-        max_steps), or a callback's should_training_stop — which, as transformers reads it after each step, stops
-        nothing before the epoch's first step: set in on_train_begin / on_epoch_begin, one step runs."""
-        stepped = self.global_step > self._epoch_first_step
-        return self.global_step >= self.max_steps or self._epochs_done >= self.state.num_train_epochs or (
-            stepped and self.control.should_training_stop)
-
-    def _begin_epoch(self) -> None:
-        self._epoch_first_step = self.global_step
-        self._event_agreed("on_epoch_begin")  # a stop asked for on one process is every process's
-
     def _event(self, name: str, **kwargs) -> None:
         """Call `name` (transformers' events) on every callback; a returned TrainerControl replaces ours."""
         self.control = self.callback_handler.fire(name, self.args, self.state, self.control, **kwargs)
