@@ -10,7 +10,8 @@ import datasets
 import pytest
 
 from groupwise import ConfigError, GRPOTrainer
-from groupwise.data import PromptData, PromptSampler, StreamData
+from groupwise.data import PromptData, StreamData
+from groupwise.order import PromptSampler
 from groupwise.tasks import toy
 from tests.conftest import small_args
 

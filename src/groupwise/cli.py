@@ -180,9 +180,7 @@ TRAINER_ARGUMENTS = {
 }
 # keys of the `trl` command's launcher (TRL's CLI turns them into an accelerate launch); groupwise train runs in the
 # process it is started in
-_LAUNCH = ("launch with accelerate: accelerate launch --num_processes N [--config_file accelerate.yaml] -m groupwise "
-           "train config.yaml (README, Multi-process)")
-LAUNCH_KEYS = {"accelerate_config": _LAUNCH, "num_processes": _LAUNCH}
+LAUNCH_KEYS = ("accelerate_config", "num_processes")
 
 
 def build_run(values: dict[str, Any]):
@@ -193,8 +191,9 @@ def build_run(values: dict[str, Any]):
         if name in TRAINER_ARGUMENTS:
             raise ConfigError(f"{name} is an argument of GRPOTrainer, not a config field: {TRAINER_ARGUMENTS[name]}")
         if name in LAUNCH_KEYS:
-            raise ConfigError(f"{name} is a key of the trl command's launcher, not a config field: "
-                              f"{LAUNCH_KEYS[name]}")
+            raise ConfigError(f"{name} is a key of the trl command's launcher, not a config field: launch with "
+                              "accelerate: accelerate launch --num_processes N [--config_file accelerate.yaml] -m "
+                              "groupwise train config.yaml (README, Multi-process)")
     reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED),
                    owner="groupwise train")
     run = check_run_fields({k: values[k] for k in RUN_FIELDS if k in values})

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from groupwise.adapters import Reference
     from groupwise.agents import Agent, Turns
     from groupwise.config import GRPOConfig
-    from groupwise.data import PromptData, PromptSampler
+    from groupwise.data import PromptData
+    from groupwise.order import PromptSampler
     from groupwise.distributed import Distributed
     from groupwise.generation import Generator
 

@@ -26,9 +26,10 @@ from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
-from groupwise.data import PromptData, PromptSampler, StreamData, StreamSampler, each_dataset, is_stream
+from groupwise.data import PromptData, StreamData, each_dataset, is_stream
 from groupwise.distributed import Distributed, empty_cache
 from groupwise.generation import build_generator
+from groupwise.order import PromptSampler, StreamSampler
 from groupwise.guards import args_fingerprint, check_args_unchanged, check_overrides
 from groupwise.hub import hub_token
 from groupwise.loading import (as_list, check_combinations, check_inputs, eos_token_ids, load_policy, load_tokenizer,
