@@ -379,3 +379,68 @@ def test_a_sharded_lora_checkpoint_resumed_without_fsdp_says_so(tmp_path, tokeni
     with pytest.raises(CheckpointError, match=r"was saved by a sharded run \(fsdp\): resume it with fsdp and 2 "
                                               "processes"):
         load_model_from(str(folder), dist=dist, model=model)
+
+
+def _bf16_base_and_adapter(tmp_path, tokenizer, delta):
+    """A bfloat16 base whose q_proj[0, 0] is 1.0 and an adapter (r=1, α=1: scaling 1) whose update is `delta` there
+    and 0 elsewhere: B[0, 0] · A[0, 0] = delta · 1."""
+    from peft import get_peft_model
+
+    base = toy.build_model(tokenizer, seed=0, hidden_size=32).to(torch.bfloat16)
+    q = base.model.layers[0].self_attn.q_proj.weight
+    with torch.no_grad():
+        q[0, 0] = 1.0
+    base.save_pretrained(tmp_path / "base16")
+    tokenizer.save_pretrained(tmp_path / "base16")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base16", dtype=torch.float32),
+                           LoraConfig(r=1, lora_alpha=1, target_modules=["q_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            with torch.no_grad():
+                p.zero_()
+                if "layers.0." in name:
+                    p[0, 0] = 1.0 if "lora_A" in name else delta
+    model.save_pretrained(tmp_path / "adapter16")
+    tokenizer.save_pretrained(tmp_path / "adapter16")
+    return model
+
+
+def test_rounding_loss_of_a_merge_into_bfloat16_is_worked_by_hand(tmp_path, tokenizer):
+    """bfloat16 has 8 significant bits: around 1.0 its spacing is 2⁻⁷ = 0.0078125. 1.0 + 0.001 rounds to 1.0 (the
+    whole update lost: ratio 1); 1.0 + 0.005 rounds to 1.0078125, off by 0.0028125 = 0.5625 of the update. (W + ΔW is
+    itself a float32 sum, 1.0 + 0.001 = 1.00100005 with float32's spacing 2⁻²³ at 1.0: ratios within 1e-4.)"""
+    from groupwise.adapters import rounding_loss
+
+    _bf16_base_and_adapter(tmp_path, tokenizer, 0.001)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base16")
+    assert base.dtype == torch.bfloat16  # from_pretrained keeps the stored dtype
+    assert rounding_loss(PeftModel.from_pretrained(base, str(tmp_path / "adapter16"))) == pytest.approx(1.0, rel=1e-4)
+    _bf16_base_and_adapter(tmp_path / "b", tokenizer, 0.005)
+    bf16 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "base16"),
+                                     str(tmp_path / "b" / "adapter16"))
+    assert rounding_loss(bf16) == pytest.approx(0.0028125 / 0.005, rel=1e-4)
+    fp32 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "base16",
+                                                                          dtype=torch.float32),
+                                     str(tmp_path / "b" / "adapter16"))
+    assert rounding_loss(fp32) == 0.0  # float32 weights: nothing checked, nothing rounded at this scale
+
+
+def test_export_into_a_bfloat16_base_warns_of_the_lost_update_and_dtype_float32_keeps_it(tmp_path, tokenizer):
+    """A LoRA run trains over a float32 copy of a bfloat16 base (dtype float32 by default, TRL's), the adapter
+    applied apart: its update 0.001 on q_proj[0, 0] = 1.0 counts. Merged in the base's stored bfloat16 (`auto`, as
+    PEFT's merge_and_unload), 1.001 rounds to 1.0: the export warns, naming --dtype float32, which writes 1.001."""
+    _bf16_base_and_adapter(tmp_path, tokenizer, 0.001)
+    adapter = str(tmp_path / "adapter16")
+    with pytest.warns(UserWarning, match=r"merged into bfloat16 weights, which round away 100% of the adapter's "
+                                         r"update .*--dtype float32 keeps it"):
+        assert main(["export", adapter, "--merge", str(tmp_path / "auto")]) == 0
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "auto")
+    assert auto.dtype == torch.bfloat16 and auto.model.layers[0].self_attn.q_proj.weight[0, 0].item() == 1.0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing lost: no warning
+        assert main(["export", adapter, "--merge", str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    fp32 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    assert fp32.dtype == torch.float32
+    assert fp32.model.layers[0].self_attn.q_proj.weight[0, 0].item() == (torch.tensor(1.0) + torch.tensor(0.001)).item()

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from groupwise.config_base import ConfigError
+from groupwise.config_base import ConfigError, warn_user
 from groupwise.quantization import forget_gguf, gguf_base, is_quantized
 
 if TYPE_CHECKING:
@@ -426,13 +426,28 @@ def check_base(base: str, folder: str, kwargs: dict, fix: str, given: bool = Fal
         raise ConfigError(f"{folder}'s adapter's base model {base!r}{where} does not load ({e}): {fix}") from None
 
 
-def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False) -> str:
+# an export whose rounding to the saved dtype loses more of the adapter's update than this (as a norm) warns
+ROUNDING_WARN = 0.05
+
+
+def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remote_code: bool = False,
+                  dtype: str = "auto") -> str:
     """Base model + the checkpoint's adapter, merged (merge_and_unload), saved to `out` with the tokenizer.
     `base` defaults to the adapter's base_model_name_or_path. A full fine-tune checkpoint is copied as a model.
-    `out` must be new or empty."""
+    `out` must be new or empty. `dtype`: the merged weights' dtype, 'auto' = the base's stored one (as PEFT's
+    merge_and_unload after from_pretrained). Merged into 16-bit weights, an update smaller than their precision
+    rounds away (W + ΔW rounds to W where |ΔW| < half of W's spacing, 2⁻⁸·|W| in bfloat16), though the run trained
+    with it (its base in float32 by default, the adapter applied apart): a warning says how much of the update
+    was lost (‖round(W + ΔW) − (W + ΔW)‖ / ‖ΔW‖ over the adapted layers) when that exceeds ROUNDING_WARN,
+    naming dtype float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from groupwise.config_base import check_location, check_model_location
+    from groupwise.loading import MODEL_DTYPES
+
+    if dtype != "auto" and dtype not in MODEL_DTYPES:
+        raise ConfigError(f"export: --dtype {dtype} is not one of {['auto', *MODEL_DTYPES]}")
+    torch_dtype = MODEL_DTYPES.get(dtype, "auto")
 
     folder = Path(checkpoint)
     if not folder.is_dir():
@@ -452,11 +467,14 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         check_location(base, "--base")
         check_base(base, checkpoint, {"trust_remote_code": trust_remote_code, **gguf},
                    "check --base" if given else "give it with --base PATH", given=given is not None)
-        model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf)
+        model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf,
+                                                     **({"dtype": torch_dtype} if torch_dtype != "auto" else {}))
         forget_gguf(model)
         quantized = is_quantized(model)
         if quantized:  # a base saved in 4 / 8 bits: merged into the weights it computes with, unquantized
             model = model.dequantize()
+            if torch_dtype != "auto":
+                model = model.to(torch_dtype)
         model = peft.PeftModel.from_pretrained(model, str(folder))
         if where := adapted_tied_embeddings(model):
             raise ConfigError(f"export: {checkpoint}'s adapter changes the {where} of a model whose input embeddings "
@@ -464,7 +482,14 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
                               "both as trained. Use the checkpoint as an adapter (PeftModel.from_pretrained), or train "
                               "without LoRA on embed_tokens / lm_head (modules_to_save with "
                               "LoraConfig(ensure_weight_tying=True) merges correctly)")
+        lost = rounding_loss(model)
         model = model.merge_and_unload()
+        if lost > ROUNDING_WARN:
+            written = next(model.parameters()).dtype
+            warn_user(f"export: merged into {str(written).removeprefix('torch.')} weights, which round away "
+                          f"{lost:.0%} of the adapter's update (‖rounding‖ / ‖update‖ over the adapted layers): "
+                          f"the merged model computes differently from the trained one. --dtype float32 keeps it "
+                          f"(twice the size), or use the checkpoint as an adapter")
         if quantized:  # saved as a model built afresh: the loaded one would write its weights back as 4-bit ones
             state, dtype = model.state_dict(), next(model.parameters()).dtype
             model = AutoModelForCausalLM.from_config(model.config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -474,7 +499,29 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
             raise ConfigError(f"export: {checkpoint} holds a full model, not an adapter: --base has nothing to merge "
                               "into; drop --base")
         check_model_location(str(folder), "export CHECKPOINT")  # a folder without config.json: named, one line
-        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
+                                                     **({"dtype": torch_dtype} if torch_dtype != "auto" else {}))
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code).save_pretrained(out)
     return out
+
+
+def rounding_loss(model) -> float:
+    """How much of a PeftModel's LoRA update merging would round away in its base weights' dtype:
+    ‖round(W + ΔW) − (W + ΔW)‖ / ‖ΔW‖ over every adapted layer and active adapter, W + ΔW computed in float32
+    (ΔW = the layer's get_delta_weight, scaling included). 0 for float32 bases and for an update of zero."""
+    lost = update = 0.0
+    with torch.no_grad():
+        for module in model.modules():
+            base = getattr(module, "base_layer", None)
+            weight = getattr(base, "weight", None)
+            if not hasattr(module, "get_delta_weight") or weight is None or weight.dtype == torch.float32:
+                continue
+            for name in module.active_adapters:
+                if name not in getattr(module, "lora_A", {}) and name not in getattr(module, "lora_embedding_A", {}):
+                    continue
+                delta = module.get_delta_weight(name).float()
+                exact = weight.float() + delta
+                lost += (exact.to(weight.dtype).float() - exact).square().sum().item()
+                update += delta.square().sum().item()
+    return (lost / update) ** 0.5 if update > 0 else 0.0

@@ -432,11 +432,14 @@ def cmd_export(argv: list[str]) -> int:
     parser.add_argument("--merge", required=True, metavar="OUT", help="folder to write the merged model to")
     parser.add_argument("--base", default=None,
                         help="base model of a LoRA checkpoint (default: the adapter's): a folder, hub id or local .gguf file")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the merged weights' dtype (default auto: the base's stored one; a LoRA update smaller "
+                             "than 16-bit weights' precision rounds away in them, and a warning says how much)")
     parser.add_argument("--trust_remote_code", action="store_true")
     ns = parser.parse_args(argv)
     from groupwise.adapters import export_merged
 
-    out = export_merged(ns.checkpoint, ns.merge, base=ns.base, trust_remote_code=ns.trust_remote_code)
+    out = export_merged(ns.checkpoint, ns.merge, base=ns.base, trust_remote_code=ns.trust_remote_code, dtype=ns.dtype)
     print(f"groupwise: wrote {out}")
     return 0
 
