@@ -129,14 +129,24 @@ def _cut_warning(name: str, first: int, n: int, max_prompt_length: int, how_many
                   f"the left (first: row {first}, {n} tokens)", stacklevel=3)
 
 
-def named_datasets(data: Any) -> bool:
+def named_datasets(data: Any, name: str = "eval_dataset") -> bool:
     """An eval_dataset given as {name: dataset} (transformers; a DatasetDict too): a dict whose values are all
-    datasets or lists of rows (dicts), not a dict of columns (a 'prompt' one, or lists of values)."""
+    datasets or lists of rows (dicts), not a dict of columns (a 'prompt' one, or lists of values). A dict whose
+    values are all lists of dicts without a 'prompt' key reads both ways (named lists of an environment's rows, or
+    columns whose values are dicts): an error asks for datasets.Dataset objects, which say which it is."""
     def dataset_like(value) -> bool:
         return hasattr(value, "column_names") or (isinstance(value, (list, tuple))
                                                   and all(isinstance(row, dict) for row in value))
 
-    return isinstance(data, dict) and "prompt" not in data and (not data or all(map(dataset_like, data.values())))
+    if not isinstance(data, dict) or "prompt" in data or not all(map(dataset_like, data.values())):
+        return False
+    values = data.values()
+    if not data or any(hasattr(v, "column_names") for v in values) or all("prompt" in r for v in values for r in v):
+        return True
+    raise ConfigError(f"{name} is a dict whose values ({', '.join(map(repr, data))}) are all lists of dicts without "
+                      "a 'prompt' key: it reads as {name: rows} (one evaluation set per key) and as columns whose "
+                      "values are dicts. Pass datasets.Dataset objects: {key: Dataset.from_list(rows), …} for named "
+                      "sets, or Dataset.from_dict(columns) for one set")
 
 
 def each_dataset(data) -> tuple:

@@ -281,7 +281,7 @@ class TransformersHabits:
     def _eval_data(self, dataset, name: str = "eval_dataset") -> PromptData | dict[str, PromptData]:
         """An eval dataset (the constructor's or evaluate()'s), or {name: dataset} as a dict of them; with
         environments its rows may lack a prompt."""
-        if named_datasets(dataset):
+        if named_datasets(dataset, name):
             if not dataset:
                 raise ConfigError(f"{name} is an empty dict: pass a dataset, or {{name: dataset, …}} with at least "
                                   "one")
