@@ -199,6 +199,17 @@ def test_a_transformers_checkpoint_is_named_and_never_resumed(tmp_path):
         assert resume_folder(True, tmp_path) == str(ours)
 
 
+def test_a_trl_lora_checkpoint_is_named_with_the_way_to_train_its_adapter_on(tmp_path):
+    """A TRL LoRA run's checkpoint holds the adapter only: the advice model=<checkpoint> was refused in turn (an
+    adapter folder is not a model), so the message names PeftModel.from_pretrained(..., is_trainable=True)."""
+    foreign = _transformers_checkpoint(tmp_path, 3)
+    (foreign / "adapter_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"start a new run from its weights with model=PeftModel.from_pretrained"
+                                              r"\(AutoModelForCausalLM.from_pretrained\(<its base>\), "
+                                              r"'.*checkpoint-3', is_trainable=True\) \(a LoRA checkpoint"):
+        resume_folder(str(foreign), tmp_path)
+
+
 def test_training_from_a_transformers_checkpoint_or_a_save_state_output_dir_says_what_to_do(tmp_path, tokenizer):
     """It used to stop with a bare KeyError('world_size')."""
     foreign = _transformers_checkpoint(tmp_path / "out", 5)

@@ -88,9 +88,14 @@ def is_transformers_state(state: dict) -> bool:
 
 
 def foreign_message(folder: str | Path) -> str:
+    """A transformers / TRL checkpoint given to resume: how to start a new run from its weights, an adapter's (a
+    LoRA run's checkpoint holds only the adapter) loaded trainable over its base."""
+    start = (f"model=PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<its base>), {str(folder)!r}, "
+             "is_trainable=True) (a LoRA checkpoint: it holds the adapter only)"
+             if (Path(folder) / "adapter_config.json").is_file() else f"model={str(folder)!r}")
     return (f"resume_from_checkpoint={str(folder)!r} is a transformers / TRL checkpoint (its trainer_state.json is "
             "transformers' TrainerState), not groupwise's: it holds no groupwise resume state; start a new run "
-            f"from its weights with model={str(folder)!r}")
+            f"from its weights with {start}")
 
 
 def _state_of(folder: Path) -> dict | None:
