@@ -236,13 +236,37 @@ def test_importance_sampling_bounds_checked_on_construction():
         assert GRPOConfig(output_dir="o", vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
 
 
-@pytest.mark.parametrize("supervision", ["process", "both"])
-def test_scale_rewards_with_normalize_then_sum_is_refused_only_where_it_has_no_effect(supervision):
+def test_scale_rewards_with_normalize_then_sum_is_refused_only_where_it_has_no_effect():
     # normalize_then_sum fixes the outcome rewards' scale ('batch'); step rewards still read scale_rewards
     with pytest.raises(ConfigError, match=r"scale_rewards='none' has no effect with multi_objective_aggregation="):
         GRPOConfig(supervision="outcome", multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
-    c = GRPOConfig(supervision=supervision, multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
+    c = GRPOConfig(supervision="both", multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
     assert c.estimator_options()["scale"] == "none" and c.estimator_options(outcome=True)["scale"] == "batch"
+
+
+def test_normalize_then_sum_under_process_supervision_is_refused():
+    """It combines reward_funcs, which supervision 'process' only logs; several step-reward functions were summed
+    as they were (100 and 1 on two functions' steps gave 100 and 1), which the setting seemed to promise otherwise."""
+    with pytest.raises(ConfigError, match=r"multi_objective_aggregation='normalize_then_sum' combines the outcome "
+                                          r"rewards \(reward_funcs\), which supervision='process' only logs: its "
+                                          r"step rewards are summed with process_reward_weights"):
+        GRPOConfig(supervision="process", multi_objective_aggregation="normalize_then_sum")
+    # under 'both' it z-scores the outcome functions; two step functions are summed as they are: a warning says so
+    from groupwise.loading import check_inputs
+
+    args = GRPOConfig(output_dir="o", supervision="both", multi_objective_aggregation="normalize_then_sum")
+
+    def steps(steps, **_):
+        return [[1.0] * len(row) for row in steps]
+
+    with pytest.warns(UserWarning, match=r"the 2 step-reward sources are summed with process_reward_weights as they "
+                                         r"are \(not z-scored\)"):
+        check_inputs(args, "x", [lambda completions, **_: [0.0] * len(completions)], [steps, steps])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # one step function: nothing to put on one scale
+        check_inputs(args, "x", [lambda completions, **_: [0.0] * len(completions)], [steps])
 
 
 def test_transformers_readings_of_output_dir_eval_steps_and_checkpointing_none(monkeypatch, tmp_path):

@@ -199,3 +199,47 @@ def test_the_completions_printout_names_an_unscored_step(capsys):
     print_completions(3, ["q"], ["a\nb"], [1.0], [0.5], None, steps=[[("a", float("nan")), ("b", 1.0)]])
     out = capsys.readouterr().out
     assert "step 1: unscored  a" in out and "step 2: +1.000  b" in out
+
+
+def test_a_step_reward_function_taking_dropped_last_gets_it(tmp_path):
+    """README: step-reward functions may take `dropped_last`. Only an environment's get_step_rewards got it: a
+    function requiring it failed at the first scoring (TypeError), one defaulting it got None. Four fixed
+    completions, max_completion_length 14; the fourth, '1=1\\n2345678901' (14 characters, no EOS), is cut: its last
+    step is dropped (score_truncated_step=False), so dropped_last = [False, False, False, True] per group."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import groupwise.rollout as R
+    from groupwise.demo import POLICY_DIR
+
+    tok = AutoTokenizer.from_pretrained(POLICY_DIR)
+    texts = [("11=2\n22=4\n", True), ("1=1\n2=2\n", True), ("3=3\n", True), ("1=1\n2345678901", False)]
+
+    def rollout_func(prompts, trainer):
+        return {"prompt_ids": [tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                "completion_ids": [tok(texts[i % 4][0], add_special_tokens=False)["input_ids"]
+                                   + ([tok.eos_token_id] if texts[i % 4][1] else []) for i in range(len(prompts))],
+                "logprobs": None}
+
+    seen = []
+
+    def required(prompts, completions, steps, dropped_last, **_):
+        seen.append(list(dropped_last))
+        return [[1.0] * len(row) for row in steps]
+
+    def defaulted(steps, dropped_last=None, **_):
+        seen.append(dropped_last)
+        return [[0.0] * len(row) for row in steps]
+
+    def without(steps, **_):  # **kwargs: gets it too, as every keyword
+        seen.append(_["dropped_last"])
+        return [[0.0] * len(row) for row in steps]
+
+    args = small_args(tmp_path, supervision="process", num_generations=4, per_device_train_batch_size=4,
+                      max_completion_length=14, max_steps=1)
+    trainer = GRPOTrainer(AutoModelForCausalLM.from_pretrained(POLICY_DIR), None, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "Q: 1+1\n"}] * 4), processing_class=tok,
+                          process_reward_funcs=[required, defaulted, without], rollout_func=rollout_func)
+    rollout = R.sample_round(trainer.rollout_ctx, trainer.sampling_model)
+    assert seen and all(v == [False, False, False, True] * (len(v) // 4) and v for v in seen)
+    assert len(seen) == 3 and rollout.step_scores.rewards[0][3] == [1.0]  # row 3 keeps its first step only

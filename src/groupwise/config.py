@@ -239,7 +239,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     reward_std: str = option("Std in the normalisation: 'population' (1/G, DeepSeekMath's std) or 'unbiased' (Bessel, TRL).", default="population", choices=STDS)
     advantage_eps: float = option("Added to the std before dividing, so near-equal rewards do not become ±1 advantages.", default=1e-4, ge=0)
     reward_weights: list[float] | None = option("One weight per reward function (default: all 1).", default=None)
-    multi_objective_aggregation: str = option("'sum_then_normalize' (weighted sum, then normalise as scale_rewards says) or 'normalize_then_sum' (z-score each function in its group, weighted sum, then normalise over the batch, as TRL).", default="sum_then_normalize", choices=MULTI_OBJECTIVE)
+    multi_objective_aggregation: str = option("'sum_then_normalize' (weighted sum, then normalise as scale_rewards says) or 'normalize_then_sum' (z-score each function in its group, weighted sum, then normalise over the batch, as TRL). Combines reward_funcs only: step rewards are summed with process_reward_weights.", default="sum_then_normalize", choices=MULTI_OBJECTIVE)
     reward_timeout: float | None = option("Seconds one reward-function call may take (None, the default: no limit). With a limit the call runs in a daemon thread: an overrun scores that call's rows NaN (unscored, counted in rewards/<func>/errors), the run goes on and the stuck call cannot keep the process alive. Reward code that relies on signal.alarm (math_verify's default timeout) only works without a limit.", default=None, gt=0)
     on_reward_error: str = option("An exception in a reward function: 'raise' (stop, naming the function and row) or 'nan' (score NaN, counted in rewards/<func>/errors).", default="raise", choices=ON_REWARD_ERROR)
     mask_truncated_completions: bool = option("Leave completions that hit max_completion_length out of the loss (DAPO).", default=False)
@@ -311,6 +311,11 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
                 raise ConfigError(f"{name}={getattr(self, name)!r} has no effect with advantage_estimator="
                                   f"{self.advantage_estimator!r} (it reads {[ESTIMATOR_OPTIONS[o] for o in taken] or 'none of them'}); "
                                   f"remove {name} or choose advantage_estimator='grpo'")
+        if self.multi_objective_aggregation != _default("multi_objective_aggregation") \
+                and not SUPERVISIONS[self.supervision].outcome:
+            raise ConfigError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} combines the outcome "
+                              f"rewards (reward_funcs), which supervision={self.supervision!r} only logs: its step "
+                              "rewards are summed with process_reward_weights. Drop it, or set supervision='both'")
         # the aggregation fixes the outcome rewards' scale only: step rewards (process, both) still read scale_rewards
         if aggregation.scale is not None and "scale" in taken and not SUPERVISIONS[self.supervision].process and \
                 self.scale_rewards not in (_default("scale_rewards"), aggregation.scale):

@@ -11,7 +11,7 @@ import torch
 
 from groupwise.config import GRPOConfig
 from groupwise.adapters import check_passed_model, is_peft_model
-from groupwise.config_base import ConfigError, check_model_location
+from groupwise.config_base import ConfigError, check_model_location, warn_user
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.data import refuse_images
 from groupwise.generation import unapplied_generation_config
@@ -276,6 +276,11 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                                                      len(process_reward_funcs) + env_step_rewards)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    step_sources = len(process_reward_funcs) + env_step_rewards
+    if args.multi_objective_aggregation == "normalize_then_sum" and step_sources > 1:  # supervision 'both'
+        warn_user(f"multi_objective_aggregation='normalize_then_sum' z-scores the outcome reward functions one by "
+                  f"one; the {step_sources} step-reward sources are summed with process_reward_weights as they are "
+                  "(not z-scored): weigh them onto one scale with process_reward_weights")
     if process_reward_funcs and toolbox is not None and toolbox.has_tools and not SPLIT_MODES[args.step_split].turns:
         raise ConfigError(TOOL_TEXT_STEPS.format(args.step_split))
     if args.use_vllm and importlib.util.find_spec("vllm") is None:

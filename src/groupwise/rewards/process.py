@@ -49,7 +49,18 @@ def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, devic
         if s.fn is None:
             raise TypeError(f"process reward source {s.name!r} is a bare model: wrap it in one of "
                             "groupwise.rewards.prm's PRM classes (token classification, step tag, prefix)")
+        s.takes_dropped_last = takes_keyword(s.fn, "dropped_last")
     return sources
+
+
+def takes_keyword(fn, name: str) -> bool:
+    """Does `fn` accept the keyword `name` (a parameter so named, or **kwargs)?"""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: only the protocol's keywords
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == name and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)) for p in params)
 
 
 def resolve_process_spec(spec: Any, where: str) -> Any:
