@@ -182,7 +182,7 @@ def child(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="a small model of the same family (runs on CPU)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="steps per run, ≥ 3 (the first two, warm-up, are not timed)")
     ap.add_argument("--trl", action="store_true", help="also run TRL 1.16 on the same configuration")
     ap.add_argument("--runs", default="full:0,full:0.04,lora:0,lora:0.04",
                     help="comma-separated kind:β[:variant], kind full|lora, variant eager (generation_compile=False), "
@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--which")
     ap.add_argument("--model_dir")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error(f"--steps {args.steps}: give at least 3 (the first two steps are warm-up, not timed)")
     if args.which:
         child(args)
         return
