@@ -170,9 +170,16 @@ def test_the_no_step_warning_reads_the_whole_round():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert process_metrics(scores([[], [1.0]]))["process/no_step_completions"] == 1.0
+        assert process_metrics(scores([[], [1.0, 0.5]]))["process/no_step_completions"] == 1.0
     with pytest.warns(RuntimeWarning, match="no completion of this round or evaluation has a step to score"):
         process_metrics(scores([[], []]))
+    # a step_delimiter the policy never writes: each completion is one final step (it trained silently)
+    with pytest.warns(RuntimeWarning, match=r"every completion of this round or evaluation is one step at most "
+                                            r"\(the step marker\): the step rewards then score whole completions"):
+        process_metrics(scores([[1.0], [0.0], []]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        process_metrics(scores([[1.0, 0.0], [1.0]]))  # one completion with two steps: the marker is written
 
 
 def test_a_whitespace_marker_is_checked_too():
