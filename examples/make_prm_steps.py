@@ -10,7 +10,7 @@ lines made wrong (an operand or a result off by a few), labelled 1/0 by the task
 
 Each line also carries its `problem`, the column the task's own step judge reads, so `groupwise prm eval
 --process_reward_func groupwise.tasks.arithmetic:step_correct --eval_file held.jsonl` scores that judge (the labels'
-source: every metric 1, except eval/bad_mean_score, its mean score on the wrong steps: 0).
+source: every score metric 1, except eval/bad_mean_score, its mean score on the wrong steps: 0; eval/unscored 0).
 """
 
 import json

@@ -203,10 +203,12 @@ def test_a_trl_lora_checkpoint_is_named_with_the_way_to_train_its_adapter_on(tmp
     """A TRL LoRA run's checkpoint holds the adapter only: the advice model=<checkpoint> was refused in turn (an
     adapter folder is not a model), so the message names PeftModel.from_pretrained(..., is_trainable=True)."""
     foreign = _transformers_checkpoint(tmp_path, 3)
-    (foreign / "adapter_config.json").write_text("{}")
+    (foreign / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}')
     with pytest.raises(CheckpointError, match=r"start a new run from its weights with model=PeftModel.from_pretrained"
-                                              r"\(AutoModelForCausalLM.from_pretrained\(<its base>\), "
-                                              r"'.*checkpoint-3', is_trainable=True\) \(a LoRA checkpoint"):
+                                              r"\(AutoModelForCausalLM.from_pretrained\('Qwen/Qwen2.5-0.5B'\), "
+                                              r"'.*checkpoint-3', is_trainable=True\) \(a LoRA checkpoint.*, or from "
+                                              r"a config, `groupwise export .*checkpoint-3 --merge OUT`, then "
+                                              r"model_name_or_path: OUT$"):
         resume_folder(str(foreign), tmp_path)
 
 

@@ -507,21 +507,24 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
 
 
 def rounding_loss(model) -> float:
-    """How much of a PeftModel's LoRA update merging would round away in its base weights' dtype:
-    ‖round(W + ΔW) − (W + ΔW)‖ / ‖ΔW‖ over every adapted layer and active adapter, W + ΔW computed in float32
-    (ΔW = the layer's get_delta_weight, scaling included). 0 for float32 bases and for an update of zero."""
+    """How much of a PeftModel's update merging would round away in its base weights' dtype:
+    ‖round(W′) − W′‖ / ‖W′ − W‖ over every adapted layer, W′ the layer's merged weight computed in float32 by the
+    layer's own merge (on a float32 copy of the layer, one layer at a time: LoRA's W + ΔW, DoRA's rescaled one, an
+    embedding's). 0 for float32 bases and for an update of zero. Not measured: modules_to_save copies and
+    trainable tokens (stored whole, not merged) and target-parameter adapters."""
     lost = update = 0.0
     with torch.no_grad():
         for module in model.modules():
             base = getattr(module, "base_layer", None)
             weight = getattr(base, "weight", None)
-            if not hasattr(module, "get_delta_weight") or weight is None or weight.dtype == torch.float32:
+            if not hasattr(module, "get_delta_weight") or weight is None or weight.dtype == torch.float32 \
+                    or not any(n in getattr(module, "lora_A", {}) or n in getattr(module, "lora_embedding_A", {})
+                               for n in module.active_adapters):
                 continue
-            for name in module.active_adapters:
-                if name not in getattr(module, "lora_A", {}) and name not in getattr(module, "lora_embedding_A", {}):
-                    continue
-                delta = module.get_delta_weight(name).float()
-                exact = weight.float() + delta
-                lost += (exact.to(weight.dtype).float() - exact).square().sum().item()
-                update += delta.square().sum().item()
+            layer = copy.deepcopy(module).float()
+            layer.merge(adapter_names=list(module.active_adapters))
+            exact = layer.get_base_layer().weight.detach()
+            lost += (exact.to(weight.dtype).float() - exact).square().sum().item()
+            update += (exact - weight.float()).square().sum().item()
+            del layer
     return (lost / update) ** 0.5 if update > 0 else 0.0

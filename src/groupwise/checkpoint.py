@@ -90,9 +90,17 @@ def is_transformers_state(state: dict) -> bool:
 def foreign_message(folder: str | Path) -> str:
     """A transformers / TRL checkpoint given to resume: how to start a new run from its weights, an adapter's (a
     LoRA run's checkpoint holds only the adapter) loaded trainable over its base."""
-    start = (f"model=PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<its base>), {str(folder)!r}, "
-             "is_trainable=True) (a LoRA checkpoint: it holds the adapter only)"
-             if (Path(folder) / "adapter_config.json").is_file() else f"model={str(folder)!r}")
+    adapter = Path(folder) / "adapter_config.json"
+    if adapter.is_file():
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path") or "<its base>"
+        except (OSError, json.JSONDecodeError, AttributeError):
+            base = "<its base>"
+        start = (f"model=PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(folder)!r}, "
+                 f"is_trainable=True) (a LoRA checkpoint: it holds the adapter only), or from a config, "
+                 f"`groupwise export {folder} --merge OUT`, then model_name_or_path: OUT")
+    else:
+        start = f"model={str(folder)!r}"
     return (f"resume_from_checkpoint={str(folder)!r} is a transformers / TRL checkpoint (its trainer_state.json is "
             "transformers' TrainerState), not groupwise's: it holds no groupwise resume state; start a new run "
             f"from its weights with {start}")

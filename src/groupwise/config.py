@@ -62,7 +62,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     run_name: str | None = option("Name of the run in the trackers (the wandb / trackio run name), as in TRL / transformers.", default=None)
     logging_first_step: bool = option("Also log the first optimizer step (TRL / transformers).", default=False)
     disable_tqdm: bool | None = option("Hide the progress bar and print each log line instead (None: True when transformers' logging is quieter than warnings when the config is built, as in transformers).", default=None)
-    logging_strategy: str = option("When to log metrics: 'steps' (every logging_steps), 'epoch' (at the end of each pass over the prompts) or 'no' (no step lines: evaluation and end-of-training lines only).", default="steps", choices=("steps", "epoch", "no"))
+    logging_strategy: str = option("When to log metrics: 'steps' (every logging_steps), 'epoch' (at the end of each pass over the prompts) or 'no' (no step lines, but step 1 with logging_first_step: evaluation and end-of-training lines only).", default="steps", choices=("steps", "epoch", "no"))
     logging_steps: float = option("Log metrics (progress bar, metrics.jsonl, trackers) every this many optimizer steps (< 1: that fraction of max_steps, rounded up, as transformers).", default=10, ge=0)
     logging_nan_inf_filter: bool = option("Leave non-finite loss values out of the logged averages (transformers' meaning; a skipped step is still counted in train/skipped_steps).", default=True)
     log_level: str = option("transformers / groupwise log level on the main process ('passive': leave it as it is).", default="passive", choices=LOG_LEVELS)

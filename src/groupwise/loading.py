@@ -277,7 +277,8 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
     except ValueError as e:
         raise ConfigError(str(e)) from None
     step_sources = len(process_reward_funcs) + env_step_rewards
-    if args.multi_objective_aggregation == "normalize_then_sum" and step_sources > 1:  # supervision 'both'
+    if args.multi_objective_aggregation == "normalize_then_sum" and step_sources > 1 \
+            and args.process_reward_weights is None:  # supervision 'both'
         warn_user(f"multi_objective_aggregation='normalize_then_sum' z-scores the outcome reward functions one by "
                   f"one; the {step_sources} step-reward sources are summed with process_reward_weights as they are "
                   "(not z-scored): weigh them onto one scale with process_reward_weights")

@@ -90,8 +90,10 @@ def process_metrics(s: StepScores, form: str = "suffix_sum",  # GRPOConfig.step_
                       "(a step it cuts is left out unless score_truncated_step)", RuntimeWarning, stacklevel=2)
     elif per_completion and all(len(row) <= 1 for row in per_completion):  # e.g. a marker the policy never writes
         warnings.warn(f"every completion of this round or evaluation is one step at most ({split}): the step rewards "
-                      "then score whole completions, as an outcome reward would; check that completions contain the "
-                      "step marker (process/steps_per_completion shows it)", RuntimeWarning, stacklevel=2)
+                      "then score whole completions, as an outcome reward would; check that completions end their "
+                      "steps so (with step_split='turn': that the policy calls tools), or raise "
+                      "max_completion_length (a cut last step is left out unless score_truncated_step)",
+                      RuntimeWarning, stacklevel=2)
     packed = pack_steps(s.rewards)  # (B, G, K)
     m = {"process/step_reward_mean": float(torch.nanmean(packed)) if packed.numel() else float("nan"),
          "process/steps_per_completion": sum(len(r) for r in per_completion) / len(per_completion),

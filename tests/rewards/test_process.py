@@ -143,3 +143,26 @@ def test_a_prm_spec_key_no_prm_takes_is_named_before_the_model_loads(tmp_path):
     with pytest.raises(ConfigError, match=r"reward_funcs\[0\]=.* is a process reward model \(trained by `groupwise prm "
                                           r"train`\).*list it under process_reward_funcs"):
         load_reward_sources([str(tmp_path / "prm")])
+
+
+def test_takes_keyword_reads_the_signature_the_call_meets():
+    """dropped_last goes to a step-reward function that names it or takes **kwargs; a decorator's wrapper is what
+    the call meets (its wrapped function's signature is not), and a partial that binds it keeps its value."""
+    import functools
+
+    from groupwise.rewards.process import takes_keyword
+
+    def named(steps, dropped_last, **_):
+        return steps
+
+    def plain(prompts, completions, steps, trainer_state, log_metric, log_extra):
+        return steps
+
+    @functools.wraps(named)
+    def wrapper(prompts, completions, steps, trainer_state, log_metric, log_extra):
+        return named(steps, [False] * len(steps))
+
+    assert takes_keyword(named, "dropped_last") and takes_keyword(lambda **kw: kw, "dropped_last")
+    assert not takes_keyword(plain, "dropped_last")
+    assert not takes_keyword(wrapper, "dropped_last")  # inspect.signature alone follows __wrapped__ to `named`
+    assert not takes_keyword(functools.partial(named, dropped_last=[True]), "dropped_last")

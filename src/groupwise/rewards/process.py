@@ -54,9 +54,12 @@ def load_process_reward_sources(funcs, *, trust_remote_code: bool = False, devic
 
 
 def takes_keyword(fn, name: str) -> bool:
-    """Does `fn` accept the keyword `name` (a parameter so named, or **kwargs)?"""
+    """Does `fn` accept the keyword `name` (a parameter so named, or **kwargs)? A decorator's own signature, not the
+    wrapped function's (its wrapper receives the call); a partial that binds `name` keeps its value."""
+    if name in (getattr(fn, "keywords", None) or {}):  # functools.partial(f, dropped_last=…)
+        return False
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = inspect.signature(fn, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: only the protocol's keywords
         return False
     return any(p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == name and p.kind in (
