@@ -283,3 +283,20 @@ def test_start_turn_gets_a_copy_of_the_turn_s_calls_in_any_signature():
         toolbox.start_turn(env, message)
     assert seen == [("positional", 1), ("keyword", 1), ("bare", None)]
     assert message["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_the_tool_loops_context_is_vllm_max_model_length_in_colocate_mode_only():
+    """vllm_max_model_length sizes the colocated engine (TRL); a server's context is its own, and TRL's tool loop
+    then reads max_position_embeddings. The loop read the field in server mode too, where a warning says it has no
+    effect."""
+    import warnings
+
+    from groupwise.agents import Agent, Toolbox
+    from tests.agents_support import TOKENIZER, add
+
+    colocate = GRPOConfig(use_vllm=True, vllm_max_model_length=96, max_completion_length=32)
+    assert Agent.from_config(Toolbox([add]), TOKENIZER, colocate).max_model_len == 96
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "has no effect with vllm_mode='server'"
+        server = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_max_model_length=96, max_completion_length=32)
+    assert Agent.from_config(Toolbox([add]), TOKENIZER, server).max_model_len is None

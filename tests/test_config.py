@@ -244,6 +244,14 @@ def test_scale_rewards_with_normalize_then_sum_is_refused_only_where_it_has_no_e
     assert c.estimator_options()["scale"] == "none" and c.estimator_options(outcome=True)["scale"] == "batch"
 
 
+def test_vllm_model_impl_takes_vllms_values():
+    # TRL passes the field to vLLM, whose model_impl also takes 'auto' (TRL's VLLMGeneration default) and 'terratorch'
+    assert GRPOConfig(output_dir="o", vllm_model_impl="auto").vllm_model_impl == "auto"
+    GRPOConfig(output_dir="o", vllm_model_impl="terratorch")
+    with pytest.raises(ConfigError, match="vllm_model_impl"):
+        GRPOConfig(output_dir="o", vllm_model_impl="hf")
+
+
 def test_normalize_then_sum_under_process_supervision_is_refused():
     """It combines reward_funcs, which supervision 'process' only logs; several step-reward functions were summed
     as they were (100 and 1 on two functions' steps gave 100 and 1), which the setting seemed to promise otherwise."""

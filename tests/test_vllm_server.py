@@ -354,7 +354,8 @@ def test_a_failed_weight_push_is_not_retried_and_names_the_server_s_error_and_mo
         gen = _generator(_server_args(tmp_path, server.url, ddp_timeout=60), tokenizer)
         start = time.monotonic()
         try:
-            with pytest.raises(VLLMServerError, match=r"update_weights failed after 1 try: HTTP 500.*size of tensor.*"
+            with pytest.raises(VLLMServerError, match=r"update_weights failed after 1 try: HTTP 500.*has shape "
+                                                      r"\(52, 32\), the engine.s \(52, 64\).*"
                                                       rf"the server serves '{other}': it must be the policy's model"):
                 gen.update_weights(policy)
         finally:

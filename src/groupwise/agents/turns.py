@@ -98,7 +98,9 @@ class Agent:
                     max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
                     chat_template=prepare_tokenizer(tokenizer) if tools else None,
                     chat_template_kwargs=args.chat_template_kwargs,
-                    max_model_len=args.vllm_max_model_length if args.use_vllm else None)
+                    # the colocated engine's context (TRL; a server's is its own: max_position_embeddings, as TRL)
+                    max_model_len=args.vllm_max_model_length if args.use_vllm and args.vllm_mode == "colocate"
+                    else None)
         if not tools:
             return agent
         try:

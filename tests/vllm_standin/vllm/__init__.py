@@ -123,6 +123,9 @@ class _WeightLoader:
             for name, tensor in weights:
                 if name not in params:
                     raise KeyError(f"stand-in vLLM: no parameter {name!r} in the engine's model")
+                if tuple(tensor.shape) != tuple(params[name].shape):  # vLLM's weight loaders assert it (no broadcast)
+                    raise AssertionError(f"stand-in vLLM: {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                                         f"{tuple(params[name].shape)}")
                 params[name].copy_(tensor.to(params[name].dtype))
                 self.engine.loads.append(name)
 
