@@ -275,7 +275,8 @@ def test_a_dict_of_columns_is_not_a_dict_of_datasets():
     assert named_datasets({"a": Dataset.from_list([{"task": 1}])})  # a Dataset says it is one
     # columns whose values are dicts (an environment's rows need no prompt), or named lists of such rows: both
     # readings are plausible, so neither is guessed (it was read as one evaluation set per column)
-    with pytest.raises(ConfigError, match=r"eval_dataset is a dict whose values \(under 'info', 'meta'\) are all lists of "
+    with pytest.raises(ConfigError, match=r"eval_dataset is a dict whose values \(under 'info', 'meta'\) are all "
+                                          r"lists of "
                                           r"dicts without a 'prompt' key.*Dataset.from_list.*Dataset.from_dict"):
         named_datasets({"info": [{"level": 1}, {"level": 2}], "meta": [{"id": "a"}, {"id": "b"}]})
 

@@ -143,8 +143,9 @@ def named_datasets(data: Any, name: str = "eval_dataset") -> bool:
     values = data.values()
     if not data or any(hasattr(v, "column_names") for v in values) or all("prompt" in r for v in values for r in v):
         return True
-    raise ConfigError(f"{name} is a dict whose values (under {', '.join(map(repr, data))}) are all lists of dicts without "
-                      "a 'prompt' key: it reads as {name: rows} (one evaluation set per key) and as columns whose "
+    keys = ", ".join(map(repr, data))
+    raise ConfigError(f"{name} is a dict whose values (under {keys}) are all lists of dicts without a 'prompt' key:"
+                      " it reads as {name: rows} (one evaluation set per key) and as columns whose "
                       "values are dicts. Pass datasets.Dataset objects: {key: Dataset.from_list(rows), …} for named "
                       "sets, or Dataset.from_dict(columns) for one set")
 
