@@ -487,9 +487,9 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         if lost > ROUNDING_WARN:
             written = next(model.parameters()).dtype
             warn_user(f"export: merged into {str(written).removeprefix('torch.')} weights, which round away "
-                          f"{lost:.0%} of the adapter's update (‖rounding‖ / ‖update‖ over the adapted layers): "
-                          f"the merged model computes differently from the trained one. --dtype float32 keeps it "
-                          f"(twice the size), or use the checkpoint as an adapter")
+                      f"{lost:.0%} of the adapter's update (‖rounding‖ / ‖update‖ over the adapted layers): the "
+                      "merged model computes differently from the trained one. --dtype float32 keeps it (twice the "
+                      "size), or use the checkpoint as an adapter")
         if quantized:  # saved as a model built afresh: the loaded one would write its weights back as 4-bit ones
             state, dtype = model.state_dict(), next(model.parameters()).dtype
             model = AutoModelForCausalLM.from_config(model.config, dtype=dtype, trust_remote_code=trust_remote_code)
