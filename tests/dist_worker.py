@@ -104,10 +104,18 @@ def train(out: Path) -> None:
 
 
 def fault(out: Path, kind: str) -> None:
-    """A run in which rank 1 misbehaves: its reward function raises ('raises'), or the process dies ('dies')."""
+    """A run in which rank 1 misbehaves: its reward function raises ('raises'), the process dies ('dies'), or a
+    callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback')."""
     import os
 
+    from transformers import TrainerCallback
+
     from groupwise import GRPOTrainer
+
+    class Raises(TrainerCallback):
+        def on_step_end(self, args, state, control, **_):
+            if int(os.environ.get("RANK", "0")) == 1:
+                raise RuntimeError("callback raised only on rank 1")
 
     tok = toy.build_tokenizer()
 
@@ -115,13 +123,14 @@ def fault(out: Path, kind: str) -> None:
         if int(os.environ.get("RANK", "0")) == 1:
             if kind == "raises":
                 raise KeyError("only on rank 1")
-            os._exit(9)  # the process vanishes without a word
+            if kind == "dies":
+                os._exit(9)  # the process vanishes without a word
         return [float(len(c)) for c in completions]
 
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
-                      max_steps=3, learning_rate=1e-2, ddp_timeout=20, save_steps=0)
+                      max_steps=3, learning_rate=1e-2, ddp_timeout=1800 if kind == "callback" else 20, save_steps=0)
     GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args, train_dataset=toy.dataset(16),
-                processing_class=tok).train()
+                processing_class=tok, callbacks=[Raises()] if kind == "callback" else None).train()
 
 
 def run(out: Path) -> None:

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 
@@ -97,8 +96,8 @@ def _child(script: str, args: list[str], env: dict[str, str], cwd: str | None, s
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported like the interpreter would, exit code 1
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - reported as the interpreter does (sys.excepthook), exit code 1
+        sys.excepthook(*sys.exc_info())
         code = 1
     try:  # what a plain interpreter does at exit (os._exit below skips it): join non-daemon threads, run atexit
         threading._shutdown()

@@ -384,6 +384,18 @@ def test_a_dead_rank_makes_the_others_exit_within_the_timeout(tmp_path):
     assert proc.returncode != 0 and seconds < 150, (seconds, proc.stderr[-2000:])
 
 
+@pytest.mark.slow
+def test_an_error_outside_a_shared_step_on_one_rank_does_not_wait_at_exit(tmp_path):
+    """A callback raising on rank 1 only: rank 0 goes on into the next collective. Rank 1's exit waited in a barrier
+    that gloo bounds on rank 0 only, so it stayed alive for ddp_timeout (30 min here) and the launcher, seeing no
+    process exit, never stopped rank 0. Leaving on an error it now skips the barrier; its closed group ends rank 0's
+    wait at once."""
+    proc, seconds = _torchrun(tmp_path, "fault_callback")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
+    assert "callback raised only on rank 1" in out
+
+
 def test_the_row_by_row_retry_keeps_the_timeout():
     """The batch call raises, so the rows are retried one by one; one row hangs: it is unscored, not a hang."""
     def bad_batch(completions, **_):

@@ -384,6 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     after = argv[argv.index("--debug") + 1] if debug and argv.index("--debug") + 1 < len(argv) else None
     argv = [a for a in argv if a != "--debug"]
+    code = _run_main(argv, debug, after)
+    if code in (1, 2):  # an error on this process: its exit does not wait for the others (they may be elsewhere)
+        from groupwise.distributed import mark_failed
+
+        mark_failed()
+    return code
+
+
+def _run_main(argv: list[str], debug: bool, after: str | None) -> int:
     try:
         if after is not None and set(after.split()) <= DEBUG_MODES:  # TRL's --debug field with a value
             raise ConfigError(f"--debug {after!r}: --debug takes no value here (it shows the traceback of an error); "

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import functools
 import os
+import sys
 import types
 import warnings
 
@@ -93,6 +94,25 @@ class ProcessFailed(RuntimeError):
     generation.independently()); the message is that process's."""
 
 
+_FAILED = False  # this process is leaving on an error: its exit does not wait for the others (Distributed.teardown)
+
+
+def mark_failed() -> None:
+    """Record that this process exits on an error (an exception reaching the interpreter, or a command's error
+    exit): teardown then skips its barrier."""
+    global _FAILED
+    _FAILED = True
+
+
+def _failing_excepthook(previous):
+    def hook(kind, value, traceback):
+        mark_failed()
+        previous(kind, value, traceback)
+
+    hook.groupwise = True
+    return hook
+
+
 class Distributed:
     def __init__(self, bf16: bool = False, timeout: float = 1800.0, backend: str | None = None,
                  ddp_kwargs: dict | None = None, sharding=None, fp16: bool = False):
@@ -144,6 +164,8 @@ class Distributed:
         # an overflow in any shard and keeps the same scale
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         atexit.register(self.teardown)
+        if self.world_size > 1 and not getattr(sys.excepthook, "groupwise", False):  # an uncaught error: no barrier
+            sys.excepthook = _failing_excepthook(sys.excepthook)
 
     @property
     def rank(self) -> int:
@@ -335,9 +357,15 @@ class Distributed:
             self.accelerator.wait_for_everyone()
 
     def teardown(self) -> None:
+        """At exit (and Trainer.end()): wait for the other processes, then destroy the process group. A process
+        leaving on an error (mark_failed) does not wait: its peers may be in another collective, which a barrier
+        would not end (gloo bounds monitored_barrier on rank 0 only: elsewhere it waited ddp_timeout, 30 min, and
+        the launcher, seeing no process exit, never stopped the others); the destroyed group ends their wait."""
         if torch_dist.is_available() and torch_dist.is_initialized():
             with contextlib.suppress(Exception):  # bounded: a peer that died cannot hold this process forever
-                if torch_dist.get_backend() == "gloo":
+                if _FAILED:
+                    pass
+                elif torch_dist.get_backend() == "gloo":
                     torch_dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(self.timeout, 60)))
                 else:
                     torch_dist.barrier()
