@@ -12,9 +12,11 @@ from groupwise.tasks import toy
 torch.set_num_threads(2)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # trackio reads its store's folder once, when imported: a run with report_to trackio (or 'all') writes here, not to
-# the user's ~/.cache/huggingface/trackio; subprocesses inherit it
-os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="groupwise-trackio-")
-atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
+# the user's ~/.cache/huggingface/trackio; subprocesses inherit it (a worker importing this module keeps its parent's:
+# a worker killed by a fault test would leave its own folder behind)
+if not Path(os.environ.get("TRACKIO_DIR", "")).name.startswith("groupwise-trackio-"):
+    os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="groupwise-trackio-")
+    atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

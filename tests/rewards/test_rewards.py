@@ -54,9 +54,46 @@ def test_exception_becomes_nan_and_is_counted_when_configured():
     def fragile(completions, **_):
         return [1.0 / (len(c) - 2) for c in completions]
 
-    with pytest.warns(UserWarning, match="row 1"):  # the only function failed on row 1: nothing scored it
+    with pytest.warns(UserWarning) as caught:  # the only function failed on row 1: nothing scored it
         rewards, errors = _score([fragile], on_error="nan")
     assert rewards[0, 0] == -1.0 and math.isnan(rewards[1, 0]) and errors.tolist() == [1.0]
+    said = [str(w.message) for w in caught]
+    # the exception is shown, and the unscored row's warning says why (it said "returned None", the function raised)
+    assert any("'fragile' raised on 1 of 2 rows, first ZeroDivisionError: float division by zero on row 1" in m
+               for m in said), said
+    assert any(m.startswith("no reward function scored row 1 ('fragile' raised ZeroDivisionError: float division by zero)")
+               for m in said), said
+    assert not any("returned None" in m for m in said), said
+
+
+def test_an_unscored_row_names_each_functions_reason():
+    """Two functions: one raises on row 0, the other returns None there; a third times out on the whole batch."""
+    import time
+
+    def fragile(completions, **_):
+        if "a" in completions:
+            raise KeyError("no answer")
+        return [1.0] * len(completions)
+
+    def sometimes(completions, **_):
+        return [None if c == "a" else 2.0 for c in completions]
+
+    with pytest.warns(UserWarning) as caught:
+        rewards, errors = _score([fragile, sometimes], on_error="nan")
+    assert errors.tolist() == [1.0, 0.0] and torch.isnan(rewards[0]).all() and rewards[1].tolist() == [1.0, 2.0]
+    said = [str(w.message) for w in caught]
+    assert any(m.startswith("no reward function scored row 0 ('fragile' raised KeyError: 'no answer'; 1 other(s) "
+                            "returned None or NaN)") for m in said), said
+
+    def slow(completions, **_):
+        time.sleep(2)
+        return [1.0] * len(completions)
+
+    with pytest.warns(UserWarning) as caught:
+        rewards, errors = _score([slow], on_error="nan", timeout=0.2)
+    said = [str(w.message) for w in caught]
+    assert errors.tolist() == [2.0] and torch.isnan(rewards).all()
+    assert any(m.startswith("no reward function scored row 0 ('slow' timed out)") for m in said), said
 
 
 def test_all_none_row_warns_with_the_row():

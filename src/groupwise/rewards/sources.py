@@ -326,14 +326,17 @@ class CallLogs:
 def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], list], n: int, *, on_error: str,
                         failed_row: Callable[[int], Any], describe: Callable[[int], str],
                         timeout: float | None = None, extra: dict[str, Any] | None = None,
-                        batch_logs: CallLogs | None = None) -> tuple[list, int]:
+                        batch_logs: CallLogs | None = None, reasons: dict[int, str] | None = None) -> tuple[list, int]:
     """Call `call(0, n, kwargs)` for the whole batch (`kwargs`: the trainer keywords `extra`, their logging held in
     a CallLogs, or `batch_logs` when the batch call was already made with those); if it raises (anything but a
     RewardFunctionError, which is the caller's contract being broken), call it row by row to find the failing rows.
     on_error="raise": stop naming the function and the first failing row; "nan": those rows get `failed_row(i)` and
     are counted. A call that overruns `timeout` scores every row of the batch `failed_row` and counts them, whatever
     on_error says. ±inf values are unscored and counted too (`drop_infinite`). Only the kept calls' logs reach
-    `extra`'s log_extra / log_metric."""
+    `extra`'s log_extra / log_metric. `reasons`, when given, receives why each failed row is unscored (its
+    exception, or the timeout), for the caller's messages; under "nan" a warning names each function's first
+    exception and how many rows it cost."""
+    reasons = {} if reasons is None else reasons
     logs = batch_logs or CallLogs(extra)
     try:
         rows = call_with_timeout(lambda: call(0, n, logs.kwargs()), timeout, f"{kind} {name!r}")
@@ -344,9 +347,10 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
     except RewardTimeout as e:
         warnings.warn(f"{e}: its {n} rows are scored NaN (unscored) and counted in its errors", RuntimeWarning,
                       stacklevel=2)
+        reasons.update(dict.fromkeys(range(n), f"{name!r} timed out"))
         return [failed_row(i) for i in range(n)], n
     except Exception as batch_exc:
-        rows, failures, row_logs = [], 0, []
+        rows, failures, row_logs, first, raised = [], 0, [], None, 0
         for i in range(n):
             one = CallLogs(extra)
             try:
@@ -358,16 +362,25 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
                 if isinstance(exc, RewardTimeout):
                     warnings.warn(f"{exc}: row {i} is scored NaN (unscored) and counted in its errors", RuntimeWarning,
                                   stacklevel=2)
+                    reasons[i] = f"{name!r} timed out"
                 elif on_error == "raise":
                     raise RewardFunctionError(
                         f"{kind} {name!r} raised {type(exc).__name__}: {exc} on row {i}: {describe(i)} "
                         "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
+                else:
+                    reasons[i] = f"{name!r} raised {type(exc).__name__}: {exc!s:.200}"
+                    first, raised = first or (i, exc), raised + 1
                 failures += 1
                 rows.append(failed_row(i))
                 row_logs.append(None)
         if failures == 0:  # every row alone succeeded: the batch call itself is at fault
             raise RewardFunctionError(f"{kind} {name!r} raised {type(batch_exc).__name__}: {batch_exc} on the "
                                       "batch, but on no single row") from batch_exc
+        if first is not None:
+            i, exc = first
+            warnings.warn(f"{kind} {name!r} raised on {raised} of {n} rows, first {type(exc).__name__}: {exc} on row "
+                          f"{i}: {describe(i)}; they are scored NaN (on_reward_error='nan') and counted in its errors",
+                          RuntimeWarning, stacklevel=2)
         CallLogs.of_rows(extra, row_logs).commit()
         return rows, failures + drop_infinite(rows, name, kind)
 
@@ -395,6 +408,7 @@ def compute_rewards(
     concurrent_ = [f for f, src in enumerate(sources) if src.fn is not None and is_async(src.fn)]
     first_calls: dict[int, Any] = {}
     first_logs = {f: CallLogs(extra) for f in concurrent_}
+    reasons: list[dict[int, str]] = [{} for _ in sources]  # why a row is unscored, per function (its error)
 
     def score(f: int) -> None:
         src = sources[f]
@@ -418,7 +432,7 @@ def compute_rewards(
         values, errors[f] = call_isolating_rows(
             "reward function", src.name, call, n, on_error=on_error, failed_row=lambda i: math.nan,
             describe=lambda i: f"prompt={prompts[i]!r:.200} completion={completions[i]!r:.200}", timeout=timeout,
-            extra=extra, batch_logs=first_logs.get(f))
+            extra=extra, batch_logs=first_logs.get(f), reasons=reasons[f])
         rewards[:, f] = torch.tensor(values, dtype=torch.float64)
 
     # as TRL: the sync functions and reward models in list order, then the async functions' whole-batch calls
@@ -436,6 +450,13 @@ def compute_rewards(
     if all_none.any():
         i = int(all_none.nonzero()[0])
         row = {"prompt": prompts[i], "completion": completions[i], **{k: v[i] for k, v in columns.items()}}
-        warnings.warn(f"every reward function returned None for row {i}: {row!r:.500}; it gets advantage 0",
-                      stacklevel=2)
+        why = [r[i] for r in reasons if i in r]
+        if not why:
+            warnings.warn(f"every reward function returned None for row {i}: {row!r:.500}; it gets advantage 0",
+                          stacklevel=2)
+        else:  # an error (on_reward_error='nan') or a timeout: say which, not "returned None"
+            others = len(sources) - len(why)
+            why += [f"{others} other(s) returned None or NaN"] if others else []
+            warnings.warn(f"no reward function scored row {i} ({'; '.join(why)}): {row!r:.500}; it gets advantage 0",
+                          stacklevel=2)
     return rewards, errors
