@@ -105,7 +105,8 @@ def train(out: Path) -> None:
 
 def fault(out: Path, kind: str) -> None:
     """A run in which rank 1 misbehaves: its reward function raises ('raises'), the process dies ('dies'), or a
-    callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback')."""
+    callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback'), or its
+    train_dataset is shuffled ('shuffled') or its evaluate() dataset is ('shuffled_eval')."""
     import os
 
     from transformers import TrainerCallback
@@ -129,8 +130,14 @@ def fault(out: Path, kind: str) -> None:
 
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
                       max_steps=3, learning_rate=1e-2, ddp_timeout=1800 if kind == "callback" else 20, save_steps=0)
-    GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args, train_dataset=toy.dataset(16),
-                processing_class=tok, callbacks=[Raises()] if kind == "callback" else None).train()
+    rank1 = int(os.environ.get("RANK", "0")) == 1
+    rows = toy.dataset(16)
+    trainer = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args,
+                          train_dataset=rows[::-1] if kind == "shuffled" and rank1 else rows, processing_class=tok,
+                          callbacks=[Raises()] if kind == "callback" else None)
+    if kind == "shuffled_eval":  # the train set agrees; the evaluation set does not
+        trainer.evaluate(rows[:8][::-1] if rank1 else rows[:8])
+    trainer.train()
 
 
 def run(out: Path) -> None:

@@ -197,3 +197,37 @@ def test_a_dataset_in_another_format_is_read_as_python_values_and_a_transform_ma
         PromptData(built, "train_dataset")
     kept = rows.with_transform(lambda batch: {**batch, "letter": [x.upper() for x in batch["letter"]]})
     assert PromptData(kept, "train_dataset")[0]["letter"] == "A"
+
+
+class _TwoProcesses:
+    """A stand-in for Distributed on 2 processes whose other process holds `other` (what it gathers)."""
+
+    world_size = 2
+
+    def __init__(self, other):
+        self.other = other
+
+    def gather_object(self, mine):
+        return [mine[0], self.other]
+
+
+def test_check_same_everywhere_names_the_dataset_that_differs():
+    """The 2-process runs (tests/test_faults.py) cover a reversed dataset; here the other shapes of a difference:
+    a dataset present on one process only, a stream against a dataset, and equal datasets passing."""
+    from groupwise.data import check_same_everywhere
+
+    rows = toy.dataset(8)
+    train, evaluation = PromptData(rows, "train_dataset"), PromptData(rows[:4], "eval_dataset")
+    same = {"train_dataset": (8, train.fingerprint()), "eval_dataset": (4, evaluation.fingerprint())}
+    check_same_everywhere(_TwoProcesses(same), {"train_dataset": train, "eval_dataset": evaluation})  # no error
+    with pytest.raises(ConfigError, match=r"^eval_dataset differs between processes \(process 0: 4 rows, digest "
+                                          r"\w+; process 1: none\)"):
+        check_same_everywhere(_TwoProcesses({"train_dataset": same["train_dataset"], "eval_dataset": None}),
+                              {"train_dataset": train, "eval_dataset": evaluation})
+    with pytest.raises(ConfigError, match=r"^train_dataset differs between processes \(process 0: 8 rows, digest "
+                                          r"\w+; process 1: a stream\)"):
+        check_same_everywhere(_TwoProcesses({"train_dataset": ("stream", None)}), {"train_dataset": train})
+    with pytest.raises(ConfigError, match=r"eval_dataset\['b'\] differs between processes \(process 0: none; "
+                                          r"process 1: 4 rows"):  # a name only the other process has
+        check_same_everywhere(_TwoProcesses({"train_dataset": same["train_dataset"],
+                                             "eval_dataset['b']": same["eval_dataset"]}), {"train_dataset": train})

@@ -4,6 +4,7 @@ saves, corrupted or mismatched checkpoints), in tests/test_faults_checkpoints.py
 
 import json
 import math
+import re
 import signal
 import time
 from pathlib import Path
@@ -411,3 +412,21 @@ def test_the_row_by_row_retry_keeps_the_timeout():
                                           on_error="nan", timeout=0.5)
     assert rewards[0, 0] == 1.0 and math.isnan(rewards[1, 0]) and errors.tolist() == [1.0]
     assert time.perf_counter() - start < 3
+
+
+@pytest.mark.slow
+def test_a_dataset_that_differs_between_processes_is_refused_on_every_process(tmp_path):
+    """Rank 1's train_dataset is rank 0's reversed (same rows, same length: only the fingerprint tells): each
+    process draws the same indices and a group's completions may be split between processes, so it would train on
+    groups of different prompts. Every process refuses it, naming the dataset and the two digests; evaluate() with
+    a dataset reversed on rank 1 likewise."""
+    proc, seconds = _torchrun(tmp_path, "fault_shuffled")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
+    said = re.findall(r"train_dataset differs between processes \(process 0: 16 rows, digest (\w+); process 1: "
+                      r"16 rows, digest (\w+)\)", out)
+    assert len(said) == 2 and said[0] == said[1] and said[0][0] != said[0][1], out[-3000:]  # each process, same text
+    proc, seconds = _torchrun(tmp_path / "eval", "fault_shuffled_eval")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
+    assert out.count("eval_dataset differs between processes (process 0: 8 rows") == 2, out[-3000:]

@@ -443,3 +443,29 @@ class StreamData:
         while self._next < position:
             self._pull()
             self._next += 1
+
+
+def check_same_everywhere(dist, datasets: dict[str, PromptData | StreamData | None]) -> None:
+    """Every process must hold the same rows in the same order: the sampler draws the same prompt indices on each,
+    and a prompt's G completions may be split between processes (their group statistics gathered), so a dataset
+    that differs between processes (shuffled on one, another file) would normalize rewards over completions of
+    different prompts with nothing said. Compares each dataset's length and fingerprint (a stream: its presence
+    only; its rows are not read ahead) across processes, raising the same ConfigError on every process."""
+    if dist.world_size == 1:
+        return
+    mine = {name: None if data is None else (len(data), data.fingerprint()) if isinstance(data, PromptData)
+            else ("stream", None) for name, data in datasets.items()}
+    every = dist.gather_object([mine])
+    for name in dict.fromkeys(n for one in every for n in one):
+        seen = [one.get(name) for one in every]
+        if all(s == seen[0] for s in seen):
+            continue
+        k = next(r for r, s in enumerate(seen) if s != seen[0])
+
+        def told(s):
+            return "none" if s is None else "a stream" if s[0] == "stream" else f"{s[0]} rows, digest {s[1]}"
+        raise ConfigError(f"{name} differs between processes (process 0: {told(seen[0])}; process {k}: "
+                          f"{told(seen[k])}): every process must load the same rows in the same order (each "
+                          "draws the same prompts, and a group's completions may be split between processes). "
+                          "Load it the same way on each, shuffling with a fixed seed (Dataset.shuffle(seed=...)), "
+                          "or leave shuffling to the trainer (shuffle_dataset, data_seed)")

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from groupwise.agents import environment_prompts
 from groupwise.config_base import ConfigError
-from groupwise.data import PromptData, is_stream, named_datasets
+from groupwise.data import PromptData, check_same_everywhere, is_stream, named_datasets
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, completions_uploader, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
@@ -273,6 +273,9 @@ class TransformersHabits:
         passed to on_evaluate."""
         given = eval_dataset is not None and not isinstance(eval_dataset, str)
         data = self._eval_data(eval_dataset) if given else self._trainers_eval_data(eval_dataset)
+        if given:  # the same rows on every process, as the constructor's (each evaluates its share of the prompts)
+            check_same_everywhere(self.dist, {d.name: d for d in data.values()} if isinstance(data, dict) else
+                                  {data.name: data})
         if isinstance(data, dict):
             return {k: v for name, one in data.items()
                     for k, v in self._evaluate_one(one, given, ignore_keys, f"{metric_key_prefix}_{name}").items()}

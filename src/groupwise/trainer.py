@@ -23,7 +23,7 @@ from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
-from groupwise.data import PromptData, StreamData, each_dataset, is_stream
+from groupwise.data import PromptData, StreamData, check_same_everywhere, each_dataset, is_stream
 from groupwise.distributed import Distributed, empty_cache
 from groupwise.generation import build_generator
 from groupwise.order import PromptSampler, StreamSampler
@@ -85,6 +85,9 @@ class GRPOTrainer(RunState, TransformersHabits):
         if self.eval_data is None and (args.eval_strategy != "no" or args.eval_on_start):
             asked = f"eval_strategy={args.eval_strategy!r}" if args.eval_strategy != "no" else "eval_on_start=True"
             raise ConfigError(f"{asked} needs an eval_dataset (on the command line: eval_dataset_name), or turn it off")
+        check_same_everywhere(self.dist, {"train_dataset": self.train_data, **(
+            {d.name: d for d in self.eval_data.values()} if isinstance(self.eval_data, dict) else
+            {"eval_dataset": self.eval_data})})
         # metric_for_best_model (state.best_metric, the best checkpoint) names one of these datasets' metrics
         self._best = BestModel(args, tuple(self.eval_data) if isinstance(self.eval_data, dict) else None)
         for needed_by in ("push_to_hub", "log_completions_hub_repo"):  # no credentials: stop now, not after training
