@@ -106,7 +106,8 @@ def train(out: Path) -> None:
 def fault(out: Path, kind: str) -> None:
     """A run in which rank 1 misbehaves: its reward function raises ('raises'), the process dies ('dies'), or a
     callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback'), or its
-    train_dataset is shuffled ('shuffled') or its evaluate() dataset is ('shuffled_eval')."""
+    train_dataset is shuffled ('shuffled') or its evaluate() dataset is ('shuffled_eval'), or its reward function
+    sleeps 30 s, past ddp_timeout 10 s ('stuck')."""
     import os
 
     from transformers import TrainerCallback
@@ -126,10 +127,14 @@ def fault(out: Path, kind: str) -> None:
                 raise KeyError("only on rank 1")
             if kind == "dies":
                 os._exit(9)  # the process vanishes without a word
+            if kind == "stuck":  # no reward_timeout: rank 0 waits in the rewards' gather until ddp_timeout
+                import time
+
+                time.sleep(30)
         return [float(len(c)) for c in completions]
 
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
-                      max_steps=3, learning_rate=1e-2, ddp_timeout=1800 if kind == "callback" else 20, save_steps=0)
+                      max_steps=3, learning_rate=1e-2, ddp_timeout={"callback": 1800, "stuck": 10}.get(kind, 20), save_steps=0)
     rank1 = int(os.environ.get("RANK", "0")) == 1
     rows = toy.dataset(16)
     trainer = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args,

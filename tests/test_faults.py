@@ -430,3 +430,18 @@ def test_a_dataset_that_differs_between_processes_is_refused_on_every_process(tm
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
     assert out.count("eval_dataset differs between processes (process 0: 8 rows") == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_collective_that_waits_ddp_timeout_names_it_and_where(tmp_path):
+    """Rank 1's reward function sleeps 30 s with no reward_timeout; rank 0 waits in the rewards' gather until
+    ddp_timeout (10 s). It ended in gloo's own "Timed out waiting 10000ms for recv operation to complete", naming
+    neither the setting nor the phase; now the error names the process, ddp_timeout, the phase and step, and the fix."""
+    proc, seconds = _torchrun(tmp_path, "fault_stuck")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
+    assert ("CollectiveTimeout: process 0 waited ddp_timeout=10 s for the other processes in a round › scoring the "
+            "completions (reward functions) at step 1: one of them is stuck") in out, out[-3000:]
+    assert "set reward_timeout" in out
+    # rank 1, waking into the gather rank 0 has left, names it rather than gloo's "Connection closed by peer" alone
+    assert "ProcessFailed: process 1: another process left during a round › scoring the completions" in out

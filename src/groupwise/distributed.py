@@ -15,8 +15,10 @@ import datetime
 import functools
 import os
 import sys
+import traceback
 import types
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -93,6 +95,15 @@ class ProcessFailed(RuntimeError):
     """Another process raised in a `run_together` block (or, sharing a tensor-parallel vLLM engine, in a block of
     generation.independently()); the message is that process's."""
 
+
+class CollectiveTimeout(ProcessFailed):
+    """A collective waited ddp_timeout for a process that never joined it (Distributed.naming_stuck_collectives)."""
+
+
+# what the backends' own errors say when a collective outlives the process group's timeout
+_TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure",  # gloo
+              "Watchdog caught collective operation timeout")  # NCCL
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo: another process exited
 
 _FAILED = False  # this process is leaving on an error: its exit does not wait for the others (Distributed.teardown)
 
@@ -351,6 +362,30 @@ class Distributed:
         if messages:
             raise ProcessFailed(f"{what} failed on another process: {messages[0]}")
         return result
+
+    @contextlib.contextmanager
+    def naming_stuck_collectives(self, phases: dict[str, str], when: Callable[[], str]):
+        """A collective waiting ddp_timeout for a process that never joins it ends in the backend's own error
+        (gloo: "Timed out waiting 1800000ms for recv operation to complete"), which names neither the setting nor
+        where the run was. Re-raised as CollectiveTimeout naming this process, `when` (the step), the phase (the
+        functions of the traceback named in `phases`, outermost first, else "a collective") and what to do. A peer
+        that exited on an error (gloo: "Connection closed by peer") is named alike, as ProcessFailed."""
+        try:
+            yield
+        except RuntimeError as e:
+            timed_out, gone = (any(t in str(e) for t in texts) for texts in (_TIMED_OUT, _PEER_GONE))
+            if self.world_size == 1 or isinstance(e, ProcessFailed) or not (timed_out or gone):
+                raise
+            names = [frame.f_code.co_name for frame, _ in traceback.walk_tb(e.__traceback__)]
+            phase = " › ".join(dict.fromkeys(phases[n] for n in names if n in phases)) or "a collective"
+            if gone:
+                raise ProcessFailed(f"process {self.rank}: another process left during {phase} {when()} (its own "
+                                    f"error, in its output, says why): {e}") from e
+            raise CollectiveTimeout(
+                f"process {self.rank} waited ddp_timeout={self.timeout:g} s for the other processes in {phase} "
+                f"{when()}: one of them is stuck or much slower (a reward function, tool or environment call with no "
+                "time limit: set reward_timeout; a data read that hangs); its output says where. If a step "
+                "legitimately takes that long, raise ddp_timeout") from e
 
     def barrier(self) -> None:
         if self.world_size > 1:

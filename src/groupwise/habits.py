@@ -276,10 +276,11 @@ class TransformersHabits:
         if given:  # the same rows on every process, as the constructor's (each evaluates its share of the prompts)
             check_same_everywhere(self.dist, {d.name: d for d in data.values()} if isinstance(data, dict) else
                                   {data.name: data})
-        if isinstance(data, dict):
-            return {k: v for name, one in data.items()
-                    for k, v in self._evaluate_one(one, given, ignore_keys, f"{metric_key_prefix}_{name}").items()}
-        return self._evaluate_one(data, given, ignore_keys, metric_key_prefix)
+        with self.dist.naming_stuck_collectives(self.PHASES, lambda: f"after step {self.global_step}"):
+            if isinstance(data, dict):
+                return {k: v for name, one in data.items()
+                        for k, v in self._evaluate_one(one, given, ignore_keys, f"{metric_key_prefix}_{name}").items()}
+            return self._evaluate_one(data, given, ignore_keys, metric_key_prefix)
 
     def _eval_data(self, dataset, name: str = "eval_dataset") -> PromptData | dict[str, PromptData]:
         """An eval dataset (the constructor's or evaluate()'s), or {name: dataset} as a dict of them; with

@@ -51,6 +51,13 @@ class TrainingStopped(RuntimeError):
 
 
 class GRPOTrainer(RunState, TransformersHabits):
+    # where a collective that waited ddp_timeout was (Distributed.naming_stuck_collectives): the loop's functions
+    PHASES = {"_begin": "the start of training", "_collect": "a round", "generate": "generation",
+              "score": "scoring the completions (reward functions)", "score_steps": "scoring the steps (step rewards)",
+              "advantages": "the group statistics", "build_batch": "the reference / old-policy log-probs",
+              "optimizer_step": "an optimizer step (the gradients' all-reduce)", "_evaluate_one": "an evaluation",
+              "save": "saving a checkpoint", "_end": "the end of training"}
+
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
@@ -276,7 +283,8 @@ class GRPOTrainer(RunState, TransformersHabits):
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         self._logger = None
         failed = True
-        with stop_on_signals() as self._signals:
+        with stop_on_signals() as self._signals, self.dist.naming_stuck_collectives(
+                self.PHASES, lambda: f"at step {self.global_step + 1}"):
             try:
                 self._begin()
                 while not self._finished():
