@@ -107,7 +107,8 @@ def fault(out: Path, kind: str) -> None:
     """A run in which rank 1 misbehaves: its reward function raises ('raises'), the process dies ('dies'), or a
     callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback'), or its
     train_dataset is shuffled ('shuffled') or its evaluate() dataset is ('shuffled_eval'), or its reward function
-    sleeps 30 s, past ddp_timeout 10 s ('stuck')."""
+    sleeps 30 s, past ddp_timeout 10 s ('stuck'); 'raises_slow_close': as 'raises', rank 0 taking 6 s to close its
+    trackers (then writing rank0_closed)."""
     import os
 
     from transformers import TrainerCallback
@@ -120,10 +121,23 @@ def fault(out: Path, kind: str) -> None:
                 raise RuntimeError("callback raised only on rank 1")
 
     tok = toy.build_tokenizer()
+    if kind == "raises_slow_close" and int(os.environ.get("RANK", "0")) == 0:  # rank 0 closes its trackers slowly
+        import time
+
+        from groupwise.logging import MetricsLogger
+
+        close = MetricsLogger.close
+
+        def slow_close(self, failed=False):
+            time.sleep(6)
+            close(self, failed)
+            (out / "rank0_closed").touch()
+
+        MetricsLogger.close = slow_close
 
     def reward(completions, **_):
         if int(os.environ.get("RANK", "0")) == 1:
-            if kind == "raises":
+            if kind in ("raises", "raises_slow_close"):
                 raise KeyError("only on rank 1")
             if kind == "dies":
                 os._exit(9)  # the process vanishes without a word
@@ -380,6 +394,24 @@ def one_rank(out: Path) -> None:
     (out / f"result_{t.dist.rank}.json").write_text(json.dumps({"step": t.state.global_step}))
 
 
+def inflight(out: Path) -> None:
+    """Rank 1 starts a collective rank 0 never joins, then raises: its exit must not wait for that collective (the
+    group's timeout, 120 s here) to destroy its process group. Each rank writes left_<rank> with its seconds."""
+    import time
+
+    import torch.distributed as torch_dist
+
+    dist = Distributed(timeout=120)
+    start = time.perf_counter()
+    import atexit
+
+    atexit.register(lambda: (out / f"left_{dist.rank}").write_text(f"{time.perf_counter() - start:.1f}"))
+    if dist.rank == 1:
+        torch_dist.all_reduce(torch.ones(1), async_op=True)
+        raise RuntimeError("rank 1 leaves with a collective in flight")
+    time.sleep(3)
+
+
 def groups(out: Path) -> None:
     """Distributed.subgroup(2): each process's group (its members' ranks, gathered within it)."""
     dist = Distributed()
@@ -393,5 +425,5 @@ if __name__ == "__main__":
     if mode.startswith("fault_"):
         fault(out, mode.removeprefix("fault_"))
     else:
-        {"same": same, "train": train, "run": run, "replica": replica, "groups": groups,
+        {"same": same, "train": train, "run": run, "replica": replica, "groups": groups, "inflight": inflight,
          "one_rank": one_rank}[mode](out)

@@ -96,7 +96,8 @@ def _child(script: str, args: list[str], env: dict[str, str], cwd: str | None, s
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter does (sys.excepthook), exit code 1
+    except BaseException:  # noqa: BLE001 - reported as the interpreter does (sys.last_* set, sys.excepthook), exit 1
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
         sys.excepthook(*sys.exc_info())
         code = 1
     try:  # what a plain interpreter does at exit (os._exit below skips it): join non-daemon threads, run atexit

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -380,6 +381,31 @@ def test_an_exception_on_one_rank_stops_every_rank_with_its_message(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_error_every_rank_shares_lets_rank_0_finish_closing_before_the_others_exit(tmp_path):
+    """A reward function raising on rank 1 stops every rank together (run_together). Rank 0 then closes its trackers
+    (wandb's finish, the completions upload; here 6 s). The others wait for it at exit: a launcher stops every
+    process once one exits (torchrun: SIGTERM, SIGKILL 30 s later; here 2 s), so a rank leaving at once got rank 0
+    killed mid-close. Only an error of one process alone skips that wait (the next tests)."""
+    start = time.perf_counter()
+    proc = torchrun(ROOT / "tests" / "dist_worker.py", "fault_raises_slow_close", tmp_path / "out", timeout=240,
+                    grace=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.perf_counter() - start < 120, out[-2000:]
+    assert "only on rank 1" in out
+    assert (tmp_path / "out" / "rank0_closed").exists(), out[-2000:]  # not killed while closing
+
+
+@pytest.mark.slow
+def test_a_process_leaving_with_a_collective_in_flight_does_not_wait_for_it(tmp_path):
+    """destroy_process_group waits for the process's own collectives in flight (gloo: until the group's timeout,
+    120 s here); a process leaving on its own error destroys its group from a thread it waits on 10 s at most."""
+    proc, seconds = _torchrun(tmp_path, "inflight")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank 1 leaves with a collective in flight" in out, out[-2000:]
+    assert seconds < 60, (seconds, out[-2000:])
+
+
+@pytest.mark.slow
 def test_a_dead_rank_makes_the_others_exit_within_the_timeout(tmp_path):
     proc, seconds = _torchrun(tmp_path, "fault_dies")  # ddp_timeout=20 in the worker
     assert proc.returncode != 0 and seconds < 150, (seconds, proc.stderr[-2000:])
@@ -445,3 +471,26 @@ def test_a_collective_that_waits_ddp_timeout_names_it_and_where(tmp_path):
     assert "set reward_timeout" in out
     # rank 1, waking into the gather rank 0 has left, names it rather than gloo's "Connection closed by peer" alone
     assert "ProcessFailed: process 1: another process left during a round › scoring the completions" in out
+
+
+def test_which_exits_wait_for_the_other_processes(monkeypatch, tmp_path):
+    """An error of this process alone skips the exit barrier; one every process raised together (`shared`: a
+    run_together failure, an agreed stop, a check made alike everywhere) keeps it. The CLI marks its error exits;
+    an uncaught exception is read at exit from sys.last_value (set by the interpreter whatever sys.excepthook is)."""
+    from groupwise import cli, distributed
+    from groupwise.distributed import _leaving_alone, mark_failed, shared
+    from groupwise.signals import interrupted
+
+    monkeypatch.setattr(distributed, "_FAILED", False)
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    assert not _leaving_alone(at_exit=True)
+    mark_failed(shared(ConfigError("on every process")))
+    assert not _leaving_alone(at_exit=True)
+    monkeypatch.setattr(sys, "last_value", interrupted(signal.SIGTERM, "stopped after step 3"), raising=False)
+    assert not _leaving_alone(at_exit=True)  # an agreed stop (SIGTERM / Ctrl-C after a step) waits
+    monkeypatch.setattr(sys, "last_value", KeyboardInterrupt(), raising=False)  # a second Ctrl-C: at once
+    assert _leaving_alone(at_exit=True) and not _leaving_alone(at_exit=False)  # Trainer.end() reads no last_value
+    monkeypatch.delattr(sys, "last_value")
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2  # the CLI's error exit
+    assert _leaving_alone(at_exit=False)

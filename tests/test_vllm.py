@@ -483,3 +483,19 @@ def test_the_engine_starts_with_the_trainer_and_its_seed_is_the_run_s_streams_as
     assert not _engine_matches(engine, t.unwrapped)
     t.evaluate()
     assert engine.calls == 1 and _engine_matches(engine, t.unwrapped)  # loaded before its first generation
+
+
+def test_a_prompt_with_no_room_in_vllm_max_model_length_is_refused_before_the_model_loads(tmp_path, base_dir, vllm):
+    """The colocated engine holds vllm_max_model_length tokens, prompt and completion together: a completion there
+    stops short of max_completion_length (TRL's engine cuts it with nothing said). toy prompts are 'repeat x:', 9
+    tokens (one per character): 9 + max_completion_length 8 = 17 > 16, and = 17 fits. The model's positions (1024)
+    are not the limit. (Server mode: the server's own context applies, not this field.)"""
+    args = small_args(tmp_path, use_vllm=True, max_completion_length=8, vllm_max_model_length=16)
+    with pytest.raises(ConfigError, match=r"^train_dataset row 0: 9 prompt tokens \+ max_completion_length=8 exceed "
+                                          r"vllm_max_model_length=16 \(12 of 12 rows\); lower max_completion_length "
+                                          r"or max_prompt_length, or raise vllm_max_model_length$"):
+        GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
+    assert vllm.ENGINES == []  # refused before the engine (and the model) loaded
+    args = small_args(tmp_path, use_vllm=True, max_completion_length=8, vllm_max_model_length=17)
+    GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))  # 9 + 8 = 17: built
+    assert len(vllm.ENGINES) == 1

@@ -596,3 +596,32 @@ def test_fsdp2_pushes_the_gathered_weights_to_the_server_as_ddp_does(tmp_path, v
         assert trained[0].keys() == trained[1].keys()
         for n in trained[0]:
             assert torch.allclose(trained[0][n], trained[1][n], atol=1e-5), (kind, n)
+
+
+def test_the_server_s_context_limit_as_vllm_applies_it(tmp_path, vllm, base_dir, tokenizer):
+    """A server started with --max-model-len 14 (the stand-in, as vLLM): 'repeat a:' is 9 tokens, so a completion
+    stops after 14 - 9 = 5 tokens (finish_reason 'length'), which groupwise reads as a 5-token row; a prompt of 15
+    tokens is refused with vLLM's 400, which groupwise's error shows. /server_info without config_format=json
+    answers text (vLLM's default): groupwise asks for json."""
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.vllm_standin.serve import StandinServer
+
+    policy = AutoModelForCausalLM.from_pretrained(base_dir)
+    with StandinServer(base_dir, max_model_len=14) as server:
+        server.reply = lambda prompt: [5] * 20  # never EOS: only the limits end it
+        gen = _generator(_server_args(tmp_path, server.url, max_completion_length=8), tokenizer)
+        try:
+            ids, mask = encode_prompts(["repeat a:"], tokenizer, None)
+            out = gen(policy, ids, mask)
+            assert out.completion_ids[0, :5].tolist() == [5] * 5 and out.lengths.tolist() == [5]
+            ids, mask = encode_prompts(["repeat a: repea"], tokenizer, None)  # 15 tokens
+            with pytest.raises(Exception, match=r"HTTP 400: .*This model's maximum context length is 14 tokens\. "
+                                                r"However, your request has 15 input tokens"):
+                gen(policy, ids, mask)
+        finally:
+            gen.close()
+        text = json.loads(urllib.request.urlopen(server.url + "/server_info").read())["vllm_config"]
+        assert isinstance(text, str) and "'max_model_len': 14" in text

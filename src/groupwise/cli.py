@@ -238,7 +238,10 @@ def running(what: str):
     try:
         yield
     except FileNotFoundError as e:
-        raise FileMissingInRun(f"{e} (during {what}: a file the run uses went missing)") from e
+        missing = FileMissingInRun(f"{e} (during {what}: a file the run uses went missing)")
+        if getattr(e, "groupwise_shared", False):  # raised on every process (groupwise.distributed.shared)
+            missing.groupwise_shared = True
+        raise missing from e
 
 
 def read_values(argv: list[str]) -> dict[str, Any]:
@@ -384,21 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     after = argv[argv.index("--debug") + 1] if debug and argv.index("--debug") + 1 < len(argv) else None
     argv = [a for a in argv if a != "--debug"]
-    code = _run_main(argv, debug, after)
-    if code in (1, 2):  # an error on this process: its exit does not wait for the others (they may be elsewhere)
-        from groupwise.distributed import mark_failed
-
-        mark_failed()
-    return code
-
-
-def _run_main(argv: list[str], debug: bool, after: str | None) -> int:
     try:
         if after is not None and set(after.split()) <= DEBUG_MODES:  # TRL's --debug field with a value
             raise ConfigError(f"--debug {after!r}: --debug takes no value here (it shows the traceback of an error); "
                               "TRL's debug field (transformers' debug modes) is not supported by groupwise")
         return _main(argv)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        from groupwise.distributed import mark_failed
+
+        mark_failed(e)  # an error of this process alone: its exit does not wait for the others (they may be elsewhere)
         if debug:  # the traceback, and the same exit code
             import traceback
 
@@ -406,7 +403,7 @@ def _run_main(argv: list[str], debug: bool, after: str | None) -> int:
         print(f"groupwise: configuration error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 — a stopped run: one line, the traceback with --debug
-        from groupwise.distributed import ProcessFailed
+        from groupwise.distributed import ProcessFailed, mark_failed
         from groupwise.rewards import RewardFunctionError
         from groupwise.signals import TrainingInterrupted
         from groupwise.trainer import TrainingStopped
@@ -415,7 +412,8 @@ def _run_main(argv: list[str], debug: bool, after: str | None) -> int:
             print(f"groupwise: {e}", file=sys.stderr)
             return 128 + int(e.signum)
         if debug or not isinstance(e, (RewardFunctionError, TrainingStopped, ProcessFailed, FileMissingInRun)):
-            raise
+            raise  # the interpreter reports it (and teardown reads it at exit)
+        mark_failed(e)
         print(f"groupwise: run stopped: {e}", file=sys.stderr)
         return 1
 

@@ -111,11 +111,21 @@ def _tokens_kept(n: int, max_prompt_length: int | None) -> tuple[int, bool]:
     return (max_prompt_length if over else n), over
 
 
-def _too_long(name: str, i: int, n: int, max_completion_length: int, max_positions: int,
+def _too_long(name: str, i: int, n: int, max_completion_length: int, max_positions: int | str,
               how_many: str = "") -> ConfigError:
+    """max_positions: the model's (a number), or the setting that limits the sampler's context (a 'field=value')."""
+    limit, fix = ((f"the model's {max_positions} positions", "") if isinstance(max_positions, int) else
+                  (max_positions, f", or raise {max_positions.split('=')[0]}"))
     return ConfigError(f"{name} row {i}: {n} prompt tokens + max_completion_length={max_completion_length} exceed "
-                       f"the model's {max_positions} positions{how_many}; lower max_completion_length or "
-                       "max_prompt_length")
+                       f"{limit}{how_many}; lower max_completion_length or max_prompt_length{fix}")
+
+
+def _position_limit(max_positions: int | None, sampler_limit: tuple[int, str] | None) -> tuple[int | None, Any]:
+    """The tokens a prompt and its completion may fill, and how _too_long names it: the model's positions, or the
+    sampler's limit (tokens, 'field=value') when lower."""
+    if sampler_limit is not None and (max_positions is None or sampler_limit[0] < max_positions):
+        return sampler_limit
+    return max_positions, max_positions
 
 
 def _over(name: str, i: int, n: int, max_prompt_length: int, how_many: str = "") -> ConfigError:
@@ -269,10 +279,14 @@ class PromptData:
                 yield row["prompt"] if "prompt" in row else EmptyPrompt()
 
     def check_lengths(self, tokenizer, *, max_prompt_length: int | None, max_completion_length: int,
-                      truncate_prompt: str, max_positions: int | None, chat_template_kwargs: dict | None = None):
+                      truncate_prompt: str, max_positions: int | None, chat_template_kwargs: dict | None = None,
+                      sampler_limit: tuple[int, str] | None = None):
         """Tokenize every prompt as the rollout will. Prompts over max_prompt_length are cut from the left with a
         warning (truncate_prompt='left', TRL's behaviour) or are an error ('error'); a prompt that, kept or cut,
-        leaves no room for max_completion_length tokens within the model's max positions is an error."""
+        leaves no room for max_completion_length tokens within the model's max positions is an error, as within
+        `sampler_limit` (tokens, 'field=value': a vLLM engine's vllm_max_model_length, which would stop the
+        completion short) when it is lower."""
+        max_positions, limit_name = _position_limit(max_positions, sampler_limit)
         over, too_long, total = [], [], len(self)
         prompts = self._prompts()
         with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
@@ -289,7 +303,7 @@ class PromptData:
                         too_long.append((lo + k, kept))
                 bar.update(len(chunk))
         if too_long:
-            raise _too_long(self.name, *too_long[0], max_completion_length, max_positions,
+            raise _too_long(self.name, *too_long[0], max_completion_length, limit_name,
                             f" ({len(too_long)} of {total} rows)")
         if over and truncate_prompt == "error":
             raise _over(self.name, *over[0], max_prompt_length, f" ({len(over)} of {total} rows)")
@@ -414,7 +428,8 @@ class StreamData:
         self._lengths = {"tokenizer": tokenizer, **limits}
 
     def _check_length(self, i: int, prompt, *, tokenizer, max_prompt_length, max_completion_length, truncate_prompt,
-                      max_positions, chat_template_kwargs=None) -> None:
+                      max_positions, chat_template_kwargs=None, sampler_limit=None) -> None:
+        max_positions, limit_name = _position_limit(max_positions, sampler_limit)
         n = len(token_ids(self.name, i, [prompt], tokenizer, chat_template_kwargs)[0])
         if n == 0:
             raise ConfigError(f"{self.name} row {i} encodes to zero tokens: {prompt!r:.80}")
@@ -425,7 +440,7 @@ class StreamData:
             _cut_warning(self.name, i, n, max_prompt_length)
             self._warned = True
         if max_positions is not None and kept + max_completion_length > max_positions:
-            raise _too_long(self.name, i, kept, max_completion_length, max_positions)
+            raise _too_long(self.name, i, kept, max_completion_length, limit_name)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         i = int(i)
@@ -451,6 +466,8 @@ def check_same_everywhere(dist, datasets: dict[str, PromptData | StreamData | No
     that differs between processes (shuffled on one, another file) would normalize rewards over completions of
     different prompts with nothing said. Compares each dataset's length and fingerprint (a stream: its presence
     only; its rows are not read ahead) across processes, raising the same ConfigError on every process."""
+    from groupwise.distributed import shared
+
     if dist.world_size == 1:
         return
     mine = {name: None if data is None else (len(data), data.fingerprint()) if isinstance(data, PromptData)
@@ -464,8 +481,8 @@ def check_same_everywhere(dist, datasets: dict[str, PromptData | StreamData | No
 
         def told(s):
             return "none" if s is None else "a stream" if s[0] == "stream" else f"{s[0]} rows, digest {s[1]}"
-        raise ConfigError(f"{name} differs between processes (process 0: {told(seen[0])}; process {k}: "
+        raise shared(ConfigError(f"{name} differs between processes (process 0: {told(seen[0])}; process {k}: "
                           f"{told(seen[k])}): every process must load the same rows in the same order (each "
                           "draws the same prompts, and a group's completions may be split between processes). "
                           "Load it the same way on each, shuffling with a fixed seed (Dataset.shuffle(seed=...)), "
-                          "or leave shuffling to the trainer (shuffle_dataset, data_seed)")
+                          "or leave shuffling to the trainer (shuffle_dataset, data_seed)"))

@@ -15,6 +15,7 @@ import datetime
 import functools
 import os
 import sys
+import threading
 import traceback
 import types
 import warnings
@@ -105,23 +106,33 @@ _TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure",  #
               "Watchdog caught collective operation timeout")  # NCCL
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo: another process exited
 
-_FAILED = False  # this process is leaving on an error: its exit does not wait for the others (Distributed.teardown)
+_FAILED = False  # this process is leaving on an error of its own: its exit does not wait for the others (teardown)
 
 
-def mark_failed() -> None:
-    """Record that this process exits on an error (an exception reaching the interpreter, or a command's error
-    exit): teardown then skips its barrier."""
+def shared(exc: BaseException) -> BaseException:
+    """Tag `exc` as raised on every process together (a run_together failure, an agreed stop, a check every process
+    makes alike): a process leaving on it still waits for the others at exit, so that the main process finishes
+    closing its trackers and uploads before the launcher, seeing a process exit, stops the rest."""
+    with contextlib.suppress(AttributeError):
+        exc.groupwise_shared = True
+    return exc
+
+
+def mark_failed(exc: BaseException | None = None) -> None:
+    """Record that this process leaves on an error of its own (`exc` not `shared`): teardown then skips its
+    barrier. The CLI calls it on its error exits; an exception reaching the interpreter is read at exit."""
     global _FAILED
-    _FAILED = True
+    if exc is None or not getattr(exc, "groupwise_shared", False):
+        _FAILED = True
 
 
-def _failing_excepthook(previous):
-    def hook(kind, value, traceback):
-        mark_failed()
-        previous(kind, value, traceback)
-
-    hook.groupwise = True
-    return hook
+def _leaving_alone(at_exit: bool) -> bool:
+    """Whether this process leaves on an error of its own: marked, or at interpreter exit an uncaught exception
+    (sys.last_value, which the interpreter sets whatever sys.excepthook is) that is not `shared`."""
+    if _FAILED or not at_exit:
+        return _FAILED
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return last is not None and not getattr(last, "groupwise_shared", False)
 
 
 class Distributed:
@@ -174,9 +185,9 @@ class Distributed:
         # (DTensors): unscale_'s overflow check is reduced over the mesh by DTensor (max), so every process sees
         # an overflow in any shard and keeps the same scale
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        atexit.register(self.teardown)
-        if self.world_size > 1 and not getattr(sys.excepthook, "groupwise", False):  # an uncaught error: no barrier
-            sys.excepthook = _failing_excepthook(sys.excepthook)
+        global _FAILED
+        _FAILED = False  # a process training again (a notebook, tests) after an error exit of the CLI's
+        atexit.register(self.teardown, at_exit=True)
 
     @property
     def rank(self) -> int:
@@ -358,9 +369,9 @@ class Distributed:
         messages = [m for m in self.gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"])
                     if m is not None]
         if failure is not None:
-            raise failure
+            raise shared(failure)
         if messages:
-            raise ProcessFailed(f"{what} failed on another process: {messages[0]}")
+            raise shared(ProcessFailed(f"{what} failed on another process: {messages[0]}"))
         return result
 
     @contextlib.contextmanager
@@ -391,17 +402,24 @@ class Distributed:
         if self.world_size > 1:
             self.accelerator.wait_for_everyone()
 
-    def teardown(self) -> None:
+    def teardown(self, at_exit: bool = False) -> None:
         """At exit (and Trainer.end()): wait for the other processes, then destroy the process group. A process
-        leaving on an error (mark_failed) does not wait: its peers may be in another collective, which a barrier
-        would not end (gloo bounds monitored_barrier on rank 0 only: elsewhere it waited ddp_timeout, 30 min, and
-        the launcher, seeing no process exit, never stopped the others); the destroyed group ends their wait."""
-        if torch_dist.is_available() and torch_dist.is_initialized():
-            with contextlib.suppress(Exception):  # bounded: a peer that died cannot hold this process forever
-                if _FAILED:
-                    pass
-                elif torch_dist.get_backend() == "gloo":
-                    torch_dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(self.timeout, 60)))
-                else:
-                    torch_dist.barrier()
-            torch_dist.destroy_process_group()
+        leaving on an error of its own (_leaving_alone) does not wait: its peers may be in another collective, which
+        a barrier would not end (gloo bounds monitored_barrier on rank 0 only: elsewhere it waited ddp_timeout,
+        30 min, and the launcher, seeing no process exit, never stopped the others); its closed connections end
+        their wait. Its group is destroyed from a thread it waits on 10 s at most: a collective of its own still in
+        flight would hold the destruction until ddp_timeout. An error every process raised together (`shared`)
+        waits as a normal exit does."""
+        if not (torch_dist.is_available() and torch_dist.is_initialized()):
+            return
+        if _leaving_alone(at_exit):
+            done = threading.Thread(target=torch_dist.destroy_process_group, daemon=True)
+            done.start()
+            done.join(10)
+            return
+        with contextlib.suppress(Exception):  # bounded: a peer that died cannot hold this process forever
+            if torch_dist.get_backend() == "gloo":
+                torch_dist.monitored_barrier(timeout=datetime.timedelta(seconds=min(self.timeout, 60)))
+            else:
+                torch_dist.barrier()
+        torch_dist.destroy_process_group()

@@ -29,7 +29,10 @@ class KeyboardTrainingInterrupted(TrainingInterrupted, KeyboardInterrupt):
 
 
 def interrupted(signum: int, message: str) -> TrainingInterrupted:
-    return (KeyboardTrainingInterrupted if signum == signal.SIGINT else TrainingInterrupted)(signum, message)
+    """Every process stops after the same step (the trainer agrees on it): `shared`, the exit waits for the others."""
+    from groupwise.distributed import shared
+
+    return shared((KeyboardTrainingInterrupted if signum == signal.SIGINT else TrainingInterrupted)(signum, message))
 
 
 @contextlib.contextmanager

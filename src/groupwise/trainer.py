@@ -24,7 +24,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
 from groupwise.data import PromptData, StreamData, check_same_everywhere, each_dataset, is_stream
-from groupwise.distributed import Distributed, empty_cache
+from groupwise.distributed import Distributed, empty_cache, shared
 from groupwise.generation import build_generator
 from groupwise.order import PromptSampler, StreamSampler
 from groupwise.guards import args_fingerprint, check_args_unchanged, check_overrides
@@ -362,11 +362,11 @@ class GRPOTrainer(RunState, TransformersHabits):
         if not metrics.get("train/overflow"):  # fp16's loss-scale search is not a failure
             self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
         if self.consecutive_skipped >= args.max_consecutive_skipped_steps:
-            raise TrainingStopped(
+            raise shared(TrainingStopped(  # every process skips the same steps (the finite check is all-reduced)
                 f"{self.consecutive_skipped} optimizer steps in a row were skipped for a non-finite loss or gradient "
                 f"(steps {self.global_step - self.consecutive_skipped + 1}–{self.global_step}; see the warnings and "
                 "metrics.jsonl); stopping with the weights of the last good step untouched and the last checkpoint "
-                "kept. Check the rewards, beta and learning_rate, or raise max_consecutive_skipped_steps")
+                "kept. Check the rewards, beta and learning_rate, or raise max_consecutive_skipped_steps"))
         if not skipped:
             self._weights_changed()  # the sampler sees the new policy
         if math.isfinite(metrics["loss"]):

@@ -6,7 +6,8 @@ transformers model on the CPU), with the weight-transfer group on gloo instead o
     GET  /health                          200 once the engine is up
     GET  /v1/models                       {"data": [{"id": <model>}]}
     GET  /server_info?config_format=json  {"vllm_config": {..., "weight_transfer_config": {"backend": "nccl"} | null}}
-    GET  /get_world_size                  {"world_size": 1}
+                                          (without config_format=json, vLLM's default "text": the config as a string)
+    GET  /get_world_size                  {"world_size": 1} (the stand-in has one worker)
     POST /v1/completions                  {"model", "prompt": [[ids]…], "n", sampling fields, "logprobs",
                                            "return_token_ids", …} -> {"choices": [{"index", "prompt_token_ids",
                                            "token_ids", "logprobs": {"tokens": ["token_id:<id>"…], "token_logprobs",
@@ -15,7 +16,11 @@ transformers model on the CPU), with the weight-transfer group on gloo instead o
                                            packed?}}: joins the trainer's group as rank rank_offset
     POST /start_weight_update, /update_weights {"update_info": {names, dtype_names, shapes, packed?}},
          /finish_weight_update            receive the packed broadcast into the engine's model (load_weights)
-    POST /reset_prefix_cache              {"success": true}
+    POST /reset_prefix_cache              200 with an empty body, as vLLM
+
+A completion's prompt must be shorter than `max_model_len` (default: the model's max_position_embeddings, as
+`vllm serve --max-model-len`): vLLM answers 400 otherwise; a completion stops at max_model_len tokens in all
+(finish_reason "length").
 
 As vLLM: `token_ids` / `prompt_token_ids` are null unless the request sets `return_token_ids`, the tokens are
 "token_id:<id>" strings only with `return_tokens_as_token_ids`, and init_info / update_info must carry exactly the
@@ -80,12 +85,13 @@ class HTTPError(Exception):
 
 class StandinServer:
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 0, weight_transfer: bool = True,
-                 dev_mode: bool = True, seed: int = 0):
+                 dev_mode: bool = True, seed: int = 0, max_model_len: int | None = None):
         import vllm  # the stand-in engine (tests/vllm_standin on sys.path)
 
         self.vllm = vllm
         self.model_name = model
         self.llm = vllm.LLM(model=model, seed=seed, logprobs_mode="processed_logprobs")
+        self.max_model_len = max_model_len or self.llm.hf.config.max_position_embeddings
         self.weight_transfer, self.dev_mode = weight_transfer, dev_mode
         self.requests: list[tuple[str, str, dict | None]] = []
         self.faults: dict[str, list[int | str]] = {}  # path -> the next requests' failures (an HTTP status, "drop")
@@ -143,21 +149,27 @@ class StandinServer:
             ("GET", "/health"): lambda: None,
             ("GET", "/v1/models"): lambda: {"object": "list", "data": [
                 {"id": self.model_name, "object": "model", "owned_by": "vllm", "root": self.model_name}]},
-            ("GET", "/server_info"): lambda: {"vllm_config": {
-                "model_config": {"model": self.model_name, "logprobs_mode": "processed_logprobs"},
-                "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-                "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}},
+            ("GET", "/server_info"): lambda: self.server_info(query.get("config_format", ["text"])[-1]),
             ("GET", "/get_world_size"): lambda: {"world_size": 1},
             ("POST", "/v1/completions"): lambda: self.completions(body or {}),
             ("POST", "/init_weight_transfer_engine"): lambda: self.init_weight_transfer(body or {}),
             ("POST", "/start_weight_update"): lambda: self.start_update(),
             ("POST", "/update_weights"): lambda: self.update_weights(body or {}),
             ("POST", "/finish_weight_update"): lambda: self.finish_update(),
-            ("POST", "/reset_prefix_cache"): lambda: {"success": self.llm.reset_prefix_cache()},
+            ("POST", "/reset_prefix_cache"): lambda: self.llm.reset_prefix_cache() and None,
         }
         if (method, path) not in routes:
             raise HTTPError(404 if path not in {p for _, p in routes} else 405, f"{method} {path}")
         return routes[method, path]()
+
+    def server_info(self, config_format: str) -> dict:
+        if config_format not in ("text", "json"):  # vLLM's Literal["text", "json"] query parameter
+            raise HTTPError(422, f"config_format: Input should be 'text' or 'json', got {config_format!r}")
+        config = {"model_config": {"model": self.model_name, "logprobs_mode": "processed_logprobs",
+                                   "max_model_len": self.max_model_len},
+                  "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+                  "weight_transfer_config": {"backend": "nccl"} if self.weight_transfer else None}
+        return {"vllm_config": config if config_format == "json" else str(config)}
 
     def completions(self, body: dict) -> dict:
         prompts = body.get("prompt")
@@ -184,8 +196,22 @@ class StandinServer:
             raise HTTPError(400, f"{type(e).__name__}: {e}") from None
         except NotImplementedError as e:
             raise HTTPError(501, str(e)) from None
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_model_len:  # vLLM's serving layer (_validate_input)
+            raise HTTPError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                 f"request has {longest} input tokens. Please reduce the length of the input messages.")
+        import copy
+
+        per_prompt = []  # vLLM's get_max_tokens: each prompt's completion ends at max_model_len tokens in all
+        for p in prompts:
+            room = self.max_model_len - len(p)
+            if params.max_tokens is not None and params.max_tokens <= room:
+                per_prompt.append(params)
+            else:
+                per_prompt.append(copy.copy(params))
+                per_prompt[-1].max_tokens = room
         with self.lock:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=per_prompt,
                                         use_tqdm=False)
         eos = self.llm.hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])

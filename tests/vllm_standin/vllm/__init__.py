@@ -284,8 +284,9 @@ class LLM:
         for prompt, p in zip(prompts, params):
             ids = list(prompt["prompt_token_ids"])
             scripted = self.reply(ids) if self.reply is not None else None
-            if scripted is not None:  # a test's scripted completion (no log-probs)
-                out.append(RequestOutput(ids, [CompletionOutput(k, list(scripted), None) for k in range(p.n)]))
+            if scripted is not None:  # a test's scripted completion (no log-probs), cut at max_tokens as vLLM's
+                scripted = list(scripted)[:p.max_tokens]
+                out.append(RequestOutput(ids, [CompletionOutput(k, scripted, None) for k in range(p.n)]))
                 continue
             completions, stop = [], eos | set(p.stop_token_ids or [])
             for k in range(p.n):
