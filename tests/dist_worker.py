@@ -193,6 +193,7 @@ def run_one(out: Path, spec: dict) -> None:
     reward = {"letter": toy.letter_reward, "length": length_reward}[spec.pop("reward", "letter")]
     bits = spec.pop("load_in_bits", None)  # QLoRA: the model at model_path loaded in 4 (or 8) bits
     dtype = spec.pop("model_dtype", None)  # the policy passed in this dtype ("bfloat16": loaded in 16 bits)
+    main_saves = spec.pop("save_model_main_only", False)  # after training, save_model() on rank 0 alone
     tok = toy.build_tokenizer()
     args = GRPOConfig(**{"output_dir": str(out), "num_generations": 4, "per_device_train_batch_size": 4,
                          "max_completion_length": 6, "learning_rate": 1e-2, "logging_steps": 1,
@@ -230,6 +231,10 @@ def run_one(out: Path, spec: dict) -> None:
     try:
         t.train(resume_from_checkpoint=resume)
     except Crash:
+        return
+    if main_saves:
+        if t.dist.is_main:
+            t.save_model(str(out / "final"))
         return
     (out / f"log_history_{t.dist.rank}.json").write_text(json.dumps(t.state.log_history))
     if t.dist.sharding is not None:  # each FSDP2 unit's offload policy, the policy's and the reference's

@@ -371,12 +371,14 @@ class TransformersHabits:
         with fsdp (the weights gathered) or push_to_hub (the upload's failure shared), every process calls it."""
         out = output_dir or self.args.output_dir
         collective = self.dist.sharding is not None or _internal_call or self.args.push_to_hub
-        model, weights = self.consolidated()  # with fsdp every process gathers
-        if self.dist.is_main:
-            model.save_pretrained(out, safe_serialization=True, state_dict=weights)
-            self.tokenizer.save_pretrained(out)
-        if collective:
-            self.dist.barrier()
+        # called on the main process alone under fsdp, its gather waits ddp_timeout, then says so (PHASES)
+        with self.dist.naming_stuck_collectives(self.PHASES, lambda: f"after step {self.global_step}"):
+            model, weights = self.consolidated()  # with fsdp every process gathers
+            if self.dist.is_main:
+                model.save_pretrained(out, safe_serialization=True, state_dict=weights)
+                self.tokenizer.save_pretrained(out)
+            if collective:
+                self.dist.barrier()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 

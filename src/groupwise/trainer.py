@@ -56,7 +56,8 @@ class GRPOTrainer(RunState, TransformersHabits):
               "score": "scoring the completions (reward functions)", "score_steps": "scoring the steps (step rewards)",
               "advantages": "the group statistics", "build_batch": "the reference / old-policy log-probs",
               "optimizer_step": "an optimizer step (the gradients' all-reduce)", "_evaluate_one": "an evaluation",
-              "save": "saving a checkpoint", "_end": "the end of training"}
+              "save": "saving a checkpoint", "_end": "the end of training",
+              "save_model": "save_model() (with fsdp or push_to_hub every process must call it)"}
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
