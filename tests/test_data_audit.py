@@ -231,3 +231,30 @@ def test_check_same_everywhere_names_the_dataset_that_differs():
                                           r"process 1: 4 rows"):  # a name only the other process has
         check_same_everywhere(_TwoProcesses({"train_dataset": same["train_dataset"],
                                              "eval_dataset['b']": same["eval_dataset"]}), {"train_dataset": train})
+
+
+def test_a_role_the_chat_template_drops_is_refused_naming_the_row_and_role(tmp_path, tokenizer):
+    """Qwen's template renders system / user / assistant / tool only: a dataset whose turns say 'human' (ShareGPT's
+    word) rendered as '<|assistant|>' alone, and trained on empty prompts with nothing said. A role the template
+    renders (any role, here) passes; so does a stream, checked row by row."""
+    qwen_like = ("{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant', 'tool'] %}"
+                 "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.chat_template = qwen_like
+    rows = [{"prompt": [{"role": "user", "content": "repeat a:"}], "letter": "a"},
+            {"prompt": [{"role": "system", "content": "be brief"}, {"role": "human", "content": "repeat b:"}],
+             "letter": "b"}]
+    with pytest.raises(ConfigError, match=r"^train_dataset row 1 message 1 \(role 'human'\): the tokenizer's chat "
+                                          r"template leaves its text out of the prompt .* rename the role \(human → "
+                                          r"user, gpt → assistant\)"):
+        GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
+                    args=small_args(tmp_path), train_dataset=rows * 4, processing_class=tokenizer)
+    stream = StreamData(datasets.IterableDataset.from_generator(lambda: iter(rows)), "train_dataset")
+    stream.check_lengths(tokenizer, max_prompt_length=None, max_completion_length=4, truncate_prompt="left",
+                         max_positions=1024)
+    stream[0]
+    with pytest.raises(ConfigError, match=r"^train_dataset row 1 message 1 \(role 'human'\)"):
+        stream[1]
+    tokenizer.chat_template = qwen_like.replace(" in ['system', 'user', 'assistant', 'tool']", " is defined")
+    PromptData(rows * 4, "train_dataset").check_lengths(tokenizer, max_prompt_length=None, max_completion_length=4,
+                                                        truncate_prompt="left", max_positions=1024)  # rendered: fine

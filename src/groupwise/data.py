@@ -105,6 +105,28 @@ def token_ids(name: str, first: int, prompts: list, tokenizer, chat_template_kwa
         raise
 
 
+def check_rendered(name: str, i: int, prompt: Any, tokenizer, chat_template_kwargs: dict | None,
+                   seen: set) -> None:
+    """A chat template renders the roles it knows and may drop others (Qwen's renders system / user / assistant /
+    tool only: a 'human' message vanishes, and the policy is prompted with an empty turn). Row i is rendered when it
+    has a role no earlier row had (`seen`, updated), and each message's text must appear in what it renders."""
+    if not is_conversational(prompt):
+        return
+    roles = {m.get("role") for m in prompt if isinstance(m, dict)}
+    if roles <= seen:
+        return
+    seen |= roles
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
+    for k, message in enumerate(prompt):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str) and content.strip() and content.strip() not in text:
+            raise ConfigError(f"{name} row {i} message {k} (role {message.get('role')!r}): the tokenizer's chat "
+                              "template leaves its text out of the prompt (templates render the roles they know, "
+                              "e.g. system / user / assistant / tool): rename the role (human → user, gpt → "
+                              "assistant) or fix the template")
+
+
 def _tokens_kept(n: int, max_prompt_length: int | None) -> tuple[int, bool]:
     """Prompt tokens left after truncation, and whether the prompt was over max_prompt_length."""
     over = max_prompt_length is not None and n > max_prompt_length
@@ -287,7 +309,7 @@ class PromptData:
         `sampler_limit` (tokens, 'field=value': a vLLM engine's vllm_max_model_length, which would stop the
         completion short) when it is lower."""
         max_positions, limit_name = _position_limit(max_positions, sampler_limit)
-        over, too_long, total = [], [], len(self)
+        over, too_long, total, roles = [], [], len(self), set()
         prompts = self._prompts()
         with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
             for lo in range(0, total, 512):
@@ -296,6 +318,7 @@ class PromptData:
                     n = len(ids)
                     if n == 0:
                         raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
+                    check_rendered(self.name, lo + k, chunk[k], tokenizer, chat_template_kwargs, roles)
                     kept, cut = _tokens_kept(n, max_prompt_length)
                     if cut:
                         over.append((lo + k, n))
@@ -371,6 +394,7 @@ class StreamData:
         self._rows: dict[int, dict[str, Any]] = {}
         self._lengths: dict[str, Any] | None = None  # check_lengths' arguments: each row is checked as it is read
         self._warned = False
+        self._roles: set = set()  # chat roles whose rendering was checked (check_rendered)
 
     def fingerprint(self) -> None:
         """No digest: a stream's rows are not read ahead (a resume continues the stream where the checkpoint left it)."""
@@ -433,6 +457,7 @@ class StreamData:
         n = len(token_ids(self.name, i, [prompt], tokenizer, chat_template_kwargs)[0])
         if n == 0:
             raise ConfigError(f"{self.name} row {i} encodes to zero tokens: {prompt!r:.80}")
+        check_rendered(self.name, i, prompt, tokenizer, chat_template_kwargs, self._roles)
         kept, cut = _tokens_kept(n, max_prompt_length)
         if cut and truncate_prompt == "error":
             raise _over(self.name, i, n, max_prompt_length)
