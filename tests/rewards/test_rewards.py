@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from groupwise import GRPOConfig
+from groupwise import ConfigError, GRPOConfig
 from groupwise.core.advantages import outcome_advantages
 from groupwise.rewards import RewardFunctionError, combine_rewards, compute_rewards, load_reward_sources
 
@@ -192,3 +192,19 @@ def test_normalize_then_sum_advantages_equal_trl():
     adv = outcome_advantages(rewards, **args.estimator_options(outcome=True))
     assert torch.allclose(adv, _trl_normalize_then_sum(per_func, weights), atol=1e-5)
 
+
+
+def test_a_causal_lm_given_as_a_reward_model_is_refused(model_dir, tmp_path, tokenizer):
+    """AutoModelForSequenceClassification loads a causal LM's folder with a score head initialised at random
+    (transformers logs its load report; TRL trains on that noise). A checkpoint that holds a score head loads."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    with pytest.raises(ConfigError, match=r"^reward_funcs\[0\]='.*tiny-model' has no trained score head: its checkpoint "
+                                        r"lacks score\.weight, which AutoModelForSequenceClassification would "
+                                        r"initialise at random"):
+        load_reward_sources([model_dir])
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    assert [s.name for s in load_reward_sources([str(tmp_path / "rm")])] == ["rm"]

@@ -195,7 +195,15 @@ def load_reward_sources(reward_funcs, reward_processing_classes=None, *, trust_r
             # the policy's kwargs, but not the name of its GGUF file (a reward model is in a folder of its own)
             kwargs = {"trust_remote_code": trust_remote_code,
                       **{k: v for k, v in (model_init_kwargs or {}).items() if k != "gguf_file"}}
-            model = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1, **kwargs)
+            model, info = AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1,
+                                                                             output_loading_info=True, **kwargs)
+            if info["missing_keys"]:  # a score head initialised at random scores noise (transformers only logs it)
+                missing = sorted(info["missing_keys"])
+                raise ConfigError(f"reward_funcs[{i}]={spec!r} has no trained score head: its checkpoint lacks "
+                                  f"{', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}, which "
+                                  "AutoModelForSequenceClassification would initialise at random (it is a causal LM, "
+                                  "or another kind of model). Give a sequence-classification reward model, or a "
+                                  "'module:function' reward")
             revision = {"revision": kwargs["revision"]} if kwargs.get("revision") else {}
             tok = tok or AutoTokenizer.from_pretrained(spec, trust_remote_code=kwargs["trust_remote_code"], **revision)
             sources.append(_model_source(spec.rstrip("/").split("/")[-1], model, tok, device, chat_template_kwargs))
