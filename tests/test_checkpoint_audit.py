@@ -11,6 +11,8 @@ import pytest
 
 from groupwise.checkpoint import (CheckpointError, _write_manifest, claim_output_dir, latest_checkpoint, publish,
                                  put_back_replaced, resume_folder, verify_checkpoint)
+from groupwise.config_base import ConfigError
+from tests.conftest import small_args
 
 
 def _checkpoint(root: Path, step: int, *, manifest: bool = True, **state) -> Path:
@@ -161,3 +163,35 @@ def test_overwrite_output_dir_deletes_the_previous_runs_final_model_too(tmp_path
         (model_folder / name).write_text("{}")
     claim_output_dir(model_folder, overwrite=True)
     assert sorted(p.name for p in model_folder.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, tokenizer, monkeypatch):
+    """A folder under a file, or a place that refuses writes, failed when the trackers opened (after the data and the
+    model), as a NotADirectoryError / PermissionError traceback, or as 'a file the run uses went missing' (/proc)."""
+    from groupwise import GRPOTrainer
+    from groupwise.checkpoint import check_writable
+    from groupwise.tasks import toy
+
+    (tmp_path / "notes.txt").write_text("x")
+    loads = []
+    monkeypatch.setattr("groupwise.trainer.load_policy", lambda *a, **k: loads.append(a))
+    with pytest.raises(ConfigError, match=r"^output_dir='.*notes\.txt/run' lies under '.*notes\.txt', which is a "
+                                          r"file, not a folder: choose another output_dir$"):
+        GRPOTrainer("unused", [toy.letter_reward], args=small_args(tmp_path, output_dir=str(tmp_path / "notes.txt" /
+                                                                                              "run")),
+                    train_dataset=toy.dataset(8), processing_class=tokenizer)
+    assert loads == []
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    import tempfile
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", refuse)  # root writes anywhere: the refusal simulated
+    with pytest.raises(ConfigError, match=r"^output_dir='.*locked/out' cannot be written \(PermissionError in "
+                                          r"'.*locked': Permission denied\): choose a writable folder$"):
+        check_writable(locked / "out")
+    monkeypatch.undo()
+    check_writable(locked / "out" / "deeper")  # a writable parent: fine, and nothing is left behind
+    assert list(locked.iterdir()) == []

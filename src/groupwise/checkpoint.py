@@ -325,6 +325,25 @@ def check_json_state(state: Any, what: str) -> None:
                           "save_strategy='no' with save_on_interrupt=False")
 
 
+def check_writable(output_dir: str | Path) -> None:
+    """output_dir can be created and written, probed with a temporary folder (removed) in it or in its nearest
+    existing parent, before the model loads: a folder under a file, or a read-only or forbidden place, failed only
+    when the trackers opened, after the data and the model, with a traceback."""
+    probe = Path(output_dir).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"output_dir={str(output_dir)!r} lies under {str(probe)!r}, which is a file, not a folder: "
+                          "choose another output_dir")
+    import tempfile
+
+    try:
+        tempfile.TemporaryDirectory(dir=probe, prefix=".groupwise-probe-").cleanup()
+    except OSError as e:
+        raise ConfigError(f"output_dir={str(output_dir)!r} cannot be written ({type(e).__name__} in "
+                          f"{str(probe)!r}: {e.strerror or e}): choose a writable folder") from None
+
+
 def claim_output_dir(output_dir: str | Path, overwrite: bool, model_folder: str | None = None) -> None:
     """Before a new (non-resumed) run: refuse an output_dir holding another run's checkpoints or metrics, unless
     overwrite (TRL's overwrite_output_dir), which deletes them, RUN_FILES_RE and that run's final model (FINAL_RE,

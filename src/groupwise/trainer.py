@@ -18,7 +18,7 @@ from groupwise.adapters import Reference, adapted_tied_embeddings, is_peft_model
 from groupwise.best import BestModel
 from groupwise.callbacks import CallbackHandler, default_callbacks
 from groupwise.agents import Toolbox, build_agent, default_train_dataset
-from groupwise.checkpoint import claim_output_dir, resume_folder
+from groupwise.checkpoint import check_writable, claim_output_dir, resume_folder
 from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
@@ -69,6 +69,7 @@ class GRPOTrainer(RunState, TransformersHabits):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a groupwise.GRPOConfig, got {type(args).__name__}")
         check_rollout_func(rollout_func, tools=bool(tools or environment_factory))
+        check_writable(args.output_dir)
         self.rollout_func = rollout_func  # TRL's: the user's function samples the completions (custom_rollout.py)
         self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None  # envs probed
         self.dist = Distributed(bf16=args.bf16, timeout=args.ddp_timeout, backend=args.ddp_backend, ddp_kwargs={
