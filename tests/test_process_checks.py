@@ -42,9 +42,11 @@ def test_a_process_field_the_run_would_not_read_is_refused(kwargs, match):
 
 
 def test_the_fields_the_run_reads_are_taken():
-    GRPOConfig(supervision="both", outcome_advantage_weight=2.0, process_advantage_weight=0.5)
-    GRPOConfig(supervision="process", score_truncated_step=True, step_split="tag", step_tag="ки")
-    GRPOConfig(step_split="regex", step_pattern=r"\n")  # a regex's \n is the regex for a newline: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # taken without a word
+        GRPOConfig(supervision="both", outcome_advantage_weight=2.0, process_advantage_weight=0.5)
+        GRPOConfig(supervision="process", score_truncated_step=True, step_split="tag", step_tag="ки")
+        GRPOConfig(step_split="regex", step_pattern=r"\n")  # a regex's \n is the regex for a newline: no warning
 
 
 def test_a_backslash_escape_written_out_warns():

@@ -203,6 +203,10 @@ def test_reinforce_plus_plus_baseline_by_hand():
     # not grpo's scale="batch", which divides by the std of the raw rewards [1, 3, 5, 5] (= 1.65831)
     batch = outcome_advantages(torch.tensor([[1.0, 3.0], [5.0, 5.0]]), scale="batch", eps=0)
     assert torch.allclose(batch, torch.tensor([[-0.60302, 0.60302], [0.0, 0.0]]), atol=1e-5)
+    # std="unbiased" (reward_std): Bessel's std of c = sqrt((1 + 1 + 0 + 0)/3) = 0.81650 → [−1.22474, 1.22474, 0, 0]
+    unbiased = outcome_advantages(torch.tensor([[1.0, 3.0], [5.0, 5.0]]), estimator="reinforce_plus_plus_baseline",
+                                  std="unbiased", eps=0)
+    assert torch.allclose(unbiased, torch.tensor([[-1.22474, 1.22474], [0.0, 0.0]]), atol=1e-5)
 
 
 def test_rloo_over_steps_by_hand():
@@ -231,7 +235,7 @@ def _rloo_loop(rewards):
     return out
 
 
-def _reinforce_pp_loop(rewards, eps):
+def _reinforce_pp_loop(rewards, eps, unbiased=False):
     centred = {}
     for b, group in enumerate(_flat_groups(rewards)):
         mean = sum(v for _, v in group) / len(group) if group else 0.0
@@ -241,7 +245,7 @@ def _reinforce_pp_loop(rewards, eps):
                     centred[b, g, k] = rewards[b, g, k].item() - mean
     vals = list(centred.values())
     m = sum(vals) / len(vals)
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / len(vals))
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - unbiased))
     out = torch.zeros_like(rewards)
     for (b, g, k), v in centred.items():
         out[b, g, k] = (v - m) / (sd + eps)
@@ -258,6 +262,8 @@ def test_estimators_match_loops(K):
     assert torch.allclose(normalize_rewards(r, "rloo").double(), _rloo_loop(r), atol=1e-5)
     assert torch.allclose(normalize_rewards(r, "reinforce_plus_plus_baseline", eps=1e-4).double(),
                           _reinforce_pp_loop(r, 1e-4), atol=1e-5)
+    assert torch.allclose(normalize_rewards(r, "reinforce_plus_plus_baseline", eps=1e-4, std="unbiased").double(),
+                          _reinforce_pp_loop(r, 1e-4, unbiased=True), atol=1e-5)
 
 
 def test_estimator_registry_rejects_what_it_does_not_take():

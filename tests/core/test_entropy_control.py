@@ -40,3 +40,11 @@ def test_state_round_trip_with_no_step_yet():
     assert (other.coef, other.last_entropy) == (control.coef, 3.0) == (pytest.approx(0.205), 3.0)
     other.load_state_dict({"entropy_coef": 0.1, "last_world_entropy": None})
     assert other.last_entropy == math.inf and other.applied() == 0.0
+
+
+def test_an_entropy_exactly_at_the_target_counts_as_collapsed():
+    # TRL 1.16: H ≤ H* on both sides (the bonus applied, c growing). c = 0.1, H* = 0.5, δ = 0.25 (exact in binary),
+    # bounds [0, 1]: H = 0.5 → c = 0.1 + 0.25 = 0.35, and the next step applies 0.35 (with < : 0 applied, c = 0)
+    control = EntropyControl(0.1, adaptive=True, target=0.5, coef_min=0.0, coef_max=1.0, delta=0.25)
+    control.observe(0.5)
+    assert control.coef == pytest.approx(0.35) and control.applied() == pytest.approx(0.35)

@@ -29,6 +29,21 @@ def test_weights_by_hand():
     assert m["sampling_logp_difference/max"].item() == pytest.approx(0.5)
 
 
+def test_ratio_metrics_by_hand_with_a_token_the_sampler_did_not_score():
+    """old = [[−1, −2], [−1, −1]], sampler = [[−1.5, −2], [−0.5, NaN]] (NaN: a token the sampler gave no log-prob),
+    all 4 tokens real. d = old − sampler = [[0.5, 0], [−0.5, NaN → 0]]; token_truncate at 10: weights
+    [e^0.5, 1, e^−0.5, 1] → min e^−0.5 = 0.606531, mean (e^0.5 + 2 + e^−0.5)/4 = 1.063716, max e^0.5 = 1.648721.
+    |d| over the 3 scored tokens [0.5, 0, 0.5]: mean 1/3 (the unscored token left out: 1/4 if it counted as 0)."""
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+    sampler = torch.tensor([[-1.5, -2.0], [-0.5, float("nan")]])
+    _, m = sampling_weights(old, sampler, torch.ones(2, 2), mode="token_truncate", clip_max=10.0)
+    assert m["importance_sampling_ratio/min"].item() == pytest.approx(math.exp(-0.5))
+    assert m["importance_sampling_ratio/mean"].item() == pytest.approx((math.exp(0.5) + 2 + math.exp(-0.5)) / 4)
+    assert m["importance_sampling_ratio/max"].item() == pytest.approx(math.exp(0.5))
+    assert m["sampling_logp_difference/mean"].item() == pytest.approx(1 / 3)
+    assert m["sampling_logp_difference/max"].item() == pytest.approx(0.5)
+
+
 def _trl(old, sampling, mask, mode, clip_min, clip_max):
     """TRL 1.16 GRPOTrainer._generate_and_score_completions, the vLLM importance-sampling ratio (transcribed)."""
     diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)

@@ -89,6 +89,42 @@ def test_kl_estimators_by_hand():
     assert k1(lp, ref).item() == pytest.approx(1.0)
     assert k2(lp, ref).item() == pytest.approx(0.5)
     assert k3(lp, ref).item() == pytest.approx(math.exp(-1), abs=1e-6)
+    # log r = ∓2, where |x| ≠ x² and signs differ: k1 = −log r = [2, −2]; k2 = ½(log r)² = [2, 2];
+    # k3 = e^{log r} − log r − 1 = [e^−2 + 1, e^2 − 3] = [1.135335, 4.389056]
+    lp, ref = torch.tensor([-1.0, -3.0]), torch.tensor([-3.0, -1.0])
+    assert k1(lp, ref).tolist() == [2.0, -2.0] and k2(lp, ref).tolist() == [2.0, 2.0]
+    assert torch.allclose(k3(lp, ref), torch.tensor([math.exp(-2) + 1, math.exp(2) - 3]))
+
+
+def test_kl_estimators_match_a_loop():
+    """Elementwise on random (B, T) tensors against the definitions written out per token (log r = ref − logp)."""
+    torch.manual_seed(0)
+    lp, ref = -torch.rand(3, 5) * 4, -torch.rand(3, 5) * 4
+    for est, one in ((k1, lambda x: -x), (k2, lambda x: 0.5 * x * x), (k3, lambda x: math.exp(x) - x - 1)):
+        got = est(lp, ref)
+        for b in range(3):
+            for t in range(5):
+                assert got[b, t].item() == pytest.approx(one(float(ref[b, t] - lp[b, t])), rel=1e-5, abs=1e-6)
+
+
+def test_clip_ratio_metrics_with_asymmetric_epsilons():
+    """ε_low 0.2, ε_high 0.28 (bnpo). Row 0: A = −1, ρ = [0.75, 0.85]: 0.75 < 1 − 0.2 is low-clipped, 0.85 is not;
+    row 1: A = +1, ρ = [1.25, 1.3]: 1.3 > 1.28 is high-clipped, 1.25 is not (it would be under ε_high = ε_low).
+    Each metric = 1 clipped token of the 4: 0.25 (a metric reading the other ε gives 0 or 0.5)."""
+    lp = torch.log(torch.tensor([[0.75, 0.85], [1.25, 1.3]]))
+    _, m = policy_loss(lp, torch.zeros(2, 2), torch.tensor([-1.0, 1.0]), torch.ones(2, 2), loss_type="bnpo",
+                       epsilon_high=0.28)
+    assert m["clip_ratio/low_mean"].item() == pytest.approx(0.25)
+    assert m["clip_ratio/high_mean"].item() == pytest.approx(0.25)
+
+
+def test_cispo_clip_ratio_counts_positive_advantages_only():
+    # CISPO caps the weight at ε_max = epsilon_high itself (TRL's reading, not 1 + ε): ρ = 3 > 2 on both rows; only
+    # the row with Â > 0 counts as clipped: 1 of 2 tokens = 0.5 (counting both would give 1)
+    lp = torch.log(torch.tensor([[3.0], [3.0]]))
+    _, m = policy_loss(lp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), torch.ones(2, 1), loss_type="cispo",
+                       epsilon_high=2.0)
+    assert m["cispo_clip_ratio"].item() == pytest.approx(0.5)
 
 
 def test_beta_adds_k3():

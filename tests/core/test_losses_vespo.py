@@ -92,6 +92,14 @@ def test_off_policy_mask_with_token_advantages_keeps_each_tokens_sign():
     assert off_policy_mask(adv, lp, sampler, torch.ones(1, 3), 0.5).tolist() == [[1.0, 0.0, 1.0]]
 
 
+def test_off_policy_mask_keeps_a_kl_exactly_at_the_threshold():
+    # TRL: dropped where mean KL > δ. log π_θ = −1, sampler (−0.5, −0.5): KL (0.5, 0.5), mean 0.5 = δ → kept;
+    # δ = 0.25 → dropped (all values exact in binary)
+    lp, sampler, adv = torch.full((1, 2), -1.0), torch.full((1, 2), -0.5), torch.tensor([[-1.0]])
+    assert off_policy_mask(adv, lp, sampler, torch.ones(1, 2), 0.5).tolist() == [[1.0]]
+    assert off_policy_mask(adv, lp, sampler, torch.ones(1, 2), 0.25).tolist() == [[0.0]]
+
+
 def _loop_gamma(adv, log_ratio, mask, is_weights, k_pos, lam_pos, k_neg, lam_neg):
     out = []
     for i in range(log_ratio.size(0)):

@@ -128,6 +128,7 @@ def _process_loop(rewards, ends, T, **kw):
     ("grpo", {"scale": "group", "std": "population"}), ("grpo", {"scale": "group", "std": "unbiased"}),
     ("grpo", {"scale": "batch", "std": "population"}), ("grpo", {"scale": "batch", "std": "unbiased"}),
     ("grpo", {"scale": "none"}), ("rloo", {}), ("reinforce_plus_plus_baseline", {"std": "population"}),
+    ("reinforce_plus_plus_baseline", {"std": "unbiased"}),
 ])
 def test_process_matches_loop_for_every_estimator(estimator, options):
     rng = random.Random(7)

@@ -52,7 +52,7 @@ def test_token_classification_prm_matches_single_forward(tokenizer):
     model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=2)).eval()
     prm = TokenClassificationPRM(model, tokenizer, batch_size=2)
     got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
-    for p, s, row in zip(PROMPTS, STEPS, got):
+    for p, s, row in zip(PROMPTS, STEPS, got, strict=True):
         ids, pos = build_prm_input(tokenizer, p, s, "\n", prompt_separator="\n")
         probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[:, 1]
         assert row == pytest.approx([float(probs[i]) for i in pos], abs=1e-5)
@@ -65,7 +65,7 @@ def test_step_tag_prm_is_p_good_over_good_plus_bad(tokenizer):
     got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
     good, bad = tokenizer.convert_tokens_to_ids("+"), tokenizer.convert_tokens_to_ids("-")
     tag = tokenizer.convert_tokens_to_ids("ки")
-    for p, s, row in zip(PROMPTS, STEPS, got):
+    for p, s, row in zip(PROMPTS, STEPS, got, strict=True):
         ids, _ = build_prm_input(tokenizer, p, s, " ки\n", prompt_separator=" ")
         logits = model(input_ids=torch.tensor([ids])).logits[0]
         tag_positions = [i for i, t in enumerate(ids) if t == tag]
@@ -210,7 +210,7 @@ def test_a_one_label_token_classifier_scores_its_logit(tokenizer):
     # score is the logit at the judged position, as PrefixClassificationPRM reads a one-label head
     model = LlamaForTokenClassification(_cfg(tokenizer, num_labels=1)).eval()
     got = TokenClassificationPRM(model, tokenizer)(prompts=PROMPTS, completions=["", ""], steps=STEPS)
-    for p, s, row in zip(PROMPTS, STEPS, got):
+    for p, s, row in zip(PROMPTS, STEPS, got, strict=True):
         ids, pos = build_prm_input(tokenizer, p, s, "\n", prompt_separator="\n")
         logits = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
         assert row == pytest.approx([float(logits[i]) for i in pos], abs=1e-5)
@@ -300,7 +300,7 @@ def test_a_per_step_prm_scores_trls_input_at_trls_labels():
     assert prm.prompt_separator == ""  # TRL: the prompt's ids, then step 1's
     prompts, steps = ["Q: x = 1 + 2.", "Q: y = 3."], [["Step 1: x = 3.", "So z = 4."], ["y = 3."]]
     got = prm(prompts=prompts, completions=["", ""], steps=steps)
-    for p, s, row in zip(prompts, steps, got):
+    for p, s, row in zip(prompts, steps, got, strict=True):
         ids, pos = _trl_tokenize_row(tok, p, s, "\n")
         probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[:, 1]
         assert row == pytest.approx([float(probs[i]) for i in pos], abs=1e-5)
@@ -379,7 +379,7 @@ def test_prefix_classification_judges_the_separator_even_when_it_is_the_pad_toke
         num_key_value_heads=2, num_labels=1, pad_token_id=newline)).eval()
     prm = PrefixClassificationPRM(model, tok, batch_size=batch_size)
     got = prm(prompts=PROMPTS, completions=["", ""], steps=STEPS)
-    for p, s, row in zip(PROMPTS, STEPS, got):
+    for p, s, row in zip(PROMPTS, STEPS, got, strict=True):
         expected = []
         for j in range(len(s)):
             ids, pos = build_prm_input(tok, p, s[:j + 1], "\n", prompt_separator="\n")

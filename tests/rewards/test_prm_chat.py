@@ -93,7 +93,7 @@ def test_a_remote_code_prm_read_through_its_chat_template_scores_as_its_model_ca
     questions = ["1+1?", "2+3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "4-1?"}]]
     steps = [["1+1=2", "so 2"], ["2+3=5", "5", "done"], ["4-1=3"]]
     got = prm(prompts=questions, completions=[""] * 3, steps=steps)  # two batches, padded rows among them
-    for q, s, row in zip(questions, steps, got):
+    for q, s, row in zip(questions, steps, got, strict=True):
         want = _model_card_scores(prm.model, prm.tokenizer, q if isinstance(q, str) else q[1]["content"], s,
                                   system=None if isinstance(q, str) else q[0]["content"])
         assert len(row) == len(s) and row == pytest.approx(want, abs=1e-5)
@@ -210,7 +210,7 @@ def test_a_prefix_classifier_reads_each_prefix_as_its_own_finished_conversation(
     prm = PrefixClassificationPRM(model, tok, chat_template=True, separator=STEP, batch_size=2)
     prompts, steps = ["1+1?", "2+3?"], [["1+1=2", "so 2"], ["2+3=5", "5", "done"]]
     got = prm(prompts=prompts, completions=["", ""], steps=steps)
-    for q, own, row in zip(prompts, steps, got):
+    for q, own, row in zip(prompts, steps, got, strict=True):
         want = []
         for j in range(len(own)):
             text = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": STEP.join(
