@@ -600,3 +600,17 @@ def test_the_default_callbacks_can_be_removed_or_replaced_as_in_transformers(tmp
     t, printed, steps, saved = run("printer", disable_tqdm=True)
     assert isinstance(t.callback_handler.callbacks[-1], PrinterCallback) and "'loss':" in printed
     assert "GRPO" not in printed
+
+
+def test_a_model_init_kwargs_key_nothing_takes_names_the_key_and_the_nearest_word(tmp_path, model_dir):
+    """transformers passes a key from_pretrained does not know on to the model's __init__: a TypeError traceback
+    for a typo. Now one line naming the key and what it most likely meant."""
+    from groupwise import ConfigError
+    from groupwise.tasks import toy
+    from tests.conftest import small_args
+
+    args = small_args(tmp_path, model_init_kwargs={"attn_impl": "sdpa"})
+    with pytest.raises(ConfigError, match=r"^model_init_kwargs key 'attn_impl' is taken neither by from_pretrained "
+                                          r"nor by the model \(LlamaForCausalLM.__init__\(\) got an unexpected keyword "
+                                          r"argument 'attn_impl'\); did you mean 'attn_implementation'\?$"):
+        GRPOTrainer(model_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(8))

@@ -76,6 +76,27 @@ def _not_cached_offline(e: BaseException) -> bool:
     return False
 
 
+# from_pretrained's own keywords (transformers 5), what a model_init_kwargs key most likely meant
+FROM_PRETRAINED_WORDS = ("attn_implementation", "dtype", "device_map", "revision", "trust_remote_code", "gguf_file",
+                         "quantization_config", "subfolder", "variant", "use_safetensors", "low_cpu_mem_usage",
+                         "cache_dir", "local_files_only", "token", "max_memory", "offload_folder", "key_mapping")
+
+
+def unknown_init_kwarg(error: TypeError, kwargs: dict) -> ConfigError | None:
+    """transformers' TypeError for a model_init_kwargs key neither from_pretrained nor the model takes (a typo such
+    as attn_impl), as a ConfigError naming the key and the nearest word; None for any other TypeError."""
+    import difflib
+    import re
+
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    if found is None or found.group(1) not in kwargs:
+        return None
+    key = found.group(1)
+    near = difflib.get_close_matches(key, FROM_PRETRAINED_WORDS, n=1, cutoff=0.5)
+    return ConfigError(f"model_init_kwargs key {key!r} is taken neither by from_pretrained nor by the model "
+                       f"({error}){f'; did you mean {near[0]!r}?' if near else ''}")
+
+
 def load_tokenizer(model, processing_class, args: GRPOConfig):
     """The policy's tokenizer and its max positions (from the model's config), before the weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, ProcessorMixin
@@ -161,7 +182,10 @@ def load_policy(model, args: GRPOConfig, quantization_config=None, device: torch
             kwargs["quantization_config"] = quantization_config
         if kwargs.get("quantization_config") is not None and device is not None and device.type == "cuda":
             kwargs.setdefault("device_map", {"": device})  # (or model_init_kwargs')
-        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        try:
+            policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        except TypeError as e:  # a key from_pretrained passed on to the model's __init__, which does not take it
+            raise unknown_init_kwarg(e, kwargs) or e from None
     else:
         policy = model
     forget_gguf(policy)  # its weights are plain once read: saved as a plain model

@@ -208,3 +208,26 @@ def test_a_causal_lm_given_as_a_reward_model_is_refused(model_dir, tmp_path, tok
     LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     assert [s.name for s in load_reward_sources([str(tmp_path / "rm")])] == ["rm"]
+
+
+def test_a_reward_spec_that_is_no_reward_and_positional_only_parameters_are_refused_before_the_model_loads(
+        tmp_path, tokenizer, monkeypatch):
+    """[good, None] failed with a TypeError after the model loaded; def f(prompts, completions, /, **kw) failed at the
+    first scoring (TypeError: got some positional-only arguments passed as keyword arguments)."""
+    from groupwise import GRPOTrainer
+    from groupwise.tasks import toy
+    from tests.conftest import small_args
+
+    monkeypatch.setattr("groupwise.trainer.load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+
+    def positional(prompts, completions, /, **kwargs):
+        return [1.0] * len(completions)
+
+    for funcs, match in (([toy.letter_reward, None], r"^reward_funcs\[1\] is None, a NoneType: give a function, a "
+                                                     r"loaded reward model, 'package.module:function'"),
+                         ([positional], r"^reward_funcs\[0\] 'positional' has positional-only parameters \(prompts, "
+                                        r"completions\), but reward functions are called by keyword \(as in TRL\): "
+                                        r"remove the '/' from its signature$")):
+        with pytest.raises(ConfigError, match=match):
+            GRPOTrainer("unused", funcs, args=small_args(tmp_path), train_dataset=toy.dataset(8),
+                        processing_class=tokenizer)

@@ -82,6 +82,8 @@ def resolve_spec(spec: Any, where: str) -> Any:
     name that is not a local path) → the imported object; a local folder or a hub id → the string; anything else (a
     callable, a model) unchanged. Checked strictly, before any model loads."""
     if not isinstance(spec, str):
+        if not (callable(spec) or isinstance(spec, torch.nn.Module)):  # None, a number, a list (a nested list)
+            raise ConfigError(f"{where} is {spec!r:.80}, a {type(spec).__name__}: give a function, a loaded reward model, {SPEC_FORMS}")
         return spec
     dotted = _DOTTED.match(spec) and not os.path.exists(spec)  # TRL's `my_lib.rewards.custom_reward`
     if _MODULE_PATH.match(spec) or dotted:
@@ -138,6 +140,11 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):  # a builtin without a signature
             continue
+        positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+        if positional:
+            name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)
+            raise ConfigError(f"{field}[{i}] {name!r} has positional-only parameters ({', '.join(positional)}), but "
+                              "reward functions are called by keyword (as in TRL): remove the '/' from its signature")
         need = [p.name for p in params if p.default is inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
                 and p.name not in given]
