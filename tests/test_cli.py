@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,8 @@ def test_resume_from_a_checkpoint_that_is_not_there_is_named_before_the_model_lo
     assert f"resume_from_checkpoint={missing!r} does not exist; give a checkpoint-N folder" in err
     assert "not a checkpoint written by groupwise" not in err  # it is not there at all
     assert main(["train", cfg, "--resume_from_checkpoint", "true"]) == 2
-    assert "resume_from_checkpoint=True: no checkpoint-N folder in output_dir" in capsys.readouterr().err
+    assert ("resume_from_checkpoint=True: no checkpoint-N folder in output_dir" in (err := capsys.readouterr().err)
+            and "drop resume_from_checkpoint to start a new run, or set output_dir to the run to continue" in err)
     (tmp_path / "run" / "checkpoint-7").mkdir(parents=True)
     assert main(["train", cfg, "--resume_from_checkpoint", missing]) == 2
     assert "holds no trainer_state.json: not a checkpoint" in capsys.readouterr().err
@@ -252,3 +254,28 @@ def test_config_run_of_the_calculator_task(tmp_path):
     # ... and with a text split it is refused before the model loads, naming the fix
     assert main([*common, "--supervision", "process", "--output_dir", str(tmp_path / "q")]) == 2
     assert not (tmp_path / "q").exists()
+
+
+def test_an_unknown_command_names_the_nearest_one_and_trls(capsys):
+    """`groupwise trian` and TRL's `grpo` were 'unknown command' alone."""
+    for command, hint in (("trian", "did you mean 'train'?"), ("grpo", "TRL's `trl grpo --config X` is `groupwise "
+                                                                         "train X`"), ("zzz", "(commands: train,")):
+        with pytest.raises(SystemExit) as stop:
+            main([command, "x.yaml"])
+        assert stop.value.code == 2 and f"unknown command {command!r}" in (err := capsys.readouterr().err), err
+        assert hint in err, err
+
+
+def test_a_jsonl_file_with_a_broken_line_names_the_line():
+    """Arrow said 'JSON parse error: Invalid encoding in string. in row 5' for line 6 cut in the middle."""
+    import tempfile
+
+    from groupwise.script_args import load_dataset_spec
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "data.jsonl"
+        rows = [json.dumps({"prompt": f"p{i}"}) for i in range(5)] + ['{"prompt": "cut in the mid']
+        path.write_text("\n".join(rows) + "\n")
+        with pytest.raises(ConfigError, match=r"^dataset_name='.*data\.jsonl': line 6 is not valid JSON "
+                                              r"\(Unterminated string .*\): fix or delete it$"):
+            load_dataset_spec(str(path), None)

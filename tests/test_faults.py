@@ -69,6 +69,12 @@ def test_a_model_folder_without_a_saved_model_is_named(tmp_path, model_dir, caps
     assert code == 2 and f"model_name_or_path='{tmp_path / 'empty'}' is a folder without config.json" in line
     with pytest.raises(ConfigError, match="is a folder without config.json"):
         GRPOTrainer(str(tmp_path / "empty"), _length, args=small_args(tmp_path), train_dataset=toy.dataset(4))
+    (tmp_path / "good.jsonl").write_text('{"prompt": "a"}\n')  # a file: was transformers' "not a valid JSON file"
+    code, line = _exit_and_first_line(capsys, ["train", _config(tmp_path, model_dir), "--model_name_or_path",
+                                               str(tmp_path / "good.jsonl")])
+    assert code == 2 and line.endswith(f"model_name_or_path='{tmp_path / 'good.jsonl'}' is a file, not a model "
+                                       "folder: give a folder holding config.json and the weights "
+                                       "(model.save_pretrained(folder)), or a hub id")
 
 
 def test_a_reward_keyword_no_column_fills_is_found_before_training(tmp_path, tokenizer):

@@ -225,7 +225,8 @@ def latest_checkpoint(output_dir: str | Path) -> str:
     found = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                     if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()), reverse=True)
     if not found:
-        raise CheckpointError(f"resume_from_checkpoint=True: no checkpoint-N folder in output_dir {output_dir}")
+        raise CheckpointError(f"resume_from_checkpoint=True: no checkpoint-N folder in output_dir {output_dir}: drop "
+                              "resume_from_checkpoint to start a new run, or set output_dir to the run to continue")
     skipped = []
     for _, path in found:
         why = _incomplete(path)

@@ -493,7 +493,13 @@ def _main(argv: list[str]) -> int:
         for name, help_text, default, choices in GRPOConfig.describe():
             lines += [f"{name:32s} {help_text} (default {default!r})"] + [f"{'':34s}- {c}" for c in choices]
         return print_lines(lines)
-    parser.error(f"unknown command {command!r}")
+    import difflib
+
+    commands = ("train", "demo", "eval", "export", "prm", "fields")
+    near = difflib.get_close_matches(command, commands, n=1)
+    hint = ("; TRL's `trl grpo --config X` is `groupwise train X`" if command == "grpo" else
+            f"; did you mean {near[0]!r}?" if near else f" (commands: {', '.join(commands)})")
+    parser.error(f"unknown command {command!r}{hint}")
     return 2
 
 if __name__ == "__main__":

@@ -296,6 +296,9 @@ def check_model_location(value: str, field: str, *, policy: bool = False) -> str
     be an adapter folder alone: transformers cannot read its config (TRL fails there with "Unrecognized model")."""
     where = check_location(value, field)
     folder = os.path.expanduser(value)
+    if where == "local" and os.path.isfile(folder) and not folder.endswith(".gguf"):
+        raise ConfigError(f"{field}={value!r} is a file, not a model folder: give a folder holding config.json and "
+                          "the weights (model.save_pretrained(folder)), or a hub id")
     if where == "local" and os.path.isdir(folder):
         names = set(os.listdir(folder))
         if not ({"config.json", "adapter_config.json"} & names or any(n.endswith(".gguf") for n in names)):

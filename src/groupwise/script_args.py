@@ -214,9 +214,26 @@ def load_dataset_spec(name: str, split: str | None, *, default: str = "train", f
         text = " ".join(str(e).split())
         if "corresponds to no data" in text:
             raise ConfigError(f"{field}={name!r} has no rows: give a dataset with at least one row") from e
+        bad = _first_bad_json_line(path) if path.is_file() and path.suffix in (".jsonl", ".ndjson") else None
+        if bad is not None:  # Arrow names a 0-based row and a symptom ("Invalid encoding in string")
+            raise ConfigError(f"{field}={name!r}: line {bad[0]} is not valid JSON ({bad[1]}): fix or delete it") from e
         cause = f"{type(e).__name__}: {text[:300]}" + (f"; {type(e.__cause__).__name__}: {e.__cause__}"[:200]
                                                         if e.__cause__ is not None else "")
         raise ConfigError(f"{field}={name!r} (split {split!r}) cannot be loaded: {cause}") from e
+
+
+def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
+    """The first line (1-based) of a JSON-lines file that does not parse, and why; None when every line parses."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line.rstrip("\r\n"))
+                except ValueError as e:
+                    return number, str(e)
+    return None
 
 
 def _saved_split(data, split: str, where: str):
