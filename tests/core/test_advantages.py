@@ -416,3 +416,15 @@ def test_step_return_equals_outcome_grpo_for_one_step():
     assert (got[0, :, 4] == 0).all()
     with pytest.raises(ValueError, match="step_advantage='paper' is not one of"):
         process_advantages([[[1.0]]], [[[0]]], 1, form="paper")
+
+
+def test_rewards_near_the_float64_limit_keep_their_advantages():
+    # [1e300, 0, 0, 0]: mean 2.5e299, deviations (7.5e299, −2.5e299 ×3), population std = 1e300·√3/4 = 4.330127e299;
+    # Â = (0.75·4/√3, −0.25·4/√3) = (1.7320508, −0.5773503). Squared directly the deviations overflow (1e599): the
+    # std was inf and every advantage 0. The scaling by a power of two leaves ordinary sets' bits unchanged (the
+    # loop tests above compare exactly)
+    r = torch.tensor([[1e300, 0.0, 0.0, 0.0], [-1e308, 1e308, 0.0, 0.0]], dtype=torch.float64)
+    adv = outcome_advantages(r, eps=0)
+    assert torch.allclose(adv[0], torch.tensor([1.7320508, -0.5773503, -0.5773503, -0.5773503]), atol=1e-6)
+    # [−1e308, 1e308, 0, 0]: mean 0, std = 1e308·√(2/4) = 7.0710678e307: Â = (−√2, √2, 0, 0)
+    assert torch.allclose(adv[1], torch.tensor([-1.4142136, 1.4142136, 0.0, 0.0]), atol=1e-6)

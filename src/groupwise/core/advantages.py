@@ -45,15 +45,22 @@ def masked_mean_std(x: torch.Tensor, valid: torch.Tensor, dims, *, std: str = "p
     """NaN-aware mean and std of `x` over `dims` (keepdim), counting only `valid` entries; also the count.
     An empty, single-value or all-equal set has std exactly 0 (never NaN, never float noise: the mean of
     [0.1, 0.1, 0.1] is not exactly 0.1, so the deviations alone would give a std near 1e-17). The one std of the
-    package."""
+    package. Computed on x / s, s the largest power of two ≤ the set's largest |x| (exact: the same bits as
+    unscaled), so that squares of rewards near 1e300 do not overflow to a std of inf (every advantage 0, nothing
+    said)."""
     if std not in STDS:
         raise ValueError(f"std={std!r} is not one of {list(STDS)}")
     zero = torch.zeros_like(x)
     count = valid.sum(dim=dims, keepdim=True).to(x.dtype)
-    mean = torch.where(valid, x, zero).sum(dim=dims, keepdim=True) / count.clamp(min=1)
-    sq = torch.where(valid, (x - mean) ** 2, zero).sum(dim=dims, keepdim=True)
+    largest = torch.where(valid, x.abs(), zero).amax(dim=dims, keepdim=True)
+    one = torch.ones_like(largest)
+    s = torch.where((largest > 0) & torch.isfinite(largest), torch.ldexp(one, torch.frexp(largest).exponent - 1), one)
+    xs = x / s
+    mean_s = torch.where(valid, xs, zero).sum(dim=dims, keepdim=True) / count.clamp(min=1)
+    sq = torch.where(valid, (xs - mean_s) ** 2, zero).sum(dim=dims, keepdim=True)
     denom = count if std == "population" else count - 1
-    sd = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq)).sqrt()
+    mean = mean_s * s
+    sd = torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq)).sqrt() * s
     inf = torch.full_like(x, float("inf"))
     spread = torch.where(valid, x, -inf).amax(dim=dims, keepdim=True) > torch.where(valid, x, inf).amin(dim=dims,
                                                                                                         keepdim=True)
