@@ -148,7 +148,8 @@ def fault(out: Path, kind: str) -> None:
         return [float(len(c)) for c in completions]
 
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
-                      max_steps=3, learning_rate=1e-2, ddp_timeout={"callback": 1800, "stuck": 10}.get(kind, 20), save_steps=0)
+                      max_steps=3, learning_rate=1e-2, ddp_timeout={"callback": 1800, "stuck": 10}.get(kind, 20),
+                      save_steps=0)
     rank1 = int(os.environ.get("RANK", "0")) == 1
     rows = toy.dataset(16)
     trainer = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args,

@@ -83,7 +83,8 @@ def resolve_spec(spec: Any, where: str) -> Any:
     callable, a model) unchanged. Checked strictly, before any model loads."""
     if not isinstance(spec, str):
         if not (callable(spec) or isinstance(spec, torch.nn.Module)):  # None, a number, a list (a nested list)
-            raise ConfigError(f"{where} is {spec!r:.80}, a {type(spec).__name__}: give a function, a loaded reward model, {SPEC_FORMS}")
+            raise ConfigError(f"{where} is {spec!r:.80}, a {type(spec).__name__}: give a function, a loaded reward "
+                              f"model, {SPEC_FORMS}")
         return spec
     dotted = _DOTTED.match(spec) and not os.path.exists(spec)  # TRL's `my_lib.rewards.custom_reward`
     if _MODULE_PATH.match(spec) or dotted:
