@@ -226,7 +226,7 @@ def test_dataset_forms_and_splits(tmp_path, model_dir, capsys, fake):
 
 @pytest.mark.parametrize("name, text, message", [
     ("blank.jsonl", "\n\n", "has no rows"),
-    ("bad.jsonl", '{"prompt": "a"}\nnot json\n', r"cannot be loaded: .*JSON parse error"),
+    ("bad.jsonl", '{"prompt": "a"}\nnot json\n', r"bad\.jsonl': line 2 is not valid JSON \(Expecting value"),
     ("prompts.txt", "a\n", r"unsupported file type '.txt'"),
     ("header.csv", "prompt,letter\n", "has no rows"),
 ])
