@@ -474,3 +474,39 @@ def test_rounding_loss_equals_the_merge_done_in_bfloat16_against_float32(tokeniz
                                                                        full.named_parameters()))
     update = sum((f - start[n]).square().sum() for n, f in full.named_parameters())
     assert rounding_loss(model) == pytest.approx(float((lost / update) ** 0.5), rel=0.05)
+
+
+@pytest.mark.parametrize("kind", ["modules_to_save", "trainable_tokens"])
+def test_rounding_loss_counts_what_loading_into_bfloat16_already_rounded(tmp_path, tokenizer, kind):
+    """modules_to_save copies and trainable tokens' rows are saved whole, as trained (float32 over a float32 copy of
+    the base); PeftModel.from_pretrained over the bfloat16 base rounds them as it loads, so rounding_loss reads them
+    from the adapter file. The only update: 1.0 → 1.001 at one weight (lm_head[0, 0], or embedding row 1's [0]),
+    which bfloat16 (spacing 2⁻⁷ at 1.0) rounds back to 1.0: ratio 1. Without the file: nothing measured (0)."""
+    from peft import get_peft_model
+
+    from groupwise.adapters import rounding_loss, saved_adapter_tensors
+
+    base = toy.build_model(tokenizer, seed=0, hidden_size=32).to(torch.bfloat16)
+    head, embedding = base.lm_head.weight, base.model.embed_tokens.weight
+    with torch.no_grad():
+        head[0, 0] = embedding[1, 0] = 1.0
+    base.save_pretrained(tmp_path / "base16")
+    tokenizer.save_pretrained(tmp_path / "base16")
+    extra = {"modules_to_save": ["lm_head"]} if kind == "modules_to_save" else \
+        {"trainable_token_indices": {"embed_tokens": [1]}}
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base16", dtype=torch.float32),
+                           LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0, **extra))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()  # LoRA's own update 0: only the saved copy moves
+            elif "modules_to_save.default.weight" in name:
+                p[0, 0] = 1.001
+            elif "trainable_tokens_delta.default" in name:
+                p.copy_(embedding[1:2].float())
+                p[0, 0] = 1.001
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base16"),
+                                       str(tmp_path / "adapter"))
+    assert rounding_loss(loaded) == 0.0  # what loading rounded is invisible in the model
+    assert rounding_loss(loaded, saved_adapter_tensors(tmp_path / "adapter")) == pytest.approx(1.0, rel=1e-4)

@@ -482,7 +482,7 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
                               "both as trained. Use the checkpoint as an adapter (PeftModel.from_pretrained), or train "
                               "without LoRA on embed_tokens / lm_head (modules_to_save with "
                               "LoraConfig(ensure_weight_tying=True) merges correctly)")
-        lost = rounding_loss(model)
+        lost = rounding_loss(model, saved_adapter_tensors(folder))
         model = model.merge_and_unload()
         if lost > ROUNDING_WARN:
             written = next(model.parameters()).dtype
@@ -506,14 +506,44 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
     return out
 
 
-def rounding_loss(model) -> float:
+def saved_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """An adapter folder's tensors other than LoRA's (modules_to_save copies, trainable tokens), as saved: loading
+    them into a 16-bit base rounds them, which rounding_loss counts from these."""
+    from safetensors import safe_open
+
+    path = Path(folder) / "adapter_model.safetensors"
+    if not path.exists():
+        return {}
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if "lora_" not in k}
+
+
+def rounding_loss(model, saved: dict[str, torch.Tensor] | None = None) -> float:
     """How much of a PeftModel's update merging would round away in its base weights' dtype:
     ‖round(W′) − W′‖ / ‖W′ − W‖ over every adapted layer, W′ the layer's merged weight computed in float32 by the
     layer's own merge (on a float32 copy of the layer, one layer at a time: LoRA's W + ΔW, DoRA's rescaled one, an
-    embedding's). 0 for float32 bases and for an update of zero. Not measured: modules_to_save copies and
-    trainable tokens (stored whole, not merged) and target-parameter adapters."""
+    embedding's). 0 for float32 bases and for an update of zero. `saved`: the adapter file's tensors as trained,
+    for what loading into the base's dtype has already rounded (modules_to_save copies, trainable tokens' rows),
+    counted alike against the original weights. Not measured: target-parameter adapters."""
     lost = update = 0.0
+
+    def count(trained: torch.Tensor, original: torch.Tensor) -> None:  # W′ as trained, W as in the base
+        nonlocal lost, update
+        trained = trained.float()
+        lost += (trained.to(original.dtype).float() - trained).square().sum().item()
+        update += (trained - original.float()).square().sum().item()
+
     with torch.no_grad():
+        for name, module in model.named_modules() if saved else ():
+            if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):  # a whole trained copy
+                for param, original in module.original_module.named_parameters():
+                    if f"{name}.{param}" in saved and original.dtype != torch.float32:
+                        count(saved[f"{name}.{param}"], original)
+            token = getattr(module, "token_adapter", None)  # trainable tokens: new rows of an embedding
+            rows = saved.get(f"{name}.token_adapter.trainable_tokens_delta")
+            if token is not None and rows is not None and token.get_base_layer().weight.dtype != torch.float32:
+                indices = token.token_indices[token.active_adapters[0]]
+                count(rows, token.get_base_layer().weight[indices])
         for module in model.modules():
             base = getattr(module, "base_layer", None)
             weight = getattr(base, "weight", None)
