@@ -350,8 +350,8 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
     are counted. A call that overruns `timeout` scores every row of the batch `failed_row` and counts them, whatever
     on_error says. ±inf values are unscored and counted too (`drop_infinite`). Only the kept calls' logs reach
     `extra`'s log_extra / log_metric. `reasons`, when given, receives why each failed row is unscored (its
-    exception, or the timeout), for the caller's messages; under "nan" a warning names each function's first
-    exception and how many rows it cost."""
+    exception, or the timeout), for the caller's messages; under "nan" a warning names the function's first
+    exception of the call (shown once per distinct exception)."""
     reasons = {} if reasons is None else reasons
     logs = batch_logs or CallLogs(extra)
     try:
@@ -366,7 +366,7 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
         reasons.update(dict.fromkeys(range(n), f"{name!r} timed out"))
         return [failed_row(i) for i in range(n)], n
     except Exception as batch_exc:
-        rows, failures, row_logs, first, raised = [], 0, [], None, 0
+        rows, failures, row_logs, first = [], 0, [], None
         for i in range(n):
             one = CallLogs(extra)
             try:
@@ -385,18 +385,18 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
                         "(set on_reward_error='nan' to score such rows NaN and go on)") from exc
                 else:
                     reasons[i] = f"{name!r} raised {type(exc).__name__}: {exc!s:.200}"
-                    first, raised = first or (i, exc), raised + 1
+                    first = first or (i, exc)
                 failures += 1
                 rows.append(failed_row(i))
                 row_logs.append(None)
         if failures == 0:  # every row alone succeeded: the batch call itself is at fault
             raise RewardFunctionError(f"{kind} {name!r} raised {type(batch_exc).__name__}: {batch_exc} on the "
                                       "batch, but on no single row") from batch_exc
-        if first is not None:
-            i, exc = first
-            warnings.warn(f"{kind} {name!r} raised on {raised} of {n} rows, first {type(exc).__name__}: {exc} on row "
-                          f"{i}: {describe(i)}; they are scored NaN (on_reward_error='nan') and counted in its errors",
-                          RuntimeWarning, stacklevel=2)
+        if first is not None:  # the same text each time the same error recurs: Python shows it once
+            exc = first[1]
+            warnings.warn(f"{kind} {name!r} raised {type(exc).__name__}: {exc!s:.200} (on_reward_error='nan': the "
+                          "rows it raises on are scored NaN and counted in its errors metric)", RuntimeWarning,
+                          stacklevel=2)
         CallLogs.of_rows(extra, row_logs).commit()
         return rows, failures + drop_infinite(rows, name, kind)
 
