@@ -245,8 +245,8 @@ def test_a_role_the_chat_template_drops_is_refused_naming_the_row_and_role(tmp_p
             {"prompt": [{"role": "system", "content": "be brief"}, {"role": "human", "content": "repeat b:"}],
              "letter": "b"}]
     with pytest.raises(ConfigError, match=r"^train_dataset row 1 message 1 \(role 'human'\): the tokenizer's chat "
-                                          r"template leaves its text out of the prompt .* rename the role \(human → "
-                                          r"user, gpt → assistant\)"):
+                                          r"template leaves this message out of the prompt .* rename the role \(human "
+                                          r"→ user, gpt → assistant\)"):
         GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward],
                     args=small_args(tmp_path), train_dataset=rows * 4, processing_class=tokenizer)
     stream = StreamData(datasets.IterableDataset.from_generator(lambda: iter(rows)), "train_dataset")
@@ -258,3 +258,20 @@ def test_a_role_the_chat_template_drops_is_refused_naming_the_row_and_role(tmp_p
     tokenizer.chat_template = qwen_like.replace(" in ['system', 'user', 'assistant', 'tool']", " is defined")
     PromptData(rows * 4, "train_dataset").check_lengths(tokenizer, max_prompt_length=None, max_completion_length=4,
                                                         truncate_prompt="left", max_positions=1024)  # rendered: fine
+
+
+def test_templates_that_transform_a_message_s_text_are_not_mistaken_for_dropping_it(tokenizer):
+    """Llama 3.1 writes a tool message through tojson (quotes and newlines escaped), Qwen3 and DeepSeek-R1 cut an
+    earlier assistant turn's <think> part, most trim: the text is not in the rendering verbatim, the message is.
+    check_rendered renders markers in place of the texts; these prompts pass (they were refused by a verbatim
+    search)."""
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'tool' %}{{ m['content'] | tojson }}"
+        "{% elif m['role'] == 'assistant' and '</think>' in m['content'] %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] | trim }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+        "{% endif %}")
+    prompt = [{"role": "system", "content": "Answer in \\boxed{}.\n"}, {"role": "user", "content": "  2+2?  "},
+              {"role": "assistant", "content": "<think>\nadd\n</think>\n\n\\boxed{4}"},
+              {"role": "tool", "content": 'result:\n{"value": 6}'}, {"role": "user", "content": "3+3?"}]
+    PromptData([{"prompt": prompt}], "train_dataset").check_lengths(
+        tokenizer, max_prompt_length=None, max_completion_length=4, truncate_prompt="left", max_positions=None)

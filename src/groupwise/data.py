@@ -105,26 +105,34 @@ def token_ids(name: str, first: int, prompts: list, tokenizer, chat_template_kwa
         raise
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (some also 'developer', …)
+
+
 def check_rendered(name: str, i: int, prompt: Any, tokenizer, chat_template_kwargs: dict | None,
                    seen: set) -> None:
     """A chat template renders the roles it knows and may drop others (Qwen's renders system / user / assistant /
     tool only: a 'human' message vanishes, and the policy is prompted with an empty turn). Row i is rendered when it
-    has a role no earlier row had (`seen`, updated), and each message's text must appear in what it renders."""
+    has a role no earlier row had (`seen`, updated), each message's text replaced by a marker (which no template
+    escapes, trims or cuts as it may the text: Llama's tojson, Qwen3's earlier <think> parts), and each message's
+    marker must appear in what it renders."""
     if not is_conversational(prompt):
         return
     roles = {m.get("role") for m in prompt if isinstance(m, dict)}
     if roles <= seen:
         return
     seen |= roles
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+    marked = [dict(m, content=f"gwmark{k}x") if isinstance(m, dict) and isinstance(m.get("content"), str)
+              and m["content"].strip() else m for k, m in enumerate(prompt)]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
                                          **(chat_template_kwargs or {}))
-    for k, message in enumerate(prompt):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and content.strip() and content.strip() not in text:
-            raise ConfigError(f"{name} row {i} message {k} (role {message.get('role')!r}): the tokenizer's chat "
-                              "template leaves its text out of the prompt (templates render the roles they know, "
-                              "e.g. system / user / assistant / tool): rename the role (human → user, gpt → "
-                              "assistant) or fix the template")
+    for k, message in enumerate(marked):
+        if isinstance(message, dict) and message.get("content") == f"gwmark{k}x" and f"gwmark{k}x" not in text:
+            role = message.get("role")
+            fix = ("rename the role (human → user, gpt → assistant) or fix the template" if role not in CHAT_ROLES
+                   else "fix the template, or leave the message out")
+            raise ConfigError(f"{name} row {i} message {k} (role {role!r}): the tokenizer's chat template leaves "
+                              f"this message out of the prompt (templates render the roles they know, e.g. "
+                              f"{' / '.join(CHAT_ROLES)}): {fix}")
 
 
 def _tokens_kept(n: int, max_prompt_length: int | None) -> tuple[int, bool]:
