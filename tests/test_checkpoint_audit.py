@@ -195,3 +195,9 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_model_loads(
     monkeypatch.undo()
     check_writable(locked / "out" / "deeper")  # a writable parent: fine, and nothing is left behind
     assert list(locked.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"^output_dir='.*notes\.txt' is a file, not a folder"):
+        check_writable(tmp_path / "notes.txt")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # the probe would pass in its parent; makedirs would fail
+    with pytest.raises(ConfigError, match=r"^output_dir='.*link/run': '.*link' is a symbolic link to a missing "
+                                          r"target"):
+        check_writable(tmp_path / "link" / "run")

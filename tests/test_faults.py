@@ -497,6 +497,8 @@ def test_which_exits_wait_for_the_other_processes(monkeypatch, tmp_path):
     assert not _leaving_alone(at_exit=True)  # an agreed stop (SIGTERM / Ctrl-C after a step) waits
     monkeypatch.setattr(sys, "last_value", KeyboardInterrupt(), raising=False)  # a second Ctrl-C: at once
     assert _leaving_alone(at_exit=True) and not _leaving_alone(at_exit=False)  # Trainer.end() reads no last_value
+    monkeypatch.setattr(distributed, "_STALE", id(sys.last_value))  # set before the group: pytest's, IPython's
+    assert not _leaving_alone(at_exit=True)
     monkeypatch.delattr(sys, "last_value")
     assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2  # the CLI's error exit
     assert _leaving_alone(at_exit=False)
@@ -518,3 +520,36 @@ def test_save_model_on_the_main_process_alone_under_fsdp_names_what_to_do(tmp_pa
                      r"another process left during) save_model\(\) \(with fsdp or push_to_hub every process must call "
                      r"it\)", out)
     assert said and said.group(1) in ("CollectiveTimeout", "ProcessFailed"), out[-3000:]
+
+
+def test_only_the_backend_s_own_errors_are_renamed_as_a_stuck_or_departed_process():
+    """naming_stuck_collectives reads gloo's plain RuntimeErrors by their text; a reward function's HTTP error that
+    says 'Connection reset by peer' is not one (it was renamed 'another process left', and lost its shared tag)."""
+    import types
+
+    from groupwise.distributed import Distributed, ProcessFailed, shared
+    from groupwise.rewards.sources import RewardFunctionError
+    from groupwise.trainer import GRPOTrainer
+
+    fake = types.SimpleNamespace(world_size=2, rank=1, timeout=1800)
+
+    def under(error):
+        def score():  # a phase of PHASES
+            raise error
+
+        try:
+            with Distributed.naming_stuck_collectives(fake, GRPOTrainer.PHASES, lambda: "at step 5"):
+                score()
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    judge = shared(RewardFunctionError("reward function 'judge' raised ConnectionError: ('Connection aborted.', "
+                                       "ConnectionResetError(104, 'Connection reset by peer')) on row 3"))
+    assert under(judge) is judge and judge.groupwise_shared
+    http = RuntimeError("('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))")
+    assert under(http) is http
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:40371")
+    renamed = under(gloo)
+    assert isinstance(renamed, ProcessFailed) and str(renamed).startswith(
+        "process 1: another process left during scoring the completions (reward functions) at step 5")

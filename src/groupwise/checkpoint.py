@@ -331,8 +331,13 @@ def check_writable(output_dir: str | Path) -> None:
     existing parent, before the model loads: a folder under a file, or a read-only or forbidden place, failed only
     when the trackers opened, after the data and the model, with a traceback."""
     probe = Path(output_dir).absolute()
-    while not probe.exists() and probe != probe.parent:
+    while not os.path.lexists(probe) and probe != probe.parent:
         probe = probe.parent
+    if probe.is_symlink() and not probe.exists():
+        raise ConfigError(f"output_dir={str(output_dir)!r}: {str(probe)!r} is a symbolic link to a missing target: "
+                          "create the target, or choose another output_dir")
+    if probe == Path(output_dir).absolute() and not probe.is_dir():
+        raise ConfigError(f"output_dir={str(output_dir)!r} is a file, not a folder: choose another output_dir")
     if not probe.is_dir():
         raise ConfigError(f"output_dir={str(output_dir)!r} lies under {str(probe)!r}, which is a file, not a folder: "
                           "choose another output_dir")

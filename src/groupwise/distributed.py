@@ -131,8 +131,16 @@ def _leaving_alone(at_exit: bool) -> bool:
     (sys.last_value, which the interpreter sets whatever sys.excepthook is) that is not `shared`."""
     if _FAILED or not at_exit:
         return _FAILED
-    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    return last is not None and not getattr(last, "groupwise_shared", False)
+    last = _last_error()
+    return last is not None and id(last) != _STALE and not getattr(last, "groupwise_shared", False)
+
+
+def _last_error() -> BaseException | None:
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+_STALE: int | None = None  # id() of the error sys.last_value held when the process group was set up (pytest and
+# IPython set it for errors they handled: not this process's exit)
 
 
 class Distributed:
@@ -185,8 +193,9 @@ class Distributed:
         # (DTensors): unscale_'s overflow check is reduced over the mesh by DTensor (max), so every process sees
         # an overflow in any shard and keeps the same scale
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        global _FAILED
+        global _FAILED, _STALE
         _FAILED = False  # a process training again (a notebook, tests) after an error exit of the CLI's
+        _STALE = id(_last_error()) if _last_error() is not None else None
         atexit.register(self.teardown, at_exit=True)
 
     @property
@@ -385,9 +394,15 @@ class Distributed:
             yield
         except RuntimeError as e:
             timed_out, gone = (any(t in str(e) for t in texts) for texts in (_TIMED_OUT, _PEER_GONE))
-            if self.world_size == 1 or isinstance(e, ProcessFailed) or not (timed_out or gone):
+            frames = [frame for frame, _ in traceback.walk_tb(e.__traceback__)]
+            # the backend's own error: gloo / NCCL named in it, or raised by torch (a reward function's HTTP client
+            # saying "Connection reset by peer" is not one, nor an error every process already shares)
+            backend = any(b in str(e) for b in ("gloo", "NCCL")) or (
+                frames and f"{os.sep}torch{os.sep}" in frames[-1].f_code.co_filename)
+            if self.world_size == 1 or isinstance(e, ProcessFailed) or getattr(e, "groupwise_shared", False) \
+                    or not backend or not (timed_out or gone):
                 raise
-            names = [frame.f_code.co_name for frame, _ in traceback.walk_tb(e.__traceback__)]
+            names = [frame.f_code.co_name for frame in frames]
             phase = " › ".join(dict.fromkeys(phases[n] for n in names if n in phases)) or "a collective"
             if gone:
                 raise ProcessFailed(f"process {self.rank}: another process left during {phase} {when()} (its own "

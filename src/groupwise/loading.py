@@ -92,7 +92,7 @@ def unknown_init_kwarg(error: TypeError, kwargs: dict) -> ConfigError | None:
     if found is None or found.group(1) not in kwargs:
         return None
     key = found.group(1)
-    near = difflib.get_close_matches(key, FROM_PRETRAINED_WORDS, n=1, cutoff=0.5)
+    near = [w for w in difflib.get_close_matches(key, FROM_PRETRAINED_WORDS, n=2, cutoff=0.6) if w != key][:1]
     return ConfigError(f"model_init_kwargs key {key!r} is taken neither by from_pretrained nor by the model "
                        f"({error}){f'; did you mean {near[0]!r}?' if near else ''}")
 
@@ -185,7 +185,10 @@ def load_policy(model, args: GRPOConfig, quantization_config=None, device: torch
         try:
             policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
         except TypeError as e:  # a key from_pretrained passed on to the model's __init__, which does not take it
-            raise unknown_init_kwarg(e, kwargs) or e from None
+            named = unknown_init_kwarg(e, kwargs)
+            if named is None:
+                raise
+            raise named from None
     else:
         policy = model
     forget_gguf(policy)  # its weights are plain once read: saved as a plain model

@@ -123,7 +123,20 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
     `keywords`, not a column of `dataset`) would fail at the first scoring; a column named as one of `keywords`
     (but `environments`, which the trainer sets) would collide with it at every call (TRL: "got multiple values for
     keyword argument"; here it would be blamed on the function, or score every row NaN). columns None: not known (a
-    stream). `environments`: the run has environments, so every call also passes `environments`."""
+    stream). `environments`: the run has environments, so every call also passes `environments`. Whatever the
+    columns: a function with required positional-only parameters, which no call (all by keyword) can fill."""
+    for i, fn in enumerate(reward_funcs):
+        try:
+            params = [] if isinstance(fn, (str, torch.nn.Module)) or not callable(fn) else \
+                inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            params = []
+        positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY
+                      and p.default is inspect.Parameter.empty]
+        if positional:
+            name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)
+            raise ConfigError(f"{field}[{i}] {name!r} has positional-only parameters ({', '.join(positional)}), but "
+                              "reward functions are called by keyword (as in TRL): remove the '/' from its signature")
     if columns is None:
         return
     passed = set() if remove_unused_columns else {c for c in columns if c not in NEVER_PASSED}  # rollout.py
@@ -141,11 +154,6 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):  # a builtin without a signature
             continue
-        positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
-        if positional:
-            name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)
-            raise ConfigError(f"{field}[{i}] {name!r} has positional-only parameters ({', '.join(positional)}), but "
-                              "reward functions are called by keyword (as in TRL): remove the '/' from its signature")
         need = [p.name for p in params if p.default is inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
                 and p.name not in given]
