@@ -599,10 +599,10 @@ def test_fsdp2_pushes_the_gathered_weights_to_the_server_as_ddp_does(tmp_path, v
 
 
 def test_the_server_s_context_limit_as_vllm_applies_it(tmp_path, vllm, base_dir, tokenizer):
-    """A server started with --max-model-len 14 (the stand-in, as vLLM): 'repeat a:' is 9 tokens, so a completion
-    stops after 14 - 9 = 5 tokens (finish_reason 'length'), which groupwise reads as a 5-token row; a prompt of 15
-    tokens is refused with vLLM's 400, which groupwise's error shows. /server_info without config_format=json
-    answers text (vLLM's default): groupwise asks for json."""
+    """A server started with --max-model-len 14 (the stand-in, as vLLM): 'repeat a:' is 9 tokens, so max_tokens 5
+    fits and 8 is refused with vLLM's 400 (nothing is cut short), which groupwise's error shows. A trainer reads the
+    server's max_model_len when it is built and refuses a dataset whose longest prompt + max_completion_length would
+    meet that 400 mid-run. /server_info without config_format=json answers text (vLLM's default)."""
     import urllib.request
 
     from transformers import AutoModelForCausalLM
@@ -610,18 +610,25 @@ def test_the_server_s_context_limit_as_vllm_applies_it(tmp_path, vllm, base_dir,
     from tests.vllm_standin.serve import StandinServer
 
     policy = AutoModelForCausalLM.from_pretrained(base_dir)
+    ids, mask = encode_prompts(["repeat a:"], tokenizer, None)
     with StandinServer(base_dir, max_model_len=14) as server:
-        server.reply = lambda prompt: [5] * 20  # never EOS: only the limits end it
-        gen = _generator(_server_args(tmp_path, server.url, max_completion_length=8), tokenizer)
-        try:
-            ids, mask = encode_prompts(["repeat a:"], tokenizer, None)
-            out = gen(policy, ids, mask)
-            assert out.completion_ids[0, :5].tolist() == [5] * 5 and out.lengths.tolist() == [5]
-            ids, mask = encode_prompts(["repeat a: repea"], tokenizer, None)  # 15 tokens
-            with pytest.raises(Exception, match=r"HTTP 400: .*This model's maximum context length is 14 tokens\. "
-                                                r"However, your request has 15 input tokens"):
-                gen(policy, ids, mask)
-        finally:
-            gen.close()
+        server.reply = lambda prompt: [5] * 20  # never EOS: only max_tokens ends it
+        for length in (5, 8):
+            gen = _generator(_server_args(tmp_path, server.url, max_completion_length=length), tokenizer)
+            try:
+                if length == 5:
+                    assert gen(policy, ids, mask).completion_ids[0].tolist() == [5] * 5
+                else:
+                    with pytest.raises(Exception, match=r"HTTP 400: .*You passed 9 input tokens and requested 8 "
+                                                        r"output tokens\. However, the model's context length is only "
+                                                        r"14 tokens"):
+                        gen(policy, ids, mask)
+            finally:
+                gen.close()
+        args = _server_args(tmp_path, server.url, max_completion_length=8)
+        with pytest.raises(ConfigError, match=r"^train_dataset row 0: 9 prompt tokens \+ max_completion_length=8 "
+                                              r"exceed the vLLM server's max_model_len=14 \(`vllm serve "
+                                              r"--max-model-len`\)"):
+            GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
         text = json.loads(urllib.request.urlopen(server.url + "/server_info").read())["vllm_config"]
         assert isinstance(text, str) and "'max_model_len': 14" in text

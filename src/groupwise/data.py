@@ -318,6 +318,7 @@ class PromptData:
         completion short) when it is lower."""
         max_positions, limit_name = _position_limit(max_positions, sampler_limit)
         over, too_long, total, roles = [], [], len(self), set()
+        self.longest = (0, 0)  # (tokens kept, row) of the longest prompt: a vLLM server's context is read later
         prompts = self._prompts()
         with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
             for lo in range(0, total, 512):
@@ -328,11 +329,13 @@ class PromptData:
                         raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
                     check_rendered(self.name, lo + k, chunk[k], tokenizer, chat_template_kwargs, roles)
                     kept, cut = _tokens_kept(n, max_prompt_length)
+                    self.longest = max(self.longest, (kept, -(lo + k)))
                     if cut:
                         over.append((lo + k, n))
                     if max_positions is not None and kept + max_completion_length > max_positions:
                         too_long.append((lo + k, kept))
                 bar.update(len(chunk))
+        self.longest = (self.longest[0], -self.longest[1])  # the first of the longest rows
         if too_long:
             raise _too_long(self.name, *too_long[0], max_completion_length, limit_name,
                             f" ({len(too_long)} of {total} rows)")

@@ -202,6 +202,13 @@ class GRPOTrainer(RunState, TransformersHabits):
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
             self.dist.run_together(lambda: start(self.sampling_model), "starting the generation backend")
+        fits = getattr(self.rollout_ctx.generator, "check_context", None)  # a vLLM server's own max_model_len
+        if fits is not None:
+            self.dist.run_together(lambda: [fits(d.longest[0] + args.max_completion_length, f"{d.name} row "
+                                                 f"{d.longest[1]}: {d.longest[0]} prompt tokens + max_completion_length="
+                                                 f"{args.max_completion_length}")
+                                            for d in datasets if getattr(d, "longest", None)], "reading the vLLM "
+                                   "server's context")
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_rollout(self) -> R.RolloutContext:

@@ -18,9 +18,8 @@ transformers model on the CPU), with the weight-transfer group on gloo instead o
          /finish_weight_update            receive the packed broadcast into the engine's model (load_weights)
     POST /reset_prefix_cache              200 with an empty body, as vLLM
 
-A completion's prompt must be shorter than `max_model_len` (default: the model's max_position_embeddings, as
-`vllm serve --max-model-len`): vLLM answers 400 otherwise; a completion stops at max_model_len tokens in all
-(finish_reason "length").
+A prompt and its max_tokens must fit `max_model_len` (default: the model's max_position_embeddings, as `vllm serve
+--max-model-len`): vLLM answers 400 otherwise (its serving layer's token-length check).
 
 As vLLM: `token_ids` / `prompt_token_ids` are null unless the request sets `return_token_ids`, the tokens are
 "token_id:<id>" strings only with `return_tokens_as_token_ids`, and init_info / update_info must carry exactly the
@@ -197,21 +196,11 @@ class StandinServer:
         except NotImplementedError as e:
             raise HTTPError(501, str(e)) from None
         longest = max(len(p) for p in prompts)
-        if longest >= self.max_model_len:  # vLLM's serving layer (_validate_input)
-            raise HTTPError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                 f"request has {longest} input tokens. Please reduce the length of the input messages.")
-        import copy
-
-        per_prompt = []  # vLLM's get_max_tokens: each prompt's completion ends at max_model_len tokens in all
-        for p in prompts:
-            room = self.max_model_len - len(p)
-            if params.max_tokens is not None and params.max_tokens <= room:
-                per_prompt.append(params)
-            else:
-                per_prompt.append(copy.copy(params))
-                per_prompt[-1].max_tokens = room
+        if longest + (params.max_tokens or 0) > self.max_model_len:  # vLLM's serving layer, before any generation
+            raise HTTPError(400, f"You passed {longest} input tokens and requested {params.max_tokens} output tokens. "
+                                 f"However, the model's context length is only {self.max_model_len} tokens.")
         with self.lock:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=per_prompt,
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
                                         use_tqdm=False)
         eos = self.llm.hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
