@@ -81,7 +81,9 @@ def test_server_mode_trains_and_pushes_weights_after_every_step(tmp_path, base_d
     gen = t.rollout_ctx.generator
     assert isinstance(gen, VLLMServerGenerator)
     # the weight-transfer group opens with the trainer (TRL's constructor opens it), before any push
-    assert server.paths()[-1] == "/init_weight_transfer_engine" and gen.client.communicator is not None
+    # (then the server's max_model_len is read, against the dataset's longest prompt)
+    assert server.paths()[-2:] == ["/init_weight_transfer_engine", "/server_info"]
+    assert gen.client.communicator is not None
     initial = {n: p.detach().clone() for n, p in server.llm.hf.named_parameters()}
     pushed = []
     original = gen.update_weights
@@ -98,10 +100,11 @@ def test_server_mode_trains_and_pushes_weights_after_every_step(tmp_path, base_d
     assert server.updates == 3 and server.packed_in_init is True
     assert set(server.received) == {n for n, _ in t.unwrapped.named_parameters()}
     # TRL's sequence: connect, open the group once, then per push start / update / finish / reset the prefix cache
+    # (groupwise reads /server_info once more, for the server's context)
     paths = server.paths()
     assert paths[:2] == ["/health", "/v1/models"]
     push = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
-    assert paths[2:9] == ["/server_info", "/get_world_size", "/init_weight_transfer_engine", *push]
+    assert paths[2:10] == ["/server_info", "/get_world_size", "/init_weight_transfer_engine", "/server_info", *push]
     assert paths.count("/init_weight_transfer_engine") == 1 and paths.count("/update_weights") == 3
     init = next(body for _, p, body in server.requests if p == "/init_weight_transfer_engine")["init_info"]
     assert init == {"master_address": "127.0.0.1", "master_port": args.vllm_group_port, "rank_offset": 1,

@@ -20,6 +20,8 @@ weights    once, when the trainer is built (start(); a generator used alone: at 
            POST /update_weights {"update_info": {"names", "dtype_names", "shapes"} (+ "packed": true before vLLM
            0.28)} while the tensors are broadcast packed over the group; POST /finish_weight_update {};
            POST /reset_prefix_cache. At exit the group is closed (its store and socket dropped, as TRL does).
+context    when the trainer is built, after the group opens: GET /server_info?config_format=json once more, its
+           model_config.max_model_len against the datasets' longest prompt + max_completion_length (check_context).
 retries    every request but /health as TRL's session retries it (urllib3's Retry, RETRY_* below): a refused, broken
            or timed-out connection up to 6 tries, HTTP 500/502/503 up to 4 (and 413/429 with Retry-After), waiting
            Retry-After or 0, 4, 8, 16, 32 s between tries; any other answer is final. All the tries of one request
