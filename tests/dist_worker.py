@@ -107,8 +107,9 @@ def fault(out: Path, kind: str) -> None:
     """A run in which rank 1 misbehaves: its reward function raises ('raises'), the process dies ('dies'), or a
     callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback'), or its
     train_dataset is shuffled ('shuffled') or its evaluate() dataset is ('shuffled_eval'), or its reward function
-    sleeps 30 s, past ddp_timeout 10 s ('stuck'); 'raises_slow_close': as 'raises', rank 0 taking 6 s to close its
-    trackers (then writing rank0_closed)."""
+    sleeps 30 s, past ddp_timeout 10 s ('stuck'), or calls sys.exit ('sysexit'); 'raises_slow_close': as 'raises',
+    rank 0 taking 6 s to close its trackers (then writing rank0_closed); 'callback_caught': as 'callback', the script
+    catching the error and calling sys.exit(1)."""
     import os
 
     from transformers import TrainerCallback
@@ -141,6 +142,8 @@ def fault(out: Path, kind: str) -> None:
                 raise KeyError("only on rank 1")
             if kind == "dies":
                 os._exit(9)  # the process vanishes without a word
+            if kind == "sysexit":  # a reward function leaving the process
+                sys.exit(3)
             if kind == "stuck":  # no reward_timeout: rank 0 waits in the rewards' gather until ddp_timeout
                 import time
 
@@ -148,15 +151,21 @@ def fault(out: Path, kind: str) -> None:
         return [float(len(c)) for c in completions]
 
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,
-                      max_steps=3, learning_rate=1e-2, ddp_timeout={"callback": 1800, "stuck": 10}.get(kind, 20),
+                      max_steps=3, learning_rate=1e-2, ddp_timeout={"callback": 1800, "callback_caught": 1800, "stuck": 10}.get(kind, 20),
                       save_steps=0)
     rank1 = int(os.environ.get("RANK", "0")) == 1
     rows = toy.dataset(16)
     trainer = GRPOTrainer(toy.build_model(tok, seed=0, hidden_size=32), [reward], args=args,
                           train_dataset=rows[::-1] if kind == "shuffled" and rank1 else rows, processing_class=tok,
-                          callbacks=[Raises()] if kind == "callback" else None)
+                          callbacks=[Raises()] if kind in ("callback", "callback_caught") else None)
     if kind == "shuffled_eval":  # the train set agrees; the evaluation set does not
         trainer.evaluate(rows[:8][::-1] if rank1 else rows[:8])
+    if kind == "callback_caught":  # a script's own handling: the error never reaches the interpreter
+        try:
+            trainer.train()
+        except RuntimeError as e:
+            print(f"caught: {e}", flush=True)
+            sys.exit(1)
     trainer.train()
 
 

@@ -427,6 +427,16 @@ def test_an_error_outside_a_shared_step_on_one_rank_does_not_wait_at_exit(tmp_pa
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
     assert "callback raised only on rank 1" in out
+    # the script catching it and calling sys.exit (sys.last_value unset): train() marked the error as this process's
+    proc, seconds = _torchrun(tmp_path / "caught", "fault_callback_caught")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
+    assert "caught: callback raised only on rank 1" in out
+    # a reward function calling sys.exit on rank 1: every process stops with it (rank 0 waited in the gather)
+    proc, seconds = _torchrun(tmp_path / "exit", "fault_sysexit")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, out[-2000:])
+    assert "a reward function failed on another process: SystemExit: 3" in out, out[-2000:]
 
 
 def test_the_row_by_row_retry_keeps_the_timeout():
@@ -538,7 +548,7 @@ def test_only_the_backend_s_own_errors_are_renamed_as_a_stuck_or_departed_proces
             raise error
 
         try:
-            with Distributed.naming_stuck_collectives(fake, GRPOTrainer.PHASES, lambda: "at step 5"):
+            with Distributed.naming_stuck_collectives(fake, GRPOTrainer.PHASES, lambda names: "at step 5"):
                 score()
         except Exception as e:  # noqa: BLE001
             return e

@@ -369,8 +369,8 @@ class Distributed:
         exception, the others raise ProcessFailed with its message (instead of waiting in the next collective)."""
         try:
             result, failure = fn(), None
-        except Exception as e:  # noqa: BLE001 — shared with the other processes, then re-raised
-            result, failure = None, e
+        except (Exception, SystemExit) as e:  # noqa: BLE001 — shared with the other processes, then re-raised (a
+            result, failure = None, e  # reward function calling sys.exit left the others waiting in the gather)
         if self.world_size == 1:
             if failure is not None:
                 raise failure
@@ -384,12 +384,13 @@ class Distributed:
         return result
 
     @contextlib.contextmanager
-    def naming_stuck_collectives(self, phases: dict[str, str], when: Callable[[], str]):
+    def naming_stuck_collectives(self, phases: dict[str, str], when: Callable[[list[str]], str]):
         """A collective waiting ddp_timeout for a process that never joins it ends in the backend's own error
         (gloo: "Timed out waiting 1800000ms for recv operation to complete"), which names neither the setting nor
-        where the run was. Re-raised as CollectiveTimeout naming this process, `when` (the step), the phase (the
-        functions of the traceback named in `phases`, outermost first, else "a collective") and what to do. A peer
-        that exited on an error (gloo: "Connection closed by peer") is named alike, as ProcessFailed."""
+        where the run was. Re-raised as CollectiveTimeout naming this process, `when` (the step, given the
+        traceback's function names), the phase (the functions of the traceback named in `phases`, outermost first,
+        else "a collective") and what to do. A peer that exited on an error (gloo: "Connection closed by peer") is
+        named alike, as ProcessFailed."""
         try:
             yield
         except RuntimeError as e:
@@ -405,11 +406,11 @@ class Distributed:
             names = [frame.f_code.co_name for frame in frames]
             phase = " › ".join(dict.fromkeys(phases[n] for n in names if n in phases)) or "a collective"
             if gone:
-                raise ProcessFailed(f"process {self.rank}: another process left during {phase} {when()} (its own "
+                raise ProcessFailed(f"process {self.rank}: another process left during {phase} {when(names)} (its own "
                                     f"error, in its output, says why): {e}") from e
             raise CollectiveTimeout(
                 f"process {self.rank} waited ddp_timeout={self.timeout:g} s for the other processes in {phase} "
-                f"{when()}: one of them is stuck or much slower (a reward function, tool or environment call with no "
+                f"{when(names)}: one of them is stuck or much slower (a reward function, tool or environment call with no "
                 "time limit: set reward_timeout; a data read that hangs); its output says where. If a step "
                 "legitimately takes that long, raise ddp_timeout") from e
 

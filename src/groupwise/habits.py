@@ -276,7 +276,7 @@ class TransformersHabits:
         if given:  # the same rows on every process, as the constructor's (each evaluates its share of the prompts)
             check_same_everywhere(self.dist, {d.name: d for d in data.values()} if isinstance(data, dict) else
                                   {data.name: data})
-        with self.dist.naming_stuck_collectives(self.PHASES, lambda: f"after step {self.global_step}"):
+        with self.dist.naming_stuck_collectives(self.PHASES, lambda names: f"after step {self.global_step}"):
             if isinstance(data, dict):
                 return {k: v for name, one in data.items()
                         for k, v in self._evaluate_one(one, given, ignore_keys, f"{metric_key_prefix}_{name}").items()}
@@ -372,7 +372,7 @@ class TransformersHabits:
         out = output_dir or self.args.output_dir
         collective = self.dist.sharding is not None or _internal_call or self.args.push_to_hub
         # called on the main process alone under fsdp, its gather waits ddp_timeout, then says so (PHASES)
-        with self.dist.naming_stuck_collectives(self.PHASES, lambda: f"after step {self.global_step}"):
+        with self.dist.naming_stuck_collectives(self.PHASES, lambda names: f"after step {self.global_step}"):
             model, weights = self.consolidated()  # with fsdp every process gathers
             if self.dist.is_main:
                 model.save_pretrained(out, safe_serialization=True, state_dict=weights)

@@ -24,7 +24,7 @@ from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
 from groupwise.data import PromptData, StreamData, check_same_everywhere, each_dataset, is_stream
-from groupwise.distributed import Distributed, empty_cache, shared
+from groupwise.distributed import Distributed, empty_cache, mark_failed, shared
 from groupwise.generation import build_generator
 from groupwise.order import PromptSampler, StreamSampler
 from groupwise.guards import args_fingerprint, check_args_unchanged, check_overrides
@@ -57,7 +57,8 @@ class GRPOTrainer(RunState, TransformersHabits):
               "advantages": "the group statistics", "build_batch": "the reference / old-policy log-probs",
               "optimizer_step": "an optimizer step (the gradients' all-reduce)", "_evaluate_one": "an evaluation",
               "save": "saving a checkpoint", "_end": "the end of training",
-              "save_model": "save_model() (with fsdp or push_to_hub every process must call it)"}
+              "save_model": "save_model() (with fsdp or push_to_hub every process must call it)",
+              "_after_step": "the step's bookkeeping (callbacks, logging, checkpoint, evaluation)"}
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
@@ -292,8 +293,8 @@ class GRPOTrainer(RunState, TransformersHabits):
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         self._logger = None
         failed = True
-        with stop_on_signals() as self._signals, self.dist.naming_stuck_collectives(
-                self.PHASES, lambda: f"at step {self.global_step + 1}"):
+        with stop_on_signals() as self._signals, self.dist.naming_stuck_collectives(  # _after_step: the step counted
+                self.PHASES, lambda names: f"at step {self.global_step + ('_after_step' not in names)}"):
             try:
                 self._begin()
                 while not self._finished():
@@ -317,6 +318,9 @@ class GRPOTrainer(RunState, TransformersHabits):
                 result = self._end(summary)  # on_train_end's callbacks may still log to the trackers
                 failed = False
                 return result
+            except BaseException as e:  # an error of this process alone (not `shared`): its exit will not wait for
+                mark_failed(e)  # the others, also when the script catches it or calls sys.exit (sys.last_value unset)
+                raise
             finally:  # also when the run stops on an error or a signal: trackers closed (a failed run marked so)
                 self.callback_handler.close_bars()  # later log lines (evaluate()) are not printed under a bar
                 if self._logger is not None:
