@@ -275,3 +275,17 @@ def test_templates_that_transform_a_message_s_text_are_not_mistaken_for_dropping
               {"role": "tool", "content": 'result:\n{"value": 6}'}, {"role": "user", "content": "3+3?"}]
     PromptData([{"prompt": prompt}], "train_dataset").check_lengths(
         tokenizer, max_prompt_length=None, max_completion_length=4, truncate_prompt="left", max_positions=None)
+
+
+def test_a_template_that_checks_a_message_s_form_is_not_broken_by_the_check(tokenizer):
+    """A template refusing a tool message that is not JSON took the real row ('{"v": 1}'); the check's marker in its
+    place made the template raise a TemplateError about text the user never wrote. The text is searched first;
+    a template that refuses the marker where it took the text passes."""
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' and not m['content'].startswith('{') %}"
+        "{{ raise_exception('tool output must be JSON') }}{% endif %}<|{{ m['role'] }}|>"
+        "{% if m['role'] == 'tool' %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    prompt = [{"role": "user", "content": "2+2?"}, {"role": "tool", "content": '{"v": 1}'}]
+    PromptData([{"prompt": prompt}], "train_dataset").check_lengths(
+        tokenizer, max_prompt_length=None, max_completion_length=4, truncate_prompt="left", max_positions=None)

@@ -507,7 +507,7 @@ def test_which_exits_wait_for_the_other_processes(monkeypatch, tmp_path):
     assert not _leaving_alone(at_exit=True)  # an agreed stop (SIGTERM / Ctrl-C after a step) waits
     monkeypatch.setattr(sys, "last_value", KeyboardInterrupt(), raising=False)  # a second Ctrl-C: at once
     assert _leaving_alone(at_exit=True) and not _leaving_alone(at_exit=False)  # Trainer.end() reads no last_value
-    monkeypatch.setattr(distributed, "_STALE", id(sys.last_value))  # set before the group: pytest's, IPython's
+    monkeypatch.setattr(distributed, "_STALE", sys.last_value)  # set before the group: pytest's, IPython's
     assert not _leaving_alone(at_exit=True)
     monkeypatch.delattr(sys, "last_value")
     assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2  # the CLI's error exit

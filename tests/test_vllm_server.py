@@ -608,8 +608,10 @@ def test_the_server_s_context_limit_as_vllm_applies_it(tmp_path, vllm, base_dir,
     meet that 400 mid-run. /server_info without config_format=json answers text (vLLM's default)."""
     import urllib.request
 
+    import datasets
     from transformers import AutoModelForCausalLM
 
+    from groupwise.data import StreamData
     from tests.vllm_standin.serve import StandinServer
 
     policy = AutoModelForCausalLM.from_pretrained(base_dir)
@@ -631,7 +633,23 @@ def test_the_server_s_context_limit_as_vllm_applies_it(tmp_path, vllm, base_dir,
         args = _server_args(tmp_path, server.url, max_completion_length=8)
         with pytest.raises(ConfigError, match=r"^train_dataset row 0: 9 prompt tokens \+ max_completion_length=8 "
                                               r"exceed the vLLM server's max_model_len=14 \(`vllm serve "
-                                              r"--max-model-len`\)"):
+                                              r"--max-model-len`\); lower max_completion_length or max_prompt_length, "
+                                              r"or raise the vLLM server's max_model_len$"):
             GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
+        # a stream's rows, and a dataset given to evaluate(), are checked against it as they come
+        args = _server_args(tmp_path, server.url, max_completion_length=5, max_steps=1)
+        trainer = GRPOTrainer(base_dir, [_length], args=args, train_dataset=toy.dataset(12))
+        try:
+            long = [{"prompt": "repeat a: aa"}]  # 12 tokens + 5 > 14
+            with pytest.raises(ConfigError, match=r"^eval_dataset row 0: 12 prompt tokens \+ max_completion_length=5 "
+                                                  r"exceed the vLLM server's max_model_len=14"):
+                trainer.evaluate(long)
+            stream = StreamData(datasets.IterableDataset.from_generator(lambda: iter(long)), "train_dataset")
+            trainer._check_lengths(stream)
+            with pytest.raises(ConfigError, match=r"^train_dataset row 0: 12 prompt tokens \+ max_completion_length=5 "
+                                                  r"exceed the vLLM server's max_model_len=14"):
+                stream[0]
+        finally:
+            trainer.rollout_ctx.generator.close()
         text = json.loads(urllib.request.urlopen(server.url + "/server_info").read())["vllm_config"]
         assert isinstance(text, str) and "'max_model_len': 14" in text

@@ -506,16 +506,35 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
     return out
 
 
-def saved_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """An adapter folder's tensors other than LoRA's (modules_to_save copies, trainable tokens), as saved: loading
-    them into a 16-bit base rounds them, which rounding_loss counts from these."""
+def saved_adapter_tensors(folder: Path):
+    """An adapter folder's tensors as saved (read one at a time, when asked for): loading modules_to_save copies and
+    trainable tokens' rows into a 16-bit base rounds them, which rounding_loss counts from these. {} without an
+    adapter_model.safetensors."""
+    from collections.abc import Mapping
+
     from safetensors import safe_open
 
     path = Path(folder) / "adapter_model.safetensors"
     if not path.exists():
         return {}
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys() if "lora_" not in k}
+
+    class Saved(Mapping):
+        def __init__(self):
+            self.file = safe_open(str(path), "pt")
+            self.names = set(self.file.keys())
+
+        def __getitem__(self, name):
+            if name not in self.names:
+                raise KeyError(name)
+            return self.file.get_tensor(name)
+
+        def __iter__(self):
+            return iter(self.names)
+
+        def __len__(self):
+            return len(self.names)
+
+    return Saved()
 
 
 def rounding_loss(model, saved: dict[str, torch.Tensor] | None = None) -> float:

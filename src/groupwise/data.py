@@ -112,21 +112,29 @@ def check_rendered(name: str, i: int, prompt: Any, tokenizer, chat_template_kwar
                    seen: set) -> None:
     """A chat template renders the roles it knows and may drop others (Qwen's renders system / user / assistant /
     tool only: a 'human' message vanishes, and the policy is prompted with an empty turn). Row i is rendered when it
-    has a role no earlier row had (`seen`, updated), each message's text replaced by a marker (which no template
-    escapes, trims or cuts as it may the text: Llama's tojson, Qwen3's earlier <think> parts), and each message's
-    marker must appear in what it renders."""
+    has a role no earlier row had (`seen`, updated): each message's text must appear in what it renders, or, when
+    the template transforms it (Llama's tojson, Qwen3's cut of earlier <think> parts), a marker put in its place
+    (which no template escapes or cuts; a template that refuses the marker where it took the text passes)."""
     if not is_conversational(prompt):
         return
     roles = {m.get("role") for m in prompt if isinstance(m, dict)}
     if roles <= seen:
         return
     seen |= roles
-    marked = [dict(m, content=f"gwmark{k}x") if isinstance(m, dict) and isinstance(m.get("content"), str)
-              and m["content"].strip() else m for k, m in enumerate(prompt)]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
-                                         **(chat_template_kwargs or {}))
-    for k, message in enumerate(marked):
-        if isinstance(message, dict) and message.get("content") == f"gwmark{k}x" and f"gwmark{k}x" not in text:
+    kwargs = dict(add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {}))
+    text = tokenizer.apply_chat_template(prompt, **kwargs)
+    missing = [k for k, m in enumerate(prompt) if isinstance(m, dict) and isinstance(m.get("content"), str)
+               and m["content"].strip() and m["content"].strip() not in text]
+    if not missing:
+        return
+    marked = [dict(m, content=f"gwmark{k}x") if k in missing else m for k, m in enumerate(prompt)]
+    try:
+        text = tokenizer.apply_chat_template(marked, **kwargs)
+    except Exception:  # noqa: BLE001 — the template checks the text's form: the real row rendered, so it passes
+        return
+    for k in missing:
+        message = prompt[k]
+        if f"gwmark{k}x" not in text:
             role = message.get("role")
             fix = ("rename the role (human → user, gpt → assistant) or fix the template" if role not in CHAT_ROLES
                    else "fix the template, or leave the message out")
@@ -318,7 +326,7 @@ class PromptData:
         completion short) when it is lower."""
         max_positions, limit_name = _position_limit(max_positions, sampler_limit)
         over, too_long, total, roles = [], [], len(self), set()
-        self.longest = (0, 0)  # (tokens kept, row) of the longest prompt: a vLLM server's context is read later
+        longest = (0, 0)  # (tokens kept, −row) of the first longest prompt
         prompts = self._prompts()
         with tqdm(total=total, desc=f"checking {self.name}", disable=total < 10_000, leave=False) as bar:
             for lo in range(0, total, 512):
@@ -329,13 +337,13 @@ class PromptData:
                         raise ConfigError(f"{self.name} row {lo + k} encodes to zero tokens: {chunk[k]!r:.80}")
                     check_rendered(self.name, lo + k, chunk[k], tokenizer, chat_template_kwargs, roles)
                     kept, cut = _tokens_kept(n, max_prompt_length)
-                    self.longest = max(self.longest, (kept, -(lo + k)))
+                    longest = max(longest, (kept, -(lo + k)))
                     if cut:
                         over.append((lo + k, n))
                     if max_positions is not None and kept + max_completion_length > max_positions:
                         too_long.append((lo + k, kept))
                 bar.update(len(chunk))
-        self.longest = (self.longest[0], -self.longest[1])  # the first of the longest rows
+        self.longest = (longest[0], -longest[1])  # (tokens, row): check_room, once a server's context is known
         if too_long:
             raise _too_long(self.name, *too_long[0], max_completion_length, limit_name,
                             f" ({len(too_long)} of {total} rows)")
@@ -352,6 +360,13 @@ class PromptData:
         for i in sorted({k * n // 64 for k in range(64)} if n else ()):
             digest.update(json.dumps(self[i], sort_keys=True, default=lambda v: type(v).__name__).encode())
         return digest.hexdigest()[:16]
+
+    def check_room(self, max_completion_length: int, sampler_limit: tuple[int, str]) -> None:
+        """The longest prompt (check_lengths) + max_completion_length within a context known only later (a vLLM
+        server's max_model_len)."""
+        kept, row = getattr(self, "longest", (0, 0))
+        if kept + max_completion_length > sampler_limit[0]:
+            raise _too_long(self.name, row, kept, max_completion_length, sampler_limit[1])
 
     def __len__(self) -> int:
         return len(self.data)
@@ -461,6 +476,11 @@ class StreamData:
     def check_lengths(self, tokenizer, **limits) -> None:
         """PromptData.check_lengths' rules, applied to each row when it is read (a stream cannot be read ahead)."""
         self._lengths = {"tokenizer": tokenizer, **limits}
+
+    def check_room(self, max_completion_length: int, sampler_limit: tuple[int, str]) -> None:
+        """A context known only later (a vLLM server's max_model_len): checked on each row read from now on."""
+        if self._lengths is not None:
+            self._lengths["sampler_limit"] = sampler_limit
 
     def _check_length(self, i: int, prompt, *, tokenizer, max_prompt_length, max_completion_length, truncate_prompt,
                       max_positions, chat_template_kwargs=None, sampler_limit=None) -> None:

@@ -132,15 +132,15 @@ def _leaving_alone(at_exit: bool) -> bool:
     if _FAILED or not at_exit:
         return _FAILED
     last = _last_error()
-    return last is not None and id(last) != _STALE and not getattr(last, "groupwise_shared", False)
+    return last is not None and last is not _STALE and not getattr(last, "groupwise_shared", False)
 
 
 def _last_error() -> BaseException | None:
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
-_STALE: int | None = None  # id() of the error sys.last_value held when the process group was set up (pytest and
-# IPython set it for errors they handled: not this process's exit)
+_STALE: BaseException | None = None  # the error sys.last_value held when the process group was set up (pytest
+# and IPython set it for errors they handled: not this process's exit)
 
 
 class Distributed:
@@ -195,7 +195,7 @@ class Distributed:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         global _FAILED, _STALE
         _FAILED = False  # a process training again (a notebook, tests) after an error exit of the CLI's
-        _STALE = id(_last_error()) if _last_error() is not None else None
+        _STALE = _last_error()
         atexit.register(self.teardown, at_exit=True)
 
     @property
@@ -399,7 +399,7 @@ class Distributed:
             # the backend's own error: gloo / NCCL named in it, or raised by torch (a reward function's HTTP client
             # saying "Connection reset by peer" is not one, nor an error every process already shares)
             backend = any(b in str(e) for b in ("gloo", "NCCL")) or (
-                frames and f"{os.sep}torch{os.sep}" in frames[-1].f_code.co_filename)
+                frames and frames[-1].f_code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep))
             if self.world_size == 1 or isinstance(e, ProcessFailed) or getattr(e, "groupwise_shared", False) \
                     or not backend or not (timed_out or gone):
                 raise

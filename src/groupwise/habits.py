@@ -343,15 +343,15 @@ class TransformersHabits:
 
     def _check_lengths(self, data):
         """Prompt lengths of a dataset (the constructor's, or one given to evaluate()): truncate_prompt cuts with a
-        warning or is an error; room for max_completion_length in the model's positions, and in a colocated vLLM
-        engine's vllm_max_model_length (which would stop the completion short: TRL's engine does, silently). Returns
-        `data`."""
+        warning or is an error; room for max_completion_length in the model's positions, and in the sampler's context
+        when lower (_sampler_limit: a colocated engine's vllm_max_model_length, which would stop the completion short,
+        as TRL's does silently; a vLLM server's max_model_len, read once it is reached, which refuses the request).
+        Returns `data`."""
         args = self.args
-        engine = args.vllm_max_model_length if args.use_vllm and args.vllm_mode == "colocate" else None
         data.check_lengths(self.tokenizer, max_prompt_length=args.max_prompt_length,
                            max_completion_length=args.max_completion_length, max_positions=self._max_positions,
                            truncate_prompt=args.truncate_prompt, chat_template_kwargs=args.chat_template_kwargs,
-                           sampler_limit=None if engine is None else (engine, f"vllm_max_model_length={engine}"))
+                           sampler_limit=self._sampler_limit)
         return data
 
     # transformers' callback list (groupwise.callbacks.CallbackHandler)

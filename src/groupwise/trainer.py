@@ -147,6 +147,9 @@ class GRPOTrainer(RunState, TransformersHabits):
         self._logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the current round
         # the tokenizer (cheap) checks every prompt's length; then the models and what is built around them
         self.tokenizer, self._max_positions = load_tokenizer(model, processing_class, args)
+        engine = args.vllm_max_model_length if args.use_vllm and args.vllm_mode == "colocate" else None
+        # the sampler's context when lower than the model's (groupwise.data.check_lengths): a colocated engine's
+        self._sampler_limit = None if engine is None else (engine, f"vllm_max_model_length={engine}")
         if SUPERVISIONS[args.supervision].process:  # a step marker the tokenizer cannot write would end no step
             StepSplitter.from_config(args).check_tokenizer(self.tokenizer)
         datasets = (self.train_data, *each_dataset(self.eval_data))
@@ -203,13 +206,14 @@ class GRPOTrainer(RunState, TransformersHabits):
         start = getattr(self.rollout_ctx.generator, "start", None)  # last, after the seeding, as TRL builds vLLM's
         if start is not None:  # engine (it seeds the random streams as it starts; a resume restores them after it)
             self.dist.run_together(lambda: start(self.sampling_model), "starting the generation backend")
-        fits = getattr(self.rollout_ctx.generator, "check_context", None)  # a vLLM server's own max_model_len
-        if fits is not None:
-            self.dist.run_together(lambda: [fits(d.longest[0] + args.max_completion_length, f"{d.name} row "
-                                                 f"{d.longest[1]}: {d.longest[0]} prompt tokens + max_completion_length="
-                                                 f"{args.max_completion_length}")
-                                            for d in datasets if getattr(d, "longest", None)], "reading the vLLM "
-                                   "server's context")
+        read = getattr(self.rollout_ctx.generator, "context_limit", None)  # a vLLM server's own max_model_len
+        if read is not None:
+            limit = self.dist.broadcast_object(self.dist.run_together(read, "reading the vLLM server's context"))
+            if limit is not None:  # for every dataset checked from now on too (evaluate(), a stream's rows)
+                self._sampler_limit = (limit, f"the vLLM server's max_model_len={limit} (`vllm serve --max-model-len`)")
+                for data in datasets:
+                    if data is not None and self.rollout_func is None:
+                        data.check_room(args.max_completion_length, self._sampler_limit)
 
     # ---- builders -----------------------------------------------------------------------------------------------
     def _build_rollout(self) -> R.RolloutContext:

@@ -196,7 +196,7 @@ class StandinServer:
         except NotImplementedError as e:
             raise HTTPError(501, str(e)) from None
         longest = max(len(p) for p in prompts)
-        if longest + (params.max_tokens or 0) > self.max_model_len:  # vLLM's serving layer, before any generation
+        if longest + (params.max_tokens or 1) > self.max_model_len:  # vLLM's serving layer, before any generation
             raise HTTPError(400, f"You passed {longest} input tokens and requested {params.max_tokens} output tokens. "
                                  f"However, the model's context length is only {self.max_model_len} tokens.")
         with self.lock:

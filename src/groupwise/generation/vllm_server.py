@@ -395,16 +395,13 @@ class VLLMServerGenerator:
             device = self.dist.device if self.dist is not None else next(model.parameters()).device
             self.client.init_communicator(device)
 
-    def check_context(self, tokens: int, what: str) -> None:
-        """`tokens` (a dataset's longest prompt + max_completion_length) must fit the server's max_model_len (`vllm
-        serve --max-model-len`): vLLM refuses such a request with a 400, which would stop the run at that prompt."""
+    def context_limit(self) -> int | None:
+        """The server's max_model_len (`vllm serve --max-model-len`), read by the main process (None elsewhere): a
+        prompt + max_tokens beyond it is refused with a 400, which would stop the run at that prompt."""
         if self.client is None:
-            return
+            return None
         limit = (self.client.get_server_info().get("model_config") or {}).get("max_model_len")
-        if limit is not None and tokens > int(limit):
-            raise ConfigError(f"{what} exceed the vLLM server's max_model_len={limit} (`vllm serve "
-                              "--max-model-len`), which refuses such requests: lower max_completion_length or "
-                              "max_prompt_length, or restart the server with a larger --max-model-len")
+        return None if limit is None else int(limit)
 
     def _client(self) -> VLLMServerClient | None:
         """Who sends this process's requests: the main process's client, or within independently() its own."""
