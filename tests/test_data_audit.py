@@ -214,7 +214,7 @@ class _TwoProcesses:
 def test_check_same_everywhere_names_the_dataset_that_differs():
     """The 2-process runs (tests/test_faults.py) cover a reversed dataset; here the other shapes of a difference:
     a dataset present on one process only, a stream against a dataset, and equal datasets passing."""
-    from groupwise.data import check_same_everywhere
+    from groupwise.data_checks import check_same_everywhere
 
     rows = toy.dataset(8)
     train, evaluation = PromptData(rows, "train_dataset"), PromptData(rows[:4], "eval_dataset")

@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from groupwise.agents import environment_prompts
 from groupwise.config_base import ConfigError
-from groupwise.data import PromptData, check_same_everywhere, is_stream, named_datasets
+from groupwise.data import PromptData, is_stream, named_datasets
+from groupwise.data_checks import check_same_everywhere
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, completions_uploader, push_checkpoint, push_folder, repo_id, write_model_card
 from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,

@@ -23,7 +23,8 @@ from groupwise.config import GRPOConfig
 from groupwise.core.supervision import SUPERVISIONS
 from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
-from groupwise.data import PromptData, StreamData, check_same_everywhere, each_dataset, is_stream
+from groupwise.data import PromptData, StreamData, each_dataset, is_stream
+from groupwise.data_checks import check_same_everywhere
 from groupwise.distributed import Distributed, empty_cache, mark_failed, shared
 from groupwise.generation import build_generator
 from groupwise.order import PromptSampler, StreamSampler
