@@ -230,7 +230,8 @@ def test_an_adapter_on_tied_embeddings_is_refused_with_vllm_and_export(tmp_path,
     differed by up to 13.8). Refused, naming the fix; the fast backend samples the PeftModel itself and trains."""
     from peft import get_peft_model
 
-    from groupwise.adapters import adapted_tied_embeddings, export_merged
+    from groupwise.adapters import adapted_tied_embeddings
+    from groupwise.export import export_merged
 
     model = toy.build_model(tokenizer, seed=0, hidden_size=32)
     model.config.tie_word_embeddings = True
@@ -409,7 +410,7 @@ def test_rounding_loss_of_a_merge_into_bfloat16_is_worked_by_hand(tmp_path, toke
     """bfloat16 has 8 significant bits: around 1.0 its spacing is 2⁻⁷ = 0.0078125. 1.0 + 0.001 rounds to 1.0 (the
     whole update lost: ratio 1); 1.0 + 0.005 rounds to 1.0078125, off by 0.0028125 = 0.5625 of the update. (W + ΔW is
     itself a float32 sum, 1.0 + 0.001 = 1.00100005 with float32's spacing 2⁻²³ at 1.0: ratios within 1e-4.)"""
-    from groupwise.adapters import rounding_loss
+    from groupwise.export import rounding_loss
 
     _bf16_base_and_adapter(tmp_path, tokenizer, 0.001)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base16")
@@ -456,7 +457,7 @@ def test_rounding_loss_equals_the_merge_done_in_bfloat16_against_float32(tokeniz
 
     from peft import get_peft_model
 
-    from groupwise.adapters import rounding_loss
+    from groupwise.export import rounding_loss
 
     base16 = toy.build_model(tokenizer, seed=0, hidden_size=32).to(torch.bfloat16)
     model = get_peft_model(copy.deepcopy(base16), LoraConfig(
@@ -484,7 +485,7 @@ def test_rounding_loss_counts_what_loading_into_bfloat16_already_rounded(tmp_pat
     which bfloat16 (spacing 2⁻⁷ at 1.0) rounds back to 1.0: ratio 1. Without the file: nothing measured (0)."""
     from peft import get_peft_model
 
-    from groupwise.adapters import rounding_loss, saved_adapter_tensors
+    from groupwise.export import rounding_loss, saved_adapter_tensors
 
     base = toy.build_model(tokenizer, seed=0, hidden_size=32).to(torch.bfloat16)
     head, embedding = base.lm_head.weight, base.model.embed_tokens.weight

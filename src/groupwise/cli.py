@@ -444,7 +444,7 @@ def cmd_export(argv: list[str]) -> int:
                              "than 16-bit weights' precision rounds away in them, and a warning says how much)")
     parser.add_argument("--trust_remote_code", action="store_true")
     ns = parser.parse_args(argv)
-    from groupwise.adapters import export_merged
+    from groupwise.export import export_merged
 
     out = export_merged(ns.checkpoint, ns.merge, base=ns.base, trust_remote_code=ns.trust_remote_code, dtype=ns.dtype)
     print(f"groupwise: wrote {out}")
