@@ -227,3 +227,22 @@ def test_on_evaluate_sees_the_model_in_eval_mode_and_training_gets_it_back(tmp_p
 
     _train(tmp_path, tokenizer, record, max_steps=2, eval_strategy="steps", eval_steps=1)
     assert modes == [("on_step_end", True), ("on_evaluate", False), ("on_step_end", True), ("on_evaluate", False)]
+
+
+def test_the_first_signal_s_line_says_where_the_run_is(tmp_path, tokenizer, capsys):
+    """A launcher's SIGTERM reaching a process stuck in a reward function is followed by its SIGKILL: the signal's
+    line is all that process leaves, so it says where the run was (the loop's PHASES and the step)."""
+    import os
+    import signal
+
+    from groupwise.signals import TrainingInterrupted
+
+    def reward(completions, **_):
+        os.kill(os.getpid(), signal.SIGTERM)  # while the rewards of step 1's round are scored
+        return [float(len(c)) for c in completions]
+
+    with pytest.raises(TrainingInterrupted, match="after step 1"):
+        _train(tmp_path, tokenizer, eval_rows=None, rewards=[reward], max_steps=3)
+    said = capsys.readouterr()
+    assert ("groupwise: SIGTERM received: stopping after this optimizer step (again to stop at once); now in a round "
+            "› scoring the completions (reward functions) at step 1") in said.out + said.err

@@ -106,6 +106,12 @@ _TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure",  #
               "Watchdog caught collective operation timeout")  # NCCL
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo: another process exited
 
+def phase_of(phases: dict[str, str], names: list[str]) -> str:
+    """Where the run is, from its call stack's function names (outermost first) read through `phases`
+    (GRPOTrainer.PHASES): 'a round › scoring the completions (reward functions)'; '' when none is named."""
+    return " › ".join(dict.fromkeys(phases[n] for n in names if n in phases))
+
+
 _FAILED = False  # this process is leaving on an error of its own: its exit does not wait for the others (teardown)
 
 
@@ -404,7 +410,7 @@ class Distributed:
                     or not backend or not (timed_out or gone):
                 raise
             names = [frame.f_code.co_name for frame in frames]
-            phase = " › ".join(dict.fromkeys(phases[n] for n in names if n in phases)) or "a collective"
+            phase = phase_of(phases, names) or "a collective"
             if gone:
                 raise ProcessFailed(f"process {self.rank}: another process left during {phase} {when(names)} (its own "
                                     f"error, in its output, says why): {e}") from e

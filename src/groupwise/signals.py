@@ -36,8 +36,10 @@ def interrupted(signum: int, message: str) -> TrainingInterrupted:
 
 
 @contextlib.contextmanager
-def stop_on_signals():
-    """Yields the list the received signal numbers go into."""
+def stop_on_signals(where=None):
+    """Yields the list the received signal numbers go into. `where(frame)`: where the run is when the first signal
+    comes, said with it (a process stuck in a reward function is stopped by the launcher's SIGKILL later, and this
+    line is all it leaves)."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -51,8 +53,9 @@ def stop_on_signals():
             return
         first.append(time.monotonic())
         received.append(signum)
+        now = where(frame) if where is not None and frame is not None else ""
         tqdm.write(f"groupwise: {signal.Signals(signum).name} received: stopping after this optimizer step "
-                   "(again to stop at once)")
+                   f"(again to stop at once){f'; now in {now}' if now else ''}")
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -25,7 +25,7 @@ from groupwise.config_base import ConfigError
 from groupwise.custom_rollout import check_rollout_func
 from groupwise.data import PromptData, StreamData, each_dataset, is_stream
 from groupwise.data_checks import check_same_everywhere
-from groupwise.distributed import Distributed, empty_cache, mark_failed, shared
+from groupwise.distributed import Distributed, empty_cache, mark_failed, phase_of, shared
 from groupwise.generation import build_generator
 from groupwise.order import PromptSampler, StreamSampler
 from groupwise.guards import args_fingerprint, check_args_unchanged, check_overrides
@@ -298,8 +298,8 @@ class GRPOTrainer(RunState, TransformersHabits):
         pending = self._resume(resume) if resume else None  # a round interrupted by the checkpoint, if any
         self._logger = None
         failed = True
-        with stop_on_signals() as self._signals, self.dist.naming_stuck_collectives(  # _after_step: the step counted
-                self.PHASES, lambda names: f"at step {self.global_step + ('_after_step' not in names)}"):
+        with stop_on_signals(self._where) as self._signals, \
+                self.dist.naming_stuck_collectives(self.PHASES, self._step_of):
             try:
                 self._begin()
                 while not self._finished():
@@ -330,6 +330,20 @@ class GRPOTrainer(RunState, TransformersHabits):
                 self.callback_handler.close_bars()  # later log lines (evaluate()) are not printed under a bar
                 if self._logger is not None:
                     self._logger.close(failed)
+
+    def _step_of(self, names: list[str]) -> str:
+        """The step the loop is at, given its call stack's function names (in _after_step: the step just counted)."""
+        return f"at step {self.global_step + ('_after_step' not in names)}"
+
+    def _where(self, frame) -> str:
+        """Where the loop is (PHASES) at `frame`, for the first signal's line: a process stuck in a reward function is
+        killed by the launcher later, and that line is all it leaves."""
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        phase = phase_of(self.PHASES, names[::-1])
+        return f"{phase} {self._step_of(names)}" if phase else ""
 
     # ---- phases -------------------------------------------------------------------------------------------------
     def _begin(self) -> None:
