@@ -57,6 +57,7 @@ def check_same_everywhere(dist, datasets: dict) -> None:
 
     if dist.world_size == 1:
         return
+
     def summary(data):
         digest = data.fingerprint()
         return ("stream", None) if digest is None else (len(data), digest)
@@ -71,8 +72,8 @@ def check_same_everywhere(dist, datasets: dict) -> None:
 
         def told(s):
             return "none" if s is None else "a stream" if s[0] == "stream" else f"{s[0]} rows, digest {s[1]}"
-        raise shared(ConfigError(f"{name} differs between processes (process 0: {told(seen[0])}; process {k}: "
-                          f"{told(seen[k])}): every process must load the same rows in the same order (each "
-                          "draws the same prompts, and a group's completions may be split between processes). "
-                          "Load it the same way on each, shuffling with a fixed seed (Dataset.shuffle(seed=...)), "
-                          "or leave shuffling to the trainer (shuffle_dataset, data_seed)"))
+        raise shared(ConfigError(
+            f"{name} differs between processes (process 0: {told(seen[0])}; process {k}: {told(seen[k])}): every "
+            "process must load the same rows in the same order (each draws the same prompts, and a group's "
+            "completions may be split between processes). Load it the same way on each, shuffling with a fixed seed "
+            "(Dataset.shuffle(seed=...)), or leave shuffling to the trainer (shuffle_dataset, data_seed)"))

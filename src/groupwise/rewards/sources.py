@@ -116,6 +116,11 @@ REWARD_KEYWORDS = {"prompts", "completions", "completion_ids", "trainer_state", 
 NEVER_PASSED = ("prompt", "completion", "completion_ids")  # dataset columns no reward function gets (TRL)
 
 
+def _called(fn) -> str:
+    """A reward function's name in messages (a partial: its function's)."""
+    return getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)
+
+
 def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_unused_columns: bool,
                          dataset: str = "train_dataset", *, keywords: frozenset[str] | set[str] = REWARD_KEYWORDS,
                          field: str = "reward_funcs", environments: bool = False) -> None:
@@ -134,8 +139,7 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
         positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY
                       and p.default is inspect.Parameter.empty]
         if positional:
-            name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)
-            raise ConfigError(f"{field}[{i}] {name!r} has positional-only parameters ({', '.join(positional)}), but "
+            raise ConfigError(f"{field}[{i}] {_called(fn)!r} has positional-only parameters ({', '.join(positional)}), but "
                               "reward functions are called by keyword (as in TRL): remove the '/' from its signature")
     if columns is None:
         return
@@ -157,7 +161,7 @@ def check_reward_columns(reward_funcs: list, columns: list[str] | None, remove_u
         need = [p.name for p in params if p.default is inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
                 and p.name not in given]
-        name = getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__)  # a partial: its function's
+        name = _called(fn)
         if need:
             if need[0] in NEVER_PASSED:  # TRL passes these columns to no reward function either
                 plural = {"prompt": "prompts", "completion": "completions"}.get(need[0])
