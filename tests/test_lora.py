@@ -511,3 +511,53 @@ def test_rounding_loss_counts_what_loading_into_bfloat16_already_rounded(tmp_pat
                                        str(tmp_path / "adapter"))
     assert rounding_loss(loaded) == 0.0  # what loading rounded is invisible in the model
     assert rounding_loss(loaded, saved_adapter_tensors(tmp_path / "adapter")) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_rounding_sums_in_row_blocks_equal_a_plain_loop_over_every_weight():
+    """rounding_sums reads a weight in blocks of whole rows (bounded memory); the sums equal a loop over every element:
+    Σ (round(w′) − w′)², Σ (w′ − w)², w′ rounded to bfloat16. A worked element: w = 1, w′ = 1.001 rounds to 1.0
+    (bfloat16's spacing 2⁻⁷ at 1.0), adding 0.001² to both sums."""
+    from groupwise.export import rounding_sums
+
+    generator = torch.Generator().manual_seed(0)
+    original = torch.randn(7, 5, generator=generator).to(torch.bfloat16)
+    trained = original.float() + 0.01 * torch.randn(7, 5, generator=generator)
+    trained[0, 0], original[0, 0] = 1.001, 1.0
+    lost = update = 0.0
+    for new, old in zip(trained.flatten().tolist(), original.float().flatten().tolist()):
+        rounded = torch.tensor(new).to(torch.bfloat16).float().item()
+        lost += (rounded - torch.tensor(new).item()) ** 2
+        update += (new - old) ** 2
+    for chunk in (1, 5, 11, 35, 1 << 24):  # a row at a time, 2 rows, 7 rows, the whole weight at once
+        got = rounding_sums(trained, original, chunk=chunk)
+        assert got == pytest.approx((lost, update), rel=1e-6)
+    one = rounding_sums(torch.tensor([[1.001]]), torch.tensor([[1.0]], dtype=torch.bfloat16))
+    assert one == pytest.approx(((1.001 - 1.0) ** 2, (1.001 - 1.0) ** 2), rel=1e-4)
+
+
+def test_rounding_loss_reads_an_adapter_saved_as_bin(tmp_path, tokenizer):
+    """An adapter saved with safe_serialization=False (adapter_model.bin) is read like a safetensors one: its
+    modules_to_save copy's update 1.0 → 1.001 rounds away in bfloat16 (ratio 1, as in the safetensors test)."""
+    from peft import get_peft_model
+
+    from groupwise.export import rounding_loss, saved_adapter_tensors
+
+    base = toy.build_model(tokenizer, seed=0, hidden_size=32).to(torch.bfloat16)
+    with torch.no_grad():
+        base.lm_head.weight[0, 0] = 1.0
+    base.save_pretrained(tmp_path / "base16")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base16", dtype=torch.float32),
+                           LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0, modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+            elif "modules_to_save.default.weight" in name:
+                p[0, 0] = 1.001
+    model.save_pretrained(tmp_path / "adapter", safe_serialization=False)
+    assert (tmp_path / "adapter" / "adapter_model.bin").exists()
+    assert not (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base16"),
+                                       str(tmp_path / "adapter"))
+    assert rounding_loss(loaded, saved_adapter_tensors(tmp_path / "adapter")) == pytest.approx(1.0, rel=1e-4)
+    assert saved_adapter_tensors(tmp_path) == {}  # no adapter file: nothing read

@@ -95,15 +95,17 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
 
 def saved_adapter_tensors(folder: Path):
     """An adapter folder's tensors as saved (read one at a time, when asked for): loading modules_to_save copies and
-    trainable tokens' rows into a 16-bit base rounds them, which rounding_loss counts from these. {} without an
-    adapter_model.safetensors."""
+    trainable tokens' rows into a 16-bit base rounds them, which rounding_loss counts from these. Read from
+    adapter_model.safetensors, else from adapter_model.bin (PEFT's safe_serialization=False; loaded weights_only,
+    memory-mapped); {} without either."""
     from collections.abc import Mapping
 
     from safetensors import safe_open
 
     path = Path(folder) / "adapter_model.safetensors"
     if not path.exists():
-        return {}
+        pickled = Path(folder) / "adapter_model.bin"
+        return torch.load(pickled, map_location="cpu", weights_only=True, mmap=True) if pickled.exists() else {}
 
     class Saved(Mapping):
         def __init__(self):
@@ -124,20 +126,37 @@ def saved_adapter_tensors(folder: Path):
     return Saved()
 
 
+# rounding_loss reads a weight this many elements at a time (whole rows): its temporaries stay ~4 × 64 MiB in
+# float32 whatever the layer (an lm_head of 150k × 4096 whole would need several GiB)
+CHUNK = 1 << 24
+
+
+def rounding_sums(trained: torch.Tensor, original: torch.Tensor, chunk: int = CHUNK) -> tuple[float, float]:
+    """(‖round(W′) − W′‖², ‖W′ − W‖²) for W′ = `trained` (any dtype, read as float32) rounded to `original`'s dtype,
+    W = `original`: summed over row blocks of about `chunk` elements, in float64."""
+    rows = max(1, chunk // max(1, trained[0].numel())) if trained.dim() > 1 else max(1, chunk)
+    lost = update = 0.0
+    for new, old in zip(trained.split(rows), original.split(rows), strict=True):
+        new = new.float()
+        lost += (new.to(original.dtype).float() - new).double().square().sum().item()
+        update += (new - old.float()).double().square().sum().item()
+    return lost, update
+
+
 def rounding_loss(model, saved: dict[str, torch.Tensor] | None = None) -> float:
     """How much of a PeftModel's update merging would round away in its base weights' dtype:
     ‖round(W′) − W′‖ / ‖W′ − W‖ over every adapted layer, W′ the layer's merged weight computed in float32 by the
     layer's own merge (on a float32 copy of the layer, one layer at a time: LoRA's W + ΔW, DoRA's rescaled one, an
     embedding's). 0 for float32 bases and for an update of zero. `saved`: the adapter file's tensors as trained,
     for what loading into the base's dtype has already rounded (modules_to_save copies, trainable tokens' rows),
-    counted alike against the original weights. Not measured: target-parameter adapters."""
+    counted alike against the original weights. Memory: one layer's float32 copy at a time, its sums read in row
+    blocks (rounding_sums). Not measured: target-parameter adapters."""
     lost = update = 0.0
 
     def count(trained: torch.Tensor, original: torch.Tensor) -> None:  # W′ as trained, W as in the base
         nonlocal lost, update
-        trained = trained.float()
-        lost += (trained.to(original.dtype).float() - trained).square().sum().item()
-        update += (trained - original.float()).square().sum().item()
+        more = rounding_sums(trained, original)
+        lost, update = lost + more[0], update + more[1]
 
     with torch.no_grad():
         for name, module in model.named_modules() if saved else ():
@@ -159,8 +178,6 @@ def rounding_loss(model, saved: dict[str, torch.Tensor] | None = None) -> float:
                 continue
             layer = copy.deepcopy(module).float()
             layer.merge(adapter_names=list(module.active_adapters))
-            exact = layer.get_base_layer().weight.detach()
-            lost += (exact.to(weight.dtype).float() - exact).square().sum().item()
-            update += (exact - weight.float()).square().sum().item()
+            count(layer.get_base_layer().weight.detach(), weight)
             del layer
     return (lost / update) ** 0.5 if update > 0 else 0.0
