@@ -25,24 +25,22 @@ refuses an output_dir that holds another run's outputs. A checkpoint the rotatio
 .old-checkpoint-N.deleted first (a kill during the deletion never leaves a half checkpoint-N; the leftover is
 removed by the next save or resume). A folder whose trainer_state.json is transformers' TrainerState (a transformers
 / TRL checkpoint) is never resumed. Loading is groupwise.checkpoint_load's; the optimizer / RNG / JSON file formats
-are groupwise.checkpoint_files'.
+and the fsyncs are groupwise.checkpoint_files'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from groupwise.checkpoint_files import sha256_of, write_json, write_optimizer, write_rng
+from groupwise.checkpoint_files import sha256_of, sync_dir, sync_files, write_json, write_optimizer, write_rng
 from groupwise.config_base import ConfigError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -193,7 +191,7 @@ def put_back_replaced(output_dir: str | Path, writing: Path | None = None, ours:
         warnings.warn(f"{final.name} put back from {old.name} (a save replacing it was interrupted) in {root}",
                       RuntimeWarning, stacklevel=2)
     if restored:
-        _sync_dir(root)
+        sync_dir(root)
     return restored
 
 
@@ -283,7 +281,7 @@ def set_aside_later(output_dir: str | Path, step: int, run_id: str | None) -> li
         tmp = root / (SETTING_ASIDE + ".tmp")
         tmp.write_text(json.dumps({"step": step, "run_id": run_id}))
         os.replace(tmp, marker)
-        _sync_dir(root)
+        sync_dir(root)
     moved = []
     for _, path in later:
         target, k = path.with_name(path.name + ".abandoned"), 1
@@ -296,34 +294,11 @@ def set_aside_later(output_dir: str | Path, step: int, run_id: str | None) -> li
             continue
         moved.append(target)
     if later:
-        _sync_dir(root)
+        sync_dir(root)
         marker.unlink(missing_ok=True)
         warnings.warn(f"resumed at step {step}: the later checkpoints in output_dir were set aside, not deleted: "
                       f"{', '.join(p.name for p in moved)}", UserWarning, stacklevel=3)
     return moved
-
-
-def check_json_state(state: Any, what: str) -> None:
-    """A state that checkpoints write as JSON (no pickles) must be JSON: a ConfigError naming the first value that
-    is not, so that a run learns it before training rather than at its first save."""
-    def first_bad(x: Any, where: str) -> tuple[str, Any] | None:
-        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else None
-        if items is None:
-            return None if x is None or isinstance(x, (str, int, float, bool)) else (where, x)
-        for k, v in items:
-            if isinstance(x, dict) and not isinstance(k, str):
-                return f"{where} key {k!r}", k
-            if bad := first_bad(v, f"{where}.{k}" if isinstance(x, dict) else f"{where}[{k}]"):
-                return bad
-        return None
-
-    bad = first_bad(state, "state_dict()")
-    if bad is not None:
-        raise ConfigError(f"{what}: {bad[0]} is a {type(bad[1]).__name__}, which a checkpoint (JSON, no pickles) "
-                          "cannot hold: keep only numbers, strings and lists in it (a float lr, not a tensor; a "
-                          "plain function as a scheduler's lr_lambda, not an object holding one), or set "
-                          "save_only_model=True / "
-                          "save_strategy='no' with save_on_interrupt=False")
 
 
 def check_writable(output_dir: str | Path) -> None:
@@ -441,35 +416,15 @@ def publish(tmp: Path, final: Path, root: Path, step: int, save_total_limit: int
     which the next resume or save puts back (put_back_replaced; here before the rotation counts the checkpoints)."""
     put_back_replaced(root, writing=tmp)
     _write_manifest(tmp)  # last: a folder without it (or with files that do not match it) is never resumed
-    _sync(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
+    sync_files(tmp)  # on disk before the rename, and the rename on disk before older checkpoints are deleted
     old = root / f".old-checkpoint-{step}"  # this run's earlier save of the same step: set aside, then dropped
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _sync_dir(root)
+    sync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
     _rotate(root, save_total_limit, run_id, keep={final, *([Path(keep)] if keep else [])})
-
-
-def _sync(folder: Path) -> None:
-    """fsync every file under `folder`, then the folders themselves (a crash after the save keeps it whole)."""
-    for p in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    _sync_dir(folder)
-
-
-def _sync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _run_id_of(folder: Path) -> str | None:

@@ -1,6 +1,7 @@
 """What a checkpoint folder holds besides the model, and how, as safetensors + JSON (no pickle): the optimizer's
 state (optimizer<suffix>.safetensors: its tensors; optimizer<suffix>.json: the rest), each process's random streams
-(rng_state_<rank>.safetensors + .json: torch CPU / CUDA, numpy, python), JSON files and their sha256. Shared by
+(rng_state_<rank>.safetensors + .json: torch CPU / CUDA, numpy, python), JSON files (and the check that a state is
+JSON before a run starts) and their sha256, and the fsyncs that put a folder on disk. Shared by
 GRPO's checkpoints (groupwise.checkpoint, checkpoint_load) and `prm train`'s (groupwise.prm_checkpoint)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from groupwise.config_base import ConfigError
 
 
 def sha256_of(path: str | Path) -> str:
@@ -98,3 +102,46 @@ def rng_untouched():
         yield
     finally:
         _set_rng_state(tensors, rest)
+
+
+def check_json_state(state: Any, what: str) -> None:
+    """A state that checkpoints write as JSON (no pickles) must be JSON: a ConfigError naming the first value that
+    is not, so that a run learns it before training rather than at its first save."""
+    def first_bad(x: Any, where: str) -> tuple[str, Any] | None:
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else None
+        if items is None:
+            return None if x is None or isinstance(x, (str, int, float, bool)) else (where, x)
+        for k, v in items:
+            if isinstance(x, dict) and not isinstance(k, str):
+                return f"{where} key {k!r}", k
+            if bad := first_bad(v, f"{where}.{k}" if isinstance(x, dict) else f"{where}[{k}]"):
+                return bad
+        return None
+
+    bad = first_bad(state, "state_dict()")
+    if bad is not None:
+        raise ConfigError(f"{what}: {bad[0]} is a {type(bad[1]).__name__}, which a checkpoint (JSON, no pickles) "
+                          "cannot hold: keep only numbers, strings and lists in it (a float lr, not a tensor; a "
+                          "plain function as a scheduler's lr_lambda, not an object holding one), or set "
+                          "save_only_model=True / "
+                          "save_strategy='no' with save_on_interrupt=False")
+
+
+def sync_files(folder: Path) -> None:
+    """fsync every file under `folder`, then the folders themselves (a crash after the save keeps it whole)."""
+    for p in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    sync_dir(folder)
+
+
+def sync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -210,7 +210,7 @@ def build_schedule(optimizer: torch.optim.Optimizer, args: GRPOConfig, max_steps
     written), or lr_scheduler_type over max_steps with its warm-up and lr_scheduler_kwargs."""
     if given is not None:
         if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
-            from groupwise.checkpoint import check_json_state
+            from groupwise.checkpoint_files import check_json_state
 
             check_json_state(given.state_dict(), f"optimizers[1] ({type(given).__name__})")
         return given
@@ -273,7 +273,7 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
                               "trainable parameters of the model as trained (with peft_config, after get_peft_model: "
                               "pass the PeftModel and its parameters), or let optim build it")
         if not args.save_only_model and (args.save_strategy != "no" or args.save_on_interrupt):
-            from groupwise.checkpoint import check_json_state
+            from groupwise.checkpoint_files import check_json_state
 
             check_json_state({"param_groups": optimizer.state_dict()["param_groups"]}, "optimizers[0]")
     scheduler = build_schedule(optimizer, args, max_steps, given=scheduler)
