@@ -247,3 +247,37 @@ def test_trackios_fields_as_transformers_reads_them():
     with pytest.raises(ConfigError, match=r"trackio_static_space_id='me/static' is not supported by groupwise: "
                                           r"report_to 'trackio' makes no static Space"):
         GRPOConfig(trackio_static_space_id="me/static")
+
+
+def test_warnings_above_bars_writes_a_warning_on_its_own_line_and_puts_the_hook_back(capsys):
+    """`prm train`'s loop: within warnings_above_bars a warning raised while a bar is drawn is written on its own
+    line (tqdm clears the bar first), not after the bar's text; the hook from before is back after the block, and
+    left alone when something else replaced it inside."""
+    import sys
+    import warnings
+
+    from tqdm import tqdm
+
+    from groupwise.logging import warnings_above_bars
+
+    def to_stderr(message, category, filename, lineno, file=None, line=None):  # Python's own, which pytest replaces
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = to_stderr
+        with warnings_above_bars():
+            bar = tqdm(total=3, desc="PRM", file=sys.stderr)
+            bar.update(1)
+            warnings.warn("a step without a label", UserWarning)
+            bar.close()
+        assert warnings.showwarning is to_stderr
+        err = capsys.readouterr().err
+        shown = [p for line in err.split("\n") for p in line.split("\r") if "UserWarning: a step without" in p]
+        assert len(shown) == 1 and "PRM" not in shown[0] and "PRM" in err
+
+        def other(*a, **k):
+            pass
+        with warnings_above_bars():
+            warnings.showwarning = other  # a hook put over it inside the block stays
+        assert warnings.showwarning is other

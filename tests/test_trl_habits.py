@@ -614,3 +614,38 @@ def test_a_model_init_kwargs_key_nothing_takes_names_the_key_and_the_nearest_wor
                                           r"nor by the model \(LlamaForCausalLM.__init__\(\) got an unexpected keyword "
                                           r"argument 'attn_impl'\); did you mean 'attn_implementation'\?$"):
         GRPOTrainer(model_dir, [toy.letter_reward], args=args, train_dataset=toy.dataset(8))
+
+
+def test_a_warning_during_training_is_written_on_its_own_line_above_the_bar(tmp_path, tokenizer, capsys):
+    """A warning raised while the training bar is drawn (here by a reward function at step 2) starts its own line:
+    tqdm clears the bar, the warning is shown, the bar is drawn again. Before, it was appended to the bar's text
+    ('GRPO:  33%|███▎ | 1/3 …/x.py:1: UserWarning: …'). pytest.warns still records it, and warnings.showwarning is
+    the one from before once training ends."""
+    import sys
+    import warnings
+
+    def warns(completions, **_):
+        if _state["calls"] == 1:
+            warnings.warn("the scorer's cache is cold", UserWarning)
+        _state["calls"] += 1
+        return [float(len(c)) for c in completions]
+
+    def to_stderr(message, category, filename, lineno, file=None, line=None):  # Python's own showwarning, which
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))  # pytest replaces
+
+    _state = {"calls": 0}
+    t = _trainer(tmp_path, tokenizer, funcs=(warns,), max_steps=3)
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = before = to_stderr
+        t.train()
+        assert warnings.showwarning is before
+    err = capsys.readouterr().err
+    shown = [piece for line in err.split("\n") for piece in line.split("\r")
+             if "UserWarning: the scorer's cache is cold" in piece]
+    assert len(shown) == 1 and "GRPO" not in shown[0]
+    assert "GRPO" in err  # the bar was drawn
+    _state["calls"] = 0
+    with pytest.warns(UserWarning, match="the scorer's cache is cold"):
+        _trainer(tmp_path / "again", tokenizer, funcs=(warns,), max_steps=3).train()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import math
@@ -291,3 +292,26 @@ def completion_rows(rnd: Round, names: list[str], extra: dict[str, list]) -> lis
             row["steps"] = [[text, float(r)] for text, r in rnd.steps[i]]
         rows.append({**row, **{k: v[i] for k, v in extra.items()}})
     return rows
+
+
+def above_bars(show):
+    """warnings.showwarning that writes a warning on its own lines above the progress bars (tqdm clears them,
+    the warning is shown by `show`, the bars are drawn again), not appended to the bar's line."""
+    def shown_above_bars(*args, **kwargs):
+        with tqdm.external_write_mode():
+            show(*args, **kwargs)
+
+    shown_above_bars.shows = show
+    return shown_above_bars
+
+
+@contextlib.contextmanager
+def warnings_above_bars():
+    """Within: warnings are written above the progress bars (above_bars); the hook before is put back after."""
+    before = warnings.showwarning
+    warnings.showwarning = above_bars(before)
+    try:
+        yield
+    finally:
+        if getattr(warnings.showwarning, "shows", None) is before:  # (else another hook was put over it since)
+            warnings.showwarning = before

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from groupwise import prm_checkpoint
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option, warn_user
+from groupwise.logging import warnings_above_bars
 from groupwise.modeling import disable_dropout, eval_mode
 from groupwise.prm_eval import step_metrics
 from groupwise.rewards.prm import PRM_CONFIG, build_prm_input, position_limit
@@ -292,7 +293,8 @@ def train_prm(cfg: PRMTrainConfig) -> dict[str, float]:
     model.train()
     if cfg.disable_dropout:
         disable_dropout(model)
-    with stop_on_signals() as received:  # SIGINT / SIGTERM: stop after this step, checkpoint, evaluate and save
+    # SIGINT / SIGTERM: stop after this step, checkpoint, evaluate and save; a warning is written above the bar
+    with stop_on_signals() as received, warnings_above_bars():
         for ids, mask, labels in _remaining_batches(train_enc, rng, cfg, tokenizer.pad_token_id, step):
             loss, grad_norm, lr = _train_step(model, optimizer, schedule, ids, mask, labels, cfg.max_grad_norm)
             step += 1
