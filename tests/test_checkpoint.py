@@ -371,3 +371,35 @@ def test_a_resume_with_more_steps_follows_the_new_schedule_from_its_first_step(t
                                          r"differs from .*checkpoint-2, whose optimizer state and learning-rate "
                                          r"schedule resume as saved: the new value has no effect"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+
+
+def test_eval_completions_of_a_resumed_run_equal_the_straight_runs(tmp_path, tokenizer):
+    """eval_completions.jsonl: a run evaluated after every step dies in the evaluation of step 3 (its rows written),
+    resumes from checkpoint-2: the lines after step 2 are dropped and replayed, so the file equals the straight
+    run's (less the run id): steps 1-4, one line per eval prompt each."""
+    from transformers import TrainerCallback
+
+    class DiesAtStep3(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise RuntimeError("the machine went away")
+
+    def run(out, resume=None, callbacks=()):
+        args = small_args(tmp_path, output_dir=str(tmp_path / out), max_steps=4, save_steps=2, eval_strategy="steps",
+                          eval_steps=1)
+        t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [toy.letter_reward], args=args,
+                        train_dataset=toy.dataset(12), eval_dataset=toy.dataset(3, seed=1),
+                        processing_class=tokenizer, callbacks=list(callbacks))
+        t.train(resume_from_checkpoint=resume)
+
+    def lines(out):
+        return [{k: v for k, v in json.loads(x).items() if k != "run_id"}
+                for x in (tmp_path / out / "eval_completions.jsonl").read_text().splitlines()]
+
+    run("straight")
+    with pytest.raises(RuntimeError, match="the machine went away"):
+        run("crashed", callbacks=[DiesAtStep3()])
+    assert [x["step"] for x in lines("crashed")] == [1] * 3 + [2] * 3 + [3] * 3  # step 3's rows, then the crash
+    run("crashed", resume=str(tmp_path / "crashed" / "checkpoint-2"))
+    assert [x["step"] for x in lines("straight")] == [s for s in (1, 2, 3, 4) for _ in range(3)]
+    assert lines("crashed") == lines("straight")

@@ -139,10 +139,19 @@ def test_overwrite_output_dir_deletes_the_previous_runs_final_model_too(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     # a run folder with no model at its top (say a project folder holding a run's metrics): its README stays; the
     # run's state and results go (save_metrics would merge the new run's into the old all_results.json)
-    for name in ("metrics.jsonl", "README.md", "config.json", "all_results.json", "trainer_state.json"):
+    for name in ("metrics.jsonl", "README.md", "config.json", "all_results.json", "trainer_state.json",
+                 "eval_completions.jsonl"):
         (tmp_path / name).write_text("{}")
     claim_output_dir(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["README.md", "config.json"])
+    # `groupwise eval` before training (a baseline) leaves its results and completions: not a run, so a new run
+    # may train there; overwrite_output_dir deletes them with a run's outputs (above)
+    for name in ("eval_results.json", "eval_completions.jsonl"):
+        (tmp_path / name).write_text("{}")
+    claim_output_dir(tmp_path, overwrite=False)
+    assert {"eval_results.json", "eval_completions.jsonl"} <= {p.name for p in tmp_path.iterdir()}
+    for name in ("eval_results.json", "eval_completions.jsonl"):
+        (tmp_path / name).unlink()
     for name in ("README.md", "config.json"):
         (tmp_path / name).unlink()
     # training in place (output_dir is the folder the policy was loaded from): its model stays

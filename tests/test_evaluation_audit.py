@@ -139,6 +139,8 @@ _GRADED = [[None, 0.5], [None, None], [2.0, -1.0]]
 
 def _by_sample(table):
     def reward(completions, **kw):  # idx is an eval column only (the constructor checks train_dataset's columns)
+        if table is _SOLVED and "log_extra" in kw:  # a log_extra column: eval_completions.jsonl's `shown`
+            kw["log_extra"]("shown", [f"{i}.{j % 2}" for j, i in enumerate(kw["idx"])])
         return [table[i][j % 2] for j, i in enumerate(kw["idx"])]
     return reward
 
@@ -159,6 +161,17 @@ def test_mean_and_pass_at_k_hand_worked(tmp_path, tokenizer):
     assert out["eval_rewards/graded/pass@2"] == pytest.approx(1.25)
     # reward = Σ w·r over the scored terms, w = (1, 2): p0 [1, 0+1], p1 [0, 0], p2 [1+4, 1-2] → (1+1+0+0+5-1)/6 = 1
     assert out["eval_reward"] == pytest.approx(1.0)
+    # eval_completions.jsonl: one line per completion in dataset order (index, sample), each function's value
+    # (unscored: null) and the reward above, with the step, the run id, the metric prefix and the log_extra column
+    lines = [json.loads(x) for x in (tmp_path / "run" / "eval_completions.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in lines] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [r["rewards"] for r in lines] == [{"solved": s, "graded": g} for row in zip(_SOLVED, _GRADED)
+                                             for s, g in zip(*row)]
+    assert [r["reward"] for r in lines] == [1.0, 1.0, 0.0, 0.0, 5.0, -1.0]  # p1's w·r: 0 + nothing scored = 0
+    assert {(r["step"], r["run_id"], r["dataset"]) for r in lines} == {(0, t.run_id, "eval")}
+    assert [r["prompt"] for r in lines] == [f"repeat {c}:" for c in "abc" for _ in range(2)]
+    assert all(isinstance(r["completion"], str) for r in lines)
+    assert [r["shown"] for r in lines] == [f"{i}.{j}" for i in range(3) for j in range(2)]
 
 
 def test_on_prediction_step_fires_after_each_evaluation_batch(tmp_path, tokenizer):
@@ -217,6 +230,12 @@ def test_process_reward_functions_are_scored_in_evaluation(tmp_path, tokenizer):
     assert out["eval_process/step_len/mean"] == pytest.approx(10 / 6)  # the one function's own mean
     assert out["eval_process/zero_std_groups"] == 0.0  # both groups' step rewards differ
     assert "eval_reward" not in out  # no outcome function
+    lines = [json.loads(x) for x in (tmp_path / "out" / "eval_completions.jsonl").read_text().splitlines()]
+    # each completion's steps with their rewards (the lengths above), in dataset order
+    assert [r["steps"] for r in lines] == [[["ab", 2.0], ["cd", 2.0]], [["a", 1.0]],
+                                           [["abc", 3.0], ["d", 1.0], ["e", 1.0]], []]
+    assert [(r["index"], r["sample"]) for r in lines] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["completion"] for r in lines] == texts and not any("rewards" in r or "reward" in r for r in lines)
 
 
 # ---- evaluation leaves training alone ---------------------------------------------------------------------------------
@@ -265,8 +284,11 @@ def _worker(out: str) -> None:
                          train_dataset=toy.dataset(12), eval_dataset=rows, processing_class=tokenizer,
                          rollout_func=rollout_func).evaluate()
     rank = trainer.dist.rank
+    rows = (out_dir / "run" / "eval_completions.jsonl")  # the main process's, every process's completions
+    lines = [json.loads(x) for x in rows.read_text().splitlines()] if rank == 0 else []
     (out_dir / f"eval_{rank}.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled, "scored": seen,
-                                                           "custom": custom, "modes": modes}))
+                                                           "custom": custom, "modes": modes,
+                                                           "lines": lines}))
 
 
 @pytest.mark.slow
@@ -292,6 +314,14 @@ def test_two_processes_evaluate_every_row_once(tmp_path):
         assert result["custom"]["eval_completions/mean_length"] == 3.0
         assert result["modes"] and not any(result["modes"])
     assert [len(r["modes"]) for r in two] == [3, 2]
+    # eval_completions.jsonl, written by the main process: every process's rows in dataset order; the greedy
+    # evaluation's lines equal one process's (but the run id), the sampled one's k = 2 rows per prompt follow
+    assert two[1]["lines"] == []
+    lines = {n: [{k: v for k, v in r.items() if k != "run_id"} for r in result["lines"]] for n, result in
+             (("one", one), ("two", two[0]))}
+    assert lines["two"][:5] == lines["one"][:5] and [r["index"] for r in lines["two"][:5]] == [0, 1, 2, 3, 4]
+    assert [(r["index"], r["sample"]) for r in lines["two"][5:]] == [(i, j) for i in range(5) for j in range(2)]
+    assert [r["rewards"]["index"] for r in lines["two"][5:]] == [float(i) for i in range(5) for _ in range(2)]
 
 
 if __name__ == "__main__":

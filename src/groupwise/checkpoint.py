@@ -53,7 +53,7 @@ DELETED_RE = re.compile(r"^\.old-checkpoint-(\d+)\.deleted$")  # see _delete
 # configs, tokenizer files and chat templates, a card), which would load with the new run's model (a full model
 # left beside a new adapter, or the reverse, or an old chat template beside a new tokenizer). Without weights the
 # model files stay (a project folder's README)
-RUN_FILES_RE = re.compile(r"^(trainer_state\.json|(train|eval|all)_results\.json)$")
+RUN_FILES_RE = re.compile(r"^(trainer_state\.json|(train|eval|all)_results\.json|eval_completions\.jsonl)$")
 _WEIGHTS = r"model(-\d+-of-\d+)?\.safetensors|pytorch_model.*\.bin|adapter_model\.(safetensors|bin)"
 WEIGHTS_RE = re.compile(rf"^({_WEIGHTS})$")
 FINAL_RE = re.compile(rf"^({_WEIGHTS}|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json|"

@@ -19,6 +19,7 @@ from groupwise.cli_args import parse_overrides, read_config
 from groupwise.config import ConfigError, GRPOConfig
 from groupwise.config_base import check_location, check_model_location, reject_unknown
 from groupwise.core.supervision import SUPERVISIONS
+from groupwise.logging import EVAL_COMPLETIONS
 from groupwise.rewards.process import resolve_process_spec
 from groupwise.rewards.sources import resolve_spec
 from groupwise.quantization import QUANTIZATION, QUANTIZATION_FIELDS, from_script_fields
@@ -224,7 +225,9 @@ base, a hub id) as training's evaluation does (trainer.evaluate()): the run's re
 its evaluation rows — eval_dataset_name (eval_split), else dataset_name's dataset_test_split — greedy and one
 completion per prompt, or num_generations_eval sampled ones (rewards/<func>/mean@k, pass@k). The same config and
 fields as `groupwise train` (training-only fields are read and not used; nothing is pushed). Prints the eval_*
-metrics and writes them to output_dir/eval_results.json (and all_results.json, as transformers' save_metrics).
+metrics and writes them to output_dir/eval_results.json (and all_results.json, as transformers' save_metrics), and
+every completion to output_dir/eval_completions.jsonl (index, sample, prompt, completion, each reward function's
+value, reward, step rewards; appended to, one run id per call).
 Exit codes: 0 done, 2 a configuration or input error, 1 an error while evaluating."""
 
 
@@ -242,7 +245,7 @@ def cmd_eval(argv: list[str]) -> int:
     if trainer.dist.is_main:
         path = os.path.join(args.output_dir, "eval_results.json")
         print_lines([f"{k:40s} {v:.6g}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in sorted(metrics.items())]
-                    + [f"groupwise: wrote {path}"])
+                    + [f"groupwise: wrote {path} and {os.path.join(args.output_dir, EVAL_COMPLETIONS)}"])
     return 0
 
 

@@ -23,7 +23,8 @@ from groupwise.types import StepScores
 
 @torch.no_grad()
 def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
-             on_batch: Callable[[], None] | None = None, progress: bool = True) -> dict[str, float]:
+             on_batch: Callable[[], None] | None = None, progress: bool = True,
+             samples: list | None = None) -> dict[str, float]:
     """Complete every eval prompt and score it: greedily, one completion per prompt (num_generations_eval None),
     or k sampled completions per prompt at the training temperature (num_generations_eval = k). Returns TRL's
     names and meanings over the whole eval set, which the trainer prefixes with metric_key_prefix ("eval_"):
@@ -35,14 +36,17 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
     reward functions, training's process/* metrics (steps split and scored as in training, a prompt's k completions
     being a group). `on_batch` is called after each of this process's batches (callbacks' on_prediction_step); with
     `progress` (the trainer has a ProgressCallback, as transformers' owns the prediction bar) a bar counts the main
-    process's batches."""
+    process's batches. `samples`: when a list, every completion's row is appended to it on the main process, in
+    dataset order (eval_completions.jsonl's rows: index (the dataset row), sample (0…k−1), prompt, completion,
+    each reward function's value, reward (Σ w·r, as the metric), step rewards, log_extra columns)."""
     dist, args = ctx.dist, ctx.args
     k = args.num_generations_eval or 1
     mine = list(range(dist.rank, len(data), dist.world_size))
     bs = args.per_device_eval_batch_size
     logged: dict[str, list[float]] = defaultdict(list)  # log_metric calls of the evaluation's reward calls
+    columns: dict[str, list] = defaultdict(list)  # log_extra calls of the batch's reward calls
     kwargs = {"trainer_state": state, "log_metric": lambda name, value: logged[name].append(float(value)),
-              "log_extra": lambda column, values: None}  # evaluation writes no completions.jsonl rows
+              "log_extra": lambda column, values: columns[column].extend(values)}
 
     process = bool(ctx.process_sources)
     step_errors = torch.zeros(len(ctx.process_sources))
@@ -50,20 +54,22 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
 
     def local():  # this process's share, under run_together. Within independently() (entered by every process
         # together, left before run_together's own collective) a collective generator's calls are matched
-        per_func, lengths, truncated, tools, steps = [], [], [], [0.0, 0.0], []
+        per_func, lengths, truncated, tools, steps, rows = [], [], [], [0.0, 0.0], [], []
         with independently(ctx.generator, model), tqdm(total=math.ceil(len(mine) / bs), desc="evaluation",
                                                        leave=False, disable=not progress or not
                                                        dist.is_main) as bar:
             for start in range(0, len(mine), bs):
-                score_batch(mine[start:start + bs], per_func, lengths, truncated, tools, steps)
+                score_batch(mine[start:start + bs], per_func, lengths, truncated, tools, steps, rows)
                 bar.update()
                 if on_batch is not None:
                     on_batch()
-        return per_func, lengths, truncated, tools, steps, {n: [sum(v), len(v)] for n, v in logged.items()}
+        return per_func, lengths, truncated, tools, steps, {n: [sum(v), len(v)] for n, v in logged.items()}, rows
 
-    def score_batch(indices, per_func, lengths, truncated, tools, steps):
-        rows = [data[i] for i in indices for _ in range(k)]
-        comp = R.generate(ctx, model, rows, greedy=args.num_generations_eval is None, evaluation=True)
+    def score_batch(indices, per_func, lengths, truncated, tools, steps, rows):
+        columns.clear()
+        comp = R.generate(ctx, model, [data[i] for i in indices for _ in range(k)],
+                          greedy=args.num_generations_eval is None, evaluation=True)
+        rewards = split = step_rewards = None
         if reward_sources:  # none under process supervision alone
             rewards, _ = compute_rewards(reward_sources, comp.prompts, comp.completions, comp.token_lists(),
                                          comp.columns, on_error=args.on_reward_error, timeout=args.reward_timeout,
@@ -79,10 +85,32 @@ def evaluate(ctx: RolloutContext, model, data, reward_sources: list, state,
             steps += [(r, list(s.ends)) for r, s in zip(step_rewards, split)]
             step_errors.add_(errors)
             step_totals.add_(totals)
+        if samples is not None:
+            rows += sample_rows(comp, [i for i in indices for _ in range(k)], k, rewards, split, step_rewards)
+
+    def sample_rows(comp, index, k, rewards, split, step_rewards) -> list[dict]:
+        """The batch's eval_completions.jsonl rows (the log_extra columns with one value per completion)."""
+        n = len(comp.prompts)
+        extra = {c: v for c, v in columns.items() if len(v) == n}
+        combined = None if rewards is None else weighted_nansum(rewards, ctx.reward_weights)
+        out = []
+        for j in range(n):
+            row = {"index": index[j], "sample": j % k, "prompt": comp.prompts[j], "completion": comp.completions[j]}
+            if rewards is not None:
+                row["rewards"] = {src.name: float(rewards[j, f]) for f, src in enumerate(reward_sources)}
+                row["reward"] = float(combined[j])
+            if split is not None:
+                row["steps"] = [[text, float(r)] for text, r in zip(split[j].texts, step_rewards[j])]
+            out.append({**row, **{c: v[j] for c, v in extra.items()}})
+        return out
 
     # sampled evaluation must not move the training's random streams (exact resume)
     with rng_untouched():
-        per_func, lengths, truncated, tools, steps, calls = dist.run_together(local, "evaluation")
+        per_func, lengths, truncated, tools, steps, calls, rows = dist.run_together(local, "evaluation")
+    if samples is not None:
+        every = dist.gather_object(rows)
+        if dist.is_main:
+            samples += sorted(every, key=lambda row: (row["index"], row["sample"]))
     lengths = torch.tensor(dist.gather_object(lengths), dtype=torch.float)
     truncated = torch.tensor(dist.gather_object(truncated), dtype=torch.bool)
     out = {"num_tokens": float(state.num_input_tokens_seen),  # TRL: the training's running total

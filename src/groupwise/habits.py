@@ -22,8 +22,8 @@ from groupwise.data import PromptData, is_stream, named_datasets
 from groupwise.data_checks import check_same_everywhere
 from groupwise.distributed import exact_dtype
 from groupwise.hub import check_card, completions_uploader, push_checkpoint, push_folder, repo_id, write_model_card
-from groupwise.logging import (MetricsLogger, completion_rows, print_rows, speed_metrics,
-                               window_summary)
+from groupwise.logging import (EVAL_COMPLETIONS, MetricsLogger, append_rows, completion_rows, print_rows,
+                               speed_metrics, window_summary)
 from groupwise.loading import check_dataset
 from groupwise.modeling import eval_mode
 from groupwise.rewards.combine import reward_weights as weights_of
@@ -328,10 +328,15 @@ class TransformersHabits:
         # in eval mode, as transformers' evaluation loop: a rollout_func or reward function reading
         # trainer.model.training knows it is evaluating (TRL's _generate tells the two apart by it); on_log and
         # on_evaluate see the model in eval mode too (transformers sets train mode again at the next step)
+        samples: list[dict] = []  # every completion's row (the main process's list): eval_completions.jsonl
         with eval_mode(self.unwrapped), eval_mode(self.sampling_model):
             raw = evaluate(self.rollout_ctx, self.sampling_model, data, self.reward_sources, self.state,
                            on_batch=lambda: self._event("on_prediction_step"),
-                           progress=any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks))
+                           progress=any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks),
+                           samples=samples)
+            if self.dist.is_main:
+                append_rows(Path(self.args.output_dir) / EVAL_COMPLETIONS, self.global_step, self.run_id,
+                            samples, dataset=metric_key_prefix)
             metrics = {f"{metric_key_prefix}_{k}": None if isinstance(v, float) and math.isnan(v) else v  # TRL
                        for k, v in raw.items() if k not in (ignore_keys or ())}
             # transformers' speed metrics: prompts evaluated, batches of per_device_eval_batch_size prompts per process

@@ -76,6 +76,7 @@ class MetricsLogger:
         self.enabled, self.run_id = enabled, run_id
         self.path = Path(output_dir) / "metrics.jsonl"
         self.completions_path = Path(output_dir) / "completions.jsonl"
+        self.eval_completions_path = Path(output_dir) / EVAL_COMPLETIONS
         self.history: list[dict] = []
         self.trackers: list = []
         if not enabled:
@@ -84,6 +85,7 @@ class MetricsLogger:
         if resumed:  # keep what this run logged up to the resumed step (trainer.state); other runs' lines stay
             self.history = trim_jsonl(self.path, resume_step, run_id)
             trim_jsonl(self.completions_path, resume_step, run_id)
+            trim_jsonl(self.eval_completions_path, resume_step, run_id)
         # model: its config; logging_steps: the run's log interval in steps (transformers' state's); `uploads`: what
         # opens and closes as a tracker does (log_completions_hub_repo's schedule)
         for open_one in [lambda name=name: TRACKERS[name].open(output_dir, config, model, logging_steps)
@@ -105,11 +107,8 @@ class MetricsLogger:
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
         """completions.jsonl: one line per completion of the logged step (prompt, completion, rewards, advantage)."""
-        if not self.enabled or not rows:
-            return
-        with self.completions_path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps({"step": step, "run_id": self.run_id, **_finite(row)}, default=str) + "\n")
+        if self.enabled:
+            append_rows(self.completions_path, step, self.run_id, rows)
 
     def log_table(self, step: int, rows: list[dict], unique_prompts: bool) -> None:
         """log_completions, as TRL: the step's completions table (step, prompt, completion, each reward function, the
@@ -151,6 +150,21 @@ class MetricsLogger:
                           stacklevel=2)
         elif errors:
             raise errors[0]
+
+
+# every evaluate() call's completions, one line each (groupwise.evaluation: index, sample, prompt, completion, rewards)
+EVAL_COMPLETIONS = "eval_completions.jsonl"
+
+
+def append_rows(path: Path, step: int, run_id: str | None, rows: list[dict], **fields) -> None:
+    """completions.jsonl / eval_completions.jsonl: one JSON line per row, with the step, the run id and `fields`
+    (evaluation's `dataset`: the metric prefix, eval or eval_<name>); NaN and inf written as null."""
+    if not rows:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps({"step": step, "run_id": run_id, **fields, **_finite(row)}, default=str) + "\n")
 
 
 def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null
