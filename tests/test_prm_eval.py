@@ -135,11 +135,11 @@ def fails_on_q1(steps, prompts, **_):
 
 def test_a_keyword_named_key_is_refused_and_on_reward_error_nan_leaves_a_failing_row_unscored(tmp_path, capsys):
     """A line holding both `steps` and TRL's `completions` passed `completions` twice (an opaque TypeError inside
-    the call); the error named on_reward_error, which prm eval did not have. Now the key is refused before loading,
-    and on_reward_error='nan' leaves the failing rows' steps unscored."""
+    the call); the error named on_reward_error, which prm eval did not have. Now the line is refused before loading
+    (as `prm train` refuses it), and on_reward_error='nan' leaves the failing rows' steps unscored."""
     both = _write(tmp_path / "both.jsonl", [dict(r, completions=r["steps"]) for r in DATA])
     assert main(["prm", "eval", "--process_reward_func", "tests.test_prm_eval:no_x", "--eval_file", both]) == 2
-    assert "the key 'completions' is one a step-reward function gets from groupwise itself" in capsys.readouterr().err
+    assert "both.jsonl:1: both 'steps' and 'completions' (TRL's name for them): keep one" in capsys.readouterr().err
     held = _write(tmp_path / "e.jsonl", DATA)
     assert main(["prm", "eval", "--process_reward_func", "tests.test_prm_eval:fails_on_q1", "--eval_file", held]) == 1
     assert "set on_reward_error='nan'" in capsys.readouterr().err

@@ -251,8 +251,22 @@ def test_empty_or_blank_steps_and_steps_judged_at_one_token_are_named(tmp_path):
         vocab_size=300, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     merging = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
     cfg = PRMTrainConfig(model_name_or_path="unused", train_file="unused", output_dir=str(tmp_path / "o"))
-    with pytest.raises(ConfigError, match=r"steps are judged at the same token .* the separator '\\n' merges"):
+    with pytest.raises(ConfigError, match=r"merges the separator '\\n' with the next step's text \(the token "
+                                          r"'\\n\\n' judges step 0\)"):
         _encode([{"prompt": "q", "steps": ["a", "", ""], "labels": [1, 0, 1]}], merging, cfg)  # at [2, 2, 3]
+    # the token judging a step holds the next steps' letters (this BPE merged 'a\nb\nc\n' whole): its label would
+    # see them; the tokenizer above keeps each '\n' apart from letters, so 'a', 'b', 'c' are judged at their own '\n'
+    letters = Tokenizer(models.BPE())
+    letters.decoder = decoders.ByteLevel()
+    letters.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    letters.train_from_iterator(["a\nb\nc\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    runs_on = PreTrainedTokenizerFast(tokenizer_object=letters, pad_token="<pad>")
+    with pytest.raises(ConfigError, match=r"merges the separator '\\n' with the next step's text \(the token "
+                                          r"'a\\nb\\nc\\n' judges step 0\).* Steps: \['a', 'b', 'c'\]"):
+        _encode([{"prompt": "q", "steps": ["a", "b", "c"], "labels": [1, 0, 1]}], runs_on, cfg)
+    ids, labels = _encode([{"prompt": "q", "steps": ["a", "b", "c"], "labels": [1, 0, 1]}], merging, cfg)[0]
+    assert [merging.decode([ids[i]]) for i, y in enumerate(labels) if y != -100] == ["\n", "\n", "\n"]
 
 
 def test_output_dir_must_not_be_the_base_model(tmp_path, model_dir):
@@ -288,3 +302,37 @@ def test_a_split_that_would_hold_out_nothing_or_too_much_is_said():
         seeds[len(held)] = [str(w.message) for w in caught]
     assert set(seeds) == {1, 99}  # seeds 0 and 5 take the big prompt first, 1-4 the small one
     assert any("99 of 100 examples are held out (eval_fraction asks for 10)" in m for m in seeds[99])
+
+
+def test_step_files_are_read_as_grpo_gives_steps_and_other_formats_are_named(tmp_path):
+    """Steps are stripped of the whitespace around them, as GRPO's splitter hands a PRM the policy's steps (a step
+    ' x = 1 ' was judged at ' \\n' in training but at '\\n' in GRPO); a line with both 'steps' and TRL's
+    'completions' is refused (prm train used 'steps' silently); a parquet file (TRL's hub format) is named as not
+    JSONL, with the conversion (it read 'not UTF-8 … save the file as UTF-8')."""
+    p = tmp_path / "s.jsonl"
+    p.write_text(json.dumps({"prompt": "q", "steps": [" x = 1 ", "\ty = 2\n"], "labels": [1, 0]}) + "\n")
+    assert read_step_jsonl(str(p))[0]["steps"] == ["x = 1", "y = 2"]
+    p.write_text(json.dumps({"prompt": "q", "steps": ["a"], "completions": ["a"], "labels": [1]}) + "\n")
+    with pytest.raises(ConfigError, match=r"s.jsonl:1: both 'steps' and 'completions' \(TRL's name for them\): keep one"):
+        read_step_jsonl(str(p))
+    parquet = tmp_path / "steps.parquet"
+    parquet.write_bytes(b"PAR1\x15\x04\x15\xff")
+    with pytest.raises(ConfigError, match=r"steps.parquet is not a JSONL file: .* Dataset.to_json\(path\)"):
+        read_step_jsonl(str(parquet))
+
+
+def test_trl_prm_config_fields_groupwise_does_not_take_are_named(tmp_path, capsys):
+    """TRL's PRMConfig fields: train_on_last_step_only was 'unknown field', max_prompt_length 'did you mean
+    max_length?' (another meaning: TRL cuts the prompt from the left and keeps the steps). Now each is named as not
+    supported, with what to do; TRL's default for train_on_last_step_only (False) is accepted."""
+    from groupwise.cli import main
+
+    for field, value, reason in (("train_on_last_step_only", True, "every step's label trains: drop the field"),
+                                 ("max_prompt_length", 512, "prm train cuts the text .* at max_length from the right"),
+                                 ("max_completion_length", 256, "prm train cuts the text .* at max_length from the right")):
+        with pytest.raises(ConfigError, match=rf"^PRMTrainConfig: TRL field {field}={value} is not supported by "
+                                              rf"groupwise: {reason}.*\(docs/trl_compat.md\)$"):
+            PRMTrainConfig(model_name_or_path="m", train_file="f", **{field: value})
+    PRMTrainConfig(model_name_or_path="m", train_file="f", train_on_last_step_only=False)
+    assert main(["prm", "train", "--model_name_or_path", "m", "--train_file", "f", "--max_prompt_length", "64"]) == 2
+    assert "TRL field max_prompt_length=64 is not supported" in capsys.readouterr().err

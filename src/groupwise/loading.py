@@ -17,7 +17,7 @@ from groupwise.data import refuse_images
 from groupwise.generation import unapplied_generation_config
 from groupwise.modeling import Float32Head, disable_dropout
 from groupwise.quantization import check_quantization, forget_gguf, gguf_base, gguf_quantizer
-from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, resolve_process_spec
+from groupwise.rewards.process import PROCESS_REWARD_KEYWORDS, check_prm_separator, resolve_process_spec
 from groupwise.rewards.steps import SPLIT_MODES, TOOL_TEXT_STEPS
 from groupwise.rewards.sources import check_reward_columns, resolve_spec
 from groupwise.text import ensure_pad_token
@@ -333,6 +333,8 @@ def check_inputs(args: GRPOConfig, model, reward_funcs: list, process_reward_fun
                               "passed loaded: drop them, or pass the model's path")
     process_reward_funcs = [resolve_process_spec(s, f"process_reward_funcs[{i}]")
                             for i, s in enumerate(process_reward_funcs)]
+    for i, spec in enumerate(process_reward_funcs):
+        check_prm_separator(spec, args, f"process_reward_funcs[{i}]")
     for rows in data:  # PromptData / StreamData (train_dataset, then each eval dataset), or None
         if rows is not None and not custom_rollout:
             check_dataset(rows, reward_funcs, process_reward_funcs, args, toolbox)

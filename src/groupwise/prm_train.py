@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from groupwise import prm_checkpoint
 from groupwise.config_base import ConfigError, StrictConfig, check_model_location, option, warn_user
+from groupwise.config_trl import NotSupported
 from groupwise.logging import warnings_above_bars
 from groupwise.modeling import disable_dropout, eval_mode
 from groupwise.prm_eval import step_metrics
@@ -40,8 +41,16 @@ from groupwise.signals import interrupted, stop_on_signals
 from groupwise.text import ensure_pad_token, pad_rows
 
 
+_CUT = ("prm train cuts the text (prompt and steps, tokenized at once) at max_length from the right, and the steps "
+        "past it go unlabelled; drop the field and set max_length")
+
+
 @dataclass
 class PRMTrainConfig(StrictConfig):
+    # TRL's PRMConfig fields groupwise does not take, named with what to do instead (docs/trl_compat.md)
+    UNSUPPORTED = {"train_on_last_step_only": NotSupported(False, "every step's label trains: drop the field"),
+                   "max_prompt_length": NotSupported(None, _CUT), "max_completion_length": NotSupported(None, _CUT)}
+
     model_name_or_path: str = option("Base model folder or hub id (a causal LM gets a new 2-label token-classification head).", default="")
     train_file: str = option("Step-labelled JSONL: prompt, steps (or TRL's completions), labels.", default="")
     eval_file: str | None = option("Held-out JSONL (default: eval_fraction of train_file, seeded).", default=None)
@@ -77,8 +86,13 @@ class PRMTrainConfig(StrictConfig):
 
 def read_step_jsonl(path: str, keep_columns: bool = False) -> list[dict[str, Any]]:
     """Rows {prompt, steps, labels} of a step-labelled JSONL; the steps may be given as `steps` or, as in TRL's
-    stepwise-supervision datasets, `completions`. A bad line is a ConfigError naming the file, line and field."""
+    stepwise-supervision datasets, `completions`. Each step is stripped of the whitespace around it, as GRPO's
+    splitter gives a PRM the policy's steps (groupwise.rewards.steps). A bad line is a ConfigError naming the file,
+    line and field."""
     rows = []
+    if str(path).endswith((".parquet", ".arrow", ".csv", ".json.gz")) or Path(path).is_dir():
+        raise ConfigError(f"{path} is not a JSONL file: the step-labelled data is read as JSON lines (prompt, steps or "
+                          "completions, labels); write a datasets.Dataset as one with Dataset.to_json(path)")
     with open(path, "rb") as f:  # UTF-8 whatever the locale; a bad byte names its line
         for line_no, raw in enumerate(f, 1):
             where = f"{path}:{line_no}"
@@ -94,6 +108,8 @@ def read_step_jsonl(path: str, keep_columns: bool = False) -> list[dict[str, Any
                 raise ConfigError(f"{where}: not JSON ({e}): write one JSON object per line") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{where}: a line must be a JSON object with prompt, steps, labels")
+            if "steps" in row and "completions" in row:
+                raise ConfigError(f"{where}: both 'steps' and 'completions' (TRL's name for them): keep one")
             step_key = "steps" if "steps" in row or "completions" not in row else "completions"
             for key in ("prompt", step_key, "labels"):
                 if key not in row:
@@ -116,7 +132,7 @@ def read_step_jsonl(path: str, keep_columns: bool = False) -> list[dict[str, Any
                                   "per step)")
             if not all(lbl in (0, 1) for lbl in labels):  # True / False are 1 / 0
                 raise ConfigError(f"{where}: labels must be 0/1 or true/false, got {labels}")
-            rows.append({"prompt": prompt, "steps": steps, "labels": [int(x) for x in labels]})
+            rows.append({"prompt": prompt, "steps": [s.strip() for s in steps], "labels": [int(x) for x in labels]})
             if keep_columns:  # the other keys: a step-reward function's dataset columns (groupwise prm eval)
                 rows[-1]["columns"] = {k: v for k, v in row.items() if k not in ("prompt", step_key, "labels")}
     if not rows:
@@ -161,13 +177,13 @@ def split_by_prompt(rows: list[dict], fraction: float, seed: int, where: str) ->
 def _encode(rows, tokenizer, cfg: PRMTrainConfig, max_length: int | None = None, desc: str | None = None):
     out = []
     for r in tqdm(rows, desc=desc, disable=desc is None or len(rows) < 1000):
-        ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator,
-                                         max_length=max_length or cfg.max_length,
-                                         prompt_separator=cfg.prompt_separator)
-        if any(b <= a for a, b in zip(positions, positions[1:])):  # two steps judged at one token
-            raise ConfigError(f"an example's steps are judged at the same token ({positions}): the separator "
-                              f"{cfg.separator!r} merges with the text around it in this tokenizer; choose a "
-                              f"separator that tokenizes on its own. Steps: {r['steps']!r:.200}")
+        try:
+            ids, positions = build_prm_input(tokenizer, r["prompt"], r["steps"], cfg.separator,
+                                             max_length=max_length or cfg.max_length,
+                                             prompt_separator=cfg.prompt_separator, refuse_merged=True)
+        except ValueError as e:  # the separator and this tokenizer (a token judging a step runs into the next, or
+            # two steps at one token, which implies it): named with the example's steps
+            raise ConfigError(f"{e}. Steps: {r['steps']!r:.200}") from None
         labels = [-100] * len(ids)
         for p, lbl in zip(positions, r["labels"]):
             labels[p] = lbl

@@ -166,3 +166,72 @@ def test_takes_keyword_reads_the_signature_the_call_meets():
     assert not takes_keyword(plain, "dropped_last")
     assert not takes_keyword(wrapper, "dropped_last")  # inspect.signature alone follows __wrapped__ to `named`
     assert not takes_keyword(functools.partial(named, dropped_last=[True]), "dropped_last")
+
+
+def _prm_folder(folder, tokenizer, record=None):
+    """A token-classification PRM saved as `groupwise prm train` leaves it (record: its groupwise_prm.json)."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    torch.manual_seed(0)
+    LlamaForTokenClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, num_labels=2)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    record = {"kind": "token_classification", "separator": "\n", "max_length": 64} if record is None else record
+    (folder / "groupwise_prm.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_a_damaged_prm_folder_is_named_before_anything_loads(tmp_path, tokenizer):
+    """A PRM folder missing its config, weights or tokenizer, or whose groupwise_prm.json is not a record, failed
+    with a traceback (ValueError 'Unrecognized model', JSONDecodeError, AttributeError on a list, a misleading
+    'install sentencepiece') once the policy had loaded; now one line naming the file, from the spec alone."""
+    import os
+
+    cases = {
+        "no_config": (lambda f: os.remove(f / "config.json"), r"is a folder without config.json"),
+        "no_weights": (lambda f: os.remove(f / "model.safetensors"), r"holds no model weights \(model.safetensors\)"),
+        "no_tokenizer": (lambda f: [os.remove(f / n) for n in ("tokenizer.json", "tokenizer_config.json")],
+                         r"holds no tokenizer \(tokenizer.json / tokenizer_config.json\)"),
+        "torn_record": (lambda f: (f / "groupwise_prm.json").write_text('{"kind": "tok'),
+                        r"groupwise_prm.json cannot be read \(JSONDecodeError: .*train the PRM again, or restore"),
+        "list_record": (lambda f: (f / "groupwise_prm.json").write_text("[]"),
+                        r"groupwise_prm.json is not a PRM record \(a JSON object with kind one of .*got 'list'\)"),
+        "no_kind": (lambda f: (f / "groupwise_prm.json").write_text('{"separator": "\\n"}'),
+                    r"groupwise_prm.json is not a PRM record .*got None\)"),
+    }
+    for name, (damage, message) in cases.items():
+        folder = _prm_folder(tmp_path / name, tokenizer)
+        damage(folder)
+        for spec in (str(folder), {"path": str(folder)}):
+            with pytest.raises(ConfigError, match=r"^process_reward_funcs\[0\]" + r".*" + message):
+                load_process_reward_sources([spec])
+    from groupwise.rewards.prm import load_prm
+
+    with pytest.raises(ConfigError, match=r"groupwise_prm.json is not a PRM record"):  # the Python API alike
+        load_prm(str(tmp_path / "list_record"))
+
+
+def test_a_prm_trained_on_another_separator_than_step_delimiter_is_refused(tmp_path, tokenizer):
+    """A PRM trained on steps joined by '\\n\\n' scored the policy's '\\n'-split lines rejoined with '\\n\\n': text the
+    policy never wrote, as steps the PRM never saw, silently. Refused before any model loads under
+    step_split='delimiter', unless the spec gives its separator; other split modes are not compared."""
+    from groupwise import GRPOConfig
+    from groupwise.loading import check_inputs
+
+    folder = _prm_folder(tmp_path / "prm", tokenizer, {"kind": "token_classification", "separator": "\n\n"})
+
+    def check(spec, **fields):
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), supervision="process", **fields)
+        return check_inputs(args, "unused/model", [], [spec])
+
+    with pytest.raises(ConfigError, match=r"^process_reward_funcs\[0\]: the PRM .*prm was trained on steps separated "
+                                          r"by '\\n\\n' \(groupwise_prm.json\), but step_delimiter='\\n' splits the "
+                                          r"policy's completions: it would score steps it never saw. Set "
+                                          r"step_delimiter: '\\n\\n', or give the PRM spec separator: '\\n'"):
+        check(str(folder))
+    check(str(folder), step_delimiter="\n\n")  # the same string: accepted
+    check({"path": str(folder), "separator": "\n"})  # chosen in the spec: the user's call
+    check(str(folder), step_split="regex", step_pattern=r"\n+")  # no one delimiter to compare

@@ -24,6 +24,8 @@ PrefixClassificationPRM  AutoModelForSequenceClassification applied to each pref
 from __future__ import annotations
 
 import json
+import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -80,7 +82,7 @@ def _chat_text(tokenizer, prompt: Any, content: str, system_prompt: str | None) 
 
 def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *, judge_char: int = -1,
                     max_length: int | None = None, prompt_separator: str = "", chat_template: bool = False,
-                    system_prompt: str | None = None) -> tuple[list[int], list[int]]:
+                    system_prompt: str | None = None, refuse_merged: bool = False) -> tuple[list[int], list[int]]:
     """Token ids of the text prompt + prompt_separator (when the prompt has text) + Σ (step + separator), tokenized
     at once as a PRM is trained on it (Math-Shepherd
     style: tokenizing the pieces apart would give SentencePiece steps a leading '▁' and break byte-level merges
@@ -90,7 +92,9 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
     stop early). With `chat_template`, the text is the PRM tokenizer's chat template over the prompt's messages (a
     string prompt: one user message; `system_prompt` first when the prompt has no system message) and an assistant
     turn of Σ (step + separator), tokenized without adding special tokens (the template writes them), as
-    Qwen2.5-Math-PRM reads a solution; prompt_separator is not used then."""
+    Qwen2.5-Math-PRM reads a solution; prompt_separator is not used then. `refuse_merged` (training data): a
+    ValueError when a step's judging token runs on into the next step's text (a byte-level BPE merging '\n' with the
+    letters after it): its label would be learnt from a token that already shows the next step."""
     if not tokenizer(separator, add_special_tokens=False)["input_ids"]:
         raise ValueError(f"the PRM tokenizer encodes the separator {separator!r} to no tokens")
     if not getattr(tokenizer, "is_fast", False):
@@ -118,6 +122,12 @@ def build_prm_input(tokenizer, prompt: Any, steps: list[str], separator: str, *,
         if k == 0 or spans[real[k - 1]][1] <= sep_start:
             raise ValueError(f"the PRM tokenizer leaves the separator {separator!r} out of the text's tokens: no "
                              "token to judge a step at")
+        if refuse_merged and len(positions) < len(steps) - 1 and spans[real[k - 1]][1] > sep_start + len(separator):
+            a, b = spans[real[k - 1]]
+            raise ValueError(f"the PRM tokenizer merges the separator {separator!r} with the next step's text (the "
+                             f"token {text[a:b]!r} judges step {len(positions)}): its label would be learnt from a "
+                             "token that shows the next step; choose a separator the tokenizer keeps apart from "
+                             "the text after it")
         positions.append(real[k - 1])
     if max_length is not None and len(ids) > max_length:
         ids = ids[:max_length]
@@ -383,6 +393,48 @@ _AUTO = {"token_classification": "AutoModelForTokenClassification", "step_tag": 
          "prefix_classification": "AutoModelForSequenceClassification"}
 
 
+def read_prm_record(path: str, where: str | None = None) -> dict:
+    """The options `groupwise prm train` recorded in a PRM folder's groupwise_prm.json ({} without one): a JSON
+    object whose kind is a PRM kind, else a ConfigError naming the file (`where`: the spec's field)."""
+    cfg = Path(os.path.expanduser(str(path))) / PRM_CONFIG
+    if not cfg.is_file():
+        return {}
+    named = f"{where}: {cfg}" if where else str(cfg)
+    try:
+        recorded = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{named} cannot be read ({type(e).__name__}: {e}): it is written by `groupwise prm train`; "
+                          "train the PRM again, or restore the file from its checkpoint-N/ folder") from None
+    if not isinstance(recorded, dict) or recorded.get("kind") not in PRM_KINDS:
+        got = recorded.get("kind") if isinstance(recorded, dict) else type(recorded).__name__
+        raise ConfigError(f"{named} is not a PRM record (a JSON object with kind one of {sorted(PRM_KINDS)}; got "
+                          f"{got!r}): train the PRM again, or restore the file from its checkpoint-N/ folder")
+    return recorded
+
+
+# what a PRM folder must hold besides config.json (check_model_location): weights and a tokenizer
+_WEIGHT_FILES = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_prm_folder(path: str, where: str) -> None:
+    """A local PRM folder, before any model loads: a saved model (config.json), its weights and tokenizer, and a
+    readable groupwise_prm.json when it has one; each missing or bad file named in one line. A hub id: unchecked."""
+    from groupwise.config_base import check_model_location
+
+    folder = os.path.expanduser(str(path))
+    if check_model_location(str(path), where) != "local" or not os.path.isdir(folder):
+        return
+    names = set(os.listdir(folder))
+    if not any(_WEIGHT_FILES.match(n) for n in names):
+        raise ConfigError(f"{where}={path!r} holds no model weights (model.safetensors): a PRM folder is written by "
+                          "`groupwise prm train` or model.save_pretrained(folder); give the folder that holds them")
+    if not names & set(_TOKENIZER_FILES):
+        raise ConfigError(f"{where}={path!r} holds no tokenizer (tokenizer.json / tokenizer_config.json): save it there "
+                          "with tokenizer.save_pretrained(folder)")
+    read_prm_record(folder, where)
+
+
 def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = False, dtype: str | None = None,
              **options) -> _PRM:
     """Load a PRM from a local folder or the hub. `kind` defaults to the one recorded by `groupwise prm train`;
@@ -397,10 +449,8 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
             raise ConfigError(f"PRM dtype={dtype!r} is not a torch dtype (bfloat16, float16, float32 or auto)")
         dtype = getattr(torch, str(dtype).replace("torch.", ""))
 
-    recorded = {}
-    cfg = Path(path) / PRM_CONFIG
-    if cfg.exists():
-        recorded = json.loads(cfg.read_text())
+    recorded = read_prm_record(path)
+    if recorded:
         recorded.setdefault("prompt_separator", "")  # saved before the option: trained with nothing there
     saved = recorded.pop("kind", None)
     if (kind or saved) not in PRM_KINDS:

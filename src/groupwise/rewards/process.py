@@ -8,10 +8,8 @@ Several functions are combined step by step as a weighted sum (NaN terms skipped
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,16 +68,18 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
     """A step-reward spec checked before any model loads: 'package.module:function' → the function; a PRM spec
     {"path": …, "kind": …} needs a path that exists locally or is a hub id; a folder written by `groupwise prm
     train` (it holds groupwise_prm.json) given as a plain string → {"path": folder}; anything else unchanged."""
-    from groupwise.rewards.prm import PRM_CONFIG
+    from groupwise.rewards.prm import PRM_CONFIG, check_prm_folder
 
     if isinstance(spec, dict):
         if "path" not in spec:
             raise ConfigError(f"{where}: a PRM spec needs 'path': {spec!r}")
         check_location(spec["path"], f"{where}.path")
         check_prm_options(spec, where)
+        check_prm_folder(spec["path"], f"{where}.path")
         return spec
     if isinstance(spec, str) and os.path.isdir(os.path.expanduser(spec)):
         if os.path.isfile(os.path.join(os.path.expanduser(spec), PRM_CONFIG)):
+            check_prm_folder(spec, where)
             return {"path": spec}  # kind, separator, positive label, max_length recorded there
         raise ConfigError(f"{where}={spec!r} is a folder without {PRM_CONFIG}: give a PRM as {{path: {spec}, kind: "
                           "token_classification | step_tag | prefix_classification}")
@@ -91,21 +91,34 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
     return resolved
 
 
+def check_prm_separator(spec: Any, args, where: str) -> None:
+    """A PRM trained by `groupwise prm train` reads steps joined by the separator its groupwise_prm.json records;
+    under step_split='delimiter' the policy's completions are split at step_delimiter and rejoined with that
+    separator. Two different strings would score text the policy never wrote, as steps the PRM never saw (a
+    '\n\n' PRM over '\n'-split lines): refused before any model loads, unless the spec gives `separator` itself."""
+    from groupwise.rewards.prm import PRM_CONFIG, read_prm_record
+
+    if not isinstance(spec, dict) or "separator" in spec or args.step_split != "delimiter":
+        return
+    trained = read_prm_record(spec["path"], f"{where}.path").get("separator")
+    if trained is not None and trained != args.step_delimiter:
+        raise ConfigError(f"{where}: the PRM {spec['path']} was trained on steps separated by {trained!r} ({PRM_CONFIG}), "
+                          f"but step_delimiter={args.step_delimiter!r} splits the policy's completions: it would score "
+                          f"steps it never saw. Set step_delimiter: {trained!r}, or give the PRM spec separator: "
+                          f"{args.step_delimiter!r} to score with that one")
+
+
 def check_prm_options(spec: dict, where: str) -> None:
     """A PRM spec's keys, before the model loads: load_prm's and the kind's options (without `kind`: the kind the
     folder's groupwise_prm.json records, else every kind's); a key none of them takes is named, with a close
     match."""
     import difflib
 
-    from groupwise.rewards.prm import PRM_CONFIG, PRM_KINDS, load_prm
+    from groupwise.rewards.prm import PRM_CONFIG, PRM_KINDS, load_prm, read_prm_record
 
     kind, recorded = spec.get("kind"), ""
-    record = os.path.join(os.path.expanduser(str(spec.get("path", ""))), PRM_CONFIG)
-    if kind is None and os.path.isfile(record):  # a `prm train` folder: its kind's options only
-        try:
-            kind, recorded = json.loads(Path(record).read_text()).get("kind"), f", as its {PRM_CONFIG} records"
-        except (OSError, ValueError, AttributeError):
-            kind = None  # unreadable: load_prm names it
+    if kind is None and (record := read_prm_record(spec.get("path", ""), f"{where}.path")):
+        kind, recorded = record["kind"], f", as its {PRM_CONFIG} records"  # a `prm train` folder: its kind's options
     if kind is not None and kind not in PRM_KINDS:
         close = difflib.get_close_matches(str(kind), sorted(PRM_KINDS), n=1)
         raise ConfigError(f"{where}.kind={kind!r} is not a PRM kind"
