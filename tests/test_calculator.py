@@ -280,3 +280,19 @@ def test_per_turn_process_supervision(tmp_path):
     trainer.train()
     line = [json.loads(x) for x in training_lines(tmp_path / "metrics.jsonl")][-1]
     assert line["process/steps_per_completion"] > 2 and line["process/CalculatorEnv.get_step_rewards/errors"] == 0
+
+
+def test_evaluate_policy_reproduces_the_shipped_policys_recorded_accuracy():
+    """calculator.evaluate_policy (what scripts/make_calculator_policy.py stops training on) crashed at every
+    rollout's second turn: the tool loop asks its sampler for what the budget leaves (max_new_tokens), which its
+    sampler did not take. Greedy over the 200 held-out problems it now gives the numbers provenance.json recorded
+    when the shipped policy was made (accuracy 0.42, 3.4 calls per rollout, …)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(C.__file__).parent / "data" / "calculator_policy"
+    recorded = json.loads((folder / "provenance.json").read_text())["held_out_greedy"]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    got = C.evaluate_policy(model, tokenizer, C.problems(200, split="test"))
+    assert {k: round(v, 4) for k, v in got.items()} == recorded

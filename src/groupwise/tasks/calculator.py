@@ -421,8 +421,8 @@ def evaluate_policy(model, tokenizer, problems_: list[str], *, batch_size: int =
 
     _, agent = tool_loop(tokenizer, max_completion_length)
 
-    def sample(ids, mask):
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_completion_length,
+    def sample(ids, mask, max_new_tokens: int = max_completion_length):  # later turns: what the budget leaves
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         return Generated(out[:, ids.size(1):])
 
