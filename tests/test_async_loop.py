@@ -225,3 +225,32 @@ def test_the_outer_limit_cancels_every_call_of_a_blocked_loop():
     assert out.timeouts == 2
     time.sleep(3.5)  # past the blocking call's end and the waiting one's 8 s: a cancelled task never finishes
     assert finished == ["blocking"]
+
+
+def test_a_call_that_blocks_the_loop_is_left_behind_and_later_calls_get_a_new_loop():
+    """An async function that blocks the shared loop (time.sleep inside async code) overran its limit and every
+    later async call (a reward function with no reward_timeout) queued behind it for ever. Now the overrun finds the
+    loop blocked (a trivial callback does not run within a second), warns naming the call, and the next call runs on
+    a new loop. A call that is merely slow (it awaits) leaves the loop in place."""
+    from groupwise.rewards.calls import RewardTimeout
+
+    async def slow():
+        await asyncio.sleep(5)
+
+    loop = event_loop()
+    with pytest.raises(RewardTimeout):
+        run_async(slow(), 0.2, "the slow tool")
+    assert event_loop() is loop  # it awaited: the loop ran on
+
+    async def blocking():
+        time.sleep(3)
+
+    async def answer():
+        return 42
+
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"the blocking tool blocked the shared event loop .* a new event loop"):
+        with pytest.raises(RewardTimeout):
+            run_async(blocking(), 0.2, "the blocking tool")
+    assert event_loop() is not loop
+    assert run_async(answer(), None) == 42 and time.monotonic() - started < 2.5  # not behind the 3 s sleep

@@ -10,6 +10,7 @@ import concurrent.futures
 import functools
 import inspect
 import threading
+import warnings
 from typing import Any, Callable
 
 
@@ -73,14 +74,36 @@ def run_async(awaitable, timeout: float | None = None, what: str = "async reward
             awaitable.close()
         raise RuntimeError(f"{what}: called from async code on the shared event loop, where waiting for it would "
                            "block the loop; await it instead")
-    future = asyncio.run_coroutine_threadsafe(guarded(awaitable), event_loop())
+    loop = event_loop()
+    future = asyncio.run_coroutine_threadsafe(guarded(awaitable), loop)
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError:
         if future.done():  # the coroutine's own TimeoutError (an HTTP call of its own timed out): its error
             raise
         future.cancel()
+        abandon_if_blocked(loop, what)
         raise RewardTimeout(f"{what} did not return within reward_timeout={timeout} s") from None
+
+
+def abandon_if_blocked(loop: asyncio.AbstractEventLoop, what: str, wait: float = 1.0) -> bool:
+    """After an overrun: when the shared loop does not run a trivial callback within `wait` seconds, a call blocked
+    it (time.sleep or a busy loop inside async code), and every later async call would queue behind it for ever. The
+    loop is then left to its thread and the next event_loop() starts a new one, with a warning naming `what`."""
+    ran = threading.Event()
+    loop.call_soon_threadsafe(ran.set)
+    if ran.wait(wait):
+        return False
+    global _LOOP_THREAD
+    with _LOOP_LOCK:
+        if _LOOP is loop:
+            _LOOP_THREAD = None
+    warnings.warn(f"{what} blocked the shared event loop (a blocking call inside async code: time.sleep, requests, "
+                  "a busy loop): it is left to finish in its thread, and async reward functions, tools and "
+                  "environment methods go on on a new event loop (a client bound to the old one, such as an aiohttp "
+                  "session, must be made again). Await non-blocking calls instead, or make the function sync (it "
+                  "then runs in a thread within its timeout)", RuntimeWarning, stacklevel=3)
+    return True
 
 
 def run_concurrently(starts: list[Callable[[], Any]], timeout: float | None, what: list[str],
