@@ -10,8 +10,9 @@ from groupwise import rollout as R
 from groupwise.agents import Toolbox, environment_prompts
 from groupwise.agents.execution import run_tool_calls
 from groupwise.agents.parsing import parse_response
+from groupwise.config_base import ConfigError
 from groupwise.data import PromptData
-from tests.agents_support import TOKENIZER, context, multiply, user
+from tests.agents_support import TOKENIZER, add, context, multiply, user
 
 TOOL = "<|im_start|>tool"
 PROMPT = TOKENIZER("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
@@ -151,3 +152,37 @@ def test_a_tool_raising_cancelled_error_is_its_error_message_not_the_run_s_end(t
     out = run_tool_calls(calls, {"cancelled_fetch": cancelled_fetch, "cancelling_sync": cancelling_sync}, timeout)
     assert [m["content"] for m in out.messages] == [str({"error": "gave up"}), str({"error": ""})]
     assert (out.calls, out.failures, out.timeouts) == (2, 2, 0)
+
+
+def test_a_prompt_cut_by_max_prompt_length_with_tools_is_refused_or_warned():
+    """The dataset's length check measures prompts without the tools' schemas, which the chat template writes
+    first; the tool loop then kept the last max_prompt_length tokens, cutting the tool descriptions away even under
+    truncate_prompt='error'. Now: a max_prompt_length the schemas alone fill is refused when the agent is built;
+    a prompt over it is an error under 'error', and cut with one warning under 'left'."""
+    import warnings
+
+    from groupwise.agents import Agent
+
+    schemas = Toolbox([multiply, add]).schemas[None]
+    alone = len(TOKENIZER.apply_chat_template([{"role": "user", "content": ""}], tools=schemas,
+                                              add_generation_prompt=True, tokenize=True, return_dict=False))
+    with pytest.raises(ConfigError, match=rf"^max_prompt_length={alone} leaves no room for a prompt: the chat template "
+                                          rf"writes the tools' schemas in {alone} tokens before it.*above {alone}"):
+        context(lambda p: "", max_prompt_length=alone)
+    long_prompt = user("word " * 40)
+    full = TOKENIZER.apply_chat_template(long_prompt, tools=schemas, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+    limit = alone + 10  # room for the schemas, not for this prompt
+    assert len(full) > limit
+    ctx, _ = context(lambda p: "", max_prompt_length=limit, truncate_prompt="error")
+    with pytest.raises(ConfigError, match=rf"a prompt rendered with its tools' schemas is {len(full)} tokens, over "
+                                          rf"max_prompt_length={limit} .*truncate_prompt='error'"):
+        ctx.agent.render_prompt(long_prompt, schemas)
+    ctx, _ = context(lambda p: "", max_prompt_length=limit)  # truncate_prompt='left', the default
+    with pytest.warns(UserWarning, match=rf"its first {len(full) - limit} tokens are cut, where the chat template "
+                                         r"writes the tools' descriptions"):
+        assert ctx.agent.render_prompt(long_prompt, schemas) == full[-limit:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per run
+        ctx.agent.render_prompt(long_prompt, schemas)
+    assert isinstance(ctx.agent, Agent)

@@ -47,7 +47,7 @@ from typing import Any
 from groupwise.agents.execution import run_tool_calls
 from groupwise.agents.parsing import assistant_message, parse_response, prepare_tokenizer
 from groupwise.agents.tools import Toolbox, with_observation
-from groupwise.config_base import ConfigError
+from groupwise.config_base import ConfigError, warn_user
 from groupwise.data import PromptData
 from groupwise.text import is_conversational, pad_rows
 
@@ -79,8 +79,10 @@ class Agent:
     def __init__(self, toolbox: Toolbox, tokenizer, *, max_completion_length: int,
                  max_prompt_length: int | None = None, max_tool_calling_iterations: int | None = None,
                  tool_timeout: float | None = 30.0, chat_template: str | None = None,
-                 chat_template_kwargs: dict | None = None, max_model_len: int | None = None):
+                 chat_template_kwargs: dict | None = None, max_model_len: int | None = None,
+                 truncate_prompt: str = "left"):
         self.toolbox, self.tokenizer = toolbox, tokenizer
+        self.truncate_prompt, self._cut_warned = truncate_prompt, False
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.max_iterations = sys.maxsize if max_tool_calling_iterations is None else max_tool_calling_iterations
         self.tool_timeout = tool_timeout
@@ -100,9 +102,10 @@ class Agent:
                     chat_template_kwargs=args.chat_template_kwargs,
                     # the colocated engine's context (TRL; a server's is its own: max_position_embeddings, as TRL)
                     max_model_len=args.vllm_max_model_length if args.use_vllm and args.vllm_mode == "colocate"
-                    else None)
+                    else None, truncate_prompt=args.truncate_prompt)
         if not tools:
             return agent
+        agent.check_room_for_tools()
         try:
             agent.tool_suffix_ids([{"role": "tool", "name": "dummy", "content": "dummy"}])
         except ValueError as e:
@@ -117,12 +120,41 @@ class Agent:
                                                   **self.chat_template_kwargs)
 
     def render_prompt(self, prompt: list[dict], schemas: list[dict]) -> list[int]:
+        """The prompt rendered with its tools' schemas, its last max_prompt_length tokens kept. The dataset's check
+        (truncate_prompt) measures prompts without the schemas, which the chat template writes first: a cut here
+        loses the tool descriptions, so it is an error under truncate_prompt='error' and a warning (once) under
+        'left'."""
         ids = self._template(prompt, tools=schemas or None, add_generation_prompt=True)  # None: not [] (TRL)
-        if self.max_prompt_length is not None:
-            ids = ids[-self.max_prompt_length:]
+        limit = self.max_prompt_length
+        if limit is not None and len(ids) > limit:
+            where = (f"a prompt rendered with its tools' schemas is {len(ids)} tokens, over max_prompt_length={limit}"
+                     f" ({prompt!r:.80})")
+            if self.truncate_prompt == "error":
+                raise ConfigError(f"{where}: truncate_prompt='error'. Raise max_prompt_length (the schemas count), "
+                                  "or set it to None")
+            if not self._cut_warned:
+                self._cut_warned = True
+                warn_user(f"{where}: its first {len(ids) - limit} tokens are cut, where the chat template writes the "
+                          "tools' descriptions. Raise max_prompt_length (the schemas count), or set it to None")
+            ids = ids[-limit:]
         if not ids:
             raise ValueError(f"a prompt encodes to zero tokens: {prompt!r:.200}")
         return list(ids)
+
+    def check_room_for_tools(self) -> None:
+        """Before training: the tools' schemas with an empty user message must fit max_prompt_length, else every
+        prompt would lose (part of) them."""
+        if self.max_prompt_length is None:
+            return
+        for name, schemas in self.toolbox.schemas.items():
+            if not schemas:
+                continue
+            n = len(self._template([{"role": "user", "content": ""}], tools=schemas, add_generation_prompt=True))
+            if n >= self.max_prompt_length:
+                whose = f"environment {name!r}'s tools" if name is not None else "the tools"
+                raise ConfigError(f"max_prompt_length={self.max_prompt_length} leaves no room for a prompt: the chat "
+                                  f"template writes {whose}' schemas in {n} tokens before it, and every prompt would "
+                                  f"lose them. Raise max_prompt_length above {n}, or set it to None")
 
     def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
         """The tokens the chat template puts after an assistant turn for these tool messages, up to and including the
