@@ -133,8 +133,9 @@ def test_a_timed_out_tool_leaves_its_thread_and_the_next_rollout_gets_a_new_inst
     comp = R.generate(ctx, None, [{"prompt": user("q")}])
     assert comp.tool_timeouts.tolist() == [1]
     napping = comp.columns["environments"][0]
-    with pytest.raises(sqlite3.ProgrammingError):  # until the next reset, the instance's calls run on a new thread
-        ctx.agent.toolbox.reward_sources[0].fn(environments=comp.columns["environments"])
+    # its rollout is unscored: get_reward is not called (on a new thread it raised sqlite3's ProgrammingError)
+    with pytest.warns(RuntimeWarning, match="a rollout whose tool call timed out is left unscored"):
+        assert ctx.agent.toolbox.reward_sources[0].fn(environments=comp.columns["environments"]) == [None]
     ctx = dataclasses.replace(ctx, generator=Scripted(one_call("query", sql="select x from t")))
     start = time.perf_counter()
     comp = R.generate(ctx, None, [{"prompt": user("q")}])  # while the nap still runs on the old instance
@@ -404,3 +405,54 @@ def test_chat_completions_without_tools_are_parsed_as_trl_parses_them():
     ids = plain("ab", add_special_tokens=False)["input_ids"]
     assert as_completions(plain, [ids], [[1]], True) == [[{"role": "assistant", "content": "ab"}]]
     assert as_completions(plain, [ids], [[1]], False) == ["ab"]
+
+
+class _Counter:
+    """An environment whose slow tool times out: it runs on after the model is told it failed."""
+
+    def reset(self, **row):
+        self.counter = 0
+
+    def get_reward(self) -> float:
+        return float(self.counter)
+
+    def slow_inc(self, n: int) -> str:
+        """
+        Adds n, slowly.
+
+        Args:
+            n: how much.
+        """
+        time.sleep(1.2)
+        self.counter += n
+        return str(self.counter)
+
+    def inc(self, n: int) -> str:
+        """
+        Adds n.
+
+        Args:
+            n: how much.
+        """
+        self.counter += n
+        return str(self.counter)
+
+
+def test_a_rollout_whose_tool_call_timed_out_is_left_unscored_by_its_environment():
+    """The model was told "tool 'slow_inc' timed out", yet the abandoned call ran on and get_reward counted it
+    (reward 1 for a call that failed). Now such a rollout's environment rewards are None (unscored), with a
+    warning; the other rollout of the batch is scored as usual (its inc(2): reward 2)."""
+    def reply(prompt):
+        if "<|im_start|>tool" in prompt:
+            return "done<|im_end|>"
+        return (call("slow_inc", n=1) if "first row" in prompt else call("inc", n=2)) + "<|im_end|>"
+
+    ctx, _ = context(reply, tools=(), environment_factory=_Counter, tool_timeout=0.3)
+    comp = R.generate(ctx, None, [{"prompt": user("first row")}, {"prompt": user("second row")}])
+    assert comp.tool_timeouts.tolist() == [1, 0]
+    [source] = ctx.agent.toolbox.reward_sources
+    time.sleep(1.2)  # the abandoned call has now changed the first instance
+    with pytest.warns(RuntimeWarning, match=r"_Counter: a rollout whose tool call timed out is left unscored"):
+        assert source.fn(environments=comp.columns["environments"]) == [None, 2.0]
+    ctx.agent.toolbox.start([{"prompt": user("again")}])  # a new rollout: nothing timed out in it yet
+    assert not ctx.agent.toolbox.timed_out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,28 +65,43 @@ def env_methods(env: Any) -> list[Callable]:
             if name not in RESERVED and not name.startswith("_")]
 
 
-def _env_reward(env_type: type, asynchronous: bool, name: str, call_on: Callable) -> Callable:
+def _timed_out(env: Any, timed_out: set[int], name: str) -> bool:
+    """Did a tool call of this rollout time out on `env`? Such a call was abandoned, not stopped: what it does to the
+    instance lands after the model was told it failed (or never), so the state get_reward / get_step_rewards read is
+    not the one the rollout led to: the rollout is left unscored, with a warning."""
+    if id(env) not in timed_out:
+        return False
+    warnings.warn(f"{name}: a rollout whose tool call timed out is left unscored (the call runs on after the model was "
+                  "told it failed, so the environment's state is not the one the rollout led to); raise tool_timeout "
+                  "if the tool is merely slow", RuntimeWarning, stacklevel=2)
+    return True
+
+
+def _env_reward(env_type: type, asynchronous: bool, name: str, call_on: Callable, timed_out: set[int]) -> Callable:
     """TRL's reward function for an environment class: `get_reward()` of each rollout whose environment is exactly
-    that class (a sync one on the instance's thread: `call_on`), None (unscored) for the others."""
+    that class (a sync one on the instance's thread: `call_on`), None (unscored) for the others and for a rollout
+    whose tool call timed out (`timed_out`: id of its instance)."""
     if asynchronous:
         async def get_reward(environments, **_):
-            return [await e.get_reward() if type(e) is env_type else None for e in environments]
+            return [await e.get_reward() if type(e) is env_type and not _timed_out(e, timed_out, name) else None
+                    for e in environments]
     else:
         def get_reward(environments, **_):
-            return [call_on(e, e.get_reward) if type(e) is env_type else None for e in environments]
+            return [call_on(e, e.get_reward) if type(e) is env_type and not _timed_out(e, timed_out, name) else None
+                    for e in environments]
     get_reward.__name__ = name
     return get_reward
 
 
-def _env_step_rewards(env_type: type, name: str, call_on: Callable) -> Callable:
+def _env_step_rewards(env_type: type, name: str, call_on: Callable, timed_out: set[int]) -> Callable:
     """A process reward function for an environment class (step_split="turn"): `get_step_rewards()` of each rollout
     whose environment is exactly that class — one reward per assistant turn; when the last turn was cut by the
     length budget and is not scored (score_truncated_step=False), its reward is left out — and None per step for
-    the others."""
+    the others and for a rollout whose tool call timed out."""
     def get_step_rewards(environments, steps, dropped_last, **_):
         out = []
         for env, row_steps, dropped in zip(environments, steps, dropped_last):
-            if type(env) is not env_type:
+            if type(env) is not env_type or _timed_out(env, timed_out, f"{name}.get_step_rewards"):
                 out.append([None] * len(row_steps))
                 continue
             values = list(call_on(env, env.get_step_rewards))
@@ -140,6 +156,7 @@ class Toolbox:
         self.threaded = False  # the last start() ran the environments on their threads (a tool timeout)
         self._threads: dict[int, ToolThread] = {}  # id(instance) → its thread; instances live in the pool
         self.replaced = 0  # pooled instances replaced by new ones: a call given up on still ran on them (start)
+        self.timed_out: set[int] = set()  # id() of this rollout's instances a tool call timed out on (unscored)
         self._standalone_thread = ToolThread("groupwise tools")
         class_names: dict[type, str] = {}  # each environment class's name in the reward sources (unique)
         for name, factory in factories.items():
@@ -159,10 +176,11 @@ class Toolbox:
                 continue
             class_names[cls] = _unique(cls.__name__, set(class_names.values()))
             if callable(getattr(env, "get_reward", None)):
-                fn = _env_reward(cls, inspect.iscoroutinefunction(env.get_reward), class_names[cls], self.call_on)
+                fn = _env_reward(cls, inspect.iscoroutinefunction(env.get_reward), class_names[cls], self.call_on,
+                                 self.timed_out)
                 self.reward_sources.append(RewardSource(name=fn.__name__, fn=fn))
             if callable(getattr(env, "get_step_rewards", None)):
-                fn = _env_step_rewards(cls, class_names[cls], self.call_on)
+                fn = _env_step_rewards(cls, class_names[cls], self.call_on, self.timed_out)
                 self.process_sources.append(RewardSource(name=fn.__name__, fn=fn, takes_dropped_last=True))
 
     @property
@@ -226,6 +244,7 @@ class Toolbox:
         Returns (instances, or None without environments; each row's environment name; what each reset() returned)."""
         names = [self.environment_of(r, i) for i, r in enumerate(rows)] if self.factories else [None] * len(rows)
         self.threaded = threaded
+        self.timed_out.clear()
         if not self.factories:
             return None, names, [None] * len(rows)
         taken: dict[str | None, int] = {}

@@ -260,6 +260,8 @@ class Agent:
                 calls[i] += done.calls
                 failures[i] += done.failures
                 timeouts[i] += done.timeouts
+                if done.timeouts and envs is not None:  # its environment's rewards are left unscored
+                    self.toolbox.timed_out.add(id(envs[i]))
                 ids = prompt_ids[i] + completion_ids[i] + self.tool_suffix_ids(done.messages)
                 if (len(ids) - len(prompt_ids[i]) > self.max_completion_length
                         or (positions is not None and len(ids) >= positions)):
