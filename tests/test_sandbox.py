@@ -426,3 +426,41 @@ def test_removing_a_tree_never_changes_the_folder_that_holds_it(tmp_path):
     (tmp_path / "tree" / "sub").chmod(0o500)  # a folder the code made unwritable (for a non-root trainer)
     sandbox._remove_tree(str(tmp_path / "tree"))
     assert not (tmp_path / "tree").exists() and oct(tmp_path.stat().st_mode & 0o7777) == "0o1777"
+
+
+def test_a_sandbox_that_cannot_be_set_up_stops_the_tool_loop_instead_of_telling_the_model(monkeypatch):
+    """A machine that cannot contain run_python (a non-root trainer without user namespaces) turned every call into
+    a tool message to the model ('the sandbox could not be set up … run the trainer as root …'): the user saw only
+    tools/failure_frequency = 1, and a budget too small for the message hid even that. SandboxUnavailable now goes
+    through the tool loop (sync and async tools) and stops the rollout with that message."""
+    from groupwise import rollout as R
+    from tests.agents_support import call, context, user
+
+    monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)
+    monkeypatch.setattr(sandbox, "_OWN_UID", False)
+    monkeypatch.delenv("GROUPWISE_SANDBOX_ALLOW_SAME_USER")
+
+    def python(code: str) -> str:
+        """
+        Runs a Python program in a sandbox.
+
+        Args:
+            code: The program's source.
+        """
+        return run_python(code).stdout
+
+    async def apython(code: str) -> str:
+        """
+        Runs a Python program in a sandbox.
+
+        Args:
+            code: The program's source.
+        """
+        return run_python(code).stdout
+
+    for tool in (python, apython):
+        turns = [call(tool.__name__, code="print(6*7)") + "<|im_end|>", "done<|im_end|>"]
+        ctx, _ = context(lambda p: turns[min(p.count("<|im_start|>tool"), 1)], tools=(tool,))
+        with pytest.raises(sandbox.SandboxUnavailable, match=r"^run_python: the sandbox could not be set up, the code "
+                                                             r"did not run: .*run the trainer as root"):
+            R.generate(ctx, None, [{"prompt": user("go")}])

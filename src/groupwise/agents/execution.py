@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.parsing import encodable
+from groupwise.agents.sandbox import SandboxUnavailable
 from groupwise.config_base import ConfigError
 from groupwise.data import NON_TEXT, non_text_block
 from groupwise.rewards.calls import (RewardTimeout, UserExit, is_async, on_event_loop, run_async,
@@ -165,7 +166,7 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
             value = thread.call(run, timeout, f"tool {name!r}")
         else:
             value = timed_call(run, timeout, f"tool {name!r}")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SandboxUnavailable):  # the machine's problem, not the model's: the run stops
         raise
     except BaseException as e:  # noqa: BLE001 — TRL: str(e); reported to the model, never raised (SystemExit,
         return awaited_content(name, e, timeout)  # asyncio's CancelledError: TRL's gather keeps them)
@@ -175,6 +176,8 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
 def awaited_content(name: str, outcome: Any, timeout: float | None) -> tuple[str | list, str | None]:
     """A call's value or error (an async call's outcome from run_concurrently) as (content, None | "exception" |
     "timeout")."""
+    if isinstance(outcome, SandboxUnavailable):  # the machine's problem, not the model's: the run stops
+        raise outcome
     if isinstance(outcome, RewardTimeout):
         return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"
     if isinstance(outcome, BaseException):

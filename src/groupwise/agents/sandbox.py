@@ -109,6 +109,11 @@ _OWN_UID = True         # False: no uid of its own even as root, as for a non-ro
 _GRACE_S = 1.0          # after the deadline / after the supervisor ended: how long to wait for the pipes to close
 
 
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run on this machine (its containment or supervisor failed before the code ran): a machine
+    problem, not the model's, so the tool loop lets it stop the run instead of telling the model."""
+
+
 @dataclass(frozen=True)
 class SandboxResult:
     """What a `run_python` call did.
@@ -438,9 +443,9 @@ def _watch(proc: subprocess.Popen, status_r: int, uid: int | None, read_all: boo
     if exit_event and exit_event.get("status") is not None:
         returncode = -exit_event["signal"] if "signal" in exit_event else exit_event["code"]
     if failed is not None:                   # the program's containment could not be set up: it never ran
-        raise RuntimeError(f"run_python: the sandbox could not be set up, the code did not run: {failed}")
+        raise SandboxUnavailable(f"run_python: the sandbox could not be set up, the code did not run: {failed}")
     if not setup and not timed_out:          # the supervisor (trusted code, before any of the program's) failed
-        raise RuntimeError(f"run_python: the sandbox supervisor failed (exit {proc.returncode}): "
+        raise SandboxUnavailable(f"run_python: the sandbox supervisor failed (exit {proc.returncode}): "
                            f"{err.tail.decode(errors='replace')}")
     limit = None
     if timed_out:
