@@ -411,3 +411,48 @@ def test_printed_completions_show_the_tool_calls():
     assert _short(comp.completions[0], 1000) == ("assistant: Let me compute. [multiply({'a': 3, 'b': 4})] | tool: 12 | "
                                                  "assistant:  [add({'a': 12, 'b': 1})] | tool: 13 | "
                                                  "assistant: The answer is 13.")
+
+
+def test_a_missing_or_unknown_environment_column_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """environment_factory as a dict: a dataset without an `environment` column, or a row naming no factory, failed
+    at the first rollout (after the weights loaded) as "row 0 has environment=None", row 0 being the position in the
+    generation batch. Now named from the dataset when the trainer is built: its column, or its row and value."""
+    from groupwise import GRPOConfig, GRPOTrainer
+    from groupwise import trainer as trainer_module
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the dataset was checked")
+
+    monkeypatch.setattr(trainer_module, "load_policy", no_model)
+    factories = {"calc": CounterEnv, "counter": CounterEnv}
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                      report_to="none")
+    rows = [{"prompt": user("x"), "target": 0}] * 2
+    with pytest.raises(ConfigError, match=r"^train_dataset has no 'environment' column: with environment_factory a dict "
+                                          r"\(\['calc', 'counter'\]\), each row names the environment it runs in there"):
+        GRPOTrainer("some/model", [], args=args, train_dataset=rows, environment_factory=factories)
+    rows = [{"prompt": user("x"), "environment": "calc"}, {"prompt": user("y"), "environment": "calculator"}]
+    with pytest.raises(ConfigError, match=r"^train_dataset row 1 has environment='calculator', which "
+                                          r"environment_factory does not name: expected one of \['calc', 'counter'\]"):
+        GRPOTrainer("some/model", [], args=args, train_dataset=rows, environment_factory=factories)
+    from datasets import Dataset
+
+    with pytest.raises(ConfigError, match=r"^eval_dataset row 0 has environment=None"):
+        GRPOTrainer("some/model", [], args=args, train_dataset=rows[:1] * 2, environment_factory=factories,
+                    eval_dataset=Dataset.from_list([{"prompt": user("z"), "environment": None}]))
+
+
+def test_an_environment_factory_raising_when_probed_says_so():
+    """The probe call at init gave the user's bare exception ('needs a server'), with nothing saying it came from
+    calling environment_factory to list its tools; the exception keeps its type and gains that note."""
+    class NeedsServer:
+        def __init__(self):
+            raise RuntimeError("needs a server")
+
+        def reset(self, **row):
+            return None
+
+    with pytest.raises(RuntimeError, match="needs a server") as caught:
+        Toolbox(environment_factory=NeedsServer)
+    assert caught.value.__notes__ == ["(raised by environment_factory, called once when the trainer is built to list "
+                                      "the environment's tools, as TRL does)"]

@@ -351,6 +351,28 @@ def check_dataset(rows, reward_funcs: list, process_reward_funcs: list, args, to
     if process_reward_funcs:
         check_reward_columns(process_reward_funcs, rows.columns(), args.remove_unused_columns, rows.name,
                              keywords=PROCESS_REWARD_KEYWORDS, field="process_reward_funcs", environments=environments)
+    if environments and toolbox.multi:
+        check_environment_column(rows, toolbox)
+
+
+def check_environment_column(rows, toolbox) -> None:
+    """With environment_factory a dict, each row names its environment in an `environment` column: the column, and
+    (a dataset read ahead, not a stream) every row's value, checked before any model loads."""
+    names = list(toolbox.factories)
+    columns = rows.columns()
+    if columns is not None and "environment" not in columns:
+        raise ConfigError(f"{rows.name} has no 'environment' column: with environment_factory a dict ({names}), each "
+                          "row names the environment it runs in there")
+    from groupwise.data import StreamData
+
+    if columns is None or isinstance(rows, StreamData):
+        return  # a stream: its rows are checked as they are read (Toolbox.environment_of)
+    data = rows.data
+    values = data["environment"] if hasattr(data, "column_names") else [row.get("environment") for row in data]
+    for i, value in enumerate(values):
+        if value not in toolbox.factories:
+            raise ConfigError(f"{rows.name} row {i} has environment={value!r}, which environment_factory does not "
+                              f"name: expected one of {names}")
 
 
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,

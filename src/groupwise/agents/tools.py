@@ -163,7 +163,12 @@ class Toolbox:
             where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
             if not callable(factory):
                 raise ConfigError(f"{where} must be a callable returning an environment (a class, or a function)")
-            env = factory()  # the probe: checked, listed, then the pool's first instance
+            try:
+                env = factory()  # the probe: checked, listed, then the pool's first instance
+            except Exception as e:
+                e.add_note(f"(raised by {where}, called once when the trainer is built to list the environment's "
+                           "tools, as TRL does)")
+                raise
             if not callable(getattr(env, "reset", None)):
                 raise ConfigError(f"{where}: the environment {type(env).__name__} has no reset() method; define "
                                   "reset(self, **row) returning None or a string appended to the prompt")
@@ -199,8 +204,9 @@ class Toolbox:
             return None
         name = row.get("environment")
         if name not in self.factories:
-            raise ConfigError(f"row {i} has environment={name!r}, which is not among the environments passed to "
-                              f"environment_factory; expected one of {list(self.factories)}")
+            raise ConfigError(f"a dataset row (row {i} of this generation batch) has environment={name!r}, which is "
+                              f"not among the environments passed to environment_factory; expected one of "
+                              f"{list(self.factories)}")
         return name
 
     def call_on(self, env: Any, fn: Callable[[], Any]) -> Any:

@@ -93,7 +93,8 @@ class Agent:
     def from_config(cls, toolbox: Toolbox, tokenizer, args) -> "Agent":
         """Checks the tokenizer (groupwise.agents.parsing.prepare_tokenizer) and that a tool result's tokens can be
         cut out of the chat template, before any model loads. Environments without tool methods (reset /
-        get_reward only) run one turn and ask neither of the tokenizer, as in TRL."""
+        get_reward only) run one turn and ask neither of the tokenizer (TRL 1.16 asks a tool-capable template of every
+        environment_factory)."""
         tools = toolbox.has_tools
         agent = cls(toolbox, tokenizer, max_completion_length=args.max_completion_length,
                     max_prompt_length=args.max_prompt_length,
