@@ -186,3 +186,36 @@ def test_a_prompt_cut_by_max_prompt_length_with_tools_is_refused_or_warned():
         warnings.simplefilter("error")  # once per run
         ctx.agent.render_prompt(long_prompt, schemas)
     assert isinstance(ctx.agent, Agent)
+
+
+def test_a_tool_result_too_long_for_the_budget_is_dropped_without_rendering_it():
+    """A 5 MB result against a 400-token budget was rendered through the chat template and tokenized in full (10 MB:
+    12 s and 2 GB) before the overlong check dropped it. Now its characters alone show it cannot fit (more than the
+    budget × the longest token's text): the row leaves the loop at once, as an overlong one (its call counted, its
+    tool message dropped, TRL's rollback), without tool_suffix_ids ever seeing it."""
+    import time
+
+    from tests.agents_support import call
+
+    def huge(n: int) -> str:
+        """
+        Returns n characters.
+
+        Args:
+            n: How many.
+        """
+        return "x" * n
+
+    replies = [call("huge", n=5_000_000) + "<|im_end|>", "done<|im_end|>"]
+    ctx, _ = context(lambda p: replies[min(p.count("<|im_start|>tool"), 1)], tools=(huge,), max_completion_length=400)
+    rendered = []
+    original = ctx.agent.tool_suffix_ids
+    ctx.agent.tool_suffix_ids = lambda messages: rendered.append(len(str(messages))) or original(messages)
+    start = time.perf_counter()
+    comp = R.generate(ctx, None, [{"prompt": user("go")}])
+    assert time.perf_counter() - start < 2.0 and rendered == []
+    assert comp.tool_calls.tolist() == [1] and [m["role"] for m in comp.completions[0]] == ["assistant"]
+    longest = ctx.agent._longest_token  # room × the longest token's text: could still fit; one character more cannot
+    assert not ctx.agent._cannot_fit([{"content": "x" * 400 * longest}], 400)
+    assert ctx.agent._cannot_fit([{"content": "x" * (400 * longest + 1)}], 400)
+    assert ctx.agent._cannot_fit([{"content": [{"type": "text", "text": "x" * 3}, {"type": "text", "text": "y"}]}], 0)

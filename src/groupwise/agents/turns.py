@@ -142,6 +142,21 @@ class Agent:
             raise ValueError(f"a prompt encodes to zero tokens: {prompt!r:.200}")
         return list(ids)
 
+    def _cannot_fit(self, messages: list[dict], room: int) -> bool:
+        """Do these tool messages' contents hold more characters than `room` tokens can: room × the longest token's
+        text (every token, special ones included, covers at most that many characters)? Then the row is overlong
+        whatever the chat template adds, and the messages need not be rendered and tokenized."""
+        if getattr(self, "_longest_token", None) is None:
+            tok = self.tokenizer
+            words = tok.convert_ids_to_tokens(list(range(len(tok))))
+            self._longest_token = max([len(w) for w in words if w] + [len(t) for t in tok.all_special_tokens] + [1])
+        chars = 0
+        for message in messages:
+            content = message.get("content")
+            blocks = content if isinstance(content, list) else [content]
+            chars += sum(len(b.get("text") or "") if isinstance(b, dict) else len(str(b)) for b in blocks)
+        return chars > max(room, 0) * self._longest_token
+
     def check_room_for_tools(self) -> None:
         """Before training: the tools' schemas with an empty user message must fit max_prompt_length, else every
         prompt would lose (part of) them."""
@@ -263,6 +278,8 @@ class Agent:
                 timeouts[i] += done.timeouts
                 if done.timeouts and envs is not None:  # its environment's rewards are left unscored
                     self.toolbox.timed_out.add(id(envs[i]))
+                if self._cannot_fit(done.messages, self.max_completion_length - len(completion_ids[i])):
+                    continue  # overlong, known without rendering it (a 10 MB result took 12 s and 2 GB to render)
                 ids = prompt_ids[i] + completion_ids[i] + self.tool_suffix_ids(done.messages)
                 if (len(ids) - len(prompt_ids[i]) > self.max_completion_length
                         or (positions is not None and len(ids) >= positions)):
