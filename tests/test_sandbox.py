@@ -464,3 +464,29 @@ def test_a_sandbox_that_cannot_be_set_up_stops_the_tool_loop_instead_of_telling_
         with pytest.raises(sandbox.SandboxUnavailable, match=r"^run_python: the sandbox could not be set up, the code "
                                                              r"did not run: .*run the trainer as root"):
             R.generate(ctx, None, [{"prompt": user("go")}])
+
+
+def test_a_sandbox_that_cannot_be_set_up_stops_a_reward_function_too(monkeypatch):
+    """A code-execution reward function calling run_python on such a machine had SandboxUnavailable caught as a row
+    error under on_reward_error='nan': every row NaN, the function called 1 + n times, the run going on with no
+    reward. It is a MachineError now, raised through the row-by-row retry (sync and async functions)."""
+    from groupwise.rewards.sources import RewardSource, compute_rewards
+
+    monkeypatch.setattr(sandbox, "_USE_NAMESPACES", False)
+    monkeypatch.setattr(sandbox, "_OWN_UID", False)
+    monkeypatch.delenv("GROUPWISE_SANDBOX_ALLOW_SAME_USER")
+    calls = []
+
+    def passes(completions, **_):
+        calls.append(len(completions))
+        return [float(run_python(c).ok) for c in completions]
+
+    async def apasses(completions, **_):
+        return passes(completions)
+
+    for fn in (passes, apasses):
+        calls.clear()
+        with pytest.raises(sandbox.SandboxUnavailable, match="the sandbox could not be set up"):
+            compute_rewards([RewardSource(name="passes", fn=fn)], ["p"] * 3, ["print(1)"] * 3, [[1]] * 3, {},
+                            on_error="nan")
+        assert calls == [3]  # the batch call only: no row-by-row retry

@@ -175,7 +175,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     steps_per_generation: int | None = option("Micro-batches per process that one generation round feeds (default: gradient_accumulation_steps).", default=None, ge=1)
     generation_batch_size: int | None = option("Completions per generation round over all processes (alternative to steps_per_generation).", default=None, ge=1)
     max_prompt_length: int | None = option("Keep only the last this many prompt tokens (None, the default: no truncation, as TRL 1.16, which dropped the field).", default=None, ge=1)
-    truncate_prompt: str = option("Prompts longer than max_prompt_length: 'left' keeps their last max_prompt_length tokens (TRL's behaviour; counted in a warning when the dataset is checked), 'error' stops before the model loads, naming the first such row.", default="left", choices=("left", "error"))
+    truncate_prompt: str = option("Prompts longer than max_prompt_length: 'left' keeps their last max_prompt_length tokens (TRL's behaviour; counted in a warning when the dataset is checked), 'error' stops before the model loads, naming the first such row (with tools, whose schemas the dataset check does not count, at that prompt's rollout).", default="left", choices=("left", "error"))
     pad_to_multiple_of: int | str | None = option("Pad prompt and completion tensors to a multiple of this many tokens ('auto': no padding here, 128 on Neuron in TRL).", default="auto")
     max_completion_length: int = option("Maximum completion tokens; longer completions are truncated (and known as such).", default=512, ge=1)
     temperature: float = option("Sampling temperature; log-probs are computed at the same temperature.", default=1.0, gt=0)

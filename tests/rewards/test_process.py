@@ -214,10 +214,15 @@ def test_a_damaged_prm_folder_is_named_before_anything_loads(tmp_path, tokenizer
         load_prm(str(tmp_path / "list_record"))
 
 
-def test_a_prm_trained_on_another_separator_than_step_delimiter_is_refused(tmp_path, tokenizer):
-    """A PRM trained on steps joined by '\\n\\n' scored the policy's '\\n'-split lines rejoined with '\\n\\n': text the
-    policy never wrote, as steps the PRM never saw, silently. Refused before any model loads under
-    step_split='delimiter', unless the spec gives its separator; other split modes are not compared."""
+def test_a_prm_trained_on_another_separator_than_step_delimiter_is_warned_about(tmp_path, tokenizer):
+    """A PRM trained on steps joined by '\n\n' scored the policy's '\n'-split lines rejoined with '\n\n', with
+    nothing said: steps it may never have seen. The two can also differ on purpose (paragraph steps written apart by
+    '\n\n', trained joined by '\n'), so it is a warning before any model loads, naming both fixes; not when the
+    spec gives its separator, the strings agree, another split mode is used or the PRM is not a prm train one
+    (a hand-written step_tag record's separator holds its tag). A record without kind is read when the spec gives
+    one (as load_prm always read it)."""
+    import warnings
+
     from groupwise import GRPOConfig
     from groupwise.loading import check_inputs
 
@@ -227,11 +232,17 @@ def test_a_prm_trained_on_another_separator_than_step_delimiter_is_refused(tmp_p
         args = GRPOConfig(output_dir=str(tmp_path / "out"), supervision="process", **fields)
         return check_inputs(args, "unused/model", [], [spec])
 
-    with pytest.raises(ConfigError, match=r"^process_reward_funcs\[0\]: the PRM .*prm was trained on steps separated "
-                                          r"by '\\n\\n' \(groupwise_prm.json\), but step_delimiter='\\n' splits the "
-                                          r"policy's completions: it would score steps it never saw. Set "
-                                          r"step_delimiter: '\\n\\n', or give the PRM spec separator: '\\n'"):
+    with pytest.warns(UserWarning, match=r"^process_reward_funcs\[0\]: the PRM .*prm was trained on steps joined by "
+                                         r"'\\n\\n' \(groupwise_prm.json\), and step_delimiter='\\n' splits .* set "
+                                         r"step_delimiter: '\\n\\n'; if they are the policy's '\\n'-steps, give the "
+                                         r"spec separator: '\\n\\n' to say so"):
         check(str(folder))
-    check(str(folder), step_delimiter="\n\n")  # the same string: accepted
-    check({"path": str(folder), "separator": "\n"})  # chosen in the spec: the user's call
-    check(str(folder), step_split="regex", step_pattern=r"\n+")  # no one delimiter to compare
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(str(folder), step_delimiter="\n\n")  # the same string
+        check({"path": str(folder), "separator": "\n\n"})  # chosen in the spec
+        check(str(folder), step_split="regex", step_pattern=r"\n+")  # no one delimiter to compare
+        tagged = _prm_folder(tmp_path / "tag", tokenizer, {"kind": "step_tag", "step_tag": "ки", "separator": " ки\n"})
+        check({"path": str(tagged)})
+        kindless = _prm_folder(tmp_path / "kindless", tokenizer, {"separator": "\n"})
+        check({"path": str(kindless), "kind": "token_classification"})

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupwise.agents.parsing import encodable
-from groupwise.agents.sandbox import SandboxUnavailable
 from groupwise.config_base import ConfigError
 from groupwise.data import NON_TEXT, non_text_block
-from groupwise.rewards.calls import (RewardTimeout, UserExit, is_async, on_event_loop, run_async,
+from groupwise.rewards.calls import (MachineError, RewardTimeout, UserExit, is_async, on_event_loop, run_async,
                                      run_concurrently)
 from groupwise.rewards.calls import call_with_timeout as timed_call
 
@@ -166,7 +165,7 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
             value = thread.call(run, timeout, f"tool {name!r}")
         else:
             value = timed_call(run, timeout, f"tool {name!r}")
-    except (KeyboardInterrupt, SandboxUnavailable):  # the machine's problem, not the model's: the run stops
+    except (KeyboardInterrupt, MachineError):  # the machine's problem, not the model's: the run stops
         raise
     except BaseException as e:  # noqa: BLE001 — TRL: str(e); reported to the model, never raised (SystemExit,
         return awaited_content(name, e, timeout)  # asyncio's CancelledError: TRL's gather keeps them)
@@ -176,7 +175,7 @@ def call_tool(fn: Callable, name: str, arguments: Any, timeout: float | None,
 def awaited_content(name: str, outcome: Any, timeout: float | None) -> tuple[str | list, str | None]:
     """A call's value or error (an async call's outcome from run_concurrently) as (content, None | "exception" |
     "timeout")."""
-    if isinstance(outcome, SandboxUnavailable):  # the machine's problem, not the model's: the run stops
+    if isinstance(outcome, MachineError):  # the machine's problem, not the model's: the run stops
         raise outcome
     if isinstance(outcome, RewardTimeout):
         return str({"error": f"tool {name!r} timed out after {timeout:g} s"}), "timeout"

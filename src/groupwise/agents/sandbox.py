@@ -97,6 +97,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from groupwise.rewards.calls import MachineError
 from groupwise.agents.sandbox_uids import SANDBOX_UID_BASE, SANDBOX_UID_COUNT, _access_plan, _ClaimedUid, _kill_uid
 
 __all__ = ["SANDBOX_UID_BASE", "SANDBOX_UID_COUNT", "SandboxResult", "run_python"]
@@ -109,7 +110,7 @@ _OWN_UID = True         # False: no uid of its own even as root, as for a non-ro
 _GRACE_S = 1.0          # after the deadline / after the supervisor ended: how long to wait for the pipes to close
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(MachineError):
     """The sandbox cannot run on this machine (its containment or supervisor failed before the code ran): a machine
     problem, not the model's, so the tool loop lets it stop the run instead of telling the model."""
 

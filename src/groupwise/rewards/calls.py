@@ -18,6 +18,11 @@ class RewardTimeout(TimeoutError):
     """A reward call overran reward_timeout; its rows are scored NaN and counted, the run goes on."""
 
 
+class MachineError(RuntimeError):
+    """Raised by user code when this machine cannot do what it asks (groupwise.agents.sandbox.SandboxUnavailable): not
+    a failure of the rollout or the row, so it is never reported to the model or scored NaN: it stops the run."""
+
+
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_THREAD: threading.Thread | None = None
 _LOOP_LOCK = threading.Lock()

@@ -393,9 +393,10 @@ _AUTO = {"token_classification": "AutoModelForTokenClassification", "step_tag": 
          "prefix_classification": "AutoModelForSequenceClassification"}
 
 
-def read_prm_record(path: str, where: str | None = None) -> dict:
+def read_prm_record(path: str, where: str | None = None, kind: str | None = None) -> dict:
     """The options `groupwise prm train` recorded in a PRM folder's groupwise_prm.json ({} without one): a JSON
-    object whose kind is a PRM kind, else a ConfigError naming the file (`where`: the spec's field)."""
+    object whose kind, when it has one, is a PRM kind (it must have one unless `kind`, the spec's, is given), else a
+    ConfigError naming the file (`where`: the spec's field)."""
     cfg = Path(os.path.expanduser(str(path))) / PRM_CONFIG
     if not cfg.is_file():
         return {}
@@ -405,7 +406,8 @@ def read_prm_record(path: str, where: str | None = None) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{named} cannot be read ({type(e).__name__}: {e}): it is written by `groupwise prm train`; "
                           "train the PRM again, or restore the file from its checkpoint-N/ folder") from None
-    if not isinstance(recorded, dict) or recorded.get("kind") not in PRM_KINDS:
+    if not isinstance(recorded, dict) or recorded.get("kind") not in PRM_KINDS and (
+            "kind" in recorded or kind is None):
         got = recorded.get("kind") if isinstance(recorded, dict) else type(recorded).__name__
         raise ConfigError(f"{named} is not a PRM record (a JSON object with kind one of {sorted(PRM_KINDS)}; got "
                           f"{got!r}): train the PRM again, or restore the file from its checkpoint-N/ folder")
@@ -417,7 +419,7 @@ _WEIGHT_FILES = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetenso
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_prm_folder(path: str, where: str) -> None:
+def check_prm_folder(path: str, where: str, kind: str | None = None) -> None:
     """A local PRM folder, before any model loads: a saved model (config.json), its weights and tokenizer, and a
     readable groupwise_prm.json when it has one; each missing or bad file named in one line. A hub id: unchecked."""
     from groupwise.config_base import check_model_location
@@ -432,7 +434,7 @@ def check_prm_folder(path: str, where: str) -> None:
     if not names & set(_TOKENIZER_FILES):
         raise ConfigError(f"{where}={path!r} holds no tokenizer (tokenizer.json / tokenizer_config.json): save it there "
                           "with tokenizer.save_pretrained(folder)")
-    read_prm_record(folder, where)
+    read_prm_record(folder, where, kind)
 
 
 def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = False, dtype: str | None = None,
@@ -449,7 +451,7 @@ def load_prm(path: str, kind: str | None = None, *, trust_remote_code: bool = Fa
             raise ConfigError(f"PRM dtype={dtype!r} is not a torch dtype (bfloat16, float16, float32 or auto)")
         dtype = getattr(torch, str(dtype).replace("torch.", ""))
 
-    recorded = read_prm_record(path)
+    recorded = read_prm_record(path, kind=kind)
     if recorded:
         recorded.setdefault("prompt_separator", "")  # saved before the option: trained with nothing there
     saved = recorded.pop("kind", None)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from groupwise.config_base import ConfigError, check_location, reject_unknown
+from groupwise.config_base import ConfigError, check_location, reject_unknown, warn_user
 from groupwise.rewards.combine import weighted_nansum
 from groupwise.rewards.calls import run_async
 from groupwise.rewards.sources import (RewardFunctionError, RewardSource, call_isolating_rows, load_reward_sources,
@@ -75,7 +75,7 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
             raise ConfigError(f"{where}: a PRM spec needs 'path': {spec!r}")
         check_location(spec["path"], f"{where}.path")
         check_prm_options(spec, where)
-        check_prm_folder(spec["path"], f"{where}.path")
+        check_prm_folder(spec["path"], f"{where}.path", spec.get("kind"))
         return spec
     if isinstance(spec, str) and os.path.isdir(os.path.expanduser(spec)):
         if os.path.isfile(os.path.join(os.path.expanduser(spec), PRM_CONFIG)):
@@ -92,20 +92,23 @@ def resolve_process_spec(spec: Any, where: str) -> Any:
 
 
 def check_prm_separator(spec: Any, args, where: str) -> None:
-    """A PRM trained by `groupwise prm train` reads steps joined by the separator its groupwise_prm.json records;
-    under step_split='delimiter' the policy's completions are split at step_delimiter and rejoined with that
-    separator. Two different strings would score text the policy never wrote, as steps the PRM never saw (a
-    '\n\n' PRM over '\n'-split lines): refused before any model loads, unless the spec gives `separator` itself."""
+    """A PRM trained by `groupwise prm train` (token_classification) reads steps joined by the separator its
+    groupwise_prm.json records; under step_split='delimiter' the policy's completions are split at step_delimiter
+    and rejoined with that separator. When the two differ the steps it scores may not be the steps it learnt (a
+    '\n\n' PRM over '\n'-split lines), though they may be (paragraph steps written apart by '\n\n' and trained
+    joined by '\n'): a warning before any model loads, unless the spec gives `separator` itself (a choice made)."""
     from groupwise.rewards.prm import PRM_CONFIG, read_prm_record
 
     if not isinstance(spec, dict) or "separator" in spec or args.step_split != "delimiter":
         return
-    trained = read_prm_record(spec["path"], f"{where}.path").get("separator")
-    if trained is not None and trained != args.step_delimiter:
-        raise ConfigError(f"{where}: the PRM {spec['path']} was trained on steps separated by {trained!r} ({PRM_CONFIG}), "
-                          f"but step_delimiter={args.step_delimiter!r} splits the policy's completions: it would score "
-                          f"steps it never saw. Set step_delimiter: {trained!r}, or give the PRM spec separator: "
-                          f"{args.step_delimiter!r} to score with that one")
+    record = read_prm_record(spec["path"], f"{where}.path", spec.get("kind"))
+    trained = record.get("separator")
+    if record.get("kind") == "token_classification" and trained is not None and trained != args.step_delimiter:
+        warn_user(f"{where}: the PRM {spec['path']} was trained on steps joined by {trained!r} ({PRM_CONFIG}), and "
+                  f"step_delimiter={args.step_delimiter!r} splits the policy's completions into the steps it scores, "
+                  f"rejoined by {trained!r}: if its training steps were split at {trained!r}, set step_delimiter: "
+                  f"{trained!r}; if they are the policy's {args.step_delimiter!r}-steps, give the spec "
+                  f"separator: {trained!r} to say so (and silence this)")
 
 
 def check_prm_options(spec: dict, where: str) -> None:

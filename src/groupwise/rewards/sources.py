@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from groupwise.config_base import ConfigError, check_location
-from groupwise.rewards.calls import RewardTimeout, call_with_timeout, is_async, run_async, run_concurrently
+from groupwise.rewards.calls import MachineError, RewardTimeout, call_with_timeout, is_async, run_async, run_concurrently
 from groupwise.text import ensure_pad_token, is_conversational
 
 
@@ -370,7 +370,7 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
         rows = call_with_timeout(lambda: call(0, n, logs.kwargs()), timeout, f"{kind} {name!r}")
         logs.commit()
         return rows, drop_infinite(rows, name, kind)
-    except RewardFunctionError:
+    except (RewardFunctionError, MachineError):
         raise
     except RewardTimeout as e:
         warnings.warn(f"{e}: its {n} rows are scored NaN (unscored) and counted in its errors", RuntimeWarning,
@@ -384,7 +384,7 @@ def call_isolating_rows(kind: str, name: str, call: Callable[[int, int, dict], l
             try:
                 rows.append(call_with_timeout(lambda i=i: call(i, i + 1, one.kwargs()), timeout, f"{kind} {name!r}")[0])
                 row_logs.append(one)
-            except RewardFunctionError:
+            except (RewardFunctionError, MachineError):
                 raise
             except Exception as exc:
                 if isinstance(exc, RewardTimeout):
