@@ -456,3 +456,30 @@ def test_a_rollout_whose_tool_call_timed_out_is_left_unscored_by_its_environment
         assert source.fn(environments=comp.columns["environments"]) == [None, 2.0]
     ctx.agent.toolbox.start([{"prompt": user("again")}])  # a new rollout: nothing timed out in it yet
     assert not ctx.agent.toolbox.timed_out
+
+
+def test_a_standalone_tools_timeout_leaves_the_environments_reward_scored():
+    """Only a timed-out call of the environment's own methods leaves its rollout unscored: a standalone tool (a web
+    search) that times out cannot touch the environment's state, and the rollout's inc(2) is rewarded 2."""
+    def web_search(query: str) -> str:
+        """
+        Searches, slowly.
+
+        Args:
+            query: What.
+        """
+        time.sleep(1.0)
+        return "nothing"
+
+    def reply(prompt):
+        if prompt.count("<|im_start|>tool") >= 2:
+            return "done<|im_end|>"
+        if "<|im_start|>tool" in prompt:
+            return call("inc", n=2) + "<|im_end|>"
+        return call("web_search", query="x") + "<|im_end|>"
+
+    ctx, _ = context(reply, tools=(web_search,), environment_factory=_Counter, tool_timeout=0.3)
+    comp = R.generate(ctx, None, [{"prompt": user("go")}])
+    assert comp.tool_timeouts.tolist() == [1] and comp.tool_calls.tolist() == [2]
+    [source] = ctx.agent.toolbox.reward_sources
+    assert source.fn(environments=comp.columns["environments"]) == [2.0]

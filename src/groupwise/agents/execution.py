@@ -49,6 +49,7 @@ class ToolResults:
     calls: int
     failures: int
     timeouts: int
+    timed_out: tuple[Callable, ...] = ()  # the tools whose calls timed out (an environment's methods among them)
 
 
 class ToolThread:
@@ -192,6 +193,7 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
     done: list[tuple[str, Any]] = []  # (name, content): sync calls and errors, in call order
     pending: list[tuple[str, Any]] = []  # (name, coroutine): async calls, run together afterwards
     failures = timeouts = 0
+    timed_out: list[Callable] = []
     for call in calls:
         if call.get("type", "function") != "function":  # a flat {"name", "arguments"} call has no type
             failures += 1
@@ -218,6 +220,7 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
             content, error = call_tool(fn, name, arguments, timeout, (threads or {}).get(name))
             failures += error is not None
             timeouts += error == "timeout"
+            timed_out += [fn] if error == "timeout" else []
             done.append((name, content))
     if pending:  # on the shared event loop, as TRL's gather on its async loop: clients bound to it live on
         outcomes = run_concurrently([lambda c=coroutine: c for _, coroutine in pending], timeout,
@@ -226,9 +229,10 @@ def run_tool_calls(calls: list[dict[str, Any]], tools: dict[str, Callable], time
             content, error = awaited_content(name, outcome, timeout)
             failures += error is not None
             timeouts += error == "timeout"
+            timed_out += [tools[name]] if error == "timeout" else []
             done.append((name, content))
     messages = [{"role": "tool", "name": name, "content": content} for name, content in done]
-    return ToolResults(messages, len(calls), failures, timeouts)
+    return ToolResults(messages, len(calls), failures, timeouts, tuple(timed_out))
 
 
 # ---- a trusted tool with a timeout ---------------------------------------------------------------------------------

@@ -276,8 +276,8 @@ class Agent:
                 calls[i] += done.calls
                 failures[i] += done.failures
                 timeouts[i] += done.timeouts
-                if done.timeouts and envs is not None:  # its environment's rewards are left unscored
-                    self.toolbox.timed_out.add(id(envs[i]))
+                if envs is not None and any(getattr(fn, "__self__", None) is envs[i] for fn in done.timed_out):
+                    self.toolbox.timed_out.add(id(envs[i]))  # one of its own methods: its rewards are left unscored
                 if self._cannot_fit(done.messages, self.max_completion_length - len(completion_ids[i])):
                     continue  # overlong, known without rendering it (a 10 MB result took 12 s and 2 GB to render)
                 ids = prompt_ids[i] + completion_ids[i] + self.tool_suffix_ids(done.messages)
