@@ -7,6 +7,7 @@ optional fields differ, and determinism of a seeded run. TRL 1.16 has no dynamic
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -235,3 +236,28 @@ def test_trl_has_no_dynamic_sampling_metric_but_frac_reward_zero_std():
 
     source = Path(trl_grpo.__file__).read_text()
     assert "dynamic_sampling" not in source and '"frac_reward_zero_std"' in source
+
+
+def test_dynamic_sampling_runs_to_max_steps_past_the_epochs_it_was_planned_with(tmp_path, tokenizer):
+    """max_steps=6 over 24 rows at 2 prompts a round plans 12 rounds' prompts = 1 epoch (state.num_train_epochs = 1),
+    but dynamic sampling's refills read more prompts per step: the run stopped at step 4, once that epoch was read,
+    with nothing said, and a resume with a larger max_steps trained nothing. With dynamic sampling the passes
+    max_steps makes are unknown, as for a stream (state.num_train_epochs sys.maxsize): 6 steps, more than one
+    epoch read; then 8 after a resume asking for 8."""
+    from groupwise.tasks import toy
+
+    def binary(completions, letter, **_):  # a random tiny model's groups mostly agree: refills
+        return [1.0 if c in t else 0.0 for t, c in zip(completions, letter)]
+
+    def run(max_steps, resume=None):
+        args = small_args(tmp_path, num_generations=4, per_device_train_batch_size=8, max_completion_length=6,
+                          max_steps=max_steps, learning_rate=1e-2, save_steps=2, dynamic_sampling=True)
+        t = GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [binary], args=args,
+                        train_dataset=toy.dataset(24), processing_class=tokenizer)
+        t.train(resume_from_checkpoint=resume)
+        return t
+
+    first = run(6)
+    assert first.global_step == 6 and first.sampler.progress() > 1  # 12 rounds of prompts planned: 1 epoch
+    assert first.state.num_train_epochs == sys.maxsize
+    assert run(8, resume=True).global_step == 8

@@ -131,9 +131,13 @@ class GRPOTrainer(RunState, TransformersHabits):
         from transformers import TrainerControl, TrainerState
 
         # transformers' own records, as TRL users read them: state.global_step, state.log_history, …
-        epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else sys.maxsize if stream else \
+        # with max_steps: the passes its rounds make (rounds run on across epochs); unknown for a stream, and with
+        # dynamic sampling, whose refills read more prompts per step than planned (the planned passes ended the run
+        # before max_steps)
+        epochs = math.ceil(args.num_train_epochs) if args.max_steps <= 0 else \
+            sys.maxsize if stream or args.dynamic_sampling else \
             math.ceil(math.ceil(self.max_steps / self.steps_per_round) * self.layout.prompts_per_generation
-                      / len(self.train_data))  # the passes max_steps' rounds make (rounds run on across epochs)
+                      / len(self.train_data))
         self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=epochs,
                                   logging_steps=args.every("logging_steps", self.max_steps),
                                   eval_steps=args.every("eval_steps", self.max_steps),
