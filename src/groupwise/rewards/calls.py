@@ -44,9 +44,28 @@ def event_loop() -> asyncio.AbstractEventLoop:
     with _LOOP_LOCK:
         if _LOOP_THREAD is None or not _LOOP_THREAD.is_alive():
             _LOOP = asyncio.new_event_loop()
-            _LOOP_THREAD = threading.Thread(target=_LOOP.run_forever, daemon=True, name="groupwise async loop")
+            _LOOP_THREAD = threading.Thread(target=_serve_loop, args=(_LOOP,), daemon=True, name="groupwise async loop")
             _LOOP_THREAD.start()
         return _LOOP
+
+
+def _serve_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The shared loop's thread: runs it until it is stopped (an abandoned loop, once its blocking call returns:
+    abandon_if_blocked), then closes it (its selector's file descriptors)."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+async def _wind_down() -> None:
+    """Scheduled on an abandoned loop: runs once the call blocking it returns; cancels what else it holds (calls
+    already reported as timeouts), then stops the loop, whose thread closes it."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+    asyncio.get_running_loop().stop()
 
 
 class UserExit(Exception):
@@ -103,8 +122,9 @@ def abandon_if_blocked(loop: asyncio.AbstractEventLoop, what: str, wait: float =
     with _LOOP_LOCK:
         if _LOOP is loop:
             _LOOP_THREAD = None
-    warnings.warn(f"{what} blocked the shared event loop (a blocking call inside async code: time.sleep, requests, "
-                  "a busy loop): it is left to finish in its thread, and async reward functions, tools and "
+    asyncio.run_coroutine_threadsafe(_wind_down(), loop)  # its thread ends once the blocking call returns
+    warnings.warn(f"{what}: a call blocked the shared event loop (a blocking call inside async code: time.sleep, "
+                  "requests, a busy loop): it is left to finish in its thread, and async reward functions, tools and "
                   "environment methods go on on a new event loop (a client bound to the old one, such as an aiohttp "
                   "session, must be made again). Await non-blocking calls instead, or make the function sync (it "
                   "then runs in a thread within its timeout)", RuntimeWarning, stacklevel=3)
