@@ -281,3 +281,24 @@ def test_warnings_above_bars_writes_a_warning_on_its_own_line_and_puts_the_hook_
         with warnings_above_bars():
             warnings.showwarning = other  # a hook put over it inside the block stays
         assert warnings.showwarning is other
+
+
+def test_the_warnings_hook_is_put_back_when_bars_end_in_any_order():
+    """Two bars (two trainers, two threads) that end in the order they began left the first bar's hook installed
+    for good (each bar restored only its own); one hook for all bars now, put back when the last one ends."""
+    import warnings
+
+    from groupwise.logging import hook_warnings, unhook_warnings
+
+    def original(*a, **k):
+        pass
+
+    with warnings.catch_warnings():
+        warnings.showwarning = original
+        hook_warnings()  # bar A begins
+        hook_warnings()  # bar B begins
+        assert warnings.showwarning.shows is original
+        unhook_warnings()  # A ends first
+        assert warnings.showwarning.shows is original  # B still draws
+        unhook_warnings()
+        assert warnings.showwarning is original

@@ -17,7 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import trainer_callback
 
-from groupwise.logging import above_bars, console_line
+from groupwise.logging import console_line, hook_warnings, unhook_warnings
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,9 @@ class ProgressCallback(trainer_callback.ProgressCallback):
         self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="GRPO",
                                  disable=not state.is_world_process_zero)
         self.current_step = state.global_step
-        if not self.training_bar.disable:
-            self.shown_before = warnings.showwarning
-            warnings.showwarning = above_bars(self.shown_before)
+        if not self.training_bar.disable and not getattr(self, "hooked", False):
+            hook_warnings()  # warnings written above the bar
+            self.hooked = True
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
@@ -204,11 +204,9 @@ def close_bar(callback) -> None:
     if bar is not None:
         bar.close()
         callback.training_bar = None
-    before = getattr(callback, "shown_before", None)
-    if before is not None:
-        if getattr(warnings.showwarning, "shows", None) is before:  # (else another hook was put over it since)
-            warnings.showwarning = before
-        callback.shown_before = None
+    if getattr(callback, "hooked", False):
+        unhook_warnings()
+        callback.hooked = False
 
 
 

@@ -8,6 +8,7 @@ import os
 import math
 import random
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -319,13 +320,33 @@ def above_bars(show):
     return shown_above_bars
 
 
+_BARS = {"open": 0, "before": None}  # bars drawing now (every trainer's, every thread's) and the hook before them
+_BARS_LOCK = threading.Lock()
+
+
+def hook_warnings() -> None:
+    """A bar begins: the first puts above_bars over warnings.showwarning (unhook_warnings, when the last ends, puts
+    back the hook from before, whatever order they end in)."""
+    with _BARS_LOCK:
+        if _BARS["open"] == 0:
+            _BARS["before"] = warnings.showwarning
+            warnings.showwarning = above_bars(_BARS["before"])
+        _BARS["open"] += 1
+
+
+def unhook_warnings() -> None:
+    with _BARS_LOCK:
+        _BARS["open"] -= 1
+        before = _BARS["before"]
+        if _BARS["open"] == 0 and getattr(warnings.showwarning, "shows", None) is before:  # (else another hook was
+            warnings.showwarning = before  # put over it since, and stays)
+
+
 @contextlib.contextmanager
 def warnings_above_bars():
     """Within: warnings are written above the progress bars (above_bars); the hook before is put back after."""
-    before = warnings.showwarning
-    warnings.showwarning = above_bars(before)
+    hook_warnings()
     try:
         yield
     finally:
-        if getattr(warnings.showwarning, "shows", None) is before:  # (else another hook was put over it since)
-            warnings.showwarning = before
+        unhook_warnings()
