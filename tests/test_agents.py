@@ -441,6 +441,20 @@ def test_a_missing_or_unknown_environment_column_is_named_before_the_model_loads
         GRPOTrainer("some/model", [], args=args, train_dataset=rows[:1] * 2, environment_factory=factories,
                     eval_dataset=Dataset.from_list([{"prompt": user("z"), "environment": None}]))
 
+    def route(batch):  # a transform that makes the column (the rollout reads the transformed rows)
+        return {**batch, "environment": ["calc" if t == 0 else "counter" for t in batch["target"]]}
+
+    from groupwise.data import PromptData
+    from groupwise.loading import check_environment_column
+
+    stored = Dataset.from_list([{"prompt": user("x"), "target": t} for t in (0, 1)])
+    toolbox = Toolbox(environment_factory=factories)
+    check_environment_column(PromptData(stored.with_transform(route), "train_dataset"), toolbox)  # accepted
+    with pytest.raises(ConfigError, match=r"^train_dataset row 1 has environment='counters'"):
+        check_environment_column(PromptData(stored.with_transform(
+            lambda b: {**b, "environment": ["calc" if t == 0 else "counters" for t in b["target"]]}), "train_dataset"),
+            toolbox)
+
 
 def test_an_environment_factory_raising_when_probed_says_so():
     """The probe call at init gave the user's bare exception ('needs a server'), with nothing saying it came from

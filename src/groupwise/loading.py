@@ -360,6 +360,9 @@ def check_environment_column(rows, toolbox) -> None:
     (a dataset read ahead, not a stream) every row's value, checked before any model loads."""
     names = list(toolbox.factories)
     columns = rows.columns()
+    data = getattr(rows, "data", None)
+    if (getattr(data, "format", None) or {}).get("type") == "custom":  # a transform may make the column: its rows
+        columns = list(data[0]) if len(data) else columns
     if columns is not None and "environment" not in columns:
         raise ConfigError(f"{rows.name} has no 'environment' column: with environment_factory a dict ({names}), each "
                           "row names the environment it runs in there")
@@ -367,8 +370,8 @@ def check_environment_column(rows, toolbox) -> None:
 
     if columns is None or isinstance(rows, StreamData):
         return  # a stream: its rows are checked as they are read (Toolbox.environment_of)
-    data = rows.data
-    values = data["environment"] if hasattr(data, "column_names") else [row.get("environment") for row in data]
+    values = [v for lo in range(0, len(data), 1000) for v in data[lo:lo + 1000]["environment"]] \
+        if hasattr(data, "column_names") else [row.get("environment") for row in data]  # (slices: a transform's too)
     for i, value in enumerate(values):
         if value not in toolbox.factories:
             raise ConfigError(f"{rows.name} row {i} has environment={value!r}, which environment_factory does not "
