@@ -27,11 +27,34 @@ def test_a_resume_that_cannot_continue_exactly_is_refused_by_name(tmp_path, toke
     with pytest.raises(CheckpointError, match=r"checkpoint-1 stopped inside a generation round built without "
                                               r"ref_logps \(beta changed since\)"):
         _trainer(tmp_path, tokenizer, max_steps=3, num_iterations=2, beta=0.1).train(resume_from_checkpoint=ckpt)
-    with pytest.raises(CheckpointError, match="the checkpoint's train_dataset had 12 rows, this one has 16: resume "
-                                              "with the same dataset"):
+    import warnings
+
+    def resume_on(dataset):
         GRPOTrainer(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length],
                     args=small_args(tmp_path, output_dir=str(tmp_path / "run"), max_steps=3, num_iterations=2),
-                    train_dataset=toy.dataset(16), processing_class=tokenizer).train(resume_from_checkpoint=ckpt)
+                    train_dataset=dataset, processing_class=tokenizer).train(resume_from_checkpoint=ckpt)
+
+    with warnings.catch_warnings():  # refused at once: not first warned that "the run continues its prompt order"
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointError, match="the checkpoint's train_dataset had 12 rows, this one has 16: "
+                                                  "resume with the same dataset"):
+            resume_on(toy.dataset(16))
+    # the same rows as a stream: its cursor is not an epoch's order (it went back to the row of the epoch's position)
+    from datasets import Dataset
+
+    with pytest.raises(CheckpointError, match=r"checkpoint-1 was trained on a dataset of rows as train_dataset, this "
+                                              r"run gives a stream: resume with the same kind"):
+        resume_on(Dataset.from_list(toy.dataset(12)).to_iterable_dataset())
+    from types import SimpleNamespace
+
+    from groupwise.checkpoint_load import check_resume
+
+    stream_state = {"global_step": 1, "world_size": 1, "data": None, "sampler": {"epoch": 0, "position": 4}}
+    with pytest.raises(CheckpointError, match=r"ckpt was trained on a stream as train_dataset, this run gives a "
+                                              r"dataset of rows"):  # the reverse: a stream's checkpoint on rows
+        check_resume("ckpt", stream_state, SimpleNamespace(max_steps=3), world_size=1, max_steps=3, data="ab12",
+                     rows=12)
+    check_resume("ckpt", stream_state, SimpleNamespace(max_steps=3), world_size=1, max_steps=3, data=None)  # a stream
     # train(resume_from_checkpoint=False) starts a new run whatever the config says (it resumed before): refused here
     # because output_dir holds a run
     with pytest.raises(CheckpointError, match="already holds a run"):

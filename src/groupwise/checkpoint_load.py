@@ -175,9 +175,11 @@ SAVED_OPTIMIZER_FIELDS = ("learning_rate", "weight_decay", "adam_beta1", "adam_b
 
 
 def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: int, data: str | None = None,
-                 epoch_steps_before: int | None = None) -> None:
+                 epoch_steps_before: int | None = None, rows: int | None = None) -> None:
     """Refuse, naming the reason, a checkpoint this run cannot continue exactly (before anything loads); warn when
-    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint).
+    the train dataset is not the one the checkpoint was trained on (`data`: PromptData.fingerprint, None for a
+    stream; `rows`: its length, None for a stream): a stream where it had a dataset of rows (or the reverse), or
+    another number of rows, is refused (the prompt order depends on them).
     `epoch_steps_before`: the max_steps num_train_epochs gave before the epoch count was exact (session 24's fix:
     ceil(E × rounds per epoch × steps per round)); a checkpoint planned by it is named, not silently re-planned."""
     if state.get("model_only"):
@@ -214,6 +216,14 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
                       "schedule resume as saved: the new value has no effect (as in transformers); to train with "
                       f"it, start a new run from its weights ({NEW_RUN_FROM.format(path=path)})", UserWarning,
                       stacklevel=3)
+    if "data" in state and (state["data"] is None) != (data is None):  # (older checkpoints did not record it)
+        saved, now = ("a stream", "a dataset of rows") if state["data"] is None else ("a dataset of rows", "a stream")
+        raise _error(f"resume: {path} was trained on {saved} as train_dataset, this run gives {now}: resume with "
+                     "the same kind (a stream's position and an epoch's order are not the same cursor)")
+    saved_rows = state.get("sampler", {}).get("size")
+    if rows is not None and saved_rows is not None and saved_rows != rows:
+        raise _error(f"resume: the checkpoint's train_dataset had {saved_rows} rows, this one has {rows}: resume "
+                     "with the same dataset (the order of the prompts depends on it)")
     if data is not None and state.get("data") not in (None, data):
         warnings.warn(f"resume: train_dataset is not the one {path} was trained on (its rows differ): the run "
                       "continues its prompt order over these rows; resume with the same dataset to continue exactly",
