@@ -126,8 +126,9 @@ def saved_adapter_tensors(folder: Path):
     return Saved()
 
 
-# rounding_loss reads a weight this many elements at a time (whole rows): its temporaries stay ~4 × 64 MiB in
-# float32 whatever the layer (an lm_head of 150k × 4096 whole would need several GiB)
+# rounding_loss reads a weight this many elements at a time (whole rows): its temporaries stay a few hundred MiB
+# (64 MiB per float32 block, 128 MiB per float64 one) whatever the layer, beside the layer's own float32 copy (an
+# lm_head of 150k × 4096: 2.4 GiB; its temporaries whole would need several GiB more)
 CHUNK = 1 << 24
 
 
