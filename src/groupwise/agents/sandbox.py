@@ -97,8 +97,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from groupwise.rewards.calls import MachineError
 from groupwise.agents.sandbox_uids import SANDBOX_UID_BASE, SANDBOX_UID_COUNT, _access_plan, _ClaimedUid, _kill_uid
+from groupwise.rewards.calls import MachineError
 
 __all__ = ["SANDBOX_UID_BASE", "SANDBOX_UID_COUNT", "SandboxResult", "run_python"]
 
@@ -111,8 +111,7 @@ _GRACE_S = 1.0          # after the deadline / after the supervisor ended: how l
 
 
 class SandboxUnavailable(MachineError):
-    """The sandbox cannot run on this machine (its containment or supervisor failed before the code ran): a machine
-    problem, not the model's, so the tool loop lets it stop the run instead of telling the model."""
+    """The sandbox cannot run here (its containment or supervisor failed before the code ran): the run stops."""
 
 
 @dataclass(frozen=True)
