@@ -262,3 +262,41 @@ def test_a_call_that_blocks_the_loop_is_left_behind_and_later_calls_get_a_new_lo
     # once the blocking call returns, the abandoned loop stops and is closed (its thread and descriptors freed)
     thread.join(5)
     assert not thread.is_alive() and loop.is_closed()
+
+
+def test_a_call_sent_to_a_loop_while_it_is_found_blocked_finishes_there():
+    """Between an overrun and the probe's verdict (1 s) the blocked loop is still the shared one, and a call sent
+    then (a process reward function retried on a thread, another trainer's call) lands on it. The first wind-down
+    cancelled such calls (their callers got CancelledError, or waited for ever with no timeout); now the abandoned
+    loop lets every call on it finish, then stops and closes."""
+    import threading
+
+    from groupwise.rewards import calls
+    from groupwise.rewards.calls import RewardTimeout
+
+    async def blocking():
+        time.sleep(2)
+
+    async def answer():
+        await asyncio.sleep(0.01)
+        return 42
+
+    event_loop()
+    loop, thread = calls._LOOP, calls._LOOP_THREAD
+    outcome = {}
+
+    def overrun():
+        try:
+            run_async(blocking(), 0.2, "the blocking tool")
+        except RewardTimeout as e:
+            outcome["first"] = e
+
+    with pytest.warns(RuntimeWarning, match="a call blocked the shared event loop"):
+        first = threading.Thread(target=overrun)
+        first.start()
+        time.sleep(0.5)  # overrun, the probe under way: the loop is still the shared one
+        assert run_async(answer(), None) == 42  # ran once the block ended; not cancelled, no hang
+        first.join()
+    assert isinstance(outcome["first"], RewardTimeout)
+    thread.join(5)
+    assert not thread.is_alive() and loop.is_closed() and event_loop() is not loop

@@ -128,7 +128,7 @@ def saved_adapter_tensors(folder: Path):
 
 # rounding_loss reads a weight this many elements at a time (whole rows): its temporaries stay a few hundred MiB
 # (64 MiB per float32 block, 128 MiB per float64 one) whatever the layer, beside the layer's own float32 copy (an
-# lm_head of 150k × 4096: 2.4 GiB; its temporaries whole would need several GiB more)
+# lm_head of 150k × 4096: 2.3 GiB; its temporaries whole would need several GiB more)
 CHUNK = 1 << 24
 
 

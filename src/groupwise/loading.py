@@ -361,7 +361,7 @@ def check_environment_column(rows, toolbox) -> None:
     names = list(toolbox.factories)
     columns = rows.columns()
     data = getattr(rows, "data", None)
-    if (getattr(data, "format", None) or {}).get("type") == "custom":  # a transform may make the column: its rows
+    if (getattr(data, "format", None) or {}).get("type") == "custom":  # a transform may make the column: its row
         columns = list(data[0]) if len(data) else columns
     if columns is not None and "environment" not in columns:
         raise ConfigError(f"{rows.name} has no 'environment' column: with environment_factory a dict ({names}), each "
@@ -370,8 +370,10 @@ def check_environment_column(rows, toolbox) -> None:
 
     if columns is None or isinstance(rows, StreamData):
         return  # a stream: its rows are checked as they are read (Toolbox.environment_of)
-    values = [v for lo in range(0, len(data), 1000) for v in data[lo:lo + 1000]["environment"]] \
-        if hasattr(data, "column_names") else [row.get("environment") for row in data]  # (slices: a transform's too)
+    transformed = (getattr(data, "format", None) or {}).get("type") == "custom"
+    values = data["environment"] if hasattr(data, "column_names") and not transformed else \
+        [v for lo in range(0, len(data), 1000) for v in data[lo:lo + 1000]["environment"]] if transformed else \
+        [row.get("environment") for row in data]  # (a transform's column: read through it, in slices)
     for i, value in enumerate(values):
         if value not in toolbox.factories:
             raise ConfigError(f"{rows.name} row {i} has environment={value!r}, which environment_factory does not "

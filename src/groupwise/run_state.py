@@ -49,10 +49,11 @@ class RunState:
 
     def _resume(self, path: str):
         state = read_state(path)  # verified against its checksums before anything loads (once)
+        digest = self.train_data.fingerprint()  # None for a stream
         check_resume(path, state, self.args, world_size=self.dist.world_size, max_steps=self.max_steps,
-                     data=self.train_data.fingerprint(), epoch_steps_before=None if self.args.max_steps > 0 else
+                     data=digest, epoch_steps_before=None if self.args.max_steps > 0 else
                      math.ceil(self.args.num_train_epochs * self.sampler.rounds_per_epoch() * self.steps_per_round),
-                     rows=None if self.train_data.fingerprint() is None else len(self.train_data))
+                     rows=None if digest is None else len(self.train_data))
         pending = self.dist.run_together(lambda: load_checkpoint(  # a file missing on one process stops them all
             path, dist=self.dist, model=self.unwrapped, optimizer=self.optimizer,
             sharded_model=self.unwrapped if self.dist.sharding is not None else None, scheduler=self.scheduler,

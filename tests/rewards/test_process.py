@@ -246,3 +246,6 @@ def test_a_prm_trained_on_another_separator_than_step_delimiter_is_warned_about(
         check({"path": str(tagged)})
         kindless = _prm_folder(tmp_path / "kindless", tokenizer, {"separator": "\n"})
         check({"path": str(kindless), "kind": "token_classification"})
+    kindless = _prm_folder(tmp_path / "kindless2", tokenizer, {"separator": "\n\n"})  # the spec's kind counts
+    with pytest.warns(UserWarning, match=r"trained on steps joined by '\\n\\n'"):
+        check({"path": str(kindless), "kind": "token_classification"})

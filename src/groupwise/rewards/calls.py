@@ -11,6 +11,7 @@ import functools
 import inspect
 import threading
 import warnings
+import weakref
 from typing import Any, Callable
 
 
@@ -25,7 +26,8 @@ class MachineError(RuntimeError):
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_THREAD: threading.Thread | None = None
-_LOOP_LOCK = threading.Lock()
+_LOOP_LOCK = threading.RLock()  # held while a call is submitted and while a loop is abandoned (see abandon_if_blocked)
+_ABANDONED: weakref.WeakSet = weakref.WeakSet()  # the loops left to a blocking call
 
 
 def is_async(fn: Any) -> bool:
@@ -59,12 +61,13 @@ def _serve_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 
 async def _wind_down() -> None:
-    """Scheduled on an abandoned loop: runs once the call blocking it returns; cancels what else it holds (calls
-    already reported as timeouts), then stops the loop, whose thread closes it."""
-    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in others:
-        task.cancel()
-    await asyncio.gather(*others, return_exceptions=True)
+    """Scheduled on an abandoned loop (after every call submitted to it: submissions and the abandonment hold
+    _LOOP_LOCK, and the loop runs its callbacks in order): runs once the call blocking it returns, lets every other
+    call on it finish (a caller still waits on each; none is cancelled), then stops the loop, whose thread closes
+    it."""
+    while len(asyncio.all_tasks()) > 1:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # the done-callbacks of the last ones (their callers' futures)
     asyncio.get_running_loop().stop()
 
 
@@ -98,8 +101,9 @@ def run_async(awaitable, timeout: float | None = None, what: str = "async reward
             awaitable.close()
         raise RuntimeError(f"{what}: called from async code on the shared event loop, where waiting for it would "
                            "block the loop; await it instead")
-    loop = event_loop()
-    future = asyncio.run_coroutine_threadsafe(guarded(awaitable), loop)
+    with _LOOP_LOCK:  # not onto a loop being abandoned after its wind-down was scheduled
+        loop = event_loop()
+        future = asyncio.run_coroutine_threadsafe(guarded(awaitable), loop)
     try:
         return future.result(timeout)
     except concurrent.futures.TimeoutError:
@@ -114,15 +118,21 @@ def abandon_if_blocked(loop: asyncio.AbstractEventLoop, what: str, wait: float =
     """After an overrun: when the shared loop does not run a trivial callback within `wait` seconds, a call blocked
     it (time.sleep or a busy loop inside async code), and every later async call would queue behind it for ever. The
     loop is then left to its thread and the next event_loop() starts a new one, with a warning naming `what`."""
+    with _LOOP_LOCK:
+        if loop in _ABANDONED:  # another overrun on it found it blocked first (it may be closed since)
+            return True
     ran = threading.Event()
     loop.call_soon_threadsafe(ran.set)
     if ran.wait(wait):
         return False
     global _LOOP_THREAD
     with _LOOP_LOCK:
+        if loop in _ABANDONED:
+            return True
+        _ABANDONED.add(loop)
         if _LOOP is loop:
             _LOOP_THREAD = None
-    asyncio.run_coroutine_threadsafe(_wind_down(), loop)  # its thread ends once the blocking call returns
+        asyncio.run_coroutine_threadsafe(_wind_down(), loop)  # its thread ends once its calls have returned
     warnings.warn(f"{what}: a call blocked the shared event loop (a blocking call inside async code: time.sleep, "
                   "requests, a busy loop): it is left to finish in its thread, and async reward functions, tools and "
                   "environment methods go on on a new event loop (a client bound to the old one, such as an aiohttp "

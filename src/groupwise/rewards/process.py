@@ -103,7 +103,8 @@ def check_prm_separator(spec: Any, args, where: str) -> None:
         return
     record = read_prm_record(spec["path"], f"{where}.path", spec.get("kind"))
     trained = record.get("separator")
-    if record.get("kind") == "token_classification" and trained is not None and trained != args.step_delimiter:
+    kind = spec.get("kind") or record.get("kind")
+    if kind == "token_classification" and trained is not None and trained != args.step_delimiter:
         warn_user(f"{where}: the PRM {spec['path']} was trained on steps joined by {trained!r} ({PRM_CONFIG}), and "
                   f"step_delimiter={args.step_delimiter!r} splits the policy's completions into the steps it scores, "
                   f"rejoined by {trained!r}: if its training steps were split at {trained!r}, set step_delimiter: "
