@@ -302,3 +302,21 @@ def test_the_warnings_hook_is_put_back_when_bars_end_in_any_order():
         assert warnings.showwarning.shows is original  # B still draws
         unhook_warnings()
         assert warnings.showwarning is original
+
+
+def test_trim_jsonl_rewrites_line_by_line_keeping_other_runs_and_dropping_a_torn_line(tmp_path):
+    """On resume at step 2: the run's lines of steps 3+ go, other runs' lines and lines without a run id at or
+    before the step stay, a torn last line (no newline, not JSON) is dropped with a warning; keep_records=False
+    (completions files) returns nothing, the file rewritten all the same."""
+    import json
+
+    from groupwise.logging import trim_jsonl
+
+    lines = [{"step": 1, "run_id": "r"}, {"step": 2, "run_id": "other"}, {"step": 3, "run_id": "r"},
+             {"step": 5, "run_id": "other"}, {"step": 2}]
+    path = tmp_path / "eval_completions.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n" + '{"step": 4, "run_')
+    with pytest.warns(RuntimeWarning, match=r"line 7 is not valid JSON"):
+        assert trim_jsonl(path, 2, "r", keep_records=False) == []
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [lines[0], lines[1], lines[3], lines[4]]
+    assert trim_jsonl(path, 2, "r") == [lines[0], lines[4]]  # the run's records (no run id counts as the run's)

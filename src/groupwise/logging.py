@@ -85,8 +85,8 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resumed:  # keep what this run logged up to the resumed step (trainer.state); other runs' lines stay
             self.history = trim_jsonl(self.path, resume_step, run_id)
-            trim_jsonl(self.completions_path, resume_step, run_id)
-            trim_jsonl(self.eval_completions_path, resume_step, run_id)
+            trim_jsonl(self.completions_path, resume_step, run_id, keep_records=False)
+            trim_jsonl(self.eval_completions_path, resume_step, run_id, keep_records=False)
         # model: its config; logging_steps: the run's log interval in steps (transformers' state's); `uploads`: what
         # opens and closes as a tracker does (log_completions_hub_repo's schedule)
         for open_one in [lambda name=name: TRACKERS[name].open(output_dir, config, model, logging_steps)
@@ -182,30 +182,32 @@ def _finite(record: dict) -> dict:  # JSON has no NaN / inf: write null
     return {k: clean(v) for k, v in record.items()}
 
 
-def trim_jsonl(path: Path, resume_step: int, run_id: str | None) -> list[dict]:
+def trim_jsonl(path: Path, resume_step: int, run_id: str | None, keep_records: bool = True) -> list[dict]:
     """On resume: drop the run's records of steps after resume_step (they are replayed exactly) and return the run's
-    kept ones; lines of other runs are left alone (a line without run id counts as the run's); a line that is not
-    valid JSON (a crash mid-write) is dropped with a warning."""
+    kept ones (`keep_records`; else [], for files read by nothing after, as completions); lines of other runs are left
+    alone (a line without run id counts as the run's); a line that is not valid JSON (a crash mid-write) is dropped
+    with a warning."""
     if not path.exists():
         return []
-    keep, records = [], []
-    for i, line in enumerate(path.read_text().splitlines()):
-        try:
-            record = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            warnings.warn(f"{path}: line {i + 1} is not valid JSON (a crash mid-write?); dropped", RuntimeWarning,
-                          stacklevel=3)
-            continue
-        if record is None:
-            continue
-        mine = record.get("run_id") in (run_id, None)
-        if mine and record.get("step", 0) > resume_step:
-            continue
-        keep.append(line)
-        if mine and END_OF_TRAINING not in record:  # an earlier train() call's end: not in the resumed history
-            records.append(record)
+    records = []
     tmp = path.with_name(path.name + ".tmp")  # a crash while rewriting leaves the old file whole
-    tmp.write_text("".join(line + "\n" for line in keep))
+    with path.open() as lines, tmp.open("w") as kept:  # line by line: an eval_completions.jsonl may be large
+        for i, line in enumerate(lines):
+            line = line.rstrip("\n")
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}: line {i + 1} is not valid JSON (a crash mid-write?); dropped", RuntimeWarning,
+                              stacklevel=3)
+                continue
+            if record is None:
+                continue
+            mine = record.get("run_id") in (run_id, None)
+            if mine and record.get("step", 0) > resume_step:
+                continue
+            kept.write(line + "\n")
+            if mine and END_OF_TRAINING not in record and keep_records:  # an earlier train() call's end: not in
+                records.append(record)  # the resumed history
     os.replace(tmp, path)
     return records
 
