@@ -83,6 +83,7 @@ class Agent:
                  truncate_prompt: str = "left"):
         self.toolbox, self.tokenizer = toolbox, tokenizer
         self.truncate_prompt, self._cut_warned = truncate_prompt, False
+        self._longest_token: int | None = None  # the longest token's text, in characters (_cannot_fit)
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.max_iterations = sys.maxsize if max_tool_calling_iterations is None else max_tool_calling_iterations
         self.tool_timeout = tool_timeout
@@ -146,7 +147,7 @@ class Agent:
         """Do these tool messages' contents hold more characters than `room` tokens can: room × the longest token's
         text (every token, special ones included, covers at most that many characters)? Then the row is overlong
         whatever the chat template adds, and the messages need not be rendered and tokenized."""
-        if getattr(self, "_longest_token", None) is None:
+        if self._longest_token is None:
             tok = self.tokenizer
             words = tok.convert_ids_to_tokens(list(range(len(tok))))
             self._longest_token = max([len(w) for w in words if w] + [len(t) for t in tok.all_special_tokens] + [1])
@@ -167,9 +168,9 @@ class Agent:
                 continue
             n = len(self._template([{"role": "user", "content": ""}], tools=schemas, add_generation_prompt=True))
             if n >= self.max_prompt_length:
-                whose = f"environment {name!r}'s tools" if name is not None else "the tools"
+                whose = f"environment {name!r}'s tool schemas" if name is not None else "the tools' schemas"
                 raise ConfigError(f"max_prompt_length={self.max_prompt_length} leaves no room for a prompt: the chat "
-                                  f"template writes {whose}' schemas in {n} tokens before it, and every prompt would "
+                                  f"template writes {whose} in {n} tokens before it, and every prompt would "
                                   f"lose them. Raise max_prompt_length above {n}, or set it to None")
 
     def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
