@@ -107,7 +107,7 @@ def fault(out: Path, kind: str) -> None:
     """A run in which rank 1 misbehaves: its reward function raises ('raises'), the process dies ('dies'), or a
     callback raises in on_step_end, outside any shared step, with ddp_timeout 30 min ('callback'), or its
     train_dataset is shuffled ('shuffled') or its evaluate() dataset is ('shuffled_eval'), or its reward function
-    sleeps 30 s, past ddp_timeout 10 s ('stuck'), or calls sys.exit ('sysexit'); 'raises_slow_close': as 'raises',
+    sleeps 18 s, past ddp_timeout 10 s ('stuck'), or calls sys.exit ('sysexit'); 'raises_slow_close': as 'raises',
     rank 0 taking 6 s to close its trackers (then writing rank0_closed); 'callback_caught': as 'callback', the script
     catching the error and calling sys.exit(1)."""
     import os
@@ -147,7 +147,7 @@ def fault(out: Path, kind: str) -> None:
             if kind == "stuck":  # no reward_timeout: rank 0 waits in the rewards' gather until ddp_timeout
                 import time
 
-                time.sleep(30)
+                time.sleep(18)
         return [float(len(c)) for c in completions]
 
     args = GRPOConfig(output_dir=str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=6,

@@ -360,7 +360,8 @@ def test_several_environments_route_rows_and_show_only_their_tools():
     assert '"name": "times"' in gen.prompts[0][0] and '"name": "increment"' not in gen.prompts[0][0]
     assert '"name": "increment"' in gen.prompts[0][1] and '"name": "times"' not in gen.prompts[0][1]
     assert comp.columns["environments"][1].resets == [{"prompt": user("y"), "target": 1}]  # without `environment`
-    with pytest.raises(ConfigError, match="environment='nope', which is not among"):
+    with pytest.raises(ConfigError, match=r"^a dataset row \(row \d of this generation batch\) has environment='nope', "
+                                          r"which environment_factory does not name: expected one of"):
         R.generate(ctx, None, [{"prompt": user("x"), "environment": "nope"}])
 
 

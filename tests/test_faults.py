@@ -476,7 +476,7 @@ def test_a_dataset_that_differs_between_processes_is_refused_on_every_process(tm
 
 @pytest.mark.slow
 def test_a_collective_that_waits_ddp_timeout_names_it_and_where(tmp_path):
-    """Rank 1's reward function sleeps 30 s with no reward_timeout; rank 0 waits in the rewards' gather until
+    """Rank 1's reward function sleeps 18 s with no reward_timeout; rank 0 waits in the rewards' gather until
     ddp_timeout (10 s). It ended in gloo's own "Timed out waiting 10000ms for recv operation to complete", naming
     neither the setting nor the phase; now the error names the process, ddp_timeout, the phase and step, and the fix."""
     proc, seconds = _torchrun(tmp_path, "fault_stuck")

@@ -375,9 +375,7 @@ def check_environment_column(rows, toolbox) -> None:
         [v for lo in range(0, len(data), 1000) for v in data[lo:lo + 1000]["environment"]] if transformed else \
         [row.get("environment") for row in data]  # (a transform's column: read through it, in slices)
     for i, value in enumerate(values):
-        if value not in toolbox.factories:
-            raise ConfigError(f"{rows.name} row {i} has environment={value!r}, which environment_factory does not "
-                              f"name: expected one of {names}")
+        toolbox.check_environment_name(value, f"{rows.name} row {i}")
 
 
 def check_combinations(args: GRPOConfig, *, model, sharded: bool, peft_config, optimizers: tuple,

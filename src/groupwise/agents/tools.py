@@ -202,11 +202,13 @@ class Toolbox:
         """The environment name a dataset row uses (its `environment` column with several factories)."""
         if not self.multi:
             return None
-        name = row.get("environment")
+        return self.check_environment_name(row.get("environment"), f"a dataset row (row {i} of this generation batch)")
+
+    def check_environment_name(self, name: Any, where: str) -> str:
+        """The one rule for a row's `environment` value with several factories: a name environment_factory gives."""
         if name not in self.factories:
-            raise ConfigError(f"a dataset row (row {i} of this generation batch) has environment={name!r}, which is "
-                              f"not among the environments passed to environment_factory; expected one of "
-                              f"{list(self.factories)}")
+            raise ConfigError(f"{where} has environment={name!r}, which environment_factory does not name: expected "
+                              f"one of {list(self.factories)}")
         return name
 
     def call_on(self, env: Any, fn: Callable[[], Any]) -> Any:
