@@ -21,7 +21,7 @@ import pytest
 
 from groupwise.agents import sandbox, sandbox_uids
 from groupwise.agents.execution import call_with_timeout
-from groupwise.agents.sandbox import run_python
+from groupwise.agents.sandbox import SandboxUnavailable, run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux (/proc, rlimits)")
 
@@ -307,6 +307,11 @@ def test_call_with_timeout():
     async def fetch(q):
         return f"result for {q}"
     assert call_with_timeout(fetch, {"q": "x"}, 5).content == "result for x"
+
+    def needs_the_sandbox():  # a machine that cannot sandbox is not the model's error: raised, as in the tool loop
+        raise SandboxUnavailable("user namespaces are off")
+    with pytest.raises(SandboxUnavailable, match="user namespaces are off"):
+        call_with_timeout(needs_the_sandbox, {}, 5)
 
 
 def test_same_user_mode_is_refused_unless_allowed(monkeypatch):

@@ -272,7 +272,8 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
     thread is abandoned (a daemon thread, so it does not keep the process alive) and runs on in the background, with
     whatever side effects it has. This is for Python functions the user wrote; code written by a model must be run
     with `groupwise.agents.sandbox.run_python`, which can be stopped. Exception (SystemExit included): returns
-    ok=False, error="exception", content "TypeName: message".
+    ok=False, error="exception", content "TypeName: message". A MachineError (the sandbox cannot be set up here:
+    `SandboxUnavailable`) is raised, as the tool loop raises it: it is the machine's problem, not the model's.
     """
     name = getattr(fn, "__name__", type(fn).__name__)
     if is_async(fn) and on_event_loop():  # its worker would wait on the loop this caller blocks
@@ -288,7 +289,7 @@ def call_with_timeout(fn: Callable[..., Any], kwargs: Mapping[str, Any] | None =
         value = timed_call(call, timeout_s, f"tool {name!r}")
     except RewardTimeout:
         return ToolOutcome(False, f"tool {name!r} timed out after {timeout_s:g} s", "timeout", time.monotonic() - t0)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, MachineError):
         raise
     except BaseException as e:  # noqa: BLE001 — reported to the model as the tool's message, never raised
         e = e.error if isinstance(e, UserExit) else e
