@@ -261,3 +261,16 @@ def test_dynamic_sampling_runs_to_max_steps_past_the_epochs_it_was_planned_with(
     assert first.global_step == 6 and first.sampler.progress() > 1  # 12 rounds of prompts planned: 1 epoch
     assert first.state.num_train_epochs == sys.maxsize
     assert run(8, resume=True).global_step == 8
+
+
+def test_dynamic_sampling_with_epochs_alone_warns_that_the_planned_steps_will_not_all_run():
+    """num_train_epochs alone plans max_steps (the schedule's length, the bar's total) from the prompts an epoch
+    holds; the refills read more per step, so the epochs end the run first: said when the config is built, with
+    the fix. With max_steps it trains that many steps (above), and nothing is said."""
+    with pytest.warns(UserWarning, match=r"^dynamic_sampling=True with num_train_epochs=3 and no max_steps: .*"
+                                         r"lr_scheduler_type='cosine' stops short of its end.*set max_steps"):
+        GRPOConfig(dynamic_sampling=True, num_train_epochs=3, lr_scheduler_type="cosine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(dynamic_sampling=True, max_steps=10)
+        GRPOConfig(num_train_epochs=3)

@@ -354,6 +354,11 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
             warn_user(f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: the loss sums "
                       "per-token terms, so each sequence weighs by its length instead of the per-sequence "
                       "objective of GSPO; set loss_type='grpo' for GSPO's setup (TRL warns alike)")
+        if self.dynamic_sampling and self.max_steps <= 0:
+            warn_user(f"dynamic_sampling=True with num_train_epochs={self.num_train_epochs:g} and no max_steps: the "
+                      "refills read more prompts per step than planned, so the epochs end the run before the steps "
+                      f"planned from them (lr_scheduler_type={self.lr_scheduler_type!r} stops short of its end, the "
+                      "progress bar's total is too large); set max_steps to train a fixed number of steps")
         if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
             raise ConfigError(f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
                               f"({self.entropy_coef_max})")
