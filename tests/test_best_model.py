@@ -118,7 +118,8 @@ def test_the_best_checkpoint_is_tracked_kept_and_loaded_at_the_end(tmp_path, tok
     saved = {}  # step → (the checkpoint's weights, its trainer_state.json's best), read as each save happens
 
     class Record(TrainerCallback):
-        def on_save(self, args, state, control, checkpoint=None, **kwargs):
+        def on_save(self, args, state, control, **kwargs):
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             best = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["best"]
             saved[state.global_step] = load_file(str(Path(checkpoint) / "model.safetensors")), best
 

@@ -106,7 +106,6 @@ class Other(TrainerCallback):
     pass
 
 
-@pytest.mark.filterwarnings("ignore:a Tally is already among the callbacks")  # two of one class, on purpose
 def test_a_users_stateful_callbacks_round_trip_and_missing_ones_are_warned_about(tmp_path, tokenizer):
     first = [Tally("a"), Other(), Tally("b", every=2)]
     t = _trainer(tmp_path, tokenizer, first, max_steps=3, eval_strategy="no", metric_for_best_model=None)
@@ -134,3 +133,16 @@ def test_a_users_stateful_callbacks_round_trip_and_missing_ones_are_warned_about
                                          r"Ignoring\. \(Tally\)"):
         t.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert t.global_step == 3
+
+
+def test_restored_callbacks_come_back_in_class_name_order_as_transformers_restores_them(tmp_path, tokenizer):
+    """transformers writes trainer_state.json with sorted keys and re-adds the restored callbacks walking that dict:
+    by class name (EarlyStoppingCallback before Tally), whatever order the resumed run listed them in; groupwise
+    re-added them in the list's order."""
+    first = [Tally("a"), EarlyStoppingCallback(early_stopping_patience=50)]
+    _trainer(tmp_path, tokenizer, first, max_steps=2).train()
+    t = _trainer(tmp_path, tokenizer, [Tally(), EarlyStoppingCallback(early_stopping_patience=50)], max_steps=3,
+                 restore_callback_states_from_checkpoint=True)
+    t.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert [type(c).__name__ for c in _own(t)] == ["EarlyStoppingCallback", "Tally"]
+    assert _own(t)[1].steps == [1, 2, 3]

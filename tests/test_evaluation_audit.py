@@ -82,7 +82,7 @@ def test_events_clear_the_flags_transformers_clears():
                            ("on_train_begin", {"should_training_stop"}), ("on_epoch_begin", {"should_epoch_stop"}),
                            ("on_step_end", set())]:
         control = TrainerControl(**every)
-        assert handler.fire(event, None, None, control) is control
+        assert handler.call_event(event, None, None, control) is control
         assert {k for k, v in seen[event].items() if not v} == cleared, event
 
 

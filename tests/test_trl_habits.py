@@ -205,6 +205,57 @@ def test_callback_flow_flags_events_and_list_as_transformers(tmp_path, tokenizer
     assert t.callback_handler.callbacks == [default_flow, progress]
 
 
+def test_callback_handler_and_state_as_a_transformers_user_calls_them(tmp_path, tokenizer, caplog):
+    """transformers' CallbackHandler interface (a Trainer subclass calls `self.callback_handler.on_log(args, state,
+    control, logs)`), its list rules (an absent instance is a ValueError, a second callback of a class a logged
+    warning), on_save with transformers' keywords only (a callback listing them without **kwargs crashed on an extra
+    `checkpoint=`), and state.eval_steps 500 when eval_steps is unset (it was 0: `step % state.eval_steps` divided
+    by zero)."""
+    import logging
+
+    from transformers import TrainerControl
+
+    class Strict(TrainerCallback):  # transformers' keywords, no **kwargs
+        def __init__(self):
+            self.logs, self.saves = [], []
+
+        def on_save(self, args, state, control, model=None, processing_class=None, optimizer=None,
+                    lr_scheduler=None, train_dataloader=None, eval_dataloader=None):
+            self.saves.append((state.global_step, model is not None, optimizer is not None, train_dataloader))
+
+        def on_log(self, args, state, control, logs=None, model=None, processing_class=None, optimizer=None,
+                   lr_scheduler=None, train_dataloader=None, eval_dataloader=None):
+            self.logs.append(dict(logs))
+            control.should_save = True
+
+    class Mine(GRPOTrainer):  # transformers' Trainer.log, as subclasses copy it
+        def log(self, logs, start_time=None):
+            super().log(logs, start_time)
+            self.control = self.callback_handler.on_log(self.args, self.state, self.control, {"mine": 1.0})
+
+    strict = Strict()
+    args = small_args(tmp_path, max_steps=2, save_steps=2)
+    t = Mine(toy.build_model(tokenizer, seed=0, hidden_size=32), [_length], args=args,
+             train_dataset=toy.dataset(8), processing_class=tokenizer, callbacks=[strict])
+    assert t.state.eval_steps == 500 and (t.state.logging_steps, t.state.save_steps) == (args.logging_steps, 2)
+    handler = t.callback_handler
+    assert handler.callback_list.split("\n") == ["DefaultFlowCallback", "Strict", "ProgressCallback"]
+    assert handler.model is t.unwrapped and handler.optimizer is t.optimizer and handler.train_dataloader is None
+    control = TrainerControl()
+    assert handler.on_log(t.args, t.state, control, {"x": 2.0}) is control and control.should_save
+    assert handler.on_step_begin(t.args, t.state, control) is control and not control.should_save  # cleared
+    assert strict.logs == [{"x": 2.0}]
+    t.train()
+    assert {"mine": 1.0} in strict.logs and any("loss" in line for line in strict.logs)
+    assert [s[:3] for s in strict.saves] == [(1, True, True), (2, True, True)]  # step 1: asked for in on_log
+    with pytest.raises(ValueError, match="this Strict is not among the trainer's callbacks"):
+        t.remove_callback(Strict())
+    t.remove_callback(Recorder)  # an absent class: nothing, as in transformers
+    with caplog.at_level(logging.WARNING, logger="groupwise.callbacks"):
+        t.add_callback(Strict)
+    assert "a Strict is already among the callbacks" in caplog.text
+
+
 def test_resumed_history_drops_only_end_of_training_lines(tmp_path):
     """trim_jsonl keeps an evaluation logged with metric_key_prefix="train" (it writes train_runtime too) and drops
     only the end-of-training line (total_flos) and the steps after the checkpoint."""

@@ -28,16 +28,26 @@ CLEARED = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("shou
 
 
 class CallbackHandler:
-    """The trainer's callbacks, in order. A class is instantiated (as transformers does); events are called with
-    transformers' arguments and clear the flags transformers' handler clears (CLEARED); a returned TrainerControl's
-    flags are copied into the trainer's own (transformers replaces the object: the same flags, and the trainer's
-    loop keeps reading the object it holds)."""
+    """The trainer's callbacks, in order, with transformers' CallbackHandler's interface: `callbacks`,
+    `callback_list`, the objects every event is given (`model`, `processing_class`, `optimizer`, `lr_scheduler`,
+    `train_dataloader`, `eval_dataloader`; the dataloaders are None: GRPO samples its own prompts), `call_event`, and
+    one method per event (`on_log(args, state, control, logs)`, …) returning the control, so that a trainer subclass
+    written against transformers (`self.control = self.callback_handler.on_log(…)`) works. A class is instantiated
+    (as transformers does); an event clears the flags transformers' handler clears (CLEARED); a returned
+    TrainerControl's flags are copied into the trainer's own (transformers replaces the object: the same flags, and
+    the trainer's loop keeps reading the object it holds)."""
 
-    def __init__(self, callbacks, **objects: Any):
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
         self.callbacks: list = []
-        self.objects = objects  # model, processing_class, optimizer, lr_scheduler, … passed to every event
         for callback in callbacks or []:
             self.add_callback(callback)
+        self.model, self.processing_class = model, processing_class
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.train_dataloader = self.eval_dataloader = None
+
+    @property
+    def callback_list(self) -> str:
+        return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
     def close_bars(self) -> None:
         """Every ProgressCallback's bar closed: training stopped without on_train_end (an error, a signal)."""
@@ -47,9 +57,8 @@ class CallbackHandler:
 
     def add_callback(self, callback) -> None:
         cb = callback() if isinstance(callback, type) else callback
-        if any(type(c) is type(cb) for c in self.callbacks):
-            warnings.warn(f"a {type(cb).__name__} is already among the callbacks; this one is added too "
-                          "(transformers' warning)", stacklevel=3)
+        if any(type(c) is type(cb) for c in self.callbacks):  # transformers' warning, on its logger's level
+            log.warning(f"a {type(cb).__name__} is already among the callbacks; this one is added too")
         self.callbacks.append(cb)
 
     def pop_callback(self, callback):
@@ -61,7 +70,11 @@ class CallbackHandler:
         return None
 
     def remove_callback(self, callback) -> None:
-        self.pop_callback(callback)
+        """Remove the callback (an instance, or the first one of a class); an instance not in the list is a
+        ValueError, an absent class nothing (transformers' rules)."""
+        if self.pop_callback(callback) is None and not isinstance(callback, type):
+            raise ValueError(f"remove_callback: this {type(callback).__name__} is not among the trainer's callbacks "
+                             f"({', '.join(type(cb).__name__ for cb in self.callbacks)})")
 
     def states(self, control) -> dict:
         """transformers' `stateful_callbacks` as a checkpoint's trainer_state.json holds it: each ExportableState
@@ -81,7 +94,7 @@ class CallbackHandler:
         if not args.restore_callback_states_from_checkpoint:
             return
         not_found, new_callbacks = [], []
-        for name, data in (stored or {}).items():
+        for name, data in sorted((stored or {}).items()):  # by class name: transformers' trainer_state.json is sorted
             current = [cb for cb in [*self.callbacks, control] if type(cb).__name__ == name]
             if not current:
                 not_found.append(name)
@@ -103,14 +116,18 @@ class CallbackHandler:
         for callback in new_callbacks:
             self.add_callback(callback)
 
-    def fire(self, name: str, args, state, control, **kwargs):
+    def call_event(self, name: str, args, state, control, **kwargs):
+        """Every callback's `name` method, with transformers' arguments (flags in CLEARED cleared first)."""
         for flag in CLEARED.get(name, ()):
             setattr(control, flag, False)
+        objects = dict(model=self.model, processing_class=self.processing_class, optimizer=self.optimizer,
+                       lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
+                       eval_dataloader=self.eval_dataloader)
         for callback in self.callbacks:
             method = getattr(callback, name, None)
             if method is None:
                 continue
-            result = method(args, state, control, **self.objects, **kwargs)
+            result = method(args, state, control, **objects, **kwargs)
             if result is not None and result is not control:
                 if not isinstance(result, type(control)):
                     raise TypeError(f"{type(callback).__name__}.{name} returned a {type(result).__name__}: return the "
@@ -118,6 +135,21 @@ class CallbackHandler:
                 for field in dataclasses.fields(control):
                     setattr(control, field.name, getattr(result, field.name))
         return control
+
+    def on_log(self, args, state, control, logs, **kwargs):
+        return self.call_event("on_log", args, state, control, logs=logs, **kwargs)
+
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        return self.call_event("on_evaluate", args, state, control, metrics=metrics, **kwargs)
+
+    def on_predict(self, args, state, control, metrics, **kwargs):
+        return self.call_event("on_predict", args, state, control, metrics=metrics, **kwargs)
+
+    def __getattr__(self, name: str):
+        """The other events (on_step_end, on_save, …): `handler.on_x(args, state, control, **kwargs)`."""
+        if name.startswith("on_") and callable(getattr(trainer_callback.TrainerCallback, name, None)):
+            return lambda args, state, control, **kwargs: self.call_event(name, args, state, control, **kwargs)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class DefaultFlowCallback(trainer_callback.DefaultFlowCallback):

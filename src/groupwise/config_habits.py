@@ -92,9 +92,12 @@ class TrainingArgumentsHabits:
         """transformers: per_device_eval_batch_size × max(1, n_gpu)."""
         return self.per_device_eval_batch_size * max(1, self.n_gpu)
 
-    def every(self, name: str, max_steps: int) -> int:
-        """logging_steps / save_steps / eval_steps in optimizer steps: a fraction below 1 of max_steps, rounded up."""
-        value = getattr(self, name) or 0
+    def every(self, name: str, max_steps: int) -> int | None:
+        """logging_steps / save_steps / eval_steps in optimizer steps: a fraction below 1 of max_steps, rounded up;
+        None when unset (transformers' TrainerState.compute_steps then leaves the state's default, 500)."""
+        value = getattr(self, name)
+        if value is None:
+            return None
         return math.ceil(max_steps * value) if 0 < value < 1 else int(value)
 
     def warmup(self, max_steps: int) -> int:

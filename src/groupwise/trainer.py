@@ -138,10 +138,9 @@ class GRPOTrainer(RunState, TransformersHabits):
             sys.maxsize if stream or args.dynamic_sampling else \
             math.ceil(math.ceil(self.max_steps / self.steps_per_round) * self.layout.prompts_per_generation
                       / len(self.train_data))
+        every = {name: args.every(name, self.max_steps) for name in ("logging_steps", "eval_steps", "save_steps")}
         self.state = TrainerState(max_steps=self.max_steps, num_train_epochs=epochs,
-                                  logging_steps=args.every("logging_steps", self.max_steps),
-                                  eval_steps=args.every("eval_steps", self.max_steps),
-                                  save_steps=args.every("save_steps", self.max_steps),
+                                  **{name: n for name, n in every.items() if n is not None},  # unset: 500
                                   train_batch_size=args.per_device_train_batch_size,
                                   is_local_process_zero=self.dist.accelerator.is_local_main_process,
                                   is_world_process_zero=self.dist.is_main)
@@ -195,8 +194,7 @@ class GRPOTrainer(RunState, TransformersHabits):
         first, last = default_callbacks(args)  # transformers' order: the flow, the user's callbacks, the printing
         self.callback_handler = CallbackHandler([*first, *(callbacks or []), *last], model=self.unwrapped,
                                                 processing_class=self.tokenizer,
-                                                optimizer=self.optimizer, lr_scheduler=self.scheduler,
-                                                train_dataloader=None, eval_dataloader=None)
+                                                optimizer=self.optimizer, lr_scheduler=self.scheduler)
         self.update_ctx = UpdateContext(args, self.dist, self.trained, self.optimizer, self.scheduler, self._event,
                                         router_aux_loss_coef=router_aux_loss_coef(args, self.unwrapped.config))
         self.skipped_steps = self.consecutive_skipped = 0
@@ -458,13 +456,13 @@ class GRPOTrainer(RunState, TransformersHabits):
             self._round_rows(rollout)  # saved with the round, so that a resumed run logs its rows too
         path = self.save(rollout.batch if unfinished else None, rollout.metrics, done)
         self._best.saved(self.state, path)
-        self._event("on_save", checkpoint=str(path))
+        self._event("on_save")  # transformers' arguments only: the folder is output_dir/checkpoint-{global_step}
         if self.args.push_to_hub and self.args.hub_strategy != "end":
             self._push_save(path)  # the model; with 'checkpoint' / 'all_checkpoints' the checkpoint too
 
     def _event(self, name: str, **kwargs) -> None:
         """Call `name` (transformers' events) on every callback; a returned TrainerControl replaces ours."""
-        self.control = self.callback_handler.fire(name, self.args, self.state, self.control, **kwargs)
+        self.control = self.callback_handler.call_event(name, self.args, self.state, self.control, **kwargs)
 
     def _end(self, summary: dict[str, float]) -> TrainResult:
         self._best_at_end()  # load_best_model_at_end; save_total_limit=1 keeps the best checkpoint only
