@@ -18,8 +18,8 @@ _LOSS = ("the loss is groupwise's: loss_type picks one of groupwise.core.losses.
          "GRPOConfig fields (epsilon, beta, importance_sampling_level, …); reward shaping belongs in reward_funcs")
 _OPTIMIZER = ("pass GRPOTrainer(optimizers=(optimizer, lr_scheduler)), or set optim / optim_args / "
               "lr_scheduler_type / lr_scheduler_kwargs")
-_CHECKPOINT = ("checkpoints are groupwise's (safetensors, exact resume): a callback's on_save gets each checkpoint "
-               "folder as checkpoint=…, to add files to it")
+_CHECKPOINT = ("checkpoints are groupwise's (safetensors, exact resume): a callback's on_save finds each one at "
+               "args.output_dir/checkpoint-{state.global_step}, to add files to it")
 _ROLLOUT = ("pass rollout_func= (TRL's: your function samples the completions), or tools= / environment_factory= "
             "for tool-calling rollouts")
 _REWARDS = "pass reward_funcs= (and process_reward_funcs= for step rewards), weighted by reward_weights"
