@@ -34,26 +34,53 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_optimizer(opt_state: dict, folder: Path, suffix: str = "") -> None:
-    """optimizer.state_dict() as optimizer<suffix>.safetensors (its tensors) + optimizer<suffix>.json (the rest)."""
+    """optimizer.state_dict() as optimizer<suffix>.safetensors (its tensors) + optimizer<suffix>.json (the rest). A
+    parameter's tensors are `state.<i>.<key>`; a tensor inside a dict of its state (bitsandbytes' 8-bit optimizers
+    keep theirs under `__bnb_optimizer_quant_state__`) is `nested.<i>.<key>.<n>`, which the JSON names in its place
+    (once for a tensor several parameters share, which loads shared again)."""
     tensors, rest = {}, {"param_groups": opt_state["param_groups"], "state": {}}
+
+    shared: dict[tuple, str] = {}  # one tensor held by several parameters' states (bitsandbytes' quantile maps)
+
+    def nested(value, prefix: str):
+        if isinstance(value, torch.Tensor):
+            same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), tuple(value.stride()))
+            if same not in shared:
+                shared[same] = name = f"{prefix}{len(inner)}"
+                tensors[name] = inner[name] = value.detach().cpu().contiguous()
+            return {_TENSOR: shared[same]}
+        return {k: nested(v, prefix) for k, v in value.items()} if isinstance(value, dict) else value
+
     for idx, st in opt_state["state"].items():
         rest["state"][str(idx)] = {}
         for key, value in st.items():
+            inner: dict = {}  # the nested tensors under this key, numbered in order
             if isinstance(value, torch.Tensor):
                 tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
             else:
-                rest["state"][str(idx)][key] = value
+                rest["state"][str(idx)][key] = nested(value, f"nested.{idx}.{key}.")
     save_file(tensors, str(folder / f"optimizer{suffix}.safetensors"))
     write_json(folder / f"optimizer{suffix}.json", rest)
+
+
+_TENSOR = "__safetensors__"  # in optimizer.json: the tensor of that name in optimizer.safetensors
 
 
 def read_optimizer(folder: Path, suffix: str = "") -> dict:
     """The state dict write_optimizer wrote."""
     rest = json.loads((folder / f"optimizer{suffix}.json").read_text())
-    state: dict[int, dict] = {int(i): dict(v) for i, v in rest["state"].items()}
-    for name, tensor in load_file(str(folder / f"optimizer{suffix}.safetensors")).items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = tensor
+    tensors = load_file(str(folder / f"optimizer{suffix}.safetensors"))
+
+    def nested(value):
+        if isinstance(value, dict):
+            return tensors[value[_TENSOR]] if set(value) == {_TENSOR} else {k: nested(v) for k, v in value.items()}
+        return value
+
+    state: dict[int, dict] = {int(i): {k: nested(v) for k, v in st.items()} for i, st in rest["state"].items()}
+    for name, tensor in tensors.items():
+        if name.startswith("state."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = tensor
     return {"state": state, "param_groups": rest["param_groups"]}
 
 
