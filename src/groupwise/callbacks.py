@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import trainer_callback
