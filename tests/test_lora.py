@@ -561,3 +561,42 @@ def test_rounding_loss_reads_an_adapter_saved_as_bin(tmp_path, tokenizer):
                                        str(tmp_path / "adapter"))
     assert rounding_loss(loaded, saved_adapter_tensors(tmp_path / "adapter")) == pytest.approx(1.0, rel=1e-4)
     assert saved_adapter_tensors(tmp_path) == {}  # no adapter file: nothing read
+
+
+def test_lm_head_in_modules_to_save_keeps_the_chunked_head_and_its_numbers(tokenizer):
+    """lora_modules_to_save=['lm_head'] (common when tokens are added) wraps the head in PEFT's ModulesToSaveWrapper,
+    which is not an nn.Linear: log-probs fell back to the full (N, T, V) logits with only a log line. The chunked
+    head now reads the module the wrapper routes to: the trained copy, or the original with adapters off (the
+    reference). Both give the full-logits log-probs and gradients; lm_head as a LoRA target still takes the full
+    logits, with a warning."""
+    from peft import get_peft_model
+
+    from groupwise.modeling import PolicyForLogps, completion_logps
+
+    model = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32), _lora(modules_to_save=["lm_head"]))
+    trained = model.base_model.model.lm_head.modules_to_save["default"]
+    with torch.no_grad():
+        trained.weight.add_(torch.randn_like(trained.weight) * 0.5)  # the copy differs from the original head
+    wrapped = PolicyForLogps(model, chunk_tokens=3)
+    assert wrapped.chunked
+    ids = torch.randint(1, len(tokenizer), (2, 9))
+    mask = torch.ones_like(ids)
+    seen = []
+    for adapters in (True, False):
+        model.base_model.enable_adapter_layers() if adapters else model.base_model.disable_adapter_layers()
+        got, _ = wrapped(ids, mask, 4)
+        seen.append(got.detach())
+        full, _ = completion_logps(model, ids, mask, 4)
+        torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+        if adapters:  # the gradient reaches the trained copy as through the full logits
+            grad, = torch.autograd.grad(got.sum(), trained.weight)
+            want, = torch.autograd.grad(full.sum(), trained.weight)
+            torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(*seen)  # the copy's numbers with adapters on, the original head's with them off
+    model.base_model.enable_adapter_layers()
+
+    targeted = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
+                              LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0))
+    with pytest.warns(RuntimeWarning, match=r"its output head \(Linear\) is not a plain nn\.Linear.*lm_head in "
+                                            r"lora_target_modules.*logprob_chunk_tokens has no effect"):
+        assert not PolicyForLogps(targeted).chunked

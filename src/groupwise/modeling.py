@@ -146,6 +146,18 @@ def head_reproduces_logits(model: torch.nn.Module, decoder, head, scale: float, 
     return mine.shape == logits.shape and bool(torch.allclose(mine, logits, rtol=1e-2, atol=1e-3, equal_nan=True))
 
 
+def routed_head(head):
+    """The module a PEFT ModulesToSaveWrapper (lm_head in `modules_to_save`) sends its forward through: the active
+    adapter's trained copy, or the original head with adapters off (the reference) — as the wrapper's forward picks
+    it, so that the chunked log-probs read that module's weight. Any other head is itself."""
+    if not (hasattr(head, "modules_to_save") and hasattr(head, "original_module")):
+        return head
+    active = list(head.active_adapters)
+    if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
+        return head.original_module
+    return head.modules_to_save[active[0]]
+
+
 class PolicyForLogps(torch.nn.Module):
     """Wraps a causal LM so that one forward returns per-token log-probs of the completion, computed from the
     final hidden states with the output head applied in checkpointed chunks: the (N, T, V) logits never exist.
@@ -161,7 +173,7 @@ class PolicyForLogps(torch.nn.Module):
         self.compile_kwargs = compile_kwargs
         self.__dict__["_compiled"] = {}  # id(module) → its torch.compile wrapper (kept out of the module tree)
         self.scale, self.softcap = logit_transform(model)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = routed_head(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         # a head whose weight is the (V, H) matrix: a quantized one (bitsandbytes' Linear4bit / Linear8bitLt subclass
         # nn.Linear) keeps it packed — integers, or 4-bit pairs in a float storage — which the chunked matmul cannot read
@@ -169,23 +181,28 @@ class PolicyForLogps(torch.nn.Module):
             tuple(head.weight.shape) == (head.out_features, head.in_features)
         self.chunked = plain and decoder is not None and decoder is not model
         if not self.chunked:
-            log.info("%s: output head not separable, log-probs use full logits", type(model).__name__)
+            if not model.__dict__.get("_groupwise_full_logits_said"):  # once per model (the reference is rewrapped)
+                model.__dict__["_groupwise_full_logits_said"] = True
+                warnings.warn(f"{type(model).__name__}: its output head ({type(head).__name__}) is not a plain "
+                              "nn.Linear the chunked log-probs can read (a LoRA-adapted lm_head: lm_head in "
+                              "lora_target_modules; a quantized head): log-probs use the "
+                              "model's full (N, T, V) logits and logprob_chunk_tokens has no effect (correct; more "
+                              "memory)", RuntimeWarning, stacklevel=3)
         else:
             self.chunked = self._head_checked(decoder, head)
 
     def _head_checked(self, decoder, head) -> bool:
         """head_reproduces_logits, once per model object (the reference model is wrapped at every batched_logps);
         a model whose logits it does not reproduce is warned about then, and uses the full logits."""
-        key = (self.scale, self.softcap, id(head))
-        cached = self.model.__dict__.get("_groupwise_head_check")
-        if cached is None or cached[0] != key:
-            cached = (key, head_reproduces_logits(self.model, decoder, head, self.scale, self.softcap))
-            self.model.__dict__["_groupwise_head_check"] = cached
-            if not cached[1]:
+        key = (self.scale, self.softcap, id(head))  # (a PEFT-wrapped head: its trained copy, or the original)
+        checked = self.model.__dict__.setdefault("_groupwise_head_checks", {})
+        if key not in checked:
+            checked[key] = head_reproduces_logits(self.model, decoder, head, self.scale, self.softcap)
+            if not checked[key]:
                 warnings.warn(f"{type(self.model).__name__}: its forward changes lm_head's output in a way groupwise "
                               "does not reproduce (modeling.LOGIT_SCALES): log-probs use the model's full logits "
                               "(correct; more memory than the chunked head)", RuntimeWarning, stacklevel=4)
-        return cached[1]
+        return checked[key]
 
     def forward(self, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                 compute_entropy: bool = False, entropy_grad: bool = False, aux_loss: bool = False):
@@ -199,7 +216,7 @@ class PolicyForLogps(torch.nn.Module):
                                     temperature=temperature, compute_entropy=compute_entropy,
                                     entropy_grad=entropy_grad)
         T = num_completion_tokens
-        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        decoder, head = self.model.get_decoder(), routed_head(self.model.get_output_embeddings())  # adapters on/off
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
                   "position_ids": position_ids_from_mask(attention_mask), "use_cache": False}
         if aux_loss:
