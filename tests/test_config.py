@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 
 from groupwise import ConfigError, GRPOConfig
@@ -346,3 +348,19 @@ def test_config_warnings_point_at_the_users_line():
         GRPOConfig(output_dir="/tmp/unused", dataloader_num_workers=2)  # an inert field
     assert len(caught) >= 3
     assert {w.filename for w in caught} == {__file__}, [(w.filename, str(w.message)[:60]) for w in caught]
+
+
+def test_fields_that_need_a_switch_that_is_off_are_warned_about():
+    """gradient_checkpointing_kwargs without gradient_checkpointing, and the vLLM engine's fields without use_vllm,
+    did nothing, with nothing said (TRL ignores them too); at their defaults (a TRL config's dump) nothing is said."""
+    with pytest.warns(UserWarning, match=r"^gradient_checkpointing_kwargs=\{'use_reentrant': False\}: no effect "
+                                         r"without gradient_checkpointing=True \(activations are kept"):
+        GRPOConfig(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.warns(UserWarning, match=r"^vllm_gpu_memory_utilization=0\.5, vllm_enable_sleep_mode=True: no effect "
+                                         r"without use_vllm=True \(they configure the vLLM engine"):
+        GRPOConfig(vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig()
+        GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+        GRPOConfig(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})

@@ -42,13 +42,20 @@ OBJECTIVE_FIELDS = ("epsilon", "epsilon_high", "delta", "sapo_temperature_pos", 
                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
 # fields read only when their switch is on: switch → (fields, a value off the default is an error (True) or a
-# warning (False: TRL's ModelConfig LoRA fields, which TRL configs carry either way; groupwise.adapters)
+# warning saying why (TRL's ModelConfig LoRA fields, which TRL configs carry either way, groupwise.adapters; fields
+# TRL accepts and ignores without their switch))
 SWITCHED_FIELDS = {
     "use_adaptive_entropy": (("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"), True),
     "sync_ref_model": (("ref_model_mixup_alpha", "ref_model_sync_steps"), True),
     "log_completions": (("log_completions_hub_repo",), True),
     "use_peft": (("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-                  "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"), False)}
+                  "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"),
+                 "the full model trains, or peft_config's adapter: set use_peft=True to train LoRA adapters with them"),
+    "gradient_checkpointing": (("gradient_checkpointing_kwargs",), "activations are kept, not recomputed: set "
+                                                                   "gradient_checkpointing=True to use them"),
+    "use_vllm": (("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+                  "vllm_max_model_length", "vllm_model_impl"), "they configure the vLLM engine, and generation_backend "
+                                                               "samples: set use_vllm=True to generate with vLLM")}
 
 # GRPOConfig fields an advantage estimator may take, by the estimator's option name (groupwise.core.advantages)
 ESTIMATOR_OPTIONS = {"scale": "scale_rewards", "std": "reward_std", "eps": "advantage_eps"}
@@ -341,10 +348,9 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
             changed = [] if getattr(self, switch) else [n for n in fields if getattr(self, n) != _default(n)]
             if changed:
                 names = ", ".join(f"{n}={getattr(self, n)!r}" for n in changed)
-                if refused:
+                if refused is True:
                     raise ConfigError(f"{names} has no effect without {switch}=True: remove it, or set {switch}=True")
-                warn_user(f"{names}: no effect without {switch}=True (the full model trains, or peft_config's "
-                          f"adapter): set {switch}=True to train LoRA adapters with them, or remove them")
+                warn_user(f"{names}: no effect without {switch}=True ({refused}, or remove them)")
         loss_type = LOSS_TYPES[self.loss_type]  # TRL's two warnings on the importance-sampling level
         if loss_type.paper_level is not None and self.importance_sampling_level != loss_type.paper_level:
             warn_user(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="
