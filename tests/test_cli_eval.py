@@ -155,3 +155,61 @@ def test_eval_names_an_adapter_without_its_base_and_a_run_without_evaluation_row
     run = {k: d for k, (_, d, _) in RUN_FIELDS.items()}
     with pytest.raises(ConfigError, match="groupwise eval needs evaluation rows: give eval_dataset_name"):
         load_run_datasets(run, SimpleNamespace(seed=0), evaluation=True)
+
+
+def test_damaged_or_incomplete_model_folders_and_tokenizer_less_adapters(tmp_path, model_dir, tokenizer, capsys,
+                                                                         monkeypatch):
+    """From the eval/export walkthrough. A folder with config.json but no weights, or a torn model.safetensors (the
+    header, or the tensors, cut short), is one line before anything loads (it was a traceback from the loading). A
+    run's folder whose final model is only in its checkpoints names the newest. An adapter saved without a tokenizer
+    (PEFT writes none) takes its base's, for `eval` and `export` (it was a traceback, and export had already written
+    the merged weights into OUT, which a second try then refused as not empty); a full model without one is named
+    before anything is written. `eval` names itself for an unknown field, and uploads nothing, so it asks for no
+    hub token for log_completions_hub_repo."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from groupwise.config_base import ConfigError, check_model_location
+
+    def refused(folder, message):
+        with pytest.raises(ConfigError, match=message):
+            check_model_location(str(folder), "model_name_or_path")
+
+    shutil.copytree(model_dir, tmp_path / "m")
+    weights = (tmp_path / "m" / "model.safetensors").read_bytes()
+    (tmp_path / "m" / "model.safetensors").write_bytes(weights[:len(weights) - 100])
+    refused(tmp_path / "m", r"model\.safetensors is damaged \(\d+ bytes, where its tensors end at byte \d+\)")
+    (tmp_path / "m" / "model.safetensors").write_bytes(weights[:5])
+    refused(tmp_path / "m", r"model\.safetensors is damaged \(header length past the file's end\): a torn copy")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    refused(tmp_path / "m", r"has a config but no weights \(model\.safetensors \(or its shards\)\): an incomplete copy")
+    for step in (2, 10):
+        (tmp_path / "run" / f"checkpoint-{step}").mkdir(parents=True)
+    refused(tmp_path / "run", r"is a run's folder without a final model \(config\.json\), only checkpoints: give its "
+                              r"newest, '.*checkpoint-10'$")
+    check_model_location(str(model_dir), "model_name_or_path")
+
+    # a full model without a tokenizer: named, OUT never created
+    shutil.copytree(model_dir, tmp_path / "notok", ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    assert main(["export", str(tmp_path / "notok"), "--merge", str(tmp_path / "out")]) == 2
+    assert "export: " in (err := capsys.readouterr().err) and "holds no tokenizer" in err
+    assert not (tmp_path / "out").exists()
+    # an adapter without one: its base's
+    adapter = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
+                             LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter.peft_config["default"].base_model_name_or_path = str(model_dir)
+    adapter.save_pretrained(tmp_path / "adapter")
+    assert not list((tmp_path / "adapter").glob("tokenizer*"))
+    assert main(["export", str(tmp_path / "adapter"), "--merge", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "tokenizer_config.json").exists()
+    held = _jsonl(tmp_path / "held.jsonl", _rows(4))
+    common = ["--eval_dataset_name", held, "--reward_funcs", "groupwise.tasks.toy:letter_reward", *EVAL]
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no `hf auth login` either
+    assert main(["eval", "--model_name_or_path", str(tmp_path / "adapter"), "--output_dir", str(tmp_path / "ev"),
+                 "--log_completions", "true", "--log_completions_hub_repo", "me/logs", *common]) == 0
+    assert main(["eval", "--model_name_or_path", str(model_dir), "--bogus_field", "1", *common]) == 2
+    assert "groupwise eval: unknown field 'bogus_field'" in capsys.readouterr().err

@@ -383,7 +383,7 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
     """An adapter folder (a LoRA run's checkpoint-N or output_dir) as the policy `groupwise eval` evaluates: a
     PeftModel over its base (adapter_config.json's base_model_name_or_path, loaded as a policy path is: the run's
     dtype, trust_remote_code and quantization_config) and the folder's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from groupwise.config_base import check_model_location
     from groupwise.loading import policy_init_kwargs
@@ -394,18 +394,39 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
         raise ConfigError(f"model_name_or_path={folder!r} is an adapter that does not name its base model (the policy "
                           f"was built in memory): merge it first with `groupwise export {folder} --merge OUT --base "
                           "BASE` and evaluate OUT")
-    check_model_location(base, f"{folder}'s base_model_name_or_path", policy=True)
+    fix = f"merge it with `groupwise export {folder} --merge OUT --base BASE` and evaluate OUT"
+    try:
+        check_model_location(base, f"{folder}'s base_model_name_or_path", policy=True)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; {fix}") from None
     kwargs = policy_init_kwargs(args)
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
     if "gguf_file" not in kwargs:  # a base read from a GGUF file, named by the folder that holds it
         base, gguf = gguf_base(base)
         kwargs.update(gguf)
-    check_base(base, folder, {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "gguf_file")},
-               f"merge it with `groupwise export {folder} --merge OUT --base BASE` and evaluate OUT")
+    check_base(base, folder, {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "gguf_file")}, fix)
+    tokenizer = saved_tokenizer([(folder, {}), (base, {k: v for k, v in kwargs.items() if k == "gguf_file"})],
+                                kwargs["trust_remote_code"], f"model_name_or_path={folder!r}")
     model = AutoModelForCausalLM.from_pretrained(base, **kwargs)
     model = peft.PeftModel.from_pretrained(model, folder, is_trainable=True)  # as trained: the trainer's checks hold
-    return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=kwargs["trust_remote_code"])
+    return model, tokenizer
+
+
+def saved_tokenizer(sources: list[tuple[Any, dict]], trust_remote_code: bool, what: str):
+    """The first of `sources` ((folder or id, from_pretrained kwargs)) holding a tokenizer: an adapter's folder,
+    then its base model's (PEFT's save_pretrained writes no tokenizer; groupwise writes one into every checkpoint);
+    none: one line naming them, before any weights load."""
+    from transformers import AutoTokenizer
+
+    for source, kwargs in sources:
+        try:
+            return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, **kwargs)
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    names = " nor ".join(repr(str(source)) for source, _ in sources)
+    where = f"neither {names} holds a tokenizer" if len(sources) > 1 else f"{names} holds no tokenizer"
+    raise ConfigError(f"{what}: {where}: save one into {str(sources[0][0])!r} (tokenizer.save_pretrained(folder))")
 
 
 def check_base(base: str, folder: str, kwargs: dict, fix: str, given: bool = False) -> None:

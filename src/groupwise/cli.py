@@ -74,7 +74,7 @@ TRAINER_ARGUMENTS = {
 LAUNCH_KEYS = ("accelerate_config", "num_processes")
 
 
-def build_run(values: dict[str, Any]):
+def build_run(values: dict[str, Any], owner: str = "groupwise train"):
     """Split a flat mapping into the run fields (checked, TRL's defaults filled in) and a GRPOConfig (validated before
     anything loads), whose model_init_kwargs gain model_revision / attn_implementation / dtype (TRL's grpo script)."""
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -85,8 +85,7 @@ def build_run(values: dict[str, Any]):
             raise ConfigError(f"{name} is a key of the trl command's launcher, not a config field: launch with "
                               "accelerate: accelerate launch --num_processes N [--config_file accelerate.yaml] -m "
                               "groupwise train config.yaml (README, Multi-process)")
-    reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED),
-                   owner="groupwise train")
+    reject_unknown(values, set(RUN_FIELDS) | set(QUANTIZATION) | fields | set(GRPOConfig.UNSUPPORTED), owner=owner)
     run = check_run_fields({k: values[k] for k in RUN_FIELDS if k in values})
     run["quantization_config"] = from_script_fields(values, run["dtype"])  # TRL's get_quantization_config
     args = GRPOConfig(**{k: v for k, v in values.items() if k not in RUN_FIELDS and k not in QUANTIZATION})
@@ -154,7 +153,7 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
     """The GRPOTrainer a run's fields describe, everything they name checked before anything loads: its model,
     datasets (TRL's grpo script's choice of train and evaluation rows), reward and step-reward functions. With
     `evaluation` (groupwise eval): the evaluation rows are required, and output_dir is not claimed (nothing trains)."""
-    run, args = build_run(values)
+    run, args = build_run(values, owner="groupwise eval" if evaluation else "groupwise train")
     # everything that names a file is checked before anything loads
     model, processing_class = run["model_name_or_path"], None
     adapter = evaluation and os.path.isfile(os.path.join(os.path.expanduser(model), "adapter_config.json"))
@@ -176,7 +175,8 @@ def build_trainer(values: dict[str, Any], *, evaluation: bool = False):
     for i, spec in enumerate(run["process_reward_funcs"] or []):
         resolve_process_spec(spec, f"process_reward_funcs[{i}]")
     if evaluation:
-        args.push_to_hub = False  # a training config's upload is not an evaluation's
+        args.push_to_hub = False  # a training config's uploads are not an evaluation's (nor its token check)
+        args.log_completions_hub_repo = None
     else:
         if not args.resume_from_checkpoint and not args.overwrite_output_dir:
             claim_output_dir(args.output_dir, overwrite=False)  # refuses only; the trainer deletes, on one process

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from groupwise.adapters import ADAPTER_CONFIG, _peft, adapted_tied_embeddings, check_base
+from groupwise.adapters import ADAPTER_CONFIG, _peft, adapted_tied_embeddings, check_base, saved_tokenizer
 from groupwise.config_base import ConfigError, warn_user
 from groupwise.quantization import forget_gguf, gguf_base, is_quantized
 
@@ -27,7 +27,7 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
     with it (its base in float32 by default, the adapter applied apart): a warning says how much of the update
     was lost (‖round(W + ΔW) − (W + ΔW)‖ / ‖ΔW‖ over the adapted layers) when that exceeds ROUNDING_WARN,
     naming dtype float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from groupwise.config_base import check_location, check_model_location
     from groupwise.loading import MODEL_DTYPES
@@ -51,7 +51,11 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
             raise ConfigError(f"export: {checkpoint} does not name its base model (the policy was built in memory): "
                               "give it with --base PATH")
         base, gguf = gguf_base(base)  # a GGUF file (or the folder holding one): read dequantized, saved plain
-        check_location(base, "--base")
+        try:
+            check_location(base, "--base" if given else f"{checkpoint}'s base_model_name_or_path")
+        except ConfigError as e:
+            raise ConfigError(f"export: {e}" + ("" if given else "; give the base model with --base PATH")) from None
+        tokenizer = saved_tokenizer([(folder, {}), (base, gguf)], trust_remote_code, "export")  # before any write
         check_base(base, checkpoint, {"trust_remote_code": trust_remote_code, **gguf},
                    "check --base" if given else "give it with --base PATH", given=given is not None)
         model = AutoModelForCausalLM.from_pretrained(base, trust_remote_code=trust_remote_code, **gguf,
@@ -86,10 +90,11 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
             raise ConfigError(f"export: {checkpoint} holds a full model, not an adapter: --base has nothing to merge "
                               "into; drop --base")
         check_model_location(str(folder), "export CHECKPOINT")  # a folder without config.json: named, one line
+        tokenizer = saved_tokenizer([(folder, {})], trust_remote_code, "export")
         model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
                                                      **({"dtype": torch_dtype} if torch_dtype != "auto" else {}))
     model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 
