@@ -338,7 +338,10 @@ class _FakeHub:
     def upload_folder(self, repo_id, folder_path, commit_message, revision=None, ignore_patterns=None):
         files = sorted(p.name for p in Path(folder_path).iterdir())
         self.calls.append(("upload_folder", repo_id, commit_message, revision, files, tuple(ignore_patterns)))
-        return type("Info", (), {"commit_url": f"https://hub/{repo_id}/commit/1"})()
+        from huggingface_hub import CommitInfo
+
+        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/1", commit_message=commit_message,
+                          commit_description="", oid="1", pr_url=None)
 
 
 @pytest.mark.slow
@@ -355,12 +358,13 @@ def test_push_to_hub_uploads_the_model_at_every_save_and_at_the_end(tmp_path, to
     assert t.hub_model_id == "me/tiny-grpo"  # transformers' attribute (TRL's script prints it; it did not exist)
     t.hub_model_id = "other/x"  # settable, as transformers' attribute: the next pushes go there
     assert t.hub_model_id == "other/x" == t.args.hub_model_id
-    assert t.push_to_hub(commit_message="elsewhere") == "https://hub/other/x/commit/1"
+    assert t.push_to_hub(commit_message="elsewhere") == "https://huggingface.co/other/x/commit/1"
     assert t.hub_model_id == "other/x"
     t.hub_model_id = "me/tiny-grpo"
     assert all(c[1] == "me/tiny-grpo" and "model.safetensors" in c[4] and "checkpoint-*" in c[5] for c in uploads)
     assert ("create_repo", "me/tiny-grpo", True) in _FakeHub.calls
-    assert t.push_to_hub(commit_message="by hand") == "https://hub/me/tiny-grpo/commit/1"
+    info = t.push_to_hub(commit_message="by hand")  # transformers returns upload_folder's CommitInfo: a str too
+    assert info == "https://huggingface.co/me/tiny-grpo/commit/1" and info.oid == "1"
     # TRL's scripts/grpo.py ends with push_to_hub(dataset_name=…): a model card; transformers' token / private too
     _FakeHub.calls = []
     t.push_to_hub(dataset_name="trl-lib/DeepMath-103K", tags=["math"], private=False)

@@ -133,7 +133,8 @@ class TransformersHabits:
         model_name, dataset_name, tags, …) and upload it (model, tokenizer, config, card, and the `completions/`
         parquet tables of log_completions, as TRL; not the checkpoints, metrics.jsonl / completions.jsonl or the
         tensorboard `runs/`) to hub_model_id (default: output_dir's folder name), as transformers' Trainer.push_to_hub. Uploads
-        are synchronous (`blocking` is accepted for TRL scripts). Returns the commit URL on the main process.
+        are synchronous (`blocking` is accepted for TRL scripts). Returns the upload's CommitInfo (a str, the commit
+        URL, with `.oid`) on the main process, as transformers.
         Callbacks' `on_push_begin` fires first on every process, as in transformers."""
         self._event("on_push_begin")
         return self._upload(commit_message, token, revision, private, card)

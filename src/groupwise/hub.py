@@ -84,7 +84,8 @@ def repo_id(args: GRPOConfig) -> str:
 def push_folder(args: GRPOConfig, folder: str, commit_message: str, *, token: str | None = None,
                 revision: str | None = None, private: bool | None = None, **where) -> str:
     """Create the repository if needed and upload `folder` (the model, tokenizer, config, model card; not what IGNORE
-    names); returns the commit URL. token / revision / private: this call's values in place of hub_token,
+    names); returns upload_folder's CommitInfo (a str: the commit URL, with .oid / .commit_url / .pr_url), as
+    transformers' Trainer.push_to_hub returns it. token / revision / private: this call's values in place of hub_token,
     hub_revision, hub_private_repo. `where`: upload_folder's path_in_repo / ignore_patterns / delete_patterns."""
     from huggingface_hub import HfApi
 
@@ -97,7 +98,7 @@ def push_folder(args: GRPOConfig, folder: str, commit_message: str, *, token: st
     where = {"ignore_patterns": list(IGNORE), **where}  # a copy: upload_folder appends to the list it is given
     info = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=commit_message, revision=revision,
                              **where)
-    return str(getattr(info, "commit_url", info))
+    return info if isinstance(info, str) else str(getattr(info, "commit_url", info))
 
 
 def push_checkpoint(args: GRPOConfig, folder: str, commit_message: str) -> str:
