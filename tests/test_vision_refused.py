@@ -5,6 +5,8 @@ AttributeError, or a run that silently drops the images."""
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor
 
 from groupwise import ConfigError, GRPOTrainer
@@ -21,6 +23,7 @@ def test_a_vision_language_model_path_a_processor_and_image_columns_are_refused_
                 text_config=LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                         num_hidden_layers=1, num_attention_heads=4)).save_pretrained(vlm)
     tok.save_pretrained(vlm)
+    save_file({"placeholder": torch.zeros(1)}, str(vlm / "model.safetensors"))  # a model folder holds weights
     rows = [{"prompt": "describe it", "letter": "a", "image": None}] * 8
     text_rows = [{"prompt": "describe it", "letter": "a"}] * 8
     with pytest.raises(ConfigError, match="is a LlavaConfig, which AutoModelForCausalLM cannot load: groupwise "

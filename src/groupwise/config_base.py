@@ -308,7 +308,6 @@ def check_model_location(value: str, field: str, *, policy: bool = False) -> str
                                   f"checkpoints: give its newest, {os.path.join(value, f'checkpoint-{max(steps)}')!r}")
             raise ConfigError(f"{field}={value!r} is a folder without config.json: not a saved model (write one "
                               "with model.save_pretrained(folder), or give a checkpoint folder of a run)")
-        check_weights(value, field, folder, names)
         if policy and "adapter_config.json" in names and "config.json" not in names:
             try:
                 with open(os.path.join(folder, "adapter_config.json")) as f:
@@ -319,6 +318,7 @@ def check_model_location(value: str, field: str, *, policy: bool = False) -> str
                 f"{field}={value!r} holds a PEFT adapter (adapter_config.json), not a model: to train the adapter "
                 f"further pass PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {value!r}, "
                 f"is_trainable=True) as the model; to train a new adapter give {base!r} with a peft_config")
+        check_weights(value, field, folder, names)
     return where
 
 

@@ -192,7 +192,7 @@ def test_a_damaged_prm_folder_is_named_before_anything_loads(tmp_path, tokenizer
 
     cases = {
         "no_config": (lambda f: os.remove(f / "config.json"), r"is a folder without config.json"),
-        "no_weights": (lambda f: os.remove(f / "model.safetensors"), r"holds no model weights \(model.safetensors\)"),
+        "no_weights": (lambda f: os.remove(f / "model.safetensors"), r"has a config but no weights \(model.safetensors"),
         "no_tokenizer": (lambda f: [os.remove(f / n) for n in ("tokenizer.json", "tokenizer_config.json")],
                          r"holds no tokenizer \(tokenizer.json / tokenizer_config.json\)"),
         "torn_record": (lambda f: (f / "groupwise_prm.json").write_text('{"kind": "tok'),

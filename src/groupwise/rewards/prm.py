@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -414,8 +413,7 @@ def read_prm_record(path: str, where: str | None = None, kind: str | None = None
     return recorded
 
 
-# what a PRM folder must hold besides config.json (check_model_location): weights and a tokenizer
-_WEIGHT_FILES = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
+# what a PRM folder must hold besides config.json and its weights (check_model_location): a tokenizer
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -427,10 +425,7 @@ def check_prm_folder(path: str, where: str, kind: str | None = None) -> None:
     folder = os.path.expanduser(str(path))
     if check_model_location(str(path), where) != "local" or not os.path.isdir(folder):
         return
-    names = set(os.listdir(folder))
-    if not any(_WEIGHT_FILES.match(n) for n in names):
-        raise ConfigError(f"{where}={path!r} holds no model weights (model.safetensors): a PRM folder is written by "
-                          "`groupwise prm train` or model.save_pretrained(folder); give the folder that holds them")
+    names = set(os.listdir(folder))  # (its weights: check_model_location)
     if not names & set(_TOKENIZER_FILES):
         raise ConfigError(f"{where}={path!r} holds no tokenizer (tokenizer.json / tokenizer_config.json): save it there "
                           "with tokenizer.save_pretrained(folder)")
