@@ -189,6 +189,13 @@ def test_damaged_or_incomplete_model_folders_and_tokenizer_less_adapters(tmp_pat
     refused(tmp_path / "run", r"is a run's folder without a final model \(config\.json\), only checkpoints: give its "
                               r"newest, '.*checkpoint-10'$")
     check_model_location(str(model_dir), "model_name_or_path")
+    # weights under other names load: save_pretrained(variant=…), a GGUF file beside a config.json (gguf_file)
+    toy.build_model(tokenizer, seed=0, hidden_size=32).save_pretrained(tmp_path / "variant", variant="fp16")
+    assert [p.name for p in (tmp_path / "variant").glob("*.safetensors")] == ["model.fp16.safetensors"]
+    check_model_location(str(tmp_path / "variant"), "model_name_or_path")
+    shutil.copy(tmp_path / "variant" / "config.json", tmp_path / "m" / "config.json")
+    (tmp_path / "m" / "tiny.gguf").write_bytes(b"GGUF")
+    check_model_location(str(tmp_path / "m"), "model_name_or_path")
 
     # a full model without a tokenizer: named, OUT never created
     shutil.copytree(model_dir, tmp_path / "notok", ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
@@ -203,6 +210,12 @@ def test_damaged_or_incomplete_model_folders_and_tokenizer_less_adapters(tmp_pat
     assert not list((tmp_path / "adapter").glob("tokenizer*"))
     assert main(["export", str(tmp_path / "adapter"), "--merge", str(tmp_path / "merged")]) == 0
     assert (tmp_path / "merged" / "tokenizer_config.json").exists()
+    # a tokenizer there that does not load is named: the base's may differ from it (added tokens)
+    shutil.copytree(tmp_path / "adapter", tmp_path / "torn")
+    (tmp_path / "torn" / "tokenizer_config.json").write_text('{"added_tokens_decoder": {')
+    assert main(["export", str(tmp_path / "torn"), "--merge", str(tmp_path / "merged2")]) == 2
+    assert "export: the tokenizer in" in (err := capsys.readouterr().err) and "does not load" in err
+    assert not (tmp_path / "merged2").exists()
     held = _jsonl(tmp_path / "held.jsonl", _rows(4))
     common = ["--eval_dataset_name", held, "--reward_funcs", "groupwise.tasks.toy:letter_reward", *EVAL]
     import huggingface_hub

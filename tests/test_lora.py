@@ -597,6 +597,7 @@ def test_lm_head_in_modules_to_save_keeps_the_chunked_head_and_its_numbers(token
 
     targeted = get_peft_model(toy.build_model(tokenizer, seed=0, hidden_size=32),
                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0))
-    with pytest.warns(RuntimeWarning, match=r"its output head \(Linear\) is not a plain nn\.Linear.*lm_head in "
+    with pytest.warns(RuntimeWarning, match=r"its output head \(peft\.tuners\.lora\.layer\.Linear\) cannot be "
+                                            r"applied in chunks \(a LoRA-adapted lm_head: lm_head in "
                                             r"lora_target_modules.*logprob_chunk_tokens has no effect"):
         assert not PolicyForLogps(targeted).chunked

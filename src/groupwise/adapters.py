@@ -413,6 +413,9 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
     return model, tokenizer
 
 
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "vocab.txt", "spiece.model")
+
+
 def saved_tokenizer(sources: list[tuple[Any, dict]], trust_remote_code: bool, what: str):
     """The first of `sources` ((folder or id, from_pretrained kwargs)) holding a tokenizer: an adapter's folder,
     then its base model's (PEFT's save_pretrained writes no tokenizer; groupwise writes one into every checkpoint);
@@ -420,10 +423,16 @@ def saved_tokenizer(sources: list[tuple[Any, dict]], trust_remote_code: bool, wh
     from transformers import AutoTokenizer
 
     for source, kwargs in sources:
+        folder = os.path.expanduser(str(source))
+        files = os.path.isdir(folder) and any(n.startswith("tokenizer") or n in TOKENIZER_FILES
+                                              for n in os.listdir(folder))
         try:
             return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, **kwargs)
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            if files:  # a tokenizer that fails to load is not a missing one: the base's may differ (added tokens)
+                raise ConfigError(f"{what}: the tokenizer in {str(source)!r} does not load ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}): save it again there "
+                                  "(tokenizer.save_pretrained(folder))") from None
     names = " nor ".join(repr(str(source)) for source, _ in sources)
     where = f"neither {names} holds a tokenizer" if len(sources) > 1 else f"{names} holds no tokenizer"
     raise ConfigError(f"{what}: {where}: save one into {str(sources[0][0])!r} (tokenizer.save_pretrained(folder))")

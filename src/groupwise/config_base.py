@@ -322,15 +322,18 @@ def check_model_location(value: str, field: str, *, policy: bool = False) -> str
     return where
 
 
-WEIGHT_FILES = re.compile(r"(model|adapter_model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+# model.safetensors, its shards and index, pytorch_model.bin, adapter_model.*, and save_pretrained(variant=…)'s names
+# (model.fp16.safetensors, model.fp16-00001-of-00002.safetensors, model.safetensors.index.fp16.json)
+WEIGHT_FILES = re.compile(r"(model|adapter_model|pytorch_model)([.-].+)?\.(safetensors|bin)$|"
+                          r"(model|adapter_model|pytorch_model)\.(safetensors|bin)\.index(\..+)?\.json$")
 
 
 def check_weights(value: str, field: str, folder: str, names: set[str]) -> None:
     """A model folder (config.json, or an adapter's adapter_config.json) holds weights, and each safetensors file's
     header reads: an incomplete or torn copy is named here, before anything loads, not by a traceback from the
     loading after the other models have loaded."""
-    if not ({"config.json", "adapter_config.json"} & names):
-        return  # a GGUF file
+    if not ({"config.json", "adapter_config.json"} & names) or any(n.endswith(".gguf") for n in names):
+        return  # a GGUF file (with or without a config.json beside it: model_init_kwargs' gguf_file)
     weights = sorted(n for n in names if WEIGHT_FILES.match(n))
     if not weights:
         kind = "adapter_model.safetensors" if "config.json" not in names else "model.safetensors (or its shards)"

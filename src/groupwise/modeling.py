@@ -183,11 +183,11 @@ class PolicyForLogps(torch.nn.Module):
         if not self.chunked:
             if not model.__dict__.get("_groupwise_full_logits_said"):  # once per model (the reference is rewrapped)
                 model.__dict__["_groupwise_full_logits_said"] = True
-                warnings.warn(f"{type(model).__name__}: its output head ({type(head).__name__}) is not a plain "
-                              "nn.Linear the chunked log-probs can read (a LoRA-adapted lm_head: lm_head in "
-                              "lora_target_modules; a quantized head): log-probs use the "
-                              "model's full (N, T, V) logits and logprob_chunk_tokens has no effect (correct; more "
-                              "memory)", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"{type(model).__name__}: its output head ({type(head).__module__}."
+                              f"{type(head).__name__}) cannot be applied in chunks (a LoRA-adapted lm_head: lm_head "
+                              "in lora_target_modules; a quantized head; a weight stored transposed; no decoder "
+                              "apart from the head): log-probs use the model's full (N, T, V) logits and "
+                              "logprob_chunk_tokens has no effect (correct; more memory)", RuntimeWarning, stacklevel=3)
         else:
             self.chunked = self._head_checked(decoder, head)
 
