@@ -108,6 +108,13 @@ def test_cast_lm_head_to_fp32(tmp_path, tokenizer):
     assert head(hidden).dtype == torch.float32  # the matmul itself runs in float32
     metrics = t.train()
     assert math.isfinite(metrics["loss"])
+    # the generation_dtype sampler keeps the float32 head too (as TRL's low-precision sampler), refreshed each step
+    t = _trainer(tmp_path, tokenizer, model=toy.build_model(tokenizer, seed=0, hidden_size=32), max_steps=1,
+                 cast_lm_head_to_fp32=True, generation_dtype="bfloat16", output_dir=str(tmp_path / "sampled"))
+    sampler_head = t._replica.get_output_embeddings()
+    assert sampler_head.weight.dtype == torch.float32 and t._replica.model.embed_tokens.weight.dtype == torch.bfloat16
+    t.train()
+    assert torch.equal(sampler_head.weight, t.unwrapped.get_output_embeddings().weight)
     tied = toy.build_model(tokenizer, seed=0, hidden_size=32)
     tied.lm_head.weight = tied.model.embed_tokens.weight
     with pytest.raises(ConfigError, match="cast_lm_head_to_fp32=True needs an output head that is not tied"):

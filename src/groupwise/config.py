@@ -129,7 +129,7 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
     activation_checkpointing: bool | None = option("transformers 5's name for gradient_checkpointing: when set, it wins (and the two mirror each other).", default=None)
     activation_checkpointing_kwargs: dict | str | None = option("transformers 5's name for gradient_checkpointing_kwargs: when set, it wins.", default=None, json_text=True)
     tf32: bool | None = option("Allow TF32 matmuls on Ampere+ GPUs (True/False sets torch's flags; None leaves them).", default=None)
-    cast_lm_head_to_fp32: bool = option("Keep the output head in float32 (policy and reference; needs an untied head) (TRL, ScaleRL).", default=False)
+    cast_lm_head_to_fp32: bool = option("Keep the output head in float32 (policy, reference, and the generation_dtype sampler; needs an untied head) (TRL, ScaleRL).", default=False)
     full_determinism: bool = option("Deterministic algorithms everywhere (transformers' enable_full_determinism): slower, bitwise reproducible across runs.", default=False)
     torch_empty_cache_steps: int | None = option("Release cached accelerator memory every this many optimizer steps (None: never).", default=None, ge=1)
     average_tokens_across_devices: bool = option("Normalise token-count losses by the tokens of all processes (always the case for loss_type 'dapo' / 'cispo'; transformers' meaning).", default=True)

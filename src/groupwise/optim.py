@@ -241,6 +241,8 @@ def build_training(policy: torch.nn.Module, args: GRPOConfig, dist: Distributed,
     replica = None
     if args.generation_dtype is not None:  # sampling in another dtype: a cast copy, refreshed after every step
         replica = copy.deepcopy(policy).to(dist.device, GENERATION_DTYPES[args.generation_dtype])
+        if args.cast_lm_head_to_fp32:  # the sampler's head in float32 too (TRL's low-precision sampler keeps it so)
+            replica.get_output_embeddings().float()
         replica.eval().requires_grad_(False)
     if dist.sharding is not None:  # FSDP2: shard, then build the optimizer over the shards
         if args.cast_lm_head_to_fp32:  # the head must be the Float32Head that becomes a float32 unit
