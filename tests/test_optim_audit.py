@@ -261,3 +261,31 @@ def test_every_optimizer_checkpoints_and_resumes_exactly(tmp_path, tokenizer, op
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     start = toy.build_model(tokenizer, seed=0, hidden_size=64).state_dict()
     assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
+
+
+def test_optimizer_state_round_trips_nested_and_shared_tensors(tmp_path):
+    """write_optimizer / read_optimizer by hand: plain per-parameter tensors keep their `state.<i>.<key>` names (the
+    format of earlier checkpoints); a tensor in a nested dict goes to the file, named in the JSON; a tensor held in
+    several places (across parameters, or a nested one that is also a top-level one) is written once and loads as
+    one tensor again (safetensors refused the second copy)."""
+    from safetensors.torch import load_file
+
+    from groupwise.checkpoint_files import read_optimizer, write_optimizer
+
+    qmap = torch.linspace(-1, 1, 5)
+    exp_avg = torch.arange(6.0).reshape(2, 3)
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg, "quant": {"qmap": qmap, "bits": 8,
+                                                                                   "inner": {"absmax": exp_avg}}},
+                       1: {"step": 4, "quant": {"qmap": qmap, "state1": torch.ones(2, dtype=torch.uint8)}}},
+             "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0, 1]}]}
+    write_optimizer(state, tmp_path)
+    assert sorted(load_file(str(tmp_path / "optimizer.safetensors"))) == [
+        "nested.0.quant.0", "nested.1.quant.1", "state.0.exp_avg", "state.0.step"]  # qmap and exp_avg once
+    back = read_optimizer(tmp_path)
+    assert back["param_groups"] == state["param_groups"]
+    zero, one = back["state"][0], back["state"][1]
+    assert torch.equal(zero["step"], torch.tensor(3.0)) and torch.equal(zero["exp_avg"], exp_avg)
+    assert zero["quant"]["bits"] == 8 and torch.equal(zero["quant"]["qmap"], qmap) and one["step"] == 4
+    assert zero["quant"]["qmap"] is one["quant"]["qmap"]  # shared again
+    assert zero["quant"]["inner"]["absmax"] is zero["exp_avg"]
+    assert torch.equal(one["quant"]["state1"], torch.ones(2, dtype=torch.uint8))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -36,29 +37,32 @@ def write_json(path: Path, obj: Any) -> None:
 def write_optimizer(opt_state: dict, folder: Path, suffix: str = "") -> None:
     """optimizer.state_dict() as optimizer<suffix>.safetensors (its tensors) + optimizer<suffix>.json (the rest). A
     parameter's tensors are `state.<i>.<key>`; a tensor inside a dict of its state (bitsandbytes' 8-bit optimizers
-    keep theirs under `__bnb_optimizer_quant_state__`) is `nested.<i>.<key>.<n>`, which the JSON names in its place
-    (once for a tensor several parameters share, which loads shared again)."""
+    keep theirs under `__bnb_optimizer_quant_state__`) is `nested.<i>.<key>.<n>`, which the JSON names in its place.
+    A tensor several entries hold (bitsandbytes' quantile maps) is written once and named in the others' places, so
+    it loads shared again (safetensors refuses to write one twice)."""
     tensors, rest = {}, {"param_groups": opt_state["param_groups"], "state": {}}
+    stored: dict[tuple, str] = {}
 
-    shared: dict[tuple, str] = {}  # one tensor held by several parameters' states (bitsandbytes' quantile maps)
+    def put(value: torch.Tensor, name: str) -> str:
+        """The name `value` is written under: `name`, or the one it was written under already."""
+        same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), tuple(value.stride()))
+        if same not in stored:
+            stored[same] = name
+            tensors[name] = value.detach().cpu().contiguous()
+        return stored[same]
 
-    def nested(value, prefix: str):
+    def nested(value, prefix: str, counter):
         if isinstance(value, torch.Tensor):
-            same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), tuple(value.stride()))
-            if same not in shared:
-                shared[same] = name = f"{prefix}{len(inner)}"
-                tensors[name] = inner[name] = value.detach().cpu().contiguous()
-            return {_TENSOR: shared[same]}
-        return {k: nested(v, prefix) for k, v in value.items()} if isinstance(value, dict) else value
+            return {_TENSOR: put(value, f"{prefix}{next(counter)}")}
+        return {k: nested(v, prefix, counter) for k, v in value.items()} if isinstance(value, dict) else value
 
     for idx, st in opt_state["state"].items():
         rest["state"][str(idx)] = {}
         for key, value in st.items():
-            inner: dict = {}  # the nested tensors under this key, numbered in order
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                rest["state"][str(idx)][key] = nested(value, f"nested.{idx}.{key}.")
+            if not isinstance(value, torch.Tensor):
+                rest["state"][str(idx)][key] = nested(value, f"nested.{idx}.{key}.", itertools.count())
+            elif (name := put(value, f"state.{idx}.{key}")) != f"state.{idx}.{key}":  # held by an earlier entry
+                rest["state"][str(idx)][key] = {_TENSOR: name}
     save_file(tensors, str(folder / f"optimizer{suffix}.safetensors"))
     write_json(folder / f"optimizer{suffix}.json", rest)
 
