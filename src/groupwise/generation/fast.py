@@ -263,7 +263,9 @@ class FastGenerator:
 
     def _sample(self, processors, seq, logits, finished, greedy, logps_out, rows, t):
         """The next token of every active row (pad for finished rows), recording its log-prob when asked."""
-        scores = processors(seq, logits)
+        scores = logits
+        for processor in processors:  # LogitsProcessorList's call without its inspect.signature per processor per token
+            scores = processor(seq, scores)
         if greedy:
             nxt = scores.argmax(-1)
         else:
@@ -300,9 +302,10 @@ class FastGenerator:
             nxt = self._sample(processors, seq, logits, finished, greedy, logps, rows, t)
             tokens[rows, t] = nxt
             finished = finished | torch.isin(nxt, eos)
-            if bool(finished.all()) or t == limit - 1:
+            done = int(finished.sum())  # one device sync per token
+            if done == finished.numel() or t == limit - 1:
                 break
-            if finished.float().mean() >= self.compact_fraction:  # drop finished rows from the batch
+            if done / finished.numel() >= self.compact_fraction:  # drop finished rows from the batch
                 keep = (~finished).nonzero().squeeze(1)
                 select_rows(cache, keep)
                 rows, seq, mask, nxt, next_pos = rows[keep], seq[keep], mask[keep], nxt[keep], next_pos[keep]
