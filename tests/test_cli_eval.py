@@ -208,8 +208,10 @@ def test_damaged_or_incomplete_model_folders_and_tokenizer_less_adapters(tmp_pat
     adapter.peft_config["default"].base_model_name_or_path = str(model_dir)
     adapter.save_pretrained(tmp_path / "adapter")
     assert not list((tmp_path / "adapter").glob("tokenizer*"))
+    (tmp_path / ".tmp-export-merged").mkdir()  # what an export killed while writing leaves (beside OUT, not in it)
+    (tmp_path / ".tmp-export-merged" / "model.safetensors").write_bytes(b"torn")
     assert main(["export", str(tmp_path / "adapter"), "--merge", str(tmp_path / "merged")]) == 0
-    assert (tmp_path / "merged" / "tokenizer_config.json").exists()
+    assert (tmp_path / "merged" / "tokenizer_config.json").exists() and not (tmp_path / ".tmp-export-merged").exists()
     # a tokenizer there that does not load is named: the base's may differ from it (added tokens)
     shutil.copytree(tmp_path / "adapter", tmp_path / "torn")
     (tmp_path / "torn" / "tokenizer_config.json").write_text('{"added_tokens_decoder": {')

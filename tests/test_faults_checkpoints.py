@@ -159,7 +159,9 @@ def test_resume_refuses_a_model_the_weights_do_not_fit(saved, tmp_path, tokenize
 
 
 def test_resume_refuses_a_finished_or_differently_laid_out_run(saved, tmp_path, tokenizer):
-    with pytest.raises(CheckpointError, match=r"checkpoint-2 is at step 2, which is not before max_steps=2: raise"):
+    with pytest.raises(CheckpointError, match=r"checkpoint-2 is at step 2, which is not before max_steps=2: raise "
+                                              r"max_steps to train further; it holds that run's trained model "
+                                              r"\(from_pretrained\('.*checkpoint-2'\)"):
         _trainer(tmp_path, tokenizer, max_steps=2, num_iterations=2).train(
             resume_from_checkpoint=str(saved / "checkpoint-2"))
     with pytest.raises(CheckpointError, match=r"resume: num_generations is 4 in .* but 2 now"):
@@ -227,3 +229,21 @@ def test_resume_leaves_other_runs_metrics_lines_alone(saved, tmp_path, tokenizer
         resume_from_checkpoint=str(saved / "checkpoint-2"))
     lines = metrics.read_text().splitlines()
     assert foreign in lines and [json.loads(x)["step"] for x in training_lines(metrics) if x != foreign] == [1, 2, 3]
+
+
+def test_a_full_disk_is_one_line_naming_the_way_back(monkeypatch, capsys):
+    """A save stopped by a full disk ended in a 49-line traceback; the checkpoint before it is intact (checkpoints
+    are written aside and renamed), so the line says to free space and resume."""
+    import errno
+
+    from groupwise import cli
+
+    def full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "run/.tmp-checkpoint-6/model.safetensors")
+
+    monkeypatch.setattr(cli, "_main", full)
+    monkeypatch.setattr("groupwise.distributed._FAILED", False)
+    assert cli.main(["train", "config.yaml"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("groupwise: run stopped: [Errno 28] No space left on device")
+    assert "resume with resume_from_checkpoint=True" in err and "last complete checkpoint-N is intact" in err

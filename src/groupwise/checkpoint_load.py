@@ -200,9 +200,11 @@ def check_resume(path: str, state: dict, args, *, world_size: int, max_steps: in
         raise _error(f"{path} was planned for max_steps={planned} by num_train_epochs={args.num_train_epochs} as an "
                      f"earlier groupwise counted epochs (now {max_steps} steps: rounds wrap around the epochs); "
                      f"resume with max_steps={planned} to finish it as planned")
-    if state["global_step"] >= max_steps:
+    if state["global_step"] >= max_steps:  # == : a finished run (killed in its final save, or after it)
+        finished = (f"; it holds that run's trained model (from_pretrained({str(path)!r}), or `groupwise export "
+                    f"{path} --merge OUT` for an adapter)") if state["global_step"] == max_steps else ""
         raise _error(f"{path} is at step {state['global_step']}, which is not before max_steps={max_steps}: "
-                     "raise max_steps to train further")
+                     f"raise max_steps to train further{finished}")
     for name, saved in state.get("config", {}).items():
         if saved is None and name in ROUND_FIELDS:
             continue  # saved before the layout was filled in: derived from fields compared here too

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import os
 import sys
 from typing import Any
@@ -304,9 +305,16 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, TrainingInterrupted) and not debug:
             print(f"groupwise: {e}", file=sys.stderr)
             return 128 + int(e.signum)
-        if debug or not isinstance(e, (RewardFunctionError, TrainingStopped, ProcessFailed, FileMissingInRun)):
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if debug or not (full or isinstance(e, (RewardFunctionError, TrainingStopped, ProcessFailed,
+                                                FileMissingInRun))):
             raise  # the interpreter reports it (and teardown reads it at exit)
         mark_failed(e)
+        if full:  # a save stopped by a full disk: checkpoints are written aside and renamed, the last one is whole
+            print(f"groupwise: run stopped: {e}: free space there, then resume with resume_from_checkpoint=True "
+                  "(the last complete checkpoint-N is intact; a .tmp-checkpoint-N folder the failed save left is "
+                  "removed then)", file=sys.stderr)
+            return 1
         print(f"groupwise: run stopped: {e}", file=sys.stderr)
         return 1
 

@@ -4,6 +4,8 @@ and how much of the adapter's update that merge rounds away in the base's dtype.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -93,8 +95,15 @@ def export_merged(checkpoint: str, out: str, base: str | None = None, trust_remo
         tokenizer = saved_tokenizer([(folder, {})], trust_remote_code, "export")
         model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
                                                      **({"dtype": torch_dtype} if torch_dtype != "auto" else {}))
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    # written beside OUT, then renamed to it: a run killed while writing leaves no half model at OUT (a later export
+    # deletes such a leftover .tmp folder)
+    staging = target.parent / f".tmp-export-{target.name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    if target.is_dir():
+        target.rmdir()  # the empty folder given as OUT
+    os.replace(staging, target)
     return out
 
 
