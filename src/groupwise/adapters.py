@@ -413,19 +413,17 @@ def load_adapter_checkpoint(folder: str, args, quantization_config=None):
     return model, tokenizer
 
 
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "vocab.txt", "spiece.model")
-
-
 def saved_tokenizer(sources: list[tuple[Any, dict]], trust_remote_code: bool, what: str):
     """The first of `sources` ((folder or id, from_pretrained kwargs)) holding a tokenizer: an adapter's folder,
     then its base model's (PEFT's save_pretrained writes no tokenizer; groupwise writes one into every checkpoint);
     none: one line naming them, before any weights load."""
     from transformers import AutoTokenizer
 
+    from groupwise.model_files import holds_tokenizer
+
     for source, kwargs in sources:
         folder = os.path.expanduser(str(source))
-        files = os.path.isdir(folder) and any(n.startswith("tokenizer") or n in TOKENIZER_FILES
-                                              for n in os.listdir(folder))
+        files = os.path.isdir(folder) and holds_tokenizer(set(os.listdir(folder)))
         try:
             return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code, **kwargs)
         except (OSError, ValueError, TypeError, KeyError) as e:

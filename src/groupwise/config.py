@@ -344,13 +344,13 @@ class GRPOConfig(TRLFields, TrainingArgumentsHabits):
             warn_user(f"loss_type={self.loss_type!r} computes its sequence weight itself: importance_sampling_level="
                       f"{self.importance_sampling_level!r} has no effect on its loss; leave it 'token' (TRL warns "
                       "alike)")
-        for switch, (fields, refused) in SWITCHED_FIELDS.items():  # TRL ignores them silently
+        for switch, (fields, rule) in SWITCHED_FIELDS.items():  # TRL ignores them silently
             changed = [] if getattr(self, switch) else [n for n in fields if getattr(self, n) != _default(n)]
             if changed:
                 names = ", ".join(f"{n}={getattr(self, n)!r}" for n in changed)
-                if refused is True:
+                if rule is True:  # refused
                     raise ConfigError(f"{names} has no effect without {switch}=True: remove it, or set {switch}=True")
-                warn_user(f"{names}: no effect without {switch}=True ({refused}, or remove them)")
+                warn_user(f"{names}: no effect without {switch}=True ({rule}, or remove them)")  # rule: why
         loss_type = LOSS_TYPES[self.loss_type]  # TRL's two warnings on the importance-sampling level
         if loss_type.paper_level is not None and self.importance_sampling_level != loss_type.paper_level:
             warn_user(f"loss_type={self.loss_type!r} is set up with importance_sampling_level="

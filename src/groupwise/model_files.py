@@ -1,5 +1,5 @@
 """What a saved model's folder holds besides its config: its weight files, each safetensors file whole
-(config_base.check_model_location calls check_weights before anything loads)."""
+(config_base.check_model_location calls check_weights before anything loads), and a tokenizer's files."""
 
 from __future__ import annotations
 
@@ -41,3 +41,12 @@ def check_weights(value: str, field: str, folder: str, names: set[str]) -> None:
             except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
                 raise ConfigError(f"{field}={value!r}: {name} is damaged ({e}): a torn copy or download; copy "
                                   "it again") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model")
+
+
+def holds_tokenizer(names: set[str]) -> bool:
+    """Does a folder with these file names hold a tokenizer's files (whether or not they load)?"""
+    return bool(names & set(TOKENIZER_FILES))

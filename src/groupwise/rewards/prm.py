@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from groupwise.config_base import ConfigError
+from groupwise.model_files import holds_tokenizer
 from groupwise.text import ensure_pad_token, pad_rows
 
 PRM_CONFIG = "groupwise_prm.json"  # written by `groupwise prm train`: kind, separator, positive label, max_length
@@ -413,10 +414,6 @@ def read_prm_record(path: str, where: str | None = None, kind: str | None = None
     return recorded
 
 
-# what a PRM folder must hold besides config.json and its weights (check_model_location): a tokenizer
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def check_prm_folder(path: str, where: str, kind: str | None = None) -> None:
     """A local PRM folder, before any model loads: a saved model (config.json), its weights and tokenizer, and a
     readable groupwise_prm.json when it has one; each missing or bad file named in one line. A hub id: unchecked."""
@@ -426,7 +423,7 @@ def check_prm_folder(path: str, where: str, kind: str | None = None) -> None:
     if check_model_location(str(path), where) != "local" or not os.path.isdir(folder):
         return
     names = set(os.listdir(folder))  # (its weights: check_model_location)
-    if not names & set(_TOKENIZER_FILES):
+    if not holds_tokenizer(names):
         raise ConfigError(f"{where}={path!r} holds no tokenizer (tokenizer.json / tokenizer_config.json): save it there "
                           "with tokenizer.save_pretrained(folder)")
     read_prm_record(folder, where, kind)
